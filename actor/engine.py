@@ -1,0 +1,98 @@
+"""The one module that speaks vLLM: start an AsyncLLM engine, sample a group, swap weights in flight.
+
+vLLM's weight-update API has changed several times; this wrapper pins the calls tidal uses
+(vllm 0.32: pause_generation(mode="keep"), collective_rpc into a worker extension,
+update_weight_version, per-output weight_versions spans).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from tidal.broker.schema import SamplingParams
+from tidal.config import ActorConfig
+
+
+@dataclass
+class Completion:
+    tokens: np.ndarray  # int32 [completion_len]
+    logprobs: np.ndarray  # float32 [completion_len], processed (after temperature)
+    version_spans: list[tuple[int, int, int]]  # (version, start, end)
+    text: str
+    finish_reason: str  # stop | length
+
+
+class Engine:
+    """One vLLM AsyncLLM per actor process."""
+
+    def __init__(self, cfg: ActorConfig, model_path: str, dtype: str, seed: int):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.kv_cache_gib))))
+        if cfg.cpu_cores:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_cores
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=model_path, dtype=dtype, enforce_eager=cfg.enforce_eager, seed=seed,
+            max_num_seqs=cfg.max_inflight,
+            logprobs_mode="processed_logprobs",  # behavior logprobs after temperature
+            worker_extension_cls="tidal.actor.worker_ext.WeightReceiver",
+            enable_prefix_caching=False,  # a cached prefix would outlive a weight update
+        )
+        self._llm = AsyncLLM.from_engine_args(args)
+        self.version = 0
+        self._swap_lock = asyncio.Lock()
+        self.num_requests = 0
+
+    async def set_version(self, version: int) -> None:
+        await self._llm.update_weight_version(str(version))
+        self.version = version
+
+    async def load_weights(self, path: str, version: int) -> float:
+        """Pause (in-flight requests keep their place), reload, label the version, resume.
+
+        Returns seconds the engine was paused.
+        """
+        async with self._swap_lock:
+            start = time.perf_counter()
+            await self._llm.pause_generation(mode="keep", clear_cache=True)
+            try:
+                await self._llm.collective_rpc("tidal_load_weight_file", args=(path,))
+                await self.set_version(version)
+            finally:
+                await self._llm.resume_generation()
+            return time.perf_counter() - start
+
+    async def sample(self, prompt_tokens: list[int], n: int, params: SamplingParams,
+                     request_id: str) -> list[Completion]:
+        from vllm import SamplingParams as VllmSamplingParams
+
+        sp = VllmSamplingParams(n=n, temperature=params.temperature, top_p=params.top_p,
+                                max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids),
+                                logprobs=0)  # logprobs=0: the sampled token's own logprob
+        self.num_requests += 1
+        final = None
+        async for out in self._llm.generate({"prompt_token_ids": prompt_tokens}, sp, request_id=request_id):
+            final = out
+        return [_completion(c) for c in sorted(final.outputs, key=lambda c: c.index)]
+
+    def info(self) -> dict[str, str]:
+        import vllm
+
+        return {"vllm": vllm.__version__, "pid": str(os.getpid()),
+                "model": str(self._llm.model_config.model), "dtype": str(self._llm.model_config.dtype)}
+
+    def shutdown(self) -> None:
+        self._llm.shutdown()
+
+
+def _completion(c) -> Completion:
+    tokens = np.asarray(list(c.token_ids), dtype=np.int32)
+    logprobs = np.asarray([lp[tok].logprob for lp, tok in zip(c.logprobs, c.token_ids)], dtype=np.float32)
+    spans = [(int(s.version), s.start, s.end) for s in (c.weight_versions or [])]
+    finish = "stop" if c.finish_reason == "stop" else "length"
+    return Completion(tokens, logprobs, spans, c.text, finish)

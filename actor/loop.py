@@ -1,0 +1,158 @@
+"""The actor: pull prompt groups, sample them on vLLM, score them, stream finished groups out.
+
+    learner ──WorkGrant──► fill_slots ──► run_group (wait for min_version → sample n → reward) ──► RolloutGroup
+    learner ──WeightUpdate──► watch_weights ──► engine.load_weights (pause(keep) → reload → version → resume)
+                              heartbeats ──► learner (version, outstanding groups)
+
+Three concurrent tasks on one asyncio loop. Requests in flight during a weight swap continue
+under the new weights; every token's version is recorded in the rollout's version spans.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+
+from tidal.actor.engine import Engine
+from tidal.broker.base import ActorTransport
+from tidal.broker.schema import (Heartbeat, PromptGroup, RolloutGroup, Sample, Shutdown, WeightUpdate, float32s,
+                                 int32s)
+from tidal.broker.weights import verify_weight_file
+from tidal.config import ActorConfig
+
+log = logging.getLogger(__name__)
+
+
+class Actor:
+    def __init__(self, cfg: ActorConfig, engine: Engine, transport: ActorTransport, reward_fns: dict):
+        self.cfg = cfg
+        self.engine = engine
+        self.transport = transport
+        self.reward_fns = reward_fns  # task name -> reward(text, payload)
+        self.inflight_samples = 0
+        self.outstanding: dict[str, PromptGroup] = {}
+        self.latest: WeightUpdate | None = None  # newest announcement heard
+        self.version_changed = asyncio.Condition()
+        self.stats: Counter[str] = Counter()
+        self.stop = asyncio.Event()
+        self.stop_reason = ""
+        self.swap_wanted = asyncio.Event()
+
+    async def run(self) -> str:
+        """Runs until the learner says shutdown; returns its reason."""
+        await self.send_heartbeat(hello=True)
+        tasks = [asyncio.create_task(coro) for coro in (self.fill_slots(), self.watch_weights(), self.heartbeats())]
+        stopper = asyncio.create_task(self.stop.wait())
+        done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
+        for task in tasks:
+            task.cancel()
+        for task in done:
+            if task is not stopper and task.exception():
+                raise task.exception()
+        return self.stop_reason
+
+    # ---- work ----------------------------------------------------------------------------------
+
+    async def fill_slots(self) -> None:
+        """Ask for groups whenever slots are free; start each granted group as its own task."""
+        while True:
+            free = self.cfg.max_inflight - self.inflight_samples
+            if free <= 0:
+                await asyncio.sleep(0.005)
+                continue
+            grant = await self.transport.request_work(free, timeout_s=1.0)
+            if grant is None:
+                continue
+            if grant.latest_weights is not None:
+                self.note_announcement(grant.latest_weights)
+            for group in grant.groups:
+                self.inflight_samples += group.n
+                self.outstanding[group.group_id] = group
+                asyncio.create_task(self.guard(self.run_group(group)))
+
+    async def guard(self, coro) -> None:
+        """A failing group must stop the actor loudly, not vanish in a detached task."""
+        try:
+            await coro
+        except Exception as err:
+            log.exception("rollout failed")
+            self.stop_reason = f"rollout failed: {err!r}"
+            self.stop.set()
+
+    async def run_group(self, group: PromptGroup) -> None:
+        queued = time.perf_counter()
+        await self.wait_for_version(group.min_version)
+        start = time.perf_counter()
+        completions = await self.engine.sample(group.prompt_tokens.numpy("i4", "prompt_tokens").tolist(),
+                                               group.n, group.sampling, request_id=group.group_id)
+        reward = self.reward_fns[group.task]
+        samples = [Sample(tokens=int32s(c.tokens), logprobs=float32s(c.logprobs), version_spans=c.version_spans,
+                          reward=float(reward(c.text, group.payload)), finish_reason=c.finish_reason)
+                   for c in completions]
+        await self.transport.send_rollout(RolloutGroup(
+            group_id=group.group_id, prompt_id=group.prompt_id, actor_id=self.cfg.id,
+            prompt_tokens=group.prompt_tokens, samples=samples, is_eval=group.is_eval,
+            gen_seconds=time.perf_counter() - start, queue_seconds=start - queued))
+        self.stats["groups"] += 1
+        self.stats["tokens"] += sum(len(c.tokens) for c in completions)
+        self.inflight_samples -= group.n
+        del self.outstanding[group.group_id]
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    def note_announcement(self, update: WeightUpdate) -> None:
+        if self.latest is None or update.version > self.latest.version:
+            self.latest = update
+            self.swap_wanted.set()
+
+    async def wait_for_version(self, min_version: int) -> None:
+        async with self.version_changed:
+            await self.version_changed.wait_for(lambda: self.engine.version >= min_version)
+
+    async def watch_weights(self) -> None:
+        """Hear announcements and apply the newest one; a slow load never queues stale versions."""
+        listener = asyncio.create_task(self.listen())
+        try:
+            while True:
+                await self.swap_wanted.wait()
+                self.swap_wanted.clear()
+                update = self.latest
+                if update is None or update.version <= self.engine.version:
+                    continue
+                path = await asyncio.to_thread(verify_weight_file, update)
+                paused_s = await self.engine.load_weights(str(path), update.version)
+                self.stats["weight_updates"] += 1
+                log.info("weights v%d loaded in flight (engine paused %.3f s, %d samples in flight)",
+                         update.version, paused_s, self.inflight_samples)
+                async with self.version_changed:
+                    self.version_changed.notify_all()
+        finally:
+            listener.cancel()
+
+    async def listen(self) -> None:
+        while True:
+            msg = await self.transport.next_weight_update()
+            if isinstance(msg, Shutdown):
+                self.stop_reason = msg.reason
+                self.stop.set()
+                return
+            self.note_announcement(msg)
+
+    # ---- liveness ------------------------------------------------------------------------------
+
+    async def heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_s)
+            await self.send_heartbeat()
+
+    async def send_heartbeat(self, hello: bool = False) -> None:
+        await self.transport.heartbeat(Heartbeat(
+            actor_id=self.cfg.id, version=self.engine.version, engine=self.engine_info,
+            outstanding=list(self.outstanding), num_generated_tokens=self.stats["tokens"], hello=hello))
+
+    @property
+    def engine_info(self) -> dict[str, str]:
+        if not hasattr(self, "_engine_info"):
+            self._engine_info = self.engine.info()
+        return self._engine_info

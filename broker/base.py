@@ -1,0 +1,73 @@
+"""The two faces of a transport: what the learner sees and what an actor sees.
+
+The learner side is synchronous and thread-safe (the coordinator thread submits prompts, the
+training loop takes rollouts and publishes weights); the actor side is asyncio, because the
+actor runs vLLM's AsyncLLM. Implementations: zmq (embedded default).
+"""
+from __future__ import annotations
+
+import abc
+import time
+from dataclasses import dataclass, field
+
+from tidal.broker.schema import Heartbeat, PromptGroup, RolloutGroup, WeightUpdate, WorkGrant
+
+
+@dataclass
+class ActorInfo:
+    """What the learner knows about one live actor, from its heartbeats."""
+
+    actor_id: str
+    version: int
+    engine: dict[str, str]
+    outstanding: list[str]
+    num_generated_tokens: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+class LearnerTransport(abc.ABC):
+    """Learner side: prompt queue out, rollout stream in, weight announcements out."""
+
+    @abc.abstractmethod
+    def submit_prompts(self, groups: list[PromptGroup]) -> None:
+        """Queue prompt groups for the actors (never blocks; admission control bounds them)."""
+
+    @abc.abstractmethod
+    def recv_rollout(self, timeout_s: float) -> RolloutGroup | None:
+        """The next valid rollout group, or None after timeout_s. Bad frames are counted, not raised."""
+
+    @abc.abstractmethod
+    def publish_weights(self, update: WeightUpdate) -> None:
+        """Announce a new weight version to every actor, including ones that join later."""
+
+    @abc.abstractmethod
+    def actors(self) -> dict[str, ActorInfo]:
+        """Actors heard from recently."""
+
+    @abc.abstractmethod
+    def metrics(self) -> dict[str, float]:
+        """broker/... counters: rejected frames by reason, queue depths."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class ActorTransport(abc.ABC):
+    """Actor side (asyncio): ask for work, publish rollouts, hear about weights."""
+
+    @abc.abstractmethod
+    async def request_work(self, max_samples: int, timeout_s: float) -> WorkGrant | None:
+        """Ask for up to max_samples samples' worth of prompt groups; None if nothing came in time."""
+
+    @abc.abstractmethod
+    async def send_rollout(self, group: RolloutGroup) -> None: ...
+
+    @abc.abstractmethod
+    async def next_weight_update(self) -> WeightUpdate:
+        """Wait for the next announcement (announcements are never queued up: the newest wins)."""
+
+    @abc.abstractmethod
+    async def heartbeat(self, beat: Heartbeat) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...

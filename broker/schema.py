@@ -1,0 +1,238 @@
+"""The wire schema: every message between learner and actors, defined once.
+
+Encoding is msgpack (msgspec) with numpy arrays as raw little-endian buffers plus dtype and
+shape. No pickle and no eval on any network path. Every message carries `schema_version`;
+`WireCodec.decode` rejects unknown versions, wrong dtypes, mismatched lengths and oversized
+frames with a `WireError` that names the problem, and counts each rejection by reason.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Union
+
+import msgspec
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+
+class WireError(ValueError):
+    """A frame that cannot be accepted; `reason` is a short key for counting."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+class Array(msgspec.Struct, frozen=True):
+    """A numpy array as raw little-endian bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    @classmethod
+    def of(cls, arr: np.ndarray) -> Array:
+        arr = np.ascontiguousarray(arr)
+        le = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+        return cls(le.dtype.str.lstrip("<|"), tuple(arr.shape), le.tobytes())
+
+    def numpy(self, expect: str, field: str) -> np.ndarray:
+        """Decode, checking the dtype is `expect` (e.g. 'i4') and the byte count fits the shape."""
+        if self.dtype != expect:
+            raise WireError("bad_dtype", f"{field}: dtype {self.dtype!r}, expected {expect!r}")
+        dt = np.dtype("<" + expect)
+        count = int(np.prod(self.shape)) if self.shape else 1
+        if count * dt.itemsize != len(self.data):
+            raise WireError("bad_length", f"{field}: {len(self.data)} bytes for shape {self.shape}")
+        return np.frombuffer(self.data, dtype=dt).reshape(self.shape)
+
+
+def int32s(values) -> Array:
+    return Array.of(np.asarray(values, dtype=np.int32))
+
+
+def float32s(values) -> Array:
+    return Array.of(np.asarray(values, dtype=np.float32))
+
+
+class Message(msgspec.Struct, tag_field="kind", kw_only=True):
+    schema_version: int = SCHEMA_VERSION
+
+    def check(self) -> None:
+        """Field-level invariants that types alone do not express."""
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+
+
+class PromptGroup(Message, tag="prompt_group"):
+    run_id: str
+    group_id: str  # unique; the idempotency key
+    prompt_id: int
+    prompt_tokens: Array  # int32 [prompt_len]
+    task: str  # a module in tidal.tasks
+    payload: dict[str, str]  # what the reward needs, e.g. {"answer": "85"}
+    n: int  # samples to generate
+    sampling: SamplingParams
+    min_version: int  # start only once the actor runs weights of at least this version
+    is_eval: bool = False  # eval groups are scored and aggregated, never trained on
+
+    def check(self) -> None:
+        tokens = self.prompt_tokens.numpy("i4", "prompt_tokens")
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise WireError("bad_shape", f"prompt_tokens shape {tokens.shape}")
+        if self.n < 1:
+            raise WireError("bad_value", f"n = {self.n}")
+
+
+class Sample(msgspec.Struct, kw_only=True):
+    tokens: Array  # int32 [completion_len]
+    logprobs: Array  # float32 [completion_len], behavior logprobs after temperature
+    version_spans: list[tuple[int, int, int]]  # (version, start, end) over completion tokens
+    reward: float
+    finish_reason: str  # stop | length | interrupted
+
+    def versions(self) -> np.ndarray:
+        """int64 [completion_len]: the weight version that produced each token."""
+        out = np.empty(len(self.tokens.data) // 4, dtype=np.int64)
+        for version, start, end in self.version_spans:
+            out[start:end] = version
+        return out
+
+
+FINISH_REASONS = ("stop", "length", "interrupted")
+
+
+class RolloutGroup(Message, tag="rollout_group"):
+    group_id: str
+    prompt_id: int
+    actor_id: str
+    prompt_tokens: Array  # int32 [prompt_len]
+    samples: list[Sample]
+    is_eval: bool = False
+    gen_seconds: float = 0.0  # wall time from the first request to the last sample
+    queue_seconds: float = 0.0  # wall time the group waited at the actor before starting
+
+    def check(self) -> None:
+        self.prompt_tokens.numpy("i4", "prompt_tokens")
+        if not self.samples:
+            raise WireError("bad_value", "rollout group has no samples")
+        for i, s in enumerate(self.samples):
+            tokens = s.tokens.numpy("i4", f"samples[{i}].tokens")
+            logprobs = s.logprobs.numpy("f4", f"samples[{i}].logprobs")
+            if tokens.ndim != 1 or logprobs.shape != tokens.shape:
+                raise WireError("bad_length", f"samples[{i}]: {tokens.shape} tokens, {logprobs.shape} logprobs")
+            covered = 0
+            for version, start, end in s.version_spans:
+                if start != covered or end < start or version < 0:
+                    raise WireError("bad_spans", f"samples[{i}].version_spans {s.version_spans}")
+                covered = end
+            if covered != tokens.size:
+                raise WireError("bad_spans", f"samples[{i}]: spans cover {covered} of {tokens.size} tokens")
+            if s.finish_reason not in FINISH_REASONS:
+                raise WireError("bad_value", f"samples[{i}].finish_reason {s.finish_reason!r}")
+            if not np.isfinite(s.reward) or not np.all(np.isfinite(logprobs)):
+                raise WireError("bad_value", f"samples[{i}]: non-finite reward or logprob")
+
+
+class TensorSpec(msgspec.Struct, frozen=True):
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # byte offset of the data inside the file
+    nbytes: int
+
+
+class WeightUpdate(Message, tag="weight_update"):
+    version: int
+    transport: str  # "file"
+    location: str  # path of the safetensors file
+    manifest: list[TensorSpec]
+    checksum: str  # sha256 of the file's bytes
+
+
+class Heartbeat(Message, tag="heartbeat"):
+    """Sent at start (hello) and every actor.heartbeat_s seconds."""
+
+    actor_id: str
+    version: int  # the weight version the engine runs
+    engine: dict[str, str]  # engine info: model, device, vllm version, pid
+    outstanding: list[str]  # group ids accepted and not yet published
+    num_generated_tokens: int = 0
+    hello: bool = False
+
+
+class WorkRequest(Message, tag="work_request"):
+    actor_id: str
+    max_samples: int  # free generation slots; groups are granted while their n fit
+
+
+class WorkGrant(Message, tag="work_grant"):
+    groups: list[PromptGroup]
+    latest_weights: WeightUpdate | None = None  # so a late joiner catches up before working
+
+
+class Shutdown(Message, tag="shutdown"):
+    reason: str
+
+
+AnyMessage = Union[PromptGroup, RolloutGroup, WeightUpdate, Heartbeat, WorkRequest, WorkGrant, Shutdown]
+
+
+class _Header(msgspec.Struct):
+    schema_version: int = -1
+    kind: str = "?"
+
+
+class WireCodec:
+    """Encodes messages and decodes frames, counting every rejected frame by reason."""
+
+    def __init__(self, max_message_bytes: int):
+        self.max_message_bytes = max_message_bytes
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(AnyMessage)
+        self._header = msgspec.msgpack.Decoder(_Header)
+        self.rejected: Counter[str] = Counter()
+
+    def encode(self, msg: Message) -> bytes:
+        frame = self._encoder.encode(msg)
+        if len(frame) > self.max_message_bytes:
+            raise WireError("oversized", f"{type(msg).__name__} is {len(frame)} bytes "
+                            f"> broker.max_message_bytes {self.max_message_bytes}")
+        return frame
+
+    def decode(self, frame: bytes | memoryview, expect: type | tuple[type, ...] = Message) -> AnyMessage:
+        try:
+            msg = self._decode(frame)
+            if not isinstance(msg, expect):
+                raise WireError("unexpected_kind", f"got {type(msg).__name__}")
+            msg.check()
+            return msg
+        except WireError as err:
+            self.rejected[err.reason] += 1
+            raise
+
+    def _decode(self, frame) -> AnyMessage:
+        if len(frame) > self.max_message_bytes:
+            raise WireError("oversized", f"frame of {len(frame)} bytes > broker.max_message_bytes "
+                            f"{self.max_message_bytes}")
+        try:
+            msg = self._decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            try:
+                header = self._header.decode(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                raise WireError("malformed", f"not a tidal message ({err})") from None
+            if header.schema_version != SCHEMA_VERSION:
+                raise WireError("schema_version", f"schema_version {header.schema_version} "
+                                f"(this build speaks {SCHEMA_VERSION})") from None
+            raise WireError("malformed", f"{header.kind}: {err}") from None
+        if msg.schema_version != SCHEMA_VERSION:
+            raise WireError("schema_version", f"schema_version {msg.schema_version} "
+                            f"(this build speaks {SCHEMA_VERSION})")
+        return msg

@@ -1,0 +1,203 @@
+"""The learner's training loop.
+
+        coordinator thread: dataset ─► admission control ─► transport.submit_prompts ─► actors
+                                                                                          │
+        rollouts ◄────────────────────────────────────────────────────────────────────────┘
+          │ collect_step_batch: eval groups → Evaluator; staleness check; zero-variance filter
+          ▼
+        trainer.step: advantages → micro-batches → fused logprobs → loss → AdamW      (version v → v+1)
+          ▼
+        publish_weights (file + announcement) → coordinator.on_step → eval? → checkpoint? → log
+
+Every step is one pass of `run`; each named step is a method below.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tidal.broker.base import LearnerTransport
+from tidal.broker.schema import RolloutGroup
+from tidal.broker.weights import WeightChannel
+from tidal.config import EvalConfig, LearnerConfig, OnViolation, StalenessConfig
+from tidal.learner.coordinator import Coordinator
+from tidal.learner.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+ROLLOUT_TIMEOUT_S = 600.0  # no rollout for this long means the actors are gone
+
+
+@dataclass
+class Evaluator:
+    """Collects eval groups per version into a mean@n pass rate."""
+
+    expected: dict[int, set[str]] = field(default_factory=dict)
+    rewards: dict[int, list[float]] = field(default_factory=dict)
+    results: dict[int, float] = field(default_factory=dict)
+
+    def expect(self, version: int, group_ids: list[str]) -> None:
+        self.expected[version] = set(group_ids)
+        self.rewards[version] = []
+
+    def add(self, group: RolloutGroup) -> tuple[int, float] | None:
+        """Returns (version, pass rate) when this group completes an evaluation."""
+        version = int(group.group_id.rsplit("-eval", 1)[1].split("-")[0])
+        pending = self.expected.get(version)
+        if pending is None or group.group_id not in pending:
+            return None  # a duplicate or a leftover of an earlier run
+        pending.discard(group.group_id)
+        self.rewards[version].extend(s.reward for s in group.samples)
+        if pending:
+            return None
+        self.results[version] = float(np.mean(self.rewards[version]))
+        return version, self.results[version]
+
+    def waiting(self) -> bool:
+        return any(self.expected.values())
+
+
+@dataclass
+class StepBatch:
+    groups: list[RolloutGroup]
+    token_masks: list[list[np.ndarray]]
+    stats: Counter
+
+
+class Learner:
+    def __init__(self, cfg: LearnerConfig, staleness: StalenessConfig, eval_cfg: EvalConfig, trainer: Trainer,
+                 coordinator: Coordinator, transport: LearnerTransport, channel: WeightChannel, tracker, checkpointer):
+        self.cfg, self.staleness, self.eval_cfg = cfg, staleness, eval_cfg
+        self.trainer, self.coordinator, self.transport = trainer, coordinator, transport
+        self.channel, self.tracker, self.checkpointer = channel, tracker, checkpointer
+        self.version = 0
+        self.evaluator = Evaluator()
+        self.totals: Counter = Counter()
+        self.start_time = time.monotonic()
+
+    def run(self) -> dict:
+        self.publish_weights()
+        self.start_eval()
+        self.coordinator.start()
+        while self.version < self.cfg.max_steps:
+            batch = self.collect_step_batch()
+            metrics = self.trainer.step(batch.groups, batch.token_masks, self.version)
+            self.version += 1
+            metrics["timing/weight_push_s"] = self.publish_weights()
+            self.coordinator.on_step(self.version, len(batch.groups))
+            if self.eval_cfg.every and self.version % self.eval_cfg.every == 0 and self.version < self.cfg.max_steps:
+                self.start_eval()
+            if self.checkpointer.due(self.version):
+                self.checkpointer.save(self.version, self.coordinator.state_dict())
+            self.log_step(batch, metrics)
+        self.coordinator.stop()
+        self.start_eval()
+        self.wait_for_evals()
+        self.checkpointer.save(self.version, self.coordinator.state_dict())
+        return self.summary()
+
+    # ---- named steps -----------------------------------------------------------------------------
+
+    def collect_step_batch(self) -> StepBatch:
+        """Take rollouts until groups_per_step trainable groups are in hand."""
+        batch = StepBatch([], [], Counter())
+        last_arrival = time.monotonic()
+        while len(batch.groups) < self.cfg.groups_per_step:
+            self.coordinator.check()
+            group = self.transport.recv_rollout(timeout_s=0.5)
+            if group is None:
+                if time.monotonic() - last_arrival > ROLLOUT_TIMEOUT_S:
+                    raise TimeoutError(f"no rollout arrived for {ROLLOUT_TIMEOUT_S:.0f} s "
+                                       f"(live actors: {sorted(self.transport.actors())})")
+                continue
+            last_arrival = time.monotonic()
+            if group.is_eval:
+                self.on_eval_group(group)
+                continue
+            self.admit(group, batch)
+        return batch
+
+    def admit(self, group: RolloutGroup, batch: StepBatch) -> None:
+        """Staleness enforcement and zero-variance filtering for one training group."""
+        stats = batch.stats
+        stats["groups_received"] += 1
+        stats["samples"] += len(group.samples)
+        stats["gen_tokens"] += sum(len(s.tokens.data) // 4 for s in group.samples)
+        stats["truncated"] += sum(s.finish_reason == "length" for s in group.samples)
+        stats["reward_sum"] += sum(s.reward for s in group.samples)
+        lags = [self.version - s.versions() for s in group.samples]
+        too_old = [lag > self.staleness.max_lag for lag in lags]
+        stats["stale_tokens"] += int(sum(m.sum() for m in too_old))
+        if any(m.any() for m in too_old) and self.staleness.on_violation is OnViolation.drop_group:
+            stats["dropped_stale"] += 1
+            self.coordinator.on_discarded(1)
+            return
+        rewards = [s.reward for s in group.samples]
+        if self.cfg.zero_variance_filter and max(rewards) == min(rewards):
+            stats["zero_variance"] += 1
+            self.coordinator.on_discarded(1)
+            return
+        masks = [~m if self.staleness.on_violation is OnViolation.mask_tokens else np.ones_like(m) for m in too_old]
+        batch.groups.append(group)
+        batch.token_masks.append(masks)
+
+    def publish_weights(self) -> float:
+        start = time.perf_counter()
+        named = {name: p.detach() for name, p in self.trainer.policy.named_parameters()}
+        self.transport.publish_weights(self.channel.publish(named, self.version))
+        return time.perf_counter() - start
+
+    def start_eval(self) -> None:
+        if self.version not in self.evaluator.expected:
+            self.evaluator.expect(self.version, self.coordinator.dispatch_eval(self.version))
+
+    def on_eval_group(self, group: RolloutGroup) -> None:
+        done = self.evaluator.add(group)
+        if done is not None:
+            version, pass_rate = done
+            log.info("eval at version %d: val pass rate %.3f", version, pass_rate)
+            self.tracker.log_metrics({"eval/pass_rate": pass_rate} | self.compute_axis(), step=version)
+
+    def wait_for_evals(self) -> None:
+        last_arrival = time.monotonic()
+        while self.evaluator.waiting():
+            group = self.transport.recv_rollout(timeout_s=0.5)
+            if group is not None:
+                last_arrival = time.monotonic()
+                if group.is_eval:
+                    self.on_eval_group(group)
+            elif time.monotonic() - last_arrival > ROLLOUT_TIMEOUT_S:
+                raise TimeoutError("final evaluation did not complete: no rollout arrived for "
+                                   f"{ROLLOUT_TIMEOUT_S:.0f} s")
+
+    def compute_axis(self) -> dict[str, float]:
+        return {"compute/samples": float(self.totals["samples"]), "compute/gen_tokens": float(self.totals["gen_tokens"]),
+                "compute/wall_s": time.monotonic() - self.start_time}
+
+    def log_step(self, batch: StepBatch, metrics: dict[str, float]) -> None:
+        s = batch.stats
+        self.totals.update(s)
+        self.totals["steps"] += 1
+        elapsed = time.monotonic() - self.start_time
+        metrics |= {
+            "rollout/reward": s["reward_sum"] / max(s["samples"], 1),
+            "rollout/truncation_rate": s["truncated"] / max(s["samples"], 1),
+            "rollout/zero_variance_frac": s["zero_variance"] / max(s["groups_received"], 1),
+            "rollout/gen_tokens_per_s": self.totals["gen_tokens"] / elapsed,
+            "offpolicy/dropped_stale_groups": float(s["dropped_stale"]),
+            "offpolicy/stale_tokens": float(s["stale_tokens"]),
+            "learner/version": float(self.version),
+        } | self.transport.metrics() | self.compute_axis()
+        self.tracker.log_metrics(metrics, step=self.version)
+
+    def summary(self) -> dict:
+        evals = self.evaluator.results
+        return {"val_pass_rate_initial": evals.get(0), "val_pass_rate_final": evals.get(self.version),
+                "val_pass_rate_by_version": {str(k): v for k, v in sorted(evals.items())},
+                "steps": self.version, "samples": self.totals["samples"], "gen_tokens": self.totals["gen_tokens"],
+                "wall_s": time.monotonic() - self.start_time, "mlflow_run_id": self.tracker.run_id,
+                "mlflow_uri": self.tracker.uri, "rejected_frames": self.transport.metrics()["broker/rejected_frames"]}

@@ -1,0 +1,68 @@
+"""`tidal learner --config FILE [key=value ...]`: the coordinator and the training loop."""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from tidal.config import RunConfig
+
+log = logging.getLogger("tidal.learner")
+
+
+def build(cfg: RunConfig, run_dir: Path):
+    import torch
+    from accelerate import Accelerator
+    from transformers import AutoTokenizer
+
+    from tidal.broker.schema import SamplingParams, WireCodec
+    from tidal.broker.weights import FileWeightChannel
+    from tidal.broker.zmq_transport import ZmqLearnerTransport
+    from tidal.learner.checkpoint import Checkpointer
+    from tidal.learner.coordinator import Coordinator, DispatchPlan
+    from tidal.learner.loop import Learner
+    from tidal.learner.tracking import Tracker
+    from tidal.learner.trainer import Trainer, load_policy
+    from tidal.tasks import get_task
+
+    torch.set_num_threads(cfg.learner.torch_threads)
+    torch.manual_seed(cfg.learner.seed)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    split = get_task(cfg.task.name).load_prompts(cfg.task)
+    transport = ZmqLearnerTransport(cfg.broker.zmq, WireCodec(cfg.broker.max_message_bytes))
+    stop_ids = (tokenizer.eos_token_id,)
+    plan = DispatchPlan(
+        run_id=cfg.name, task=cfg.task.name, n=cfg.sampling.n,
+        sampling=SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_tokens, stop_ids),
+        eval_n=cfg.eval.n, eval_sampling=SamplingParams(cfg.eval.temperature, 1.0, cfg.sampling.max_tokens, stop_ids),
+        groups_per_step=cfg.learner.groups_per_step, max_lag=cfg.staleness.max_lag, seed=cfg.learner.seed)
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    coordinator = Coordinator(plan, split.train, split.val, encode, transport)
+    trainer = Trainer(cfg.learner, load_policy(cfg.model.path, cfg.model.dtype), accelerator, cfg.sampling.temperature)
+    tracker = Tracker(cfg.tracking, run_dir, cfg.name)
+    tracker.log_config(cfg)
+    weights_dir = cfg.learner.weights_dir or f"/dev/shm/tidal-{cfg.name}-{run_dir.name}"
+    channel = FileWeightChannel(weights_dir, keep=cfg.learner.keep_weight_files)
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir / "checkpoints", accelerator, tracker.run_id)
+    learner = Learner(cfg.learner, cfg.staleness, cfg.eval, trainer, coordinator, transport, channel, tracker,
+                      checkpointer)
+    return learner, transport, tracker
+
+
+def main(cfg: RunConfig) -> int:
+    run_dir = Path(cfg.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    learner, transport, tracker = build(cfg, run_dir)
+    try:
+        summary = learner.run()
+    except BaseException:
+        tracker.finish({"error": "learner failed; see its log"}, status="FAILED")
+        raise
+    finally:
+        transport.shutdown_actors("learner finished")
+        time.sleep(0.2)  # let the PUB socket flush the shutdown before closing
+        transport.close()
+    tracker.finish(summary)
+    log.info("val pass rate: %s -> %s", summary["val_pass_rate_initial"], summary["val_pass_rate_final"])
+    return 0

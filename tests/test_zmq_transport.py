@@ -1,0 +1,68 @@
+"""ZeroMQ transport over real sockets: prompt grants, weight announcements, rollouts, bad frames."""
+import asyncio
+
+import pytest
+import zmq
+
+from tidal.broker.schema import (PromptGroup, RolloutGroup, SamplingParams, Shutdown, WeightUpdate, WireCodec,
+                                 int32s)
+from tidal.broker.zmq_transport import ZmqActorTransport, ZmqLearnerTransport
+from tidal.config import ZmqConfig
+from tests.test_schema import rollout
+
+
+def prompt(i, n=4):
+    return PromptGroup(run_id="r", group_id=f"r-{i}", prompt_id=i, prompt_tokens=int32s([1, 2]), task="arithmetic",
+                       payload={"answer": "3"}, n=n, sampling=SamplingParams(), min_version=0)
+
+
+@pytest.fixture
+def learner_side():
+    transport = ZmqLearnerTransport(ZmqConfig(), WireCodec(4096))
+    yield transport
+    transport.close()
+
+
+def actor_config(learner: ZmqLearnerTransport) -> ZmqConfig:
+    p = learner.ports
+    return ZmqConfig(control_port=p["control"], rollout_port=p["rollout"], weights_port=p["weights"])
+
+
+def test_bad_frames_on_the_rollout_stream_are_counted_and_the_stream_goes_on(learner_side):
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{learner_side.ports['rollout']}")
+    codec = WireCodec(1 << 20)
+    push.send(b"not msgpack at all")
+    push.send(b"x" * 5000)  # above the learner's 4096-byte limit
+    push.send(codec.encode(rollout()))
+    got = learner_side.recv_rollout(timeout_s=5)
+    assert isinstance(got, RolloutGroup) and got.group_id == "g1"
+    m = learner_side.metrics()
+    assert m["broker/rejected_frames"] == 2
+    assert m["broker/rejected/malformed"] == 1 and m["broker/rejected/oversized"] == 1
+    ctx.destroy(linger=0)
+
+
+def test_actor_gets_whole_groups_that_fit_and_hears_weights(learner_side):
+    learner_side.submit_prompts([prompt(i) for i in range(5)])
+    update = WeightUpdate(version=3, transport="file", location="/w", manifest=[], checksum="c")
+
+    async def actor():
+        t = ZmqActorTransport(actor_config(learner_side), WireCodec(1 << 20), "actor-7")
+        first = await t.request_work(max_samples=10, timeout_s=5)  # 10 slots: two groups of 4
+        learner_side.publish_weights(update)
+        second = await t.request_work(max_samples=100, timeout_s=5)
+        heard = await asyncio.wait_for(t.next_weight_update(), 5)
+        await t.send_rollout(rollout())
+        learner_side.shutdown_actors("done")
+        stop = await asyncio.wait_for(t.next_weight_update(), 5)
+        t.close()
+        return first, second, heard, stop
+
+    first, second, heard, stop = asyncio.run(actor())
+    assert [g.group_id for g in first.groups] == ["r-0", "r-1"]
+    assert [g.group_id for g in second.groups] == ["r-2", "r-3", "r-4"]
+    assert second.latest_weights.version == 3  # a late joiner learns the current weights from its grant
+    assert heard.version == 3 and isinstance(stop, Shutdown)
+    assert learner_side.recv_rollout(timeout_s=5).group_id == "g1"

@@ -1,0 +1,305 @@
+"""The one typed config tree of tidal: dataclasses, YAML presets in configs/, key=value overrides.
+
+Each component is built from its own sub-config (`cfg.actor`, `cfg.learner`, ...), never the
+whole tree. Unknown keys and wrong types fail at load time with one line naming the key.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A config that cannot run: the message names the key and the value."""
+
+
+class LossType(enum.Enum):
+    cispo = "cispo"
+
+
+class Aggregation(enum.Enum):
+    prompt_mean = "prompt_mean"
+    token_mean = "token_mean"
+    sample_mean = "sample_mean"
+
+
+class AdvantageNorm(enum.Enum):
+    batch = "batch"
+    group = "group"
+    none = "none"
+
+
+class OnViolation(enum.Enum):
+    drop_group = "drop_group"
+    mask_tokens = "mask_tokens"
+    keep = "keep"
+
+
+class BrokerType(enum.Enum):
+    zmq = "zmq"
+
+
+@dataclass
+class WarmStartConfig:
+    """Supervised warm start of the tiny model, so RL starts from a non-zero pass rate."""
+
+    max_steps: int = 1500  # upper bound on SFT steps
+    target_pass_rate: float = 0.3  # stop once the sampled val pass rate reaches this
+    check_every: int = 25  # SFT steps between pass-rate checks
+    batch_size: int = 256  # sequences per SFT step
+    lr: float = 3e-3  # AdamW learning rate
+    seed: int = 0  # init and data-order seed
+
+
+@dataclass
+class TinyModelConfig:
+    """A small Qwen2 built locally (no download) with a character-level tokenizer."""
+
+    hidden_size: int = 128  # model width
+    num_layers: int = 4  # decoder layers
+    num_heads: int = 4  # attention heads (head_dim = hidden_size / num_heads; 32 or 64 on CPU)
+    num_kv_heads: int = 2  # key/value heads (grouped-query attention)
+    intermediate_size: int = 512  # MLP width
+    warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
+
+
+@dataclass
+class ModelConfig:
+    """Which weights the actors serve and the learner trains."""
+
+    path: str = ""  # a Hugging Face model directory; empty builds (or reuses) the tiny model
+    cache_dir: str = "~/.cache/tidal/models"  # where built tiny models are kept, keyed by config
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass
+class TaskConfig:
+    """The task: prompts for the coordinator, the reward for the actors."""
+
+    name: str = "arithmetic"  # a module in tidal.tasks
+    max_operand: int = 99  # arithmetic: operands are drawn from 0..max_operand
+    num_val: int = 256  # held-out prompts for evaluation (never trained on)
+    seed: int = 0  # split seed
+
+
+@dataclass
+class SamplingConfig:
+    """How actors sample each prompt group (travels inside every PromptGroup)."""
+
+    n: int = 8  # samples per prompt
+    temperature: float = 1.0  # behavior temperature; the learner uses the same one
+    top_p: float = 1.0  # nucleus sampling (1.0 keeps the exact behavior policy)
+    max_tokens: int = 8  # completion token budget
+
+
+@dataclass
+class ActorConfig:
+    """One vLLM engine per actor process."""
+
+    replicas: int = 1  # actor processes the launcher starts
+    id: str = ""  # this actor's id; the launcher sets actor-<i>
+    max_inflight: int = 256  # generation requests in flight at once (samples, not groups)
+    kv_cache_gib: float = 1.0  # CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)
+    enforce_eager: bool = True  # skip graph capture (CPU and debugging)
+    cpu_cores: str = ""  # cores for the engine's OpenMP threads, e.g. "1" or "0-1"; empty = auto
+    heartbeat_s: float = 1.0  # seconds between heartbeats to the learner
+    seed: int = 0  # sampling seed (offset by the actor index)
+
+
+@dataclass
+class ZmqConfig:
+    """ZeroMQ endpoints; ports 0 are chosen free by the launcher."""
+
+    host: str = "127.0.0.1"  # address the learner binds and actors connect to
+    control_port: int = 0  # ROUTER: hello, heartbeats, work requests, prompt grants
+    rollout_port: int = 0  # PULL: rollout groups from actors
+    weights_port: int = 0  # PUB: weight announcements
+    rollout_hwm: int = 1024  # high-water mark (messages) of the rollout stream
+
+
+@dataclass
+class BrokerConfig:
+    """Transport between the learner and the actors."""
+
+    type: BrokerType = BrokerType.zmq  # zmq (embedded, no server)
+    max_message_bytes: int = 64 * 1024 * 1024  # frames above this are rejected and counted
+    zmq: ZmqConfig = field(default_factory=ZmqConfig)
+
+
+@dataclass
+class StalenessConfig:
+    """Bound on how old (in optimizer steps) a trained token's policy may be."""
+
+    max_lag: int = 8  # k; 0 = synchronous
+    on_violation: OnViolation = OnViolation.drop_group  # what the learner does with older tokens
+
+
+@dataclass
+class LossConfig:
+    type: LossType = LossType.cispo  # policy-gradient loss
+    eps_max: float = 4.0  # CISPO cap on the importance ratio
+    aggregation: Aggregation = Aggregation.prompt_mean  # how token losses are averaged
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3  # AdamW learning rate (after warmup)
+    betas: tuple[float, float] = (0.9, 0.99)  # AdamW betas
+    eps: float = 1e-8  # AdamW epsilon
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup_steps: int = 0  # linear warmup steps
+    max_grad_norm: float = 1.0  # clip; 0 disables
+
+
+@dataclass
+class LearnerConfig:
+    """The training loop: step batches, loss, optimizer, weight publishing."""
+
+    groups_per_step: int = 16  # prompt groups in one optimizer step
+    max_steps: int = 100  # optimizer steps of the run
+    micro_batch_tokens: int = 8192  # token budget of one forward/backward micro-batch
+    advantage_norm: AdvantageNorm = AdvantageNorm.batch  # how group-centred advantages are scaled
+    zero_variance_filter: bool = True  # drop groups whose rewards are all equal
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    kernel_backend: str = "auto"  # logprob kernel: auto | torch | naive | triton
+    torch_threads: int = 1  # intra-op threads of the learner
+    weights_dir: str = ""  # where weight files are written; empty = /dev/shm/tidal-<run name>
+    keep_weight_files: int = 3  # older weight files are deleted
+    seed: int = 0  # torch seed
+
+
+@dataclass
+class EvalConfig:
+    every: int = 10  # optimizer steps between evaluations (0 = only at start and end)
+    n: int = 4  # samples per held-out prompt (mean@n pass rate)
+    temperature: float = 1.0  # eval sampling temperature
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # optimizer steps between checkpoints (0 = only at the end)
+    keep: int = 2  # checkpoints kept on disk
+
+
+@dataclass
+class TrackingConfig:
+    uri: str = ""  # MLflow tracking URI; empty = sqlite:///<run_dir>/mlflow.db
+    experiment: str = "tidal"  # MLflow experiment name
+
+
+@dataclass
+class RunConfig:
+    """The whole run. Components receive only their own part."""
+
+    name: str = "tidal"  # run name (MLflow run name, weight dir name)
+    run_dir: str = ""  # output folder; empty = runs/<name>-<timestamp>
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    broker: BrokerConfig = field(default_factory=BrokerConfig)
+    staleness: StalenessConfig = field(default_factory=StalenessConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+def _one_line(err: OmegaConfBaseException) -> str:
+    """OmegaConf errors span several lines with a 'full_key' entry; keep the key and the reason."""
+    key = getattr(err, "full_key", None) or getattr(err, "key", None)
+    reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return f"config key '{key}': {reason}" if key else f"config: {reason}"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Schema <- YAML preset <- key=value overrides, validated; raises ConfigError naming the key."""
+    schema = OmegaConf.structured(RunConfig)
+    try:
+        merged = schema
+        if path is not None:
+            path = Path(path)
+            if not path.is_file():
+                raise ConfigError(f"config file not found: {path}")
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"override {bad[0]!r} is not key=value")
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        cfg: RunConfig = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise ConfigError(_one_line(err)) from None
+    validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def flatten(cfg: RunConfig) -> dict[str, str]:
+    """Dotted keys -> values as strings, for MLflow params."""
+    out: dict[str, str] = {}
+
+    def walk(node, prefix: str) -> None:
+        for key, value in node.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                walk(value, name + ".")
+            else:
+                out[name] = str(value)
+
+    walk(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True), "")
+    return out
+
+
+# ---- cross-field rules, each a named check -------------------------------------------------
+
+def _require(ok: bool, key: str, value, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}' = {value!r}: {why}")
+
+
+def check_model(cfg: RunConfig) -> None:
+    tiny = cfg.model.tiny
+    _require(tiny.hidden_size % tiny.num_heads == 0, "model.tiny.num_heads", tiny.num_heads,
+             "must divide model.tiny.hidden_size")
+    head_dim = tiny.hidden_size // max(tiny.num_heads, 1)
+    _require(head_dim in (32, 64, 128), "model.tiny.num_heads", tiny.num_heads,
+             f"head_dim {head_dim} is not 32, 64 or 128 (vLLM's CPU attention rejects others)")
+    _require(tiny.num_heads % tiny.num_kv_heads == 0, "model.tiny.num_kv_heads", tiny.num_kv_heads,
+             "must divide model.tiny.num_heads")
+    _require(cfg.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype", cfg.model.dtype,
+             "expected float32, bfloat16 or float16")
+
+
+def check_sampling(cfg: RunConfig) -> None:
+    s = cfg.sampling
+    _require(s.n >= 2, "sampling.n", s.n, "group-relative advantages need at least 2 samples")
+    _require(s.temperature > 0, "sampling.temperature", s.temperature, "must be > 0")
+    _require(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "must be in (0, 1]")
+    _require(s.max_tokens >= 1, "sampling.max_tokens", s.max_tokens, "must be >= 1")
+    _require(cfg.actor.max_inflight >= s.n, "actor.max_inflight", cfg.actor.max_inflight,
+             f"must hold at least one group (sampling.n = {s.n})")
+
+
+def check_learner(cfg: RunConfig) -> None:
+    lc = cfg.learner
+    _require(lc.groups_per_step >= 1, "learner.groups_per_step", lc.groups_per_step, "must be >= 1")
+    _require(lc.max_steps >= 1, "learner.max_steps", lc.max_steps, "must be >= 1")
+    _require(cfg.staleness.max_lag >= 0, "staleness.max_lag", cfg.staleness.max_lag, "must be >= 0")
+    _require(lc.kernel_backend in ("auto", "torch", "naive", "triton"), "learner.kernel_backend",
+             lc.kernel_backend, "expected auto, torch, naive or triton")
+    _require(lc.loss.eps_max > 0, "learner.loss.eps_max", lc.loss.eps_max, "must be > 0")
+    _require(cfg.actor.replicas >= 1, "actor.replicas", cfg.actor.replicas, "must be >= 1")
+
+
+def validate(cfg: RunConfig) -> None:
+    for check in (check_model, check_sampling, check_learner):
+        check(cfg)

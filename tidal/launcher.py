@@ -1,0 +1,181 @@
+"""`tidal run CONFIG [key=value ...]`: one learner and N actor processes on this machine.
+
+Resolves the config (model path, free ports, run directory), writes it to the run directory,
+starts `tidal learner` and `tidal actor` processes with that one file, follows the learner's
+metrics with a progress bar, and stops everything on Ctrl-C or when any process fails,
+naming it. On Kubernetes each role is its own pod and this launcher is not used.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tidal.config import RunConfig, to_yaml
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve(cfg: RunConfig) -> Path:
+    """Fill in what the processes must agree on; returns the run directory (config.yaml written)."""
+    from tidal.learner.warmstart import ensure_model
+
+    run_dir = Path(cfg.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.run_dir = str(run_dir)
+    cfg.model.path = ensure_model(cfg.model, cfg.task, progress=lambda msg: print(f"[prepare] {msg}", flush=True))
+    z = cfg.broker.zmq
+    z.control_port, z.rollout_port, z.weights_port = (z.control_port or free_port(), z.rollout_port or free_port(),
+                                                      z.weights_port or free_port())
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    return run_dir
+
+
+def cpu_plan(num_actors: int) -> tuple[str, list[str]]:
+    """Cores for the learner and for each actor's engine threads.
+
+    The engine pins its OpenMP threads; left on auto, every actor claims every core. Give the
+    learner core 0 and spread the actors over the others (sharing when there are too few).
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) == 1:
+        return str(cores[0]), [str(cores[0])] * num_actors
+    rest = cores[1:]
+    return str(cores[0]), [str(rest[i % len(rest)]) for i in range(num_actors)]
+
+
+def start_children(cfg: RunConfig, run_dir: Path) -> list[Child]:
+    logs = run_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    config = str(run_dir / "config.yaml")
+    learner_cores, actor_cores = cpu_plan(cfg.actor.replicas)
+    specs = [("learner", ["learner", "--config", config], learner_cores)]
+    for i in range(cfg.actor.replicas):
+        overrides = [f"actor.id=actor-{i}"] + ([] if cfg.actor.cpu_cores else [f"actor.cpu_cores={actor_cores[i]}"])
+        specs.append((f"actor-{i}", ["actor", "--config", config, *overrides], None))
+    children = []
+    for name, args, cores in specs:
+        log_path = logs / f"{name}.log"
+        cmd = [sys.executable, "-m", "tidal", *args]
+        if cores is not None and hasattr(os, "sched_setaffinity"):
+            cmd = ["taskset", "-c", cores, *cmd] if _has_taskset() else cmd
+        proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        children.append(Child(name, proc, log_path))
+    return children
+
+
+def _has_taskset() -> bool:
+    return any((Path(p) / "taskset").exists() for p in os.environ.get("PATH", "").split(os.pathsep))
+
+
+def stop_children(children: list[Child], grace_s: float = 10.0) -> None:
+    for c in children:
+        if c.proc.poll() is None:
+            os.killpg(c.proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for c in children:
+        try:
+            c.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            os.killpg(c.proc.pid, signal.SIGKILL)
+            c.proc.wait()
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def supervise(children: list[Child], run_dir: Path, max_steps: int) -> None:
+    """Until the learner exits 0; raises LaunchError naming the first process that fails."""
+    from tqdm import tqdm
+
+    metrics_path = run_dir / "metrics.jsonl"
+    bar = tqdm(total=max_steps, desc="steps", unit="step", dynamic_ncols=True)
+    offset, learner = 0, children[0]
+    while True:
+        offset = _advance(bar, metrics_path, offset)
+        for c in children:
+            code = c.proc.poll()
+            if code is None:
+                continue
+            if c is learner and code == 0:
+                _advance(bar, metrics_path, offset)
+                bar.close()
+                return
+            if c is not learner and code == 0:
+                continue  # an actor told to shut down by a finishing learner
+            bar.close()
+            raise LaunchError(f"{c.name} exited with code {code}; last lines of {c.log_path}:\n{tail(c.log_path)}")
+        time.sleep(0.5)
+
+
+def _advance(bar, metrics_path: Path, offset: int) -> int:
+    if not metrics_path.exists():
+        return offset
+    with open(metrics_path) as f:
+        f.seek(offset)
+        for line in f:
+            if not line.endswith("\n"):
+                break
+            offset += len(line)
+            m = json.loads(line)
+            if "eval/pass_rate" in m:
+                bar.write(f"[eval] step {m['step']}: val pass rate {m['eval/pass_rate']:.3f}")
+            elif "rollout/reward" in m:
+                bar.update(int(m["step"]) - bar.n)
+                bar.set_postfix(reward=f"{m['rollout/reward']:.2f}", gen_tok_s=f"{m['rollout/gen_tokens_per_s']:.0f}",
+                                learn_tok_s=f"{m['learner/tokens_per_s']:.0f}")
+    return offset
+
+
+def print_summary(run_dir: Path, wall_s: float) -> None:
+    s = json.loads((run_dir / "summary.json").read_text())
+    fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+    print(f"val pass rate: {fmt(s['val_pass_rate_initial'])} -> {fmt(s['val_pass_rate_final'])}")
+    print(f"steps: {s['steps']}  samples: {s['samples']}  generated tokens: {s['gen_tokens']}  "
+          f"wall time: {wall_s:.1f} s (learner {s['wall_s']:.1f} s)")
+    print(f"mlflow run id: {s['mlflow_run_id']}  tracking uri: {s['mlflow_uri']}")
+    print(f"run directory: {run_dir}")
+
+
+def launch(cfg: RunConfig) -> int:
+    start = time.monotonic()
+    run_dir = resolve(cfg)
+    print(f"[run] {run_dir}: learner + {cfg.actor.replicas} actor(s)", flush=True)
+    children = start_children(cfg, run_dir)
+    try:
+        supervise(children, run_dir, cfg.learner.max_steps)
+    except LaunchError as err:
+        print(f"tidal run failed: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("tidal run: interrupted, stopping all processes", file=sys.stderr)
+        return 130
+    finally:
+        stop_children(children)
+    print_summary(run_dir, time.monotonic() - start)
+    return 0

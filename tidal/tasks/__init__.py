@@ -1,0 +1,35 @@
+"""Tasks: each module makes its prompts (for the learner's coordinator) and scores completions
+(for the actors). A task module exposes `load_prompts(cfg) -> Split` and `reward(text, payload)`.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Prompt:
+    prompt_id: int  # stable across runs (curriculum and eval key)
+    text: str
+    payload: dict[str, str]  # what the reward needs, e.g. {"answer": "85"}
+
+
+@dataclass(frozen=True)
+class Split:
+    train: list[Prompt]
+    val: list[Prompt]  # held out: never trained on
+
+
+TASKS = ("arithmetic",)
+
+
+def get_task(name: str) -> ModuleType:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r} (config key task.name); known: {', '.join(TASKS)}")
+    return importlib.import_module(f"tidal.tasks.{name}")
+
+
+def get_reward(name: str) -> Callable[[str, dict[str, str]], float]:
+    return get_task(name).reward

@@ -1,0 +1,27 @@
+"""Synthetic arithmetic: `37+48=` -> `85`, exact-match reward 1/0. Needs no download."""
+from __future__ import annotations
+
+import random
+
+from tidal.config import TaskConfig
+from tidal.tasks import Prompt, Split
+
+# The characters the task needs; the tiny model's tokenizer is built from these.
+ALPHABET = "0123456789+="
+
+
+def load_prompts(cfg: TaskConfig) -> Split:
+    """All pairs a+b with a, b in 0..max_operand, shuffled once by cfg.seed; the first num_val are held out."""
+    pairs = [(a, b) for a in range(cfg.max_operand + 1) for b in range(cfg.max_operand + 1)]
+    if cfg.num_val >= len(pairs):
+        raise ValueError(f"task.num_val = {cfg.num_val} leaves no training prompts "
+                         f"({len(pairs)} pairs with task.max_operand = {cfg.max_operand})")
+    random.Random(cfg.seed).shuffle(pairs)
+    prompts = [Prompt(prompt_id=a * (cfg.max_operand + 1) + b, text=f"{a}+{b}=", payload={"answer": str(a + b)})
+               for a, b in pairs]
+    return Split(train=prompts[cfg.num_val:], val=prompts[:cfg.num_val])
+
+
+def reward(text: str, payload: dict[str, str]) -> float:
+    """1.0 for the exact answer (surrounding whitespace ignored), else 0.0."""
+    return 1.0 if text.strip() == payload["answer"] else 0.0

@@ -1,0 +1,71 @@
+"""The tiny model: a small Qwen2 with a character-level tokenizer, built locally (no download).
+
+`build_tiny_model` writes a Hugging Face model directory (config, safetensors weights,
+tokenizer.json) that both vLLM and transformers load. The supervised warm start that makes
+it useful lives in tidal.learner.warmstart; the cache key covers everything that shapes it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from tidal.config import TaskConfig, TinyModelConfig
+
+PAD, EOS = "<pad>", "<eos>"
+
+
+def build_tokenizer(alphabet: str):
+    """A fast tokenizer with one token per character, plus <pad> (id 0) and <eos> (id 1)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {PAD: 0, EOS: 1, **{ch: i + 2 for i, ch in enumerate(alphabet)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS)
+
+
+def cache_key(tiny: TinyModelConfig, task: TaskConfig, alphabet: str) -> str:
+    """Hash of every input that shapes the warm-started model (architecture, SFT, task split)."""
+    blob = json.dumps({"tiny": asdict(tiny), "task": asdict(task), "alphabet": alphabet, "format": 1},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def build_tiny_model(tiny: TinyModelConfig, alphabet: str, seed: int):
+    """A freshly initialised Qwen2ForCausalLM (fp32, tied embeddings) and its tokenizer."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer(alphabet)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=tiny.hidden_size,
+        intermediate_size=tiny.intermediate_size,
+        num_hidden_layers=tiny.num_layers,
+        num_attention_heads=tiny.num_heads,
+        num_key_value_heads=tiny.num_kv_heads,
+        head_dim=tiny.hidden_size // tiny.num_heads,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def save_model(model, tokenizer, path: Path) -> None:
+    """Write a loadable HF directory atomically: build under a temp name, then rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(path)
