@@ -1,0 +1,12 @@
+"""Fused LM-head logprob and entropy kernels (DESIGN.md §7).
+
+`logprobs(hidden, weight, targets, temperature)` returns the per-token log-probability of
+the target and the entropy of softmax(hidden @ weight.T / temperature), both in fp32 and
+both differentiable w.r.t. hidden and weight. Backends: "triton" (GPU, or CPU under
+TRITON_INTERPRET=1), "torch" (chunked, never holds [T, V] logits; the CPU path) and
+"naive" (plain autograd over materialized logits; the reference for tests).
+"""
+
+from tidal.kernels.api import BACKENDS, logprobs
+
+__all__ = ["BACKENDS", "logprobs"]
