@@ -75,10 +75,14 @@ class Engine:
                                 max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids),
                                 logprobs=0)  # logprobs=0: the sampled token's own logprob
         self.num_requests += 1
-        final = None
+        # With n > 1 each streamed output carries only the samples that changed in that engine
+        # step, so samples that finished early are absent from the last one: keep each by index.
+        latest = {}
         async for out in self._llm.generate({"prompt_token_ids": prompt_tokens}, sp, request_id=request_id):
-            final = out
-        return [_completion(c) for c in sorted(final.outputs, key=lambda c: c.index)]
+            latest.update((c.index, c) for c in out.outputs)
+        if len(latest) != n or not all(c.finished() for c in latest.values()):
+            raise RuntimeError(f"request {request_id}: vLLM returned {len(latest)} finished samples, expected {n}")
+        return [_completion(latest[i]) for i in range(n)]
 
     def info(self) -> dict[str, str]:
         import vllm

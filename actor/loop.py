@@ -37,6 +37,8 @@ class Actor:
         self.stats: Counter[str] = Counter()
         self.stop = asyncio.Event()
         self.stop_reason = ""
+        self.failure: Exception | None = None
+        self.last_swap_paused_s = 0.0
         self.swap_wanted = asyncio.Event()
 
     async def run(self) -> str:
@@ -50,6 +52,8 @@ class Actor:
         for task in done:
             if task is not stopper and task.exception():
                 raise task.exception()
+        if self.failure is not None:
+            raise self.failure
         return self.stop_reason
 
     # ---- work ----------------------------------------------------------------------------------
@@ -77,7 +81,7 @@ class Actor:
             await coro
         except Exception as err:
             log.exception("rollout failed")
-            self.stop_reason = f"rollout failed: {err!r}"
+            self.failure = RuntimeError(f"rollout failed: {err!r}")
             self.stop.set()
 
     async def run_group(self, group: PromptGroup) -> None:
@@ -123,6 +127,7 @@ class Actor:
                 path = await asyncio.to_thread(verify_weight_file, update)
                 paused_s = await self.engine.load_weights(str(path), update.version)
                 self.stats["weight_updates"] += 1
+                self.last_swap_paused_s = paused_s
                 log.info("weights v%d loaded in flight (engine paused %.3f s, %d samples in flight)",
                          update.version, paused_s, self.inflight_samples)
                 async with self.version_changed:
@@ -149,7 +154,8 @@ class Actor:
     async def send_heartbeat(self, hello: bool = False) -> None:
         await self.transport.heartbeat(Heartbeat(
             actor_id=self.cfg.id, version=self.engine.version, engine=self.engine_info,
-            outstanding=list(self.outstanding), num_generated_tokens=self.stats["tokens"], hello=hello))
+            outstanding=list(self.outstanding), num_generated_tokens=self.stats["tokens"],
+            weight_swap_paused_s=self.last_swap_paused_s, hello=hello))
 
     @property
     def engine_info(self) -> dict[str, str]:

@@ -22,6 +22,7 @@ class ActorInfo:
     engine: dict[str, str]
     outstanding: list[str]
     num_generated_tokens: int = 0
+    weight_swap_paused_s: float = 0.0
     last_seen: float = field(default_factory=time.monotonic)
 
 

@@ -164,6 +164,7 @@ class Heartbeat(Message, tag="heartbeat"):
     engine: dict[str, str]  # engine info: model, device, vllm version, pid
     outstanding: list[str]  # group ids accepted and not yet published
     num_generated_tokens: int = 0
+    weight_swap_paused_s: float = 0.0  # how long the engine was paused by the latest weight swap
     hello: bool = False
 
 

@@ -21,6 +21,19 @@ class WeightChannel(abc.ABC):
         """Make the tensors available to actors; returns the announcement to broadcast."""
 
 
+def _unshared(named_tensors: dict) -> dict:
+    """Contiguous CPU tensors, tied ones (lm_head = embed_tokens) copied: safetensors refuses
+    shared storage, and the engine must receive every name it serves (on vLLM's CPU backend
+    a tied LM head is repacked on its own and keeps stale values if only the embedding is sent)."""
+    seen, out = set(), {}
+    for name, tensor in named_tensors.items():
+        t = tensor.detach().contiguous().cpu()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        out[name] = t.clone() if key in seen else t
+        seen.add(key)
+    return out
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -54,8 +67,7 @@ class FileWeightChannel(WeightChannel):
 
         path = self.directory / f"weights-v{version:06d}.safetensors"
         tmp = path.with_suffix(".tmp")
-        save_file({k: v.detach().contiguous().cpu() for k, v in named_tensors.items()}, str(tmp),
-                  metadata={"version": str(version)})
+        save_file(_unshared(named_tensors), str(tmp), metadata={"version": str(version)})
         os.replace(tmp, path)  # atomic: readers see the whole file or none
         self._prune(version)
         return WeightUpdate(version=version, transport="file", location=str(path),

@@ -90,6 +90,8 @@ class ZmqLearnerTransport(LearnerTransport):
             out = {"broker/pending_prompt_groups": float(len(self._pending)),
                    "broker/granted_groups": float(self.num_granted_groups),
                    "broker/live_actors": float(len(self._actors))}
+            if self._actors:
+                out["timing/actor_weight_swap_paused_s"] = max(a.weight_swap_paused_s for a in self._actors.values())
         out["broker/rejected_frames"] = float(sum(self._codec.rejected.values()))
         for reason, count in self._codec.rejected.items():
             out[f"broker/rejected/{reason}"] = float(count)
@@ -174,7 +176,7 @@ class ZmqLearnerTransport(LearnerTransport):
             if beat.actor_id not in self._actors:
                 log.info("actor %s joined (engine %s, weight version %d)", beat.actor_id, beat.engine, beat.version)
             self._actors[beat.actor_id] = ActorInfo(beat.actor_id, beat.version, beat.engine, beat.outstanding,
-                                                    beat.num_generated_tokens)
+                                                    beat.num_generated_tokens, beat.weight_swap_paused_s)
 
     def _serve_parked(self, router: zmq.Socket) -> None:
         """Grant parked requests in arrival order; answer empty ones whose long poll ran out."""

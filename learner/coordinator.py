@@ -106,7 +106,6 @@ class Coordinator:
                         return
                     free = self.window - (self.num_released - self.num_consumed)
                     groups = [self._next_train_group() for _ in range(free)]
-                    self.num_released += len(groups)
                 self.transport.submit_prompts(groups)
         except BaseException as err:
             self._error = err
@@ -119,7 +118,8 @@ class Coordinator:
             self._order = self._shuffled(self.epoch)
         prompt = self.train[self._order[self.cursor]]
         self.cursor += 1
-        return self._group(prompt, f"{self.plan.run_id}-{self.num_released}", self.version, is_eval=False)
+        self.num_released += 1
+        return self._group(prompt, f"{self.plan.run_id}-{self.num_released - 1}", self.version, is_eval=False)
 
     def _group(self, prompt: Prompt, group_id: str, min_version: int, is_eval: bool) -> PromptGroup:
         return PromptGroup(

@@ -129,6 +129,7 @@ class Learner:
         stats["gen_tokens"] += sum(len(s.tokens.data) // 4 for s in group.samples)
         stats["truncated"] += sum(s.finish_reason == "length" for s in group.samples)
         stats["reward_sum"] += sum(s.reward for s in group.samples)
+        stats["multi_version_samples"] += sum(len({v for v, _, _ in s.version_spans}) > 1 for s in group.samples)
         lags = [self.version - s.versions() for s in group.samples]
         too_old = [lag > self.staleness.max_lag for lag in lags]
         stats["stale_tokens"] += int(sum(m.sum() for m in too_old))
@@ -147,7 +148,7 @@ class Learner:
 
     def publish_weights(self) -> float:
         start = time.perf_counter()
-        named = {name: p.detach() for name, p in self.trainer.policy.named_parameters()}
+        named = self.trainer.policy.state_dict()  # includes tied entries such as lm_head.weight
         self.transport.publish_weights(self.channel.publish(named, self.version))
         return time.perf_counter() - start
 
@@ -186,8 +187,10 @@ class Learner:
         metrics |= {
             "rollout/reward": s["reward_sum"] / max(s["samples"], 1),
             "rollout/truncation_rate": s["truncated"] / max(s["samples"], 1),
+            "rollout/completion_len_mean": s["gen_tokens"] / max(s["samples"], 1),
             "rollout/zero_variance_frac": s["zero_variance"] / max(s["groups_received"], 1),
             "rollout/gen_tokens_per_s": self.totals["gen_tokens"] / elapsed,
+            "rollout/multi_version_samples": float(s["multi_version_samples"]),
             "offpolicy/dropped_stale_groups": float(s["dropped_stale"]),
             "offpolicy/stale_tokens": float(s["stale_tokens"]),
             "learner/version": float(self.version),

@@ -33,7 +33,7 @@ def build(cfg: RunConfig, run_dir: Path):
     transport = ZmqLearnerTransport(cfg.broker.zmq, WireCodec(cfg.broker.max_message_bytes))
     stop_ids = (tokenizer.eos_token_id,)
     plan = DispatchPlan(
-        run_id=cfg.name, task=cfg.task.name, n=cfg.sampling.n,
+        run_id=f"{cfg.name}-{run_dir.name}", task=cfg.task.name, n=cfg.sampling.n,
         sampling=SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_tokens, stop_ids),
         eval_n=cfg.eval.n, eval_sampling=SamplingParams(cfg.eval.temperature, 1.0, cfg.sampling.max_tokens, stop_ids),
         groups_per_step=cfg.learner.groups_per_step, max_lag=cfg.staleness.max_lag, seed=cfg.learner.seed)

@@ -63,6 +63,7 @@ class Trainer:
         elapsed = time.perf_counter() - start
         return stats.summary() | {
             "learner/grad_norm": grad_norm, "learner/lr": self.scheduler.get_last_lr()[0],
+            "learner/advantage_std": float(np.std([r.advantage for r in rows])),
             "timing/train_step_s": elapsed, "learner/tokens_per_s": stats.num_computed_tokens / elapsed,
         }
 

@@ -1,8 +1,11 @@
 """Supervised warm start of the tiny model, so RL starts from a non-zero pass rate.
 
-Trains on the task's training split (never the held-out one) until the pass rate sampled at
-temperature 1.0 on held-out prompts reaches `target_pass_rate`, then saves the model. The
-result is cached under `model.cache_dir/<hash of everything that shapes it>`.
+Trains on the task's training split (never the held-out one) until greedy decoding solves
+`target_greedy_pass_rate` of the held-out prompts, then saves the model. With `format_noise`
+the teacher is sloppy about stopping: that fraction of its answers carry one or two stray
+characters before <eos>. The model learns the arithmetic (greedy decoding is right) but often
+fails the exact-match reward when sampling, like a pretrained model that knows answers but
+not the output format; RL has to teach it to stop, a gain that shows within minutes on CPU. The result is cached under `model.cache_dir/<hash of everything that shapes it>`.
 """
 from __future__ import annotations
 
@@ -43,20 +46,30 @@ def ensure_model(model: ModelConfig, task: TaskConfig, progress=print) -> str:
 def warm_start(net, tokenizer, train: list[Prompt], val: list[Prompt], reward, cfg: WarmStartConfig, progress) -> float:
     rng = random.Random(cfg.seed)
     optim = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.99))
-    start, pass_rate = time.monotonic(), 0.0
+    start, greedy = time.monotonic(), 0.0
     for step in range(1, cfg.max_steps + 1):
-        batch = [rng.choice(train) for _ in range(cfg.batch_size)]
+        batch = [with_stray_suffix(p, rng) if rng.random() < cfg.format_noise else p
+                 for p in (rng.choice(train) for _ in range(cfg.batch_size))]
         loss = sft_loss(net, tokenizer, batch)
         loss.backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
         if step % cfg.check_every == 0:
-            pass_rate = sampled_pass_rate(net, tokenizer, val, reward)
-            progress(f"warm start step {step}: loss {loss.item():.3f}, sampled val pass rate {pass_rate:.3f} "
+            greedy = pass_rate(net, tokenizer, val, reward, temperature=0.0)
+            progress(f"warm start step {step}: loss {loss.item():.3f}, greedy val pass rate {greedy:.3f} "
                      f"({time.monotonic() - start:.0f} s)")
-            if pass_rate >= cfg.target_pass_rate:
+            if greedy >= cfg.target_greedy_pass_rate:
                 break
-    return pass_rate
+    sampled = pass_rate(net, tokenizer, val, reward, temperature=1.0)
+    progress(f"warm start done: greedy val pass rate {greedy:.3f}, sampled (temperature 1.0) {sampled:.3f}")
+    return greedy
+
+
+def with_stray_suffix(p: Prompt, rng: random.Random) -> Prompt:
+    """The same example with one or two stray characters after the right answer (a format slip)."""
+    alphabet = "0123456789+="
+    stray = "".join(rng.choice(alphabet) for _ in range(rng.choice((1, 2))))
+    return Prompt(p.prompt_id, p.text, {**p.payload, "answer": p.payload["answer"] + stray})
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -84,8 +97,8 @@ def sft_loss(net, tokenizer, batch: list[Prompt]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sampled_pass_rate(net, tokenizer, prompts: list[Prompt], reward, max_new_tokens: int = 5) -> float:
-    """Mean reward of one temperature-1.0 sample per prompt (prompts batched by length)."""
+def pass_rate(net, tokenizer, prompts: list[Prompt], reward, temperature: float, max_new_tokens: int = 6) -> float:
+    """Mean reward of one completion per prompt, greedy (temperature 0) or sampled; batched by prompt length."""
     by_len: dict[int, list[Prompt]] = {}
     for p in prompts:
         by_len.setdefault(len(_encode(tokenizer, p.text)), []).append(p)
@@ -95,7 +108,9 @@ def sampled_pass_rate(net, tokenizer, prompts: list[Prompt], reward, max_new_tok
         out = ids
         for _ in range(max_new_tokens):
             logits = net(input_ids=out).logits[:, -1].float()  # [B, V]
-            out = torch.cat([out, torch.multinomial(logits.softmax(-1), 1)], dim=1)
+            token = (logits.argmax(-1, keepdim=True) if temperature == 0
+                     else torch.multinomial((logits / temperature).softmax(-1), 1))
+            out = torch.cat([out, token], dim=1)
         for p, row in zip(group, out[:, ids.shape[1]:].tolist()):
             row = row[:row.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in row else row
             total += reward(tokenizer.decode(row, skip_special_tokens=True), p.payload)

@@ -47,8 +47,9 @@ class BrokerType(enum.Enum):
 class WarmStartConfig:
     """Supervised warm start of the tiny model, so RL starts from a non-zero pass rate."""
 
-    max_steps: int = 1500  # upper bound on SFT steps
-    target_pass_rate: float = 0.3  # stop once the sampled val pass rate reaches this
+    max_steps: int = 2000  # upper bound on SFT steps
+    target_greedy_pass_rate: float = 0.9  # stop once greedy decoding solves this fraction of val prompts
+    format_noise: float = 0.0  # fraction of SFT answers followed by stray characters before <eos>
     check_every: int = 25  # SFT steps between pass-rate checks
     batch_size: int = 256  # sequences per SFT step
     lr: float = 3e-3  # AdamW learning rate

@@ -30,7 +30,7 @@ def build_tokenizer(alphabet: str):
 
 def cache_key(tiny: TinyModelConfig, task: TaskConfig, alphabet: str) -> str:
     """Hash of every input that shapes the warm-started model (architecture, SFT, task split)."""
-    blob = json.dumps({"tiny": asdict(tiny), "task": asdict(task), "alphabet": alphabet, "format": 1},
+    blob = json.dumps({"tiny": asdict(tiny), "task": asdict(task), "alphabet": alphabet, "format": 2},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -1,4 +1,4 @@
-"""Synthetic arithmetic: `37+48=` -> `85`, exact-match reward 1/0. Needs no download."""
+"""Synthetic arithmetic: `37+48=` -> `085`, `05+07=` -> `012`; exact-match reward 1/0. Needs no download."""
 from __future__ import annotations
 
 import random
@@ -17,8 +17,10 @@ def load_prompts(cfg: TaskConfig) -> Split:
         raise ValueError(f"task.num_val = {cfg.num_val} leaves no training prompts "
                          f"({len(pairs)} pairs with task.max_operand = {cfg.max_operand})")
     random.Random(cfg.seed).shuffle(pairs)
-    prompts = [Prompt(prompt_id=a * (cfg.max_operand + 1) + b, text=f"{a}+{b}=", payload={"answer": str(a + b)})
-               for a, b in pairs]
+    width = len(str(cfg.max_operand))
+    # Fixed-width, zero-padded numbers keep digits aligned, which a small model learns far faster.
+    prompts = [Prompt(prompt_id=a * (cfg.max_operand + 1) + b, text=f"{a:0{width}d}+{b:0{width}d}=",
+                      payload={"answer": f"{a + b:0{width + 1}d}"}) for a, b in pairs]
     return Split(train=prompts[cfg.num_val:], val=prompts[:cfg.num_val])
 
 

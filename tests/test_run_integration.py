@@ -1,0 +1,121 @@
+"""End to end with real parts: `tidal run` starts a learner and vLLM actor processes, they talk
+over ZeroMQ, weights are swapped in flight, MLflow records the run.
+
+Two runs, each a few minutes at most on 2 cores: an asynchronous one with 2 actors (in-flight
+updates, bounded lag, logprob parity, junk frames on the rollout socket) and a synchronous one
+(max_lag = 0) that must still learn.
+"""
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_tidal(run_dir: Path, overrides: list[str], timeout_s: float = 420, during=None):
+    ports = {"control": free_port(), "rollout": free_port(), "weights": free_port()}
+    cmd = [sys.executable, "-m", "tidal", "run", str(ROOT / "configs/tiny.yaml"), f"run_dir={run_dir}",
+           *(f"broker.zmq.{k}_port={v}" for k, v in ports.items()), *overrides]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if during is not None:
+        threading.Thread(target=during, args=(ports, run_dir), daemon=True).start()
+    out, _ = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0, f"tidal run failed:\n{out[-4000:]}"
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return out, [m for m in steps if "learner/loss" in m], summary
+
+
+def send_junk(ports, run_dir: Path) -> None:
+    """Once training is under way, put a malformed and an oversized frame on the rollout socket."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (run_dir / "metrics.jsonl").exists():
+        time.sleep(0.5)
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{ports['rollout']}")
+    push.send(b"\x93not a tidal message")
+    push.send(b"\x00" * (2 * 1024 * 1024))  # above broker.max_message_bytes below
+    time.sleep(1)
+    ctx.destroy(linger=1000)
+
+
+def test_async_run_with_two_actors(tmp_path):
+    max_lag = 2
+    out, steps, summary = run_tidal(
+        tmp_path / "async",
+        ["actor.replicas=2", f"staleness.max_lag={max_lag}", "learner.max_steps=30", "eval.every=0",
+         "broker.max_message_bytes=1048576"],
+        during=send_junk)
+    # an in-flight update happened: some completion was produced by two or more weight versions
+    assert sum(m["rollout/multi_version_samples"] for m in steps) >= 1
+    # no consumed token is older than the staleness bound
+    assert max(m["offpolicy/lag_max"] for m in steps) <= max_lag
+    # learner and actor agree on logprobs for tokens produced at the learner's current version
+    fresh = [m["offpolicy/fresh_logprob_max_abs_diff"] for m in steps if "offpolicy/fresh_logprob_max_abs_diff" in m]
+    assert fresh, "no sample was produced entirely at the learner's current version"
+    print(f"max |logp_learner - logp_vllm| over fresh tokens: {max(fresh):.2e}")
+    assert max(fresh) < 1e-3
+    # the junk frames were rejected, counted, and the run went on to the end
+    assert summary["rejected_frames"] == 2
+    assert summary["steps"] == 30
+    assert "val pass rate:" in out and summary["mlflow_run_id"] in out
+    assert_mlflow_has_the_curve(summary)
+
+
+def test_synchronous_run_has_no_lag_and_learns(tmp_path):
+    out, steps, summary = run_tidal(tmp_path / "sync", ["staleness.max_lag=0", "learner.max_steps=30", "eval.every=0"])
+    assert max(m["offpolicy/lag_max"] for m in steps) == 0
+    assert sum(m["rollout/multi_version_samples"] for m in steps) == 0
+    assert summary["val_pass_rate_final"] > summary["val_pass_rate_initial"] + 0.05
+
+
+def assert_mlflow_has_the_curve(summary):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=summary["mlflow_uri"])
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["staleness.max_lag"] == "2"
+    history = client.get_metric_history(run.info.run_id, "rollout/reward")
+    assert [m.step for m in history] == list(range(1, 31))
+    evals = client.get_metric_history(run.info.run_id, "eval/pass_rate")
+    assert {m.step for m in evals} == {0, 30}
+
+
+def test_a_dead_actor_stops_the_run_with_its_name(tmp_path):
+    """SIGKILL the only actor mid-run: tidal run stops every process and names the one that died."""
+    import os
+    import signal
+
+    run_dir = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "tidal", "run", str(ROOT / "configs/tiny.yaml"), f"run_dir={run_dir}",
+           "learner.max_steps=1000", "eval.every=0"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while not (run_dir / "metrics.jsonl").exists() or "learner/loss" not in (run_dir / "metrics.jsonl").read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, "the run never started training"
+        time.sleep(0.5)
+    actor_pid = int(next(line.split("pid': '")[1].split("'")[0] for line in
+                         (run_dir / "logs/learner.log").read_text().splitlines() if "actor actor-0 joined" in line))
+    os.kill(actor_pid, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "actor-0 exited with code -9" in out
+    survivors = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
+    assert survivors == [], f"processes of the run still alive: {survivors}"
