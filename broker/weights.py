@@ -74,8 +74,9 @@ class FileWeightChannel(WeightChannel):
                             manifest=read_manifest(path), checksum=_sha256(path))
 
     def _prune(self, version: int) -> None:
-        for old in sorted(self.directory.glob("weights-v*.safetensors"))[:-self.keep]:
-            old.unlink(missing_ok=True)
+        for old in self.directory.glob("weights-v*.safetensors"):
+            if int(old.stem.split("-v")[1]) <= version - self.keep:
+                old.unlink(missing_ok=True)
 
 
 def verify_weight_file(update: WeightUpdate) -> Path:

@@ -77,6 +77,7 @@ class Learner:
         self.version = 0
         self.evaluator = Evaluator()
         self.totals: Counter = Counter()
+        self.eval_multi_version = 0  # eval samples whose tokens came from two or more weight versions
         self.start_time = time.monotonic()
 
     def run(self) -> dict:
@@ -157,6 +158,7 @@ class Learner:
             self.evaluator.expect(self.version, self.coordinator.dispatch_eval(self.version))
 
     def on_eval_group(self, group: RolloutGroup) -> None:
+        self.eval_multi_version += sum(len({v for v, _, _ in s.version_spans}) > 1 for s in group.samples)
         done = self.evaluator.add(group)
         if done is not None:
             version, pass_rate = done
@@ -191,6 +193,7 @@ class Learner:
             "rollout/zero_variance_frac": s["zero_variance"] / max(s["groups_received"], 1),
             "rollout/gen_tokens_per_s": self.totals["gen_tokens"] / elapsed,
             "rollout/multi_version_samples": float(s["multi_version_samples"]),
+            "eval/multi_version_samples_total": float(self.eval_multi_version),
             "offpolicy/dropped_stale_groups": float(s["dropped_stale"]),
             "offpolicy/stale_tokens": float(s["stale_tokens"]),
             "learner/version": float(self.version),

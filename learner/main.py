@@ -1,7 +1,9 @@
 """`tidal learner --config FILE [key=value ...]`: the coordinator and the training loop."""
 from __future__ import annotations
 
+import hashlib
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -42,7 +44,9 @@ def build(cfg: RunConfig, run_dir: Path):
     trainer = Trainer(cfg.learner, load_policy(cfg.model.path, cfg.model.dtype), accelerator, cfg.sampling.temperature)
     tracker = Tracker(cfg.tracking, run_dir, cfg.name)
     tracker.log_config(cfg)
-    weights_dir = cfg.learner.weights_dir or f"/dev/shm/tidal-{cfg.name}-{run_dir.name}"
+    # one folder per run directory, so two runs never share (or prune) each other's files
+    run_key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]
+    weights_dir = cfg.learner.weights_dir or f"/dev/shm/tidal-{cfg.name}-{run_dir.name}-{run_key}"
     channel = FileWeightChannel(weights_dir, keep=cfg.learner.keep_weight_files)
     checkpointer = Checkpointer(cfg.checkpoint, run_dir / "checkpoints", accelerator, tracker.run_id)
     learner = Learner(cfg.learner, cfg.staleness, cfg.eval, trainer, coordinator, transport, channel, tracker,
@@ -63,6 +67,8 @@ def main(cfg: RunConfig) -> int:
         transport.shutdown_actors("learner finished")
         time.sleep(0.2)  # let the PUB socket flush the shutdown before closing
         transport.close()
+        if not cfg.learner.weights_dir:  # the default folder lives in /dev/shm: give the memory back
+            shutil.rmtree(learner.channel.directory, ignore_errors=True)
     tracker.finish(summary)
     log.info("val pass rate: %s -> %s", summary["val_pass_rate_initial"], summary["val_pass_rate_final"])
     return 0
