@@ -23,6 +23,8 @@ from tidal.config import ActorConfig
 
 log = logging.getLogger(__name__)
 
+MAX_WEIGHT_LOAD_FAILURES = 10  # in a row would mean the weight folder is unreachable: stop loudly
+
 
 class Actor:
     def __init__(self, cfg: ActorConfig, engine: Engine, transport: ActorTransport, reward_fns: dict):
@@ -124,9 +126,19 @@ class Actor:
                 update = self.latest
                 if update is None or update.version <= self.engine.version:
                     continue
-                path = await asyncio.to_thread(verify_weight_file, update)
-                paused_s = await self.engine.load_weights(str(path), update.version)
+                try:
+                    path = await asyncio.to_thread(verify_weight_file, update)
+                    paused_s = await self.engine.load_weights(str(path), update.version)
+                except Exception as err:  # a pruned or damaged file: a newer version will come
+                    self.stats["weight_load_failures"] += 1
+                    self.stats["weight_load_failures_in_a_row"] += 1
+                    log.warning("could not load weights v%d (%s); waiting for the next announcement",
+                                update.version, err)
+                    if self.stats["weight_load_failures_in_a_row"] >= MAX_WEIGHT_LOAD_FAILURES:
+                        raise RuntimeError(f"{MAX_WEIGHT_LOAD_FAILURES} weight loads failed; last: {err}") from err
+                    continue
                 self.stats["weight_updates"] += 1
+                self.stats["weight_load_failures_in_a_row"] = 0
                 self.last_swap_paused_s = paused_s
                 log.info("weights v%d loaded in flight (engine paused %.3f s, %d samples in flight)",
                          update.version, paused_s, self.inflight_samples)
