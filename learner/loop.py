@@ -79,6 +79,8 @@ class Learner:
         self.totals: Counter = Counter()
         self.eval_multi_version = 0  # eval samples whose tokens came from two or more weight versions
         self.start_time = time.monotonic()
+        self.device_seconds = 0.0
+        self.last_axis_time = self.start_time
 
     def run(self) -> dict:
         self.publish_weights()
@@ -128,6 +130,7 @@ class Learner:
         stats["groups_received"] += 1
         stats["samples"] += len(group.samples)
         stats["gen_tokens"] += sum(len(s.tokens.data) // 4 for s in group.samples)
+        stats["prompt_tokens"] += len(group.samples) * (len(group.prompt_tokens.data) // 4)
         stats["truncated"] += sum(s.finish_reason == "length" for s in group.samples)
         stats["reward_sum"] += sum(s.reward for s in group.samples)
         stats["multi_version_samples"] += sum(len({v for v, _, _ in s.version_spans}) > 1 for s in group.samples)
@@ -178,13 +181,26 @@ class Learner:
                                    f"{ROLLOUT_TIMEOUT_S:.0f} s")
 
     def compute_axis(self) -> dict[str, float]:
+        """Where this point sits on every compute axis a scaling fit may use (DESIGN §8).
+
+        FLOPs: 2 N per generated or prompt token on the actors, 6 N per token the learner
+        computes (forward and backward). Device-hours: wall time x devices in use (the live
+        actors and the learner), integrated since the start.
+        """
+        now = time.monotonic()
+        self.device_seconds += (now - self.last_axis_time) * (len(self.transport.actors()) + 1)
+        self.last_axis_time = now
+        n = self.trainer.num_params
+        flops = 2 * n * (self.totals["gen_tokens"] + self.totals["prompt_tokens"]) + 6 * n * self.totals["computed_tokens"]
         return {"compute/samples": float(self.totals["samples"]), "compute/gen_tokens": float(self.totals["gen_tokens"]),
-                "compute/wall_s": time.monotonic() - self.start_time}
+                "compute/flops": float(flops), "compute/device_hours": self.device_seconds / 3600,
+                "compute/wall_s": now - self.start_time}
 
     def log_step(self, batch: StepBatch, metrics: dict[str, float]) -> None:
         s = batch.stats
         self.totals.update(s)
         self.totals["steps"] += 1
+        self.totals["computed_tokens"] += int(metrics["learner/computed_tokens"])
         elapsed = time.monotonic() - self.start_time
         metrics |= {
             "rollout/reward": s["reward_sum"] / max(s["samples"], 1),

@@ -43,6 +43,10 @@ class Trainer:
         self.model, self.optimizer, self.scheduler = accelerator.prepare(model, optim, sched)
 
     @property
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.policy.parameters())
+
+    @property
     def policy(self):
         return self.accelerator.unwrap_model(self.model)
 
@@ -65,6 +69,7 @@ class Trainer:
             "learner/grad_norm": grad_norm, "learner/lr": self.scheduler.get_last_lr()[0],
             "learner/advantage_std": float(np.std([r.advantage for r in rows])),
             "timing/train_step_s": elapsed, "learner/tokens_per_s": stats.num_computed_tokens / elapsed,
+            "learner/computed_tokens": float(stats.num_computed_tokens),
         }
 
     def _optimizer_step(self) -> float:

@@ -21,12 +21,36 @@ def _parser() -> argparse.ArgumentParser:
     prep = sub.add_parser("prepare", help="build (or find in the cache) the warm-started tiny model")
     prep.add_argument("config")
     prep.add_argument("overrides", nargs="*")
+    fit = sub.add_parser("fit", help="fit ScaleRL sigmoids to eval curves (MLflow runs or a CSV) and extrapolate")
+    fit.add_argument("--csv", help="a CSV with columns compute,pass_rate")
+    fit.add_argument("--tracking-uri", help="MLflow tracking URI holding the runs")
+    fit.add_argument("--runs", nargs="*", default=[], help="MLflow run ids")
+    fit.add_argument("--compute-metric", default="compute/flops", help="x axis: compute/flops, compute/samples, ...")
+    fit.add_argument("--predict", type=float, help="print the predicted pass rate at this compute")
+    fit.add_argument("--fit-fraction", type=float, help="fit only points up to this fraction of the compute")
+    fit.add_argument("--out", default="fit.png", help="where the plot goes")
+    sweep = sub.add_parser("sweep", help="run a grid of configs (key=v1,v2,...) sequentially, then fit them")
+    sweep.add_argument("config")
+    sweep.add_argument("overrides", nargs="+", help="key=v1,v2,... to sweep; key=value to fix")
+    sweep.add_argument("--out", help="sweep folder (default runs/sweep-<time>)")
+    sweep.add_argument("--compute-metric", default="compute/flops")
+    plan = sub.add_parser("plan-batch", help="measure throughput per batch size and recommend one")
+    plan.add_argument("config")
+    plan.add_argument("overrides", nargs="*")
+    plan.add_argument("--batch-sizes", default="4,8,16,32", help="prompt groups per step to measure")
+    plan.add_argument("--reps", type=int, default=3)
+    plan.add_argument("--target", type=float, default=0.6, help="target val pass rate for samples-to-target")
+    plan.add_argument("--tracking-uri", help="MLflow store of earlier runs (for samples-to-target)")
+    plan.add_argument("--runs", nargs="*", default=[], help="MLflow run ids at one or more batch sizes")
+    plan.add_argument("--out", default="plan-batch.png")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command in ("fit", "sweep"):
+        return _analysis(args)
     try:
         cfg = load_config(getattr(args, "config", None), args.overrides)
     except ConfigError as err:
@@ -46,7 +70,50 @@ def main(argv: list[str] | None = None) -> int:
         return actor_main(cfg)
     from tidal.learner.warmstart import ensure_model
 
-    print(ensure_model(cfg.model, cfg.task))
+    cfg.model.path = ensure_model(cfg.model, cfg.task)
+    if args.command == "plan-batch":
+        return _plan_batch(cfg, args)
+    print(cfg.model.path)
+    return 0
+
+
+def _analysis(args) -> int:
+    """fit and sweep: user errors (bad CSV, degenerate curves, bad keys) as one line, exit 2."""
+    from pathlib import Path
+
+    from tidal.scaling import ScalingFitError
+
+    try:
+        if args.command == "sweep":
+            from tidal.sweep import sweep
+
+            return sweep(args.config, args.overrides, Path(args.out) if args.out else None, args.compute_metric)
+        from tidal.scaling_report import fit_csv, report
+
+        if args.csv:
+            return fit_csv(args.csv, args.predict, args.fit_fraction, Path(args.out))
+        if not (args.tracking_uri and args.runs):
+            raise ValueError("tidal fit needs --csv FILE, or --tracking-uri URI --runs RUN_ID ...")
+        return report(args.tracking_uri, {r: r for r in args.runs}, args.compute_metric, Path(args.out),
+                      experiment="tidal-fits", fit_fraction=args.fit_fraction, predict=args.predict)
+    except (ScalingFitError, ConfigError, ValueError, FileNotFoundError) as err:
+        print(f"tidal {args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+def _plan_batch(cfg, args) -> int:
+    import asyncio
+    from pathlib import Path
+
+    from tidal.plan_batch import measure, plan, plot_plan, print_plan, samples_to_target
+
+    sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
+    throughput = asyncio.run(measure(cfg, sizes, args.reps))
+    s_measured = samples_to_target(args.tracking_uri, args.runs, args.target) if args.runs else {}
+    rows, note = plan(throughput, s_measured)
+    print_plan(rows, note)
+    plot_plan(rows, Path(args.out))
+    print(f"plot: {args.out}")
     return 0
 
 
