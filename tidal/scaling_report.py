@@ -33,8 +33,7 @@ def report(uri: str, runs: dict[str, str], compute_metric: str, png: Path, exper
     import mlflow
 
     raw = scaling.points_from_mlflow(uri, list(runs.values()), compute_metric=compute_metric)
-    names = {run_id: label for label, run_id in runs.items()}
-    points = {names.get(k, k): v for k, v in raw.items()}
+    points = dict(zip(runs, raw.values()))  # one entry per run id, in order: label them as the caller does
     fits, power = fit_points(points, fit_fraction)
     table = scaling.fit_table(fits, power)
     if len(points) >= 2:

@@ -40,7 +40,7 @@ def run_grid(config: str, overrides: list[str], out: Path) -> dict[str, str]:
         combo = [f"{key}={v}" for (key, _), v in zip(axes, values)]
         label = ",".join(combo)
         run_dir = out / label.replace("=", "-").replace(",", "_")
-        cfg = load_config(config, [*fixed, *combo, f"run_dir={run_dir}", f"tracking.uri={uri}",
+        cfg = load_config(config, [*fixed, *combo, f"run_dir={run_dir}", f"tracking.uri={uri}", f"name={run_dir.name}",
                                    f"tracking.experiment=sweep-{out.name}"])
         print(f"[sweep] {label}", flush=True)
         if launch(cfg) != 0:
