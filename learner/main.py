@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -54,12 +55,20 @@ def build(cfg: RunConfig, run_dir: Path):
     return learner, transport, tracker
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds through main's handlers, so the MLflow run is closed
+
+
 def main(cfg: RunConfig) -> int:
     run_dir = Path(cfg.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     learner, transport, tracker = build(cfg, run_dir)
     try:
         summary = learner.run()
+    except (KeyboardInterrupt, SystemExit):
+        tracker.finish({"error": "learner stopped by a signal"}, status="KILLED")
+        raise
     except BaseException:
         tracker.finish({"error": "learner failed; see its log"}, status="FAILED")
         raise

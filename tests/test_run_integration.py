@@ -89,6 +89,11 @@ def test_synchronous_run_has_no_lag_and_learns(tmp_path):
     assert summary["val_pass_rate_final"] > summary["val_pass_rate_initial"] + 0.05
 
 
+def child_pids(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
 def assert_mlflow_has_the_curve(summary):
     from mlflow.tracking import MlflowClient
 
@@ -115,11 +120,15 @@ def test_a_dead_actor_stops_the_run_with_its_name(tmp_path):
     while not (run_dir / "metrics.jsonl").exists() or "learner/loss" not in (run_dir / "metrics.jsonl").read_text():
         assert time.monotonic() < deadline and proc.poll() is None, "the run never started training"
         time.sleep(0.5)
+    launched_pids = child_pids(proc.pid)
     actor_pid = int(next(line.split("pid': '")[1].split("'")[0] for line in
                          (run_dir / "logs/learner.log").read_text().splitlines() if "actor actor-0 joined" in line))
     os.kill(actor_pid, signal.SIGKILL)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1
     assert "actor-0 exited with code -9" in out
-    survivors = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
-    assert survivors == [], f"processes of the run still alive: {survivors}"
+    # nothing of the run is left: not the learner, nor the dead actor's vLLM engine process
+    # (each child leads its own process group, named by its pid)
+    for pid in [actor_pid, *launched_pids]:
+        survivors = subprocess.run(["pgrep", "-g", str(pid)], capture_output=True, text=True).stdout.split()
+        assert survivors == [], f"processes of group {pid} still alive: {survivors}"

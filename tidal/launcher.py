@@ -90,16 +90,27 @@ def _has_taskset() -> bool:
 
 
 def stop_children(children: list[Child], grace_s: float = 10.0) -> None:
+    """SIGTERM every child's process group, then SIGKILL what is left after grace_s.
+
+    Groups of children that already died are signalled too: an actor killed from outside
+    leaves its vLLM engine-core process behind in its group.
+    """
     for c in children:
-        if c.proc.poll() is None:
-            os.killpg(c.proc.pid, signal.SIGTERM)
+        _signal_group(c, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for c in children:
         try:
             c.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
-            os.killpg(c.proc.pid, signal.SIGKILL)
-            c.proc.wait()
+            pass
+        _signal_group(c, signal.SIGKILL)
+
+
+def _signal_group(child: Child, sig: int) -> None:
+    try:
+        os.killpg(child.proc.pid, sig)
+    except ProcessLookupError:
+        pass  # the whole group is gone already
 
 
 def tail(path: Path, lines: int = 15) -> str:
@@ -162,7 +173,14 @@ def print_summary(run_dir: Path, wall_s: float) -> None:
     print(f"run directory: {run_dir}")
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def launch(cfg: RunConfig) -> int:
+    # Ctrl-C and SIGTERM both stop every child cleanly, even where SIGINT was inherited as ignored
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     start = time.monotonic()
     run_dir = resolve(cfg)
     print(f"[run] {run_dir}: learner + {cfg.actor.replicas} actor(s)", flush=True)
