@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import shutil
 import signal
@@ -55,6 +56,13 @@ def build(cfg: RunConfig, run_dir: Path):
     return learner, transport, tracker
 
 
+def write_endpoints(run_dir: Path, ports: dict[str, int]) -> None:
+    """Tell the launcher (and any actor started by hand) where the learner listens; atomic."""
+    tmp = run_dir / "endpoints.json.tmp"
+    tmp.write_text(json.dumps(ports))
+    tmp.replace(run_dir / "endpoints.json")
+
+
 def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)  # unwinds through main's handlers, so the MLflow run is closed
 
@@ -64,6 +72,7 @@ def main(cfg: RunConfig) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     learner, transport, tracker = build(cfg, run_dir)
+    write_endpoints(run_dir, transport.ports)
     try:
         summary = learner.run()
     except (KeyboardInterrupt, SystemExit):

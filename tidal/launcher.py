@@ -1,7 +1,9 @@
 """`tidal run CONFIG [key=value ...]`: one learner and N actor processes on this machine.
 
-Resolves the config (model path, free ports, run directory), writes it to the run directory,
-starts `tidal learner` and `tidal actor` processes with that one file, follows the learner's
+Resolves the config (model path, run directory) and writes it to the run directory, starts
+`tidal learner`, waits for the endpoints it bound (`endpoints.json`: ports chosen by the
+kernel, so nothing can take them in between), then starts `tidal actor` processes with the
+same file plus those ports, follows the learner's
 metrics with a progress bar, and stops everything on Ctrl-C or when any process fails,
 naming it. On Kubernetes each role is its own pod and this launcher is not used.
 """
@@ -10,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,12 +32,6 @@ class LaunchError(RuntimeError):
     pass
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def resolve(cfg: RunConfig) -> Path:
     """Fill in what the processes must agree on; returns the run directory (config.yaml written)."""
     from tidal.learner.warmstart import ensure_model
@@ -45,9 +40,6 @@ def resolve(cfg: RunConfig) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.run_dir = str(run_dir)
     cfg.model.path = ensure_model(cfg.model, cfg.task, progress=lambda msg: print(f"[prepare] {msg}", flush=True))
-    z = cfg.broker.zmq
-    z.control_port, z.rollout_port, z.weights_port = (z.control_port or free_port(), z.rollout_port or free_port(),
-                                                      z.weights_port or free_port())
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     return run_dir
 
@@ -65,24 +57,42 @@ def cpu_plan(num_actors: int) -> tuple[str, list[str]]:
     return str(cores[0]), [str(rest[i % len(rest)]) for i in range(num_actors)]
 
 
-def start_children(cfg: RunConfig, run_dir: Path) -> list[Child]:
-    logs = run_dir / "logs"
-    logs.mkdir(exist_ok=True)
+def start_children(cfg: RunConfig, run_dir: Path, children: list[Child]) -> None:
+    """The learner first; the actors once it has bound its endpoints. Appends to `children`
+    as it goes, so the caller can stop whatever started if a later start fails."""
+    (run_dir / "logs").mkdir(exist_ok=True)
+    (run_dir / "endpoints.json").unlink(missing_ok=True)
     config = str(run_dir / "config.yaml")
     learner_cores, actor_cores = cpu_plan(cfg.actor.replicas)
-    specs = [("learner", ["learner", "--config", config], learner_cores)]
+    children.append(_spawn("learner", ["learner", "--config", config], run_dir, learner_cores))
+    ports = wait_for_endpoints(run_dir, children[0])
     for i in range(cfg.actor.replicas):
-        overrides = [f"actor.id=actor-{i}"] + ([] if cfg.actor.cpu_cores else [f"actor.cpu_cores={actor_cores[i]}"])
-        specs.append((f"actor-{i}", ["actor", "--config", config, *overrides], None))
-    children = []
-    for name, args, cores in specs:
-        log_path = logs / f"{name}.log"
-        cmd = [sys.executable, "-m", "tidal", *args]
-        if cores is not None and hasattr(os, "sched_setaffinity"):
-            cmd = ["taskset", "-c", cores, *cmd] if _has_taskset() else cmd
-        proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-        children.append(Child(name, proc, log_path))
-    return children
+        overrides = [f"actor.id=actor-{i}", *(f"broker.zmq.{name}_port={port}" for name, port in ports.items())]
+        if not cfg.actor.cpu_cores:
+            overrides.append(f"actor.cpu_cores={actor_cores[i]}")
+        children.append(_spawn(f"actor-{i}", ["actor", "--config", config, *overrides], run_dir, None))
+
+
+def _spawn(name: str, args: list[str], run_dir: Path, cores: str | None) -> Child:
+    log_path = run_dir / "logs" / f"{name}.log"
+    cmd = [sys.executable, "-m", "tidal", *args]
+    if cores is not None and _has_taskset():
+        cmd = ["taskset", "-c", cores, *cmd]
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return Child(name, proc, log_path)
+
+
+def wait_for_endpoints(run_dir: Path, learner: Child, timeout_s: float = 300.0) -> dict[str, int]:
+    path = run_dir / "endpoints.json"
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if learner.proc.poll() is not None:
+            raise LaunchError(f"learner exited with code {learner.proc.returncode} before binding its endpoints; "
+                              f"last lines of {learner.log_path}:\n{tail(learner.log_path)}")
+        if time.monotonic() > deadline:
+            raise LaunchError(f"learner did not bind its endpoints within {timeout_s:.0f} s; see {learner.log_path}")
+        time.sleep(0.2)
+    return json.loads(path.read_text())
 
 
 def _has_taskset() -> bool:
@@ -184,8 +194,9 @@ def launch(cfg: RunConfig) -> int:
     start = time.monotonic()
     run_dir = resolve(cfg)
     print(f"[run] {run_dir}: learner + {cfg.actor.replicas} actor(s)", flush=True)
-    children = start_children(cfg, run_dir)
+    children: list[Child] = []
     try:
+        start_children(cfg, run_dir, children)
         supervise(children, run_dir, cfg.learner.max_steps)
     except LaunchError as err:
         print(f"tidal run failed: {err}", file=sys.stderr)
