@@ -97,9 +97,17 @@ class Sample(msgspec.Struct, kw_only=True):
     reward: float
     finish_reason: str  # stop | length | interrupted
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens.data) // 4  # int32 tokens
+
+    def spans_several_versions(self) -> bool:
+        """True when a weight update landed while this sample was being generated."""
+        return len({version for version, _, _ in self.version_spans}) > 1
+
     def versions(self) -> np.ndarray:
         """int64 [completion_len]: the weight version that produced each token."""
-        out = np.empty(len(self.tokens.data) // 4, dtype=np.int64)
+        out = np.empty(self.num_tokens, dtype=np.int64)
         for version, start, end in self.version_spans:
             out[start:end] = version
         return out

@@ -129,11 +129,11 @@ class Learner:
         stats = batch.stats
         stats["groups_received"] += 1
         stats["samples"] += len(group.samples)
-        stats["gen_tokens"] += sum(len(s.tokens.data) // 4 for s in group.samples)
+        stats["gen_tokens"] += sum(s.num_tokens for s in group.samples)
         stats["prompt_tokens"] += len(group.samples) * (len(group.prompt_tokens.data) // 4)
         stats["truncated"] += sum(s.finish_reason == "length" for s in group.samples)
         stats["reward_sum"] += sum(s.reward for s in group.samples)
-        stats["multi_version_samples"] += sum(len({v for v, _, _ in s.version_spans}) > 1 for s in group.samples)
+        stats["multi_version_samples"] += sum(s.spans_several_versions() for s in group.samples)
         lags = [self.version - s.versions() for s in group.samples]
         too_old = [lag > self.staleness.max_lag for lag in lags]
         stats["stale_tokens"] += int(sum(m.sum() for m in too_old))
@@ -161,7 +161,7 @@ class Learner:
             self.evaluator.expect(self.version, self.coordinator.dispatch_eval(self.version))
 
     def on_eval_group(self, group: RolloutGroup) -> None:
-        self.eval_multi_version += sum(len({v for v, _, _ in s.version_spans}) > 1 for s in group.samples)
+        self.eval_multi_version += sum(s.spans_several_versions() for s in group.samples)
         done = self.evaluator.add(group)
         if done is not None:
             version, pass_rate = done

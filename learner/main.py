@@ -7,6 +7,7 @@ import logging
 import shutil
 import signal
 import time
+from functools import partial
 from pathlib import Path
 
 from tidal.config import RunConfig
@@ -27,7 +28,7 @@ def build(cfg: RunConfig, run_dir: Path):
     from tidal.learner.loop import Learner
     from tidal.learner.tracking import Tracker
     from tidal.learner.trainer import Trainer, load_policy
-    from tidal.tasks import get_task
+    from tidal.tasks import encode_prompt, get_task
 
     torch.set_num_threads(cfg.learner.torch_threads)
     torch.manual_seed(cfg.learner.seed)
@@ -41,8 +42,7 @@ def build(cfg: RunConfig, run_dir: Path):
         sampling=SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_tokens, stop_ids),
         eval_n=cfg.eval.n, eval_sampling=SamplingParams(cfg.eval.temperature, 1.0, cfg.sampling.max_tokens, stop_ids),
         groups_per_step=cfg.learner.groups_per_step, max_lag=cfg.staleness.max_lag, seed=cfg.learner.seed)
-    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    coordinator = Coordinator(plan, split.train, split.val, encode, transport)
+    coordinator = Coordinator(plan, split.train, split.val, partial(encode_prompt, tokenizer), transport)
     trainer = Trainer(cfg.learner, load_policy(cfg.model.path, cfg.model.dtype), accelerator, cfg.sampling.temperature)
     tracker = Tracker(cfg.tracking, run_dir, cfg.name)
     tracker.log_config(cfg)

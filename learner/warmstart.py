@@ -18,7 +18,7 @@ import torch
 
 from tidal.config import ModelConfig, TaskConfig, WarmStartConfig
 from tidal.kernels import logprobs as fused_logprobs
-from tidal.tasks import Prompt, get_task
+from tidal.tasks import Prompt, encode_prompt, get_task
 from tidal.tiny import build_tiny_model, cache_key, save_model
 
 log = logging.getLogger(__name__)
@@ -72,13 +72,9 @@ def with_stray_suffix(p: Prompt, rng: random.Random) -> Prompt:
     return Prompt(p.prompt_id, p.text, {**p.payload, "answer": p.payload["answer"] + stray})
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 def sft_loss(net, tokenizer, batch: list[Prompt]) -> torch.Tensor:
     """Mean token NLL of answer + <eos> given the prompt (prompt tokens are not trained)."""
-    seqs = [(_encode(tokenizer, p.text), _encode(tokenizer, p.payload["answer"]) + [tokenizer.eos_token_id])
+    seqs = [(encode_prompt(tokenizer, p.text), encode_prompt(tokenizer, p.payload["answer"]) + [tokenizer.eos_token_id])
             for p in batch]
     max_len = max(len(a) + len(b) for a, b in seqs)
     ids = torch.full((len(seqs), max_len), tokenizer.pad_token_id, dtype=torch.long)
@@ -101,10 +97,10 @@ def pass_rate(net, tokenizer, prompts: list[Prompt], reward, temperature: float,
     """Mean reward of one completion per prompt, greedy (temperature 0) or sampled; batched by prompt length."""
     by_len: dict[int, list[Prompt]] = {}
     for p in prompts:
-        by_len.setdefault(len(_encode(tokenizer, p.text)), []).append(p)
+        by_len.setdefault(len(encode_prompt(tokenizer, p.text)), []).append(p)
     total = 0.0
     for group in by_len.values():
-        ids = torch.tensor([_encode(tokenizer, p.text) for p in group])
+        ids = torch.tensor([encode_prompt(tokenizer, p.text) for p in group])
         out = ids
         for _ in range(max_new_tokens):
             logits = net(input_ids=out).logits[:, -1].float()  # [B, V]

@@ -32,7 +32,7 @@ async def measure(cfg: RunConfig, batch_sizes: list[int], reps: int) -> list[Thr
 
     from tidal.actor.engine import Engine
     from tidal.broker.schema import SamplingParams
-    from tidal.tasks import get_task
+    from tidal.tasks import encode_prompt, get_task
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     prompts = get_task(cfg.task.name).load_prompts(cfg.task).train
@@ -46,8 +46,7 @@ async def measure(cfg: RunConfig, batch_sizes: list[int], reps: int) -> list[Thr
         for b in [batch_sizes[0], *batch_sizes]:  # the first pass warms the engine up
             elapsed, samples, tokens = 0.0, 0, 0
             for _ in range(reps):
-                batch = [tokenizer(prompts[(counter + i) % len(prompts)].text, add_special_tokens=False)["input_ids"]
-                         for i in range(b)]
+                batch = [encode_prompt(tokenizer, prompts[(counter + i) % len(prompts)].text) for i in range(b)]
                 counter += b
                 start = time.perf_counter()
                 groups = await asyncio.gather(*(engine.sample(ids, cfg.sampling.n, params, f"plan-{counter}-{i}")

@@ -25,6 +25,11 @@ class Split:
 TASKS = ("arithmetic",)
 
 
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Prompt token ids exactly as actors and learner see them (no special tokens added)."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def get_task(name: str) -> ModuleType:
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r} (config key task.name); known: {', '.join(TASKS)}")
