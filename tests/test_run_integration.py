@@ -34,10 +34,13 @@ def run_tidal(run_dir: Path, overrides: list[str], timeout_s: float = 420, durin
 
 def send_junk(run_dir: Path) -> None:
     """Once training is under way, put a malformed and an oversized frame on the rollout socket."""
+    metrics, endpoints = run_dir / "metrics.jsonl", run_dir / "endpoints.json"
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not (run_dir / "metrics.jsonl").exists():
+    while not (endpoints.exists() and metrics.exists() and "learner/loss" in metrics.read_text()):
+        if time.monotonic() > deadline:
+            return  # the run itself failed to start; its assertion says why
         time.sleep(0.5)
-    ports = json.loads((run_dir / "endpoints.json").read_text())
+    ports = json.loads(endpoints.read_text())
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.connect(f"tcp://127.0.0.1:{ports['rollout']}")
