@@ -16,9 +16,9 @@ async def serve(cfg: RunConfig) -> str:
     from tidal.broker.schema import WireCodec
     from tidal.broker.zmq_transport import ZmqActorTransport
     from tidal.tasks import get_reward
+    from tidal.tiny import resolve_model_path
 
-    if not cfg.model.path:
-        raise ValueError("model.path is empty: an actor needs the model directory (the launcher sets it)")
+    cfg.model.path = resolve_model_path(cfg.model, cfg.task)
     index = int(cfg.actor.id.rsplit("-", 1)[-1]) if cfg.actor.id.rsplit("-", 1)[-1].isdigit() else 0
     transport = ZmqActorTransport(cfg.broker.zmq, WireCodec(cfg.broker.max_message_bytes), cfg.actor.id)
     engine = Engine(cfg.actor, cfg.model.path, cfg.model.dtype, seed=cfg.actor.seed + index)

@@ -30,6 +30,9 @@ def build(cfg: RunConfig, run_dir: Path):
     from tidal.learner.trainer import Trainer, load_policy
     from tidal.tasks import encode_prompt, get_task
 
+    from tidal.learner.warmstart import ensure_model
+
+    cfg.model.path = ensure_model(cfg.model, cfg.task, progress=log.info)  # builds the tiny model if missing
     torch.set_num_threads(cfg.learner.torch_threads)
     torch.manual_seed(cfg.learner.seed)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())

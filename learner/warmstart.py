@@ -19,7 +19,7 @@ import torch
 from tidal.config import ModelConfig, TaskConfig, WarmStartConfig
 from tidal.kernels import logprobs as fused_logprobs
 from tidal.tasks import Prompt, encode_prompt, get_task
-from tidal.tiny import build_tiny_model, cache_key, save_model
+from tidal.tiny import build_tiny_model, cached_model_path, resolve_model_path, save_model
 
 log = logging.getLogger(__name__)
 
@@ -27,11 +27,9 @@ log = logging.getLogger(__name__)
 def ensure_model(model: ModelConfig, task: TaskConfig, progress=print) -> str:
     """The model directory to serve and train: model.path, or the cached (or new) tiny model."""
     if model.path:
-        if not (Path(model.path) / "config.json").is_file():
-            raise FileNotFoundError(f"model.path = {model.path!r} is not a Hugging Face model directory")
-        return model.path
+        return resolve_model_path(model, task)
     task_mod = get_task(task.name)
-    path = Path(model.cache_dir).expanduser() / f"tiny-{task.name}-{cache_key(model.tiny, task, task_mod.ALPHABET)}"
+    path = cached_model_path(model, task)
     if (path / "config.json").is_file():
         progress(f"warm-started model found in cache: {path}")
         return str(path)

@@ -41,6 +41,7 @@ class OnViolation(enum.Enum):
 
 class BrokerType(enum.Enum):
     zmq = "zmq"
+    redis = "redis"
 
 
 @dataclass
@@ -110,6 +111,8 @@ class ActorConfig:
     cpu_cores: str = ""  # cores for the engine's OpenMP threads, e.g. "1" or "0-1"; empty = auto
     heartbeat_s: float = 1.0  # seconds between heartbeats to the learner
     seed: int = 0  # sampling seed (offset by the actor index)
+    max_restarts: int = 5  # the launcher restarts a dead actor this many times (per actor) before giving up
+    restart_backoff_s: float = 1.0  # first restart delay; doubles per restart of the same actor, up to 30 s
 
 
 @dataclass
@@ -121,15 +124,35 @@ class ZmqConfig:
     rollout_port: int = 0  # PULL: rollout groups from actors
     weights_port: int = 0  # PUB: weight announcements
     rollout_hwm: int = 1024  # high-water mark (messages) of the rollout stream
+    actor_timeout_s: float = 10.0  # an actor silent this long is gone: its granted groups are re-dispatched
+
+
+@dataclass
+class RedisConfig:
+    """Redis Streams: durable, at-least-once, multi-node. Secrets never live in the config:
+    the password comes from the environment variable named by `password_env`."""
+
+    url: str = "redis://127.0.0.1:6379/0"  # redis:// or rediss:// (TLS); may carry a user name
+    username: str = ""  # ACL user (overrides the URL's); e.g. one for actors, one for the learner
+    password_env: str = "TIDAL_REDIS_PASSWORD"  # environment variable holding the password (unset = none)
+    ca_file: str = ""  # TLS: CA bundle to verify the server (rediss:// URLs)
+    prefix: str = "tidal"  # stream keys are <prefix>:<run name>:{prompts,rollouts,weights,heartbeats,dead}
+    claim_idle_ms: int = 60_000  # a prompt pending this long at a silent actor is taken over by another
+    max_deliveries: int = 3  # entries delivered more often go to the dead-letter stream
+    block_ms: int = 250  # longest blocking read
+    reconnect_timeout_s: float = 120.0  # give up (fail loudly) when Redis stays away this long
+    embedded: bool = False  # `tidal run` starts a local redis-server (AOF on) in the run directory
+    embedded_port: int = 0  # port of the embedded server; 0 = a free one
 
 
 @dataclass
 class BrokerConfig:
     """Transport between the learner and the actors."""
 
-    type: BrokerType = BrokerType.zmq  # zmq (embedded, no server)
+    type: BrokerType = BrokerType.zmq  # zmq (embedded, no server) | redis (durable, multi-node)
     max_message_bytes: int = 64 * 1024 * 1024  # frames above this are rejected and counted
     zmq: ZmqConfig = field(default_factory=ZmqConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
 
 
 @dataclass
@@ -254,10 +277,23 @@ def flatten(cfg: RunConfig) -> dict[str, str]:
             if isinstance(value, dict):
                 walk(value, name + ".")
             else:
-                out[name] = str(value)
+                out[name] = redact_url(str(value)) if key.endswith("url") else str(value)
 
     walk(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True), "")
     return out
+
+
+def redact_url(url: str) -> str:
+    """A URL with any password replaced, fit for logs and MLflow params."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 # ---- cross-field rules, each a named check -------------------------------------------------

@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from tidal.config import TaskConfig, TinyModelConfig
+from tidal.config import ModelConfig, TaskConfig, TinyModelConfig
 
 PAD, EOS = "<pad>", "<eos>"
 
@@ -33,6 +33,23 @@ def cache_key(tiny: TinyModelConfig, task: TaskConfig, alphabet: str) -> str:
     blob = json.dumps({"tiny": asdict(tiny), "task": asdict(task), "alphabet": alphabet, "format": 2},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def cached_model_path(model: ModelConfig, task: TaskConfig) -> Path:
+    """Where the warm-started tiny model for this config lives (built by `tidal prepare`)."""
+    from tidal.tasks import get_task
+
+    alphabet = get_task(task.name).ALPHABET
+    return Path(model.cache_dir).expanduser() / f"tiny-{task.name}-{cache_key(model.tiny, task, alphabet)}"
+
+
+def resolve_model_path(model: ModelConfig, task: TaskConfig) -> str:
+    """model.path, or the cached tiny model; a clear error when neither exists (actors never build)."""
+    path = Path(model.path) if model.path else cached_model_path(model, task)
+    if not (path / "config.json").is_file():
+        hint = "" if model.path else " (build it with `tidal prepare CONFIG`, or set model.path)"
+        raise FileNotFoundError(f"model.path = {str(path)!r} is not a Hugging Face model directory{hint}")
+    return str(path)
 
 
 def build_tiny_model(tiny: TinyModelConfig, alphabet: str, seed: int):
