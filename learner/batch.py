@@ -1,10 +1,16 @@
 """From rollout groups to training tensors: advantages, aggregation weights, micro-batches.
 
-Every token gets its final loss weight before any micro-batching, so the loss is a plain
-weighted sum over tokens and gradient accumulation over micro-batches equals one big batch.
+Every token gets its final loss weight before any micro-batching, from counts over the whole
+update batch on every rank, so the loss is a plain weighted sum over tokens: gradient
+accumulation over micro-batches and ranks equals one big batch.
+
+Micro-batches pad each row only to the longest row of its own micro-batch (rows sorted by
+length). Varlen packing without padding (flash-attn) is not implemented; the padding it would
+save is what `learner/packing_efficiency` measures.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,6 +18,13 @@ import torch
 
 from tidal.broker.schema import RolloutGroup
 from tidal.config import AdvantageNorm, Aggregation
+
+
+Reduce = Callable[[np.ndarray], np.ndarray]  # sums a float64 vector over all ranks (identity on one rank)
+
+
+def _one_rank(values: np.ndarray) -> np.ndarray:
+    return values
 
 
 @dataclass
@@ -25,48 +38,77 @@ class Row:
     token_mask: np.ndarray  # bool [completion_len]; False = excluded from the loss
     advantage: float
     token_weight: np.ndarray  # float64 [completion_len]; aggregation weight (0 where masked)
+    prox_logprobs: np.ndarray | None = None  # float32 [completion_len]; policy at step start (ppo, several updates)
 
 
-def group_advantages(groups: list[RolloutGroup], norm: AdvantageNorm) -> list[np.ndarray]:
-    """A_i = r_i - mean_j r_j per group, then scaled by the batch std, the group std, or not at all."""
+def group_advantages(groups: list[RolloutGroup], norm: AdvantageNorm, all_sum: Reduce = _one_rank) -> list[np.ndarray]:
+    """A_i = r_i - mean_j r_j per group, then scaled by the std of every A in the step batch (all
+    ranks), by the group's std, or not at all."""
     centred = [np.array([s.reward for s in g.samples], dtype=np.float64) for g in groups]
     centred = [r - r.mean() for r in centred]
     if norm is AdvantageNorm.batch:
-        std = np.concatenate(centred).std()
+        flat = np.concatenate(centred) if centred else np.zeros(0)
+        count, total, total_sq = all_sum(np.array([flat.size, flat.sum(), np.square(flat).sum()]))
+        mean = total / max(count, 1)
+        std = np.sqrt(max(total_sq / max(count, 1) - mean ** 2, 0.0))
         return [a / (std + 1e-6) for a in centred]
     if norm is AdvantageNorm.group:
         return [a / (a.std() + 1e-6) for a in centred]
     return centred
 
 
-def aggregation_weights(masks: list[list[np.ndarray]], how: Aggregation) -> list[list[np.ndarray]]:
-    """Per-token weights (masks[group][sample] -> weights) so that sum(w * loss_t) is the aggregate."""
+def aggregation_weights(masks: list[list[np.ndarray]], how: Aggregation,
+                        all_sum: Reduce = _one_rank) -> list[list[np.ndarray]]:
+    """Per-token weights (masks[group][sample] -> weights) so that sum(w * loss_t) over every rank is
+    the aggregate. Samples and prompts without a trainable token do not count."""
+    tokens = [[int(m.sum()) for m in g] for g in masks]
+    local = np.array([sum(map(sum, tokens)), sum(n > 0 for g in tokens for n in g), sum(sum(g) > 0 for g in tokens)],
+                     dtype=np.float64)
+    num_tokens, num_samples, num_groups = (max(float(x), 1.0) for x in all_sum(local))
     if how is Aggregation.token_mean:
-        total = max(sum(int(m.sum()) for g in masks for m in g), 1)
-        return [[m / total for m in g] for g in masks]
-    if how is Aggregation.sample_mean:
-        num_samples = sum(len(g) for g in masks)
-        return [[m / (max(int(m.sum()), 1) * num_samples) for m in g] for g in masks]
-    num_groups = len(masks)  # prompt_mean: each prompt's tokens average, then mean over prompts
-    return [[m / (max(sum(int(x.sum()) for x in g), 1) * num_groups) for m in g] for g in masks]
+        return [[m / num_tokens for m in g] for g in masks]
+    if how is Aggregation.sample_mean:  # each sample's token average, then mean over samples
+        return [[m / (max(n, 1) * num_samples) for m, n in zip(g, ns)] for g, ns in zip(masks, tokens)]
+    # prompt_mean: each prompt's token average over all its samples, then mean over prompts
+    return [[m / (max(sum(ns), 1) * num_groups) for m in g] for g, ns in zip(masks, tokens)]
 
 
-def build_rows(groups: list[RolloutGroup], token_masks: list[list[np.ndarray]], norm: AdvantageNorm,
-               how: Aggregation) -> list[Row]:
-    advantages = group_advantages(groups, norm)
-    weights = aggregation_weights(token_masks, how)
+def build_rows(groups: list[RolloutGroup], token_masks: list[list[np.ndarray]], advantages: list[np.ndarray],
+               weights: list[list[np.ndarray]]) -> list[Row]:
+    """One Row per sample; advantages[group][sample], weights[group][sample] -> [completion_len]."""
     rows = []
-    for g, adv, masks, ws in zip(groups, advantages, token_masks, weights):
+    for g, adv, masks, ws in zip(groups, advantages, token_masks, weights, strict=True):
         prompt = g.prompt_tokens.numpy("i4", "prompt_tokens").astype(np.int64)
-        for s, a, m, w in zip(g.samples, adv, masks, ws):
+        for s, a, m, w in zip(g.samples, adv, masks, ws, strict=True):
             completion = s.tokens.numpy("i4", "tokens").astype(np.int64)
             rows.append(Row(np.concatenate([prompt, completion]), len(prompt), s.logprobs.numpy("f4", "logprobs"),
-                            s.versions(), m, float(a), w.astype(np.float64)))
+                            s.versions(), np.asarray(m, dtype=bool), float(a), w.astype(np.float64)))
     return rows
 
 
+def assign_groups(groups: list[RolloutGroup], num_minibatches: int, world_size: int, rank: int) -> list[list[int]]:
+    """Indices of the groups `rank` trains in each mini-batch (one optimizer update each).
+
+    The step batch is cut into contiguous mini-batches first, so an update sees the same groups
+    whatever the number of ranks; inside a mini-batch, groups go to the least-loaded rank (by
+    tokens, longest first), the same answer on every rank.
+    """
+    tokens = [sum(len(g.prompt_tokens.data) // 4 + s.num_tokens for s in g.samples) for g in groups]
+    plan = []
+    for part in np.array_split(np.arange(len(groups)), num_minibatches):
+        load, mine = [0] * world_size, []
+        for i in sorted(part.tolist(), key=lambda i: (-tokens[i], i)):
+            owner = min(range(world_size), key=lambda r: (load[r], r))
+            load[owner] += tokens[i]
+            if owner == rank:
+                mine.append(i)
+        plan.append(sorted(mine))
+    return plan
+
+
 def micro_batches(rows: list[Row], token_budget: int) -> list[list[Row]]:
-    """Length-bucketed micro-batches: sorted by length, each padded only to its own longest row."""
+    """Length-bucketed micro-batches: sorted by length, each padded only to its own longest row,
+    with at most `token_budget` padded tokens (a single longer row gets a micro-batch of its own)."""
     order = sorted(rows, key=lambda r: len(r.input_ids))
     batches, current = [], []
     for row in order:
@@ -93,6 +135,11 @@ class MicroBatch:
     token_mask: torch.Tensor  # bool [tokens]
     sample_index: torch.Tensor  # int64 [tokens]; which row of this micro-batch
     num_real_tokens: int
+    prox_logprobs: torch.Tensor | None = None  # float32 [tokens]; policy at step start, when computed
+
+    def to(self, device) -> MicroBatch:
+        moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()}
+        return MicroBatch(**moved)
 
 
 def collate(rows: list[Row]) -> MicroBatch:
@@ -119,4 +166,6 @@ def collate(rows: list[Row]) -> MicroBatch:
         token_mask=torch.from_numpy(cat([r.token_mask for r in rows])),
         sample_index=torch.from_numpy(cat(sample_index)),
         num_real_tokens=int(attn.sum()),
+        prox_logprobs=None if any(r.prox_logprobs is None for r in rows)
+        else torch.from_numpy(cat([r.prox_logprobs for r in rows]).astype(np.float32)),
     )

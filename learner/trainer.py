@@ -1,10 +1,14 @@
-"""One optimizer step on a step batch: micro-batches -> fused logprobs -> loss -> AdamW.
+"""One training step on a step batch: advantages -> mini-batches -> micro-batches -> fused
+logprobs -> loss -> AdamW, on one rank or several (Accelerate; DDP syncs the gradients).
 
 Logprobs come from `tidal.kernels.logprobs` on the final hidden states and the LM-head
-weight (fp32 accumulation), so [tokens x vocab] logits are never materialized.
+weight (fp32 accumulation), so [tokens x vocab] logits are never materialized. Every rank is
+given the same step batch and trains on its share; aggregation weights and advantage
+statistics use counts summed over all ranks, so N ranks make the same update as one.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -12,9 +16,10 @@ import numpy as np
 import torch
 
 from tidal.broker.schema import RolloutGroup
-from tidal.config import LearnerConfig
+from tidal.config import LearnerConfig, LossType, LrScaling
 from tidal.kernels import logprobs as fused_logprobs
-from tidal.learner.batch import MicroBatch, build_rows, collate, micro_batches
+from tidal.learner.batch import (MicroBatch, Row, aggregation_weights, assign_groups, build_rows, collate,
+                                 group_advantages, micro_batches)
 from tidal.learner.loss import LossInputs, policy_loss
 
 
@@ -24,23 +29,48 @@ def load_policy(model_path: str, dtype: str):
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype), attn_implementation="sdpa")
 
 
-def token_logprobs(model, mb: MicroBatch, temperature: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprob [tokens], entropy [tokens]) of each completion token under `model`."""
-    hidden = model.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state  # [B, L, D]
-    hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.predict_at)  # [tokens, D]
-    return fused_logprobs(hidden, model.lm_head.weight, mb.targets, temperature, backend=backend)
+class PolicyLogprobs(torch.nn.Module):
+    """The policy, with a forward that returns (logprob [tokens], entropy [tokens]) of completion tokens.
+
+    Accelerate wraps this module (DDP on several ranks): the forward that builds the loss runs
+    through the wrapper, so every parameter it touches, the LM head included, has its gradient synced.
+    """
+
+    def __init__(self, policy, temperature: float, backend: str):
+        super().__init__()
+        self.policy = policy
+        self.temperature = temperature
+        self.backend = backend
+
+    def forward(self, input_ids, attention_mask, predict_at, targets) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.policy.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, L, D]
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, predict_at)  # [tokens, D]
+        return fused_logprobs(hidden, self.policy.lm_head.weight, targets, self.temperature, backend=self.backend)
+
+
+def effective_lr(cfg: LearnerConfig) -> float:
+    """optim.lr, times sqrt(B / B_ref) under lr_scaling=sqrt, with B = learner.groups_per_step."""
+    optim = cfg.optim
+    if optim.lr_scaling is LrScaling.sqrt:
+        return optim.lr * math.sqrt(cfg.groups_per_step / optim.ref_groups_per_step)
+    return optim.lr
 
 
 class Trainer:
     def __init__(self, cfg: LearnerConfig, model, accelerator, temperature: float):
         self.cfg = cfg
         self.accelerator = accelerator
-        self.temperature = temperature
-        optim = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+        module = PolicyLogprobs(model, temperature, cfg.kernel_backend)
+        optim = torch.optim.AdamW(module.parameters(), lr=effective_lr(cfg), betas=tuple(cfg.optim.betas),
                                   eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
         warmup = max(cfg.optim.warmup_steps, 0)
-        sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
-        self.model, self.optimizer, self.scheduler = accelerator.prepare(model, optim, sched)
+        # Not passed to accelerator.prepare: Accelerate's scheduler wrapper advances once per rank
+        # per step, which would make warmup depend on the number of ranks.
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optim, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+        accelerator.register_for_checkpointing(self.scheduler)
+        self.model, self.optimizer = accelerator.prepare(module, optim)
+        self.num_updates = cfg.loss.epochs_per_step * cfg.loss.minibatches_per_step
 
     @property
     def num_params(self) -> int:
@@ -48,93 +78,202 @@ class Trainer:
 
     @property
     def policy(self):
-        return self.accelerator.unwrap_model(self.model)
+        return self.accelerator.unwrap_model(self.model).policy
 
-    def step(self, groups: list[RolloutGroup], token_masks: list[list[np.ndarray]], version: int) -> dict[str, float]:
-        """One optimizer step; the metrics describe the batch as seen at step start (version `version`)."""
+    def step(self, groups: list[RolloutGroup], token_masks: list[list[np.ndarray]], version: int, *,
+             local_batch: bool = False) -> dict[str, float]:
+        """One step (epochs x mini-batches optimizer updates); the metrics describe the batch as seen at
+        step start (version `version`). Every rank passes the same step batch and trains on its share;
+        with local_batch=True each rank passes its own groups instead."""
         start = time.perf_counter()
-        rows = build_rows(groups, token_masks, self.cfg.advantage_norm, self.cfg.loss.aggregation)
+        minibatches = self._build_minibatches(groups, token_masks, local_batch)
         self.model.train()
         stats = _StepStats(version)
-        for rows_mb in micro_batches(rows, self.cfg.micro_batch_tokens):
-            mb = collate(rows_mb)
-            logp, entropy = token_logprobs(self.policy, mb, self.temperature, self.cfg.kernel_backend)
-            inputs = LossInputs(logp, mb.behavior_logprobs, mb.advantages, mb.weights.float())
-            loss, extra = policy_loss(inputs, self.cfg.loss)
-            self.accelerator.backward(loss)
-            stats.add(mb, logp.detach(), entropy.detach(), loss.detach(), extra)
-        grad_norm = self._optimizer_step()
+        for rows in minibatches:
+            stats.add_rows(rows)
+        if self.num_updates > 1:  # later updates run on moved weights: take the step-start view first
+            self._step_start_pass(minibatches, stats)
+        lr = self.scheduler.get_last_lr()[0]
+        grad_norms = [self._update(rows, stats) for _ in range(self.cfg.loss.epochs_per_step) for rows in minibatches]
+        self.scheduler.step()
         elapsed = time.perf_counter() - start
-        return stats.summary() | {
-            "learner/grad_norm": grad_norm, "learner/lr": self.scheduler.get_last_lr()[0],
-            "learner/advantage_std": float(np.std([r.advantage for r in rows])),
-            "timing/train_step_s": elapsed, "learner/tokens_per_s": stats.num_computed_tokens / elapsed,
-            "learner/computed_tokens": float(stats.num_computed_tokens),
+        summary = stats.summary(self._all_sum, self._all_max, self.num_updates)
+        return summary | {
+            "learner/grad_norm": float(np.mean(grad_norms)), "optim/lr": float(lr),
+            "learner/num_updates": float(self.num_updates), "timing/train_step_s": elapsed,
+            "learner/tokens_per_s": summary["learner/computed_tokens"] / elapsed,
         }
+
+    def _build_minibatches(self, groups, token_masks, local_batch: bool) -> list[list[Row]]:
+        """This rank's rows of each mini-batch, with advantages over the step batch and aggregation
+        weights over each mini-batch, both counted over every rank."""
+        world, rank = (1, 0) if local_batch else (self.accelerator.num_processes, self.accelerator.process_index)
+        plan = assign_groups(groups, self.cfg.loss.minibatches_per_step, world, rank)
+        # Every rank must take part in every update (DDP syncs each one): all ranks check, then all raise.
+        fewest = self._all_reduce([min(len(part) for part in plan)], "MIN")[0]
+        if fewest < 1:
+            raise ValueError(f"a rank has no group in some mini-batch: {len(groups)} groups on rank "
+                             f"{self.accelerator.process_index} for learner.loss.minibatches_per_step="
+                             f"{len(plan)} x {self.accelerator.num_processes} rank(s); raise learner.groups_per_step")
+        mine = sorted(i for part in plan for i in part)
+        advantages = dict(zip(mine, group_advantages([groups[i] for i in mine], self.cfg.advantage_norm,
+                                                     self._all_sum)))
+        out = []
+        for part in plan:
+            masks = [token_masks[i] for i in part]
+            weights = aggregation_weights(masks, self.cfg.loss.aggregation, self._all_sum)
+            out.append(build_rows([groups[i] for i in part], masks, [advantages[i] for i in part], weights))
+        return out
+
+    @torch.no_grad()
+    def _step_start_pass(self, minibatches: list[list[Row]], stats: _StepStats) -> None:
+        """Logprobs of the step-start (proximal) policy for every row, and the step-start metrics."""
+        # The unwrapped module runs no collectives, so ranks may run different numbers of micro-batches.
+        module = self.accelerator.unwrap_model(self.model)
+        for rows in minibatches:
+            for rows_mb in micro_batches(rows, self.cfg.micro_batch_tokens):
+                mb = collate(rows_mb).to(self.accelerator.device)
+                logp, entropy = module(mb.input_ids, mb.attention_mask, mb.predict_at, mb.targets)
+                stats.add_step_start(mb, logp, entropy)
+                stats.num_forward_only_tokens += mb.input_ids.numel()
+                per_row = logp.float().cpu().numpy()
+                index = mb.sample_index.cpu().numpy()
+                for i, row in enumerate(rows_mb):
+                    row.prox_logprobs = per_row[index == i]
+
+    def _update(self, rows: list[Row], stats: _StepStats) -> float:
+        """Forward and backward over the micro-batches of one mini-batch, then one optimizer update."""
+        batches = micro_batches(rows, self.cfg.micro_batch_tokens)
+        for i, rows_mb in enumerate(batches):
+            mb = collate(rows_mb).to(self.accelerator.device)
+            # DDP all-reduces once, on the last micro-batch; the others accumulate gradients locally.
+            sync = i == len(batches) - 1
+            with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
+                logp, entropy = self.model(mb.input_ids, mb.attention_mask, mb.predict_at, mb.targets)
+                loss, extra = policy_loss(self._loss_inputs(mb, logp), self.cfg.loss)
+                # The weights already average over every rank's tokens; DDP's mean over ranks would
+                # divide the summed gradient again, so scale it back up.
+                self.accelerator.backward(loss * self.accelerator.num_processes)
+            if self.num_updates == 1:
+                stats.add_step_start(mb, logp.detach(), entropy.detach())
+            stats.add_update(mb, float(loss.detach()), extra["clipped"])
+        return self._optimizer_step()
+
+    def _loss_inputs(self, mb: MicroBatch, logp: torch.Tensor) -> LossInputs:
+        prox = mb.prox_logprobs
+        if prox is None and self.cfg.loss.type is LossType.ppo:
+            prox = logp.detach()  # a single update starts from the step-start weights: these are the proximal logprobs
+        return LossInputs(logp, mb.behavior_logprobs, mb.advantages, mb.weights.float(), prox_logprobs=prox,
+                          sample_index=mb.sample_index, token_mask=mb.token_mask)
 
     def _optimizer_step(self) -> float:
         max_norm = self.cfg.optim.max_grad_norm
         if max_norm > 0:
             grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
         else:
-            grad_norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in self.model.parameters() if p.grad is not None))
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            grad_norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads))
         if not math.isfinite(grad_norm):
             raise FloatingPointError(f"gradient norm is {grad_norm}: refusing to step (check learner.optim.lr)")
         self.optimizer.step()
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
+    def _all_sum(self, values) -> np.ndarray:
+        return self._all_reduce(values, "SUM")
+
+    def _all_max(self, values) -> np.ndarray:
+        return self._all_reduce(values, "MAX")
+
+    def _all_reduce(self, values, op: str) -> np.ndarray:
+        """float64 vector reduced over every rank (a copy on one rank)."""
+        values = np.asarray(values, dtype=np.float64)
+        if self.accelerator.num_processes == 1:
+            return values.copy()
+        tensor = torch.from_numpy(values.copy()).to(self.accelerator.device)
+        torch.distributed.all_reduce(tensor, op=getattr(torch.distributed.ReduceOp, op))
+        return tensor.cpu().numpy()
+
 
 class _StepStats:
-    """Accumulates per-token statistics across micro-batches into DESIGN §6 metrics."""
+    """Per-rank sums of DESIGN §6 statistics, reduced over all ranks into metrics at the end."""
+
+    SUMS = ("tokens", "rho", "rho_sq", "kl", "entropy", "lag", "clipped", "clip_tokens", "loss", "computed",
+            "real", "fresh", "samples", "adv", "adv_sq")
+    MAXES = ("rho_max", "lag_max", "fresh_max")
 
     def __init__(self, version: int):
         self.version = version
-        self.parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("logp", "blogp", "entropy", "clipped", "lag", "fresh")}
-        self.loss = 0.0
-        self.num_computed_tokens = 0
-        self.num_real_tokens = 0
+        self.sums = dict.fromkeys(self.SUMS, 0.0)
+        self.maxes = dict.fromkeys(self.MAXES, -math.inf)
+        self.num_forward_only_tokens = 0
 
-    def add(self, mb: MicroBatch, logp, entropy, loss, extra) -> None:
+    def add_step_start(self, mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor) -> None:
+        """Token statistics under the step-start weights (unmasked tokens only)."""
         keep = mb.token_mask
-        self.parts["logp"].append(logp[keep])
-        self.parts["blogp"].append(mb.behavior_logprobs[keep])
-        self.parts["entropy"].append(entropy[keep])
-        self.parts["clipped"].append(extra["clipped"][keep])
-        self.parts["lag"].append((self.version - mb.versions)[keep].float())
+        log_rho = (logp - mb.behavior_logprobs).double()[keep]
+        rho = log_rho.exp()
+        lag = (self.version - mb.versions)[keep].double()
+        s = self.sums
+        s["tokens"] += rho.numel()
+        s["rho"] += float(rho.sum())
+        s["rho_sq"] += float(rho.square().sum())
+        # k3 estimator of KL(behavior || learner) under behavior samples: E[rho - 1 - log rho]
+        s["kl"] += float((rho - 1 - log_rho).sum())
+        s["entropy"] += float(entropy.double()[keep].sum())
+        s["lag"] += float(lag.sum())
         # Tokens of samples produced entirely at the current version: learner and actor ran the
         # same weights over the whole sequence, so their logprobs must agree.
-        fresh = _fresh_samples(mb, self.version)
-        self.parts["fresh"].append((logp - mb.behavior_logprobs).abs()[fresh])
-        self.loss += float(loss)
-        self.num_computed_tokens += mb.input_ids.numel()
-        self.num_real_tokens += mb.num_real_tokens
+        fresh = (logp - mb.behavior_logprobs).abs()[_fresh_samples(mb, self.version)]
+        s["fresh"] += fresh.numel()
+        for key, values in (("rho_max", rho), ("lag_max", lag), ("fresh_max", fresh)):
+            if values.numel():
+                self.maxes[key] = max(self.maxes[key], float(values.max()))
 
-    def summary(self) -> dict[str, float]:
-        cat = {k: torch.cat(v) if v else torch.zeros(0) for k, v in self.parts.items()}
-        log_rho = cat["logp"] - cat["blogp"]
-        rho = log_rho.exp()
+    def add_rows(self, rows: list[Row]) -> None:
+        advantages = np.array([r.advantage for r in rows])
+        self.sums["samples"] += advantages.size
+        self.sums["adv"] += float(advantages.sum())
+        self.sums["adv_sq"] += float(np.square(advantages).sum())
+
+    def add_update(self, mb: MicroBatch, loss: float, clipped: torch.Tensor) -> None:
+        keep = mb.token_mask
+        self.sums["clipped"] += float(clipped[keep].sum())
+        self.sums["clip_tokens"] += int(keep.sum())
+        self.sums["loss"] += loss
+        self.sums["computed"] += mb.input_ids.numel()
+        self.sums["real"] += mb.num_real_tokens
+
+    def summary(self, all_sum, all_max, num_updates: int) -> dict[str, float]:
+        s = dict(zip(self.SUMS, all_sum([self.sums[k] for k in self.SUMS])))
+        m = dict(zip(self.MAXES, all_max([self.maxes[k] for k in self.MAXES])))
+        n = max(s["tokens"], 1.0)
+        adv_mean = s["adv"] / max(s["samples"], 1.0)
         out = {
-            "learner/loss": self.loss,
-            "learner/entropy": float(cat["entropy"].mean()),
-            "learner/num_tokens": float(rho.numel()),
-            "learner/packing_efficiency": self.num_real_tokens / max(self.num_computed_tokens, 1),
-            "offpolicy/rho_mean": float(rho.mean()), "offpolicy/rho_max": float(rho.max()),
-            "offpolicy/clipped_frac": float(cat["clipped"].mean()),
-            "offpolicy/ess": float(rho.sum() ** 2 / (rho.numel() * (rho ** 2).sum())),
-            # k3 estimator of KL(behavior || learner) under behavior samples: E[rho - 1 - log rho]
-            "offpolicy/mismatch_kl": float((rho - 1 - log_rho).mean()),
-            "offpolicy/lag_mean": float(cat["lag"].mean()), "offpolicy/lag_max": float(cat["lag"].max()),
+            "learner/loss": s["loss"] / num_updates,  # each update's loss is a weighted mean: average them
+            "learner/entropy": s["entropy"] / n,
+            "learner/num_tokens": s["tokens"],
+            "learner/num_samples": s["samples"],
+            "learner/computed_tokens": s["computed"],
+            "learner/forward_only_tokens": float(all_sum([self.num_forward_only_tokens])[0]),
+            "learner/packing_efficiency": s["real"] / max(s["computed"], 1.0),
+            "learner/advantage_std": math.sqrt(max(s["adv_sq"] / max(s["samples"], 1.0) - adv_mean ** 2, 0.0)),
+            "offpolicy/rho_mean": s["rho"] / n,
+            "offpolicy/rho_max": m["rho_max"] if s["tokens"] else 0.0,
+            "offpolicy/clipped_frac": s["clipped"] / max(s["clip_tokens"], 1.0),
+            "offpolicy/ess": s["rho"] ** 2 / (n * s["rho_sq"]) if s["rho_sq"] else 0.0,
+            "offpolicy/mismatch_kl": s["kl"] / n,
+            "offpolicy/lag_mean": s["lag"] / n,
+            "offpolicy/lag_max": m["lag_max"] if s["tokens"] else 0.0,
         }
-        if cat["fresh"].numel():
-            out["offpolicy/fresh_logprob_max_abs_diff"] = float(cat["fresh"].max())
-            out["offpolicy/fresh_tokens"] = float(cat["fresh"].numel())
-        return out
+        if s["fresh"]:
+            out["offpolicy/fresh_logprob_max_abs_diff"] = m["fresh_max"]
+            out["offpolicy/fresh_tokens"] = s["fresh"]
+        return {k: float(v) for k, v in out.items()}
 
 
 def _fresh_samples(mb: MicroBatch, version: int) -> torch.Tensor:
-    """bool [tokens]: tokens of samples whose every token was produced at `version`."""
-    stale = torch.zeros(int(mb.sample_index.max()) + 1, dtype=torch.bool)
+    """bool [tokens]: unmasked tokens of samples whose every token was produced at `version`."""
+    stale = torch.zeros(int(mb.sample_index.max()) + 1, dtype=torch.bool, device=mb.versions.device)
     stale.index_put_((mb.sample_index,), mb.versions != version, accumulate=True)
-    return ~stale[mb.sample_index]
+    return ~stale[mb.sample_index] & mb.token_mask

@@ -53,7 +53,7 @@ def test_cispo_value_and_gradient_by_hand():
     inputs = LossInputs(logp, torch.tensor([-1.5, -0.5]), torch.tensor([2.0, -1.0]), torch.tensor([0.5, 0.5]))
     loss, extra = policy_loss(inputs, LossConfig(eps_max=1.5))
     # loss = -(0.5*1.5*2*(-1) + 0.5*0.2231*(-1)*(-2)) = -(-1.5 + 0.22313) = 1.27687
-    assert float(loss) == pytest.approx(1.5 - 0.5 * np.exp(-1.5) * 2, rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(1.5 - 0.5 * np.exp(-1.5) * 2, rel=1e-5)
     loss.backward()
     # d loss / d logp = -w * min(rho, eps) * A = [-0.5*1.5*2, -0.5*0.22313*(-1)]
     np.testing.assert_allclose(logp.grad.numpy(), [-1.5, 0.5 * np.exp(-1.5)], rtol=1e-5)
@@ -61,7 +61,8 @@ def test_cispo_value_and_gradient_by_hand():
 
 
 def test_micro_batches_respect_the_budget_and_cover_every_token():
-    rows = build_rows(GROUPS, MASKS, AdvantageNorm.batch, Aggregation.prompt_mean)
+    rows = build_rows(GROUPS, MASKS, group_advantages(GROUPS, AdvantageNorm.batch),
+                      aggregation_weights(MASKS, Aggregation.prompt_mean))
     batches = micro_batches(rows, token_budget=10)
     assert sum(len(b) for b in batches) == 5
     for b in batches:

@@ -1,0 +1,63 @@
+"""Two CPU ranks (torchrun, gloo) make the same update as one: DDP syncs the gradients and the
+loss is normalised by counts over both ranks."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from multirank_step import CASES, learner_config, run_step, step_batch
+from tidal.learner.batch import assign_groups
+
+SCRIPT = Path(__file__).with_name("multirank_step.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.integration  # two torchrun processes plus a one-rank reference: 12-21 s on 2 busy cores
+def test_two_ranks_make_the_same_update_as_one(tmp_path):
+    from accelerate import Accelerator
+
+    env = os.environ | {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(SCRIPT), str(tmp_path)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    accelerator = Accelerator(cpu=True)
+    for name, case in CASES.items():
+        expected, expected_metrics = run_step(learner_config(*case), accelerator)
+        params = torch.load(tmp_path / f"{name}.pt")
+        metrics = json.loads((tmp_path / f"{name}.json").read_text())
+        assert metrics["world_size"] == 2
+        for key, value in expected.items():
+            torch.testing.assert_close(params[key], value, atol=1e-5, rtol=0, msg=f"{name}: {key}")
+        # metrics are reduced over both ranks: the same as one rank's
+        for key in ("learner/loss", "learner/entropy", "learner/num_tokens", "learner/advantage_std",
+                    "offpolicy/rho_mean", "offpolicy/rho_max", "offpolicy/clipped_frac", "offpolicy/lag_mean",
+                    "offpolicy/mismatch_kl", "learner/grad_norm"):
+            assert metrics[key] == pytest.approx(expected_metrics[key], rel=1e-5, abs=1e-6), f"{name}: {key}"
+    for rank in (0, 1):
+        assert "learner.groups_per_step" in (tmp_path / f"too_few_groups_rank{rank}.txt").read_text()
+
+
+def test_groups_are_split_into_minibatches_then_balanced_over_ranks():
+    groups, _ = step_batch(6)
+    # tokens per group (prompt + completion, per sample), from step_batch's fixed seed
+    tokens = [sum(len(g.prompt_tokens.data) // 4 + s.num_tokens for s in g.samples) for g in groups]
+    one_rank = assign_groups(groups, 2, world_size=1, rank=0)
+    assert one_rank == [[0, 1, 2], [3, 4, 5]]  # contiguous mini-batches, whatever the number of ranks
+    plans = [assign_groups(groups, 2, world_size=2, rank=r) for r in (0, 1)]
+    for k, part in enumerate(one_rank):
+        shares = [plans[r][k] for r in (0, 1)]
+        assert sorted(shares[0] + shares[1]) == part and all(shares)
+        # longest first to the least-loaded rank: no rank carries more than the other plus its longest group
+        loads = [sum(tokens[i] for i in share) for share in shares]
+        assert abs(loads[0] - loads[1]) <= max(tokens[i] for i in part)
