@@ -20,10 +20,12 @@ from tidal.broker.schema import (Heartbeat, PromptGroup, RolloutGroup, Sample, S
                                  int32s)
 from tidal.broker.weights import verify_weight_file
 from tidal.config import ActorConfig
+from tidal.health import HealthFile
 
 log = logging.getLogger(__name__)
 
 MAX_WEIGHT_LOAD_FAILURES = 10  # in a row would mean the weight folder is unreachable: stop loudly
+CATCH_UP_TIMEOUT_S = 30.0  # how long a joining actor waits to hear the newest weights before starting at v0
 
 
 class Actor:
@@ -45,6 +47,7 @@ class Actor:
 
     async def run(self) -> str:
         """Runs until the learner says shutdown; returns its reason."""
+        await self.catch_up()
         await self.send_heartbeat(hello=True)
         tasks = [asyncio.create_task(coro) for coro in (self.fill_slots(), self.watch_weights(), self.heartbeats())]
         stopper = asyncio.create_task(self.stop.wait())
@@ -107,6 +110,21 @@ class Actor:
 
     # ---- weights -------------------------------------------------------------------------------
 
+    async def catch_up(self) -> None:
+        """A joining or restarted actor loads the newest announced weights before it says hello."""
+        update = await self.transport.latest_weights(timeout_s=CATCH_UP_TIMEOUT_S)
+        if update is None or update.version <= self.engine.version:
+            return
+        try:
+            path = await asyncio.to_thread(verify_weight_file, update)
+            paused_s = await self.engine.load_weights(str(path), update.version)
+        except Exception as err:  # pruned meanwhile: the groups' min_version makes us load a newer one
+            log.warning("could not catch up to weights v%d (%s); continuing", update.version, err)
+            return
+        self.latest = update
+        self.stats["weight_updates"] += 1
+        log.info("caught up to weights v%d before taking work (%.3f s)", update.version, paused_s)
+
     def note_announcement(self, update: WeightUpdate) -> None:
         if self.latest is None or update.version > self.latest.version:
             self.latest = update
@@ -159,7 +177,9 @@ class Actor:
     # ---- liveness ------------------------------------------------------------------------------
 
     async def heartbeats(self) -> None:
+        health = HealthFile(self.cfg.health_file, every_s=0)
         while True:
+            health.touch()
             await asyncio.sleep(self.cfg.heartbeat_s)
             await self.send_heartbeat()
 

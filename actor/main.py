@@ -13,14 +13,13 @@ log = logging.getLogger("tidal.actor")
 async def serve(cfg: RunConfig) -> str:
     from tidal.actor.engine import Engine
     from tidal.actor.loop import Actor
-    from tidal.broker.schema import WireCodec
-    from tidal.broker.zmq_transport import ZmqActorTransport
+    from tidal.broker.factory import actor_transport
     from tidal.tasks import get_reward
     from tidal.tiny import resolve_model_path
 
     cfg.model.path = resolve_model_path(cfg.model, cfg.task)
     index = int(cfg.actor.id.rsplit("-", 1)[-1]) if cfg.actor.id.rsplit("-", 1)[-1].isdigit() else 0
-    transport = ZmqActorTransport(cfg.broker.zmq, WireCodec(cfg.broker.max_message_bytes), cfg.actor.id)
+    transport = actor_transport(cfg.broker, cfg.actor.id, cfg.name)
     engine = Engine(cfg.actor, cfg.model.path, cfg.model.dtype, seed=cfg.actor.seed + index)
     await engine.set_version(0)
     actor = Actor(cfg.actor, engine, transport, {cfg.task.name: get_reward(cfg.task.name)})

@@ -2,7 +2,10 @@
 
 The learner side is synchronous and thread-safe (the coordinator thread submits prompts, the
 training loop takes rollouts and publishes weights); the actor side is asyncio, because the
-actor runs vLLM's AsyncLLM. Implementations: zmq (embedded default).
+actor runs vLLM's AsyncLLM. Implementations: zmq (embedded default) and redis (durable).
+
+Delivery is at-least-once on both: a consumer that dies before acknowledging gets its work
+redelivered, so every consumer of the learner side deduplicates by group id.
 """
 from __future__ import annotations
 
@@ -26,8 +29,19 @@ class ActorInfo:
     last_seen: float = field(default_factory=time.monotonic)
 
 
+@dataclass
+class ActorJoin:
+    """An actor's hello: the version it runs then, and the newest version announced by then."""
+
+    actor_id: str
+    version: int
+    announced: int
+
+
 class LearnerTransport(abc.ABC):
     """Learner side: prompt queue out, rollout stream in, weight announcements out."""
+
+    durable: bool = False  # True when queued prompts and unacknowledged rollouts survive a learner restart
 
     @abc.abstractmethod
     def submit_prompts(self, groups: list[PromptGroup]) -> None:
@@ -42,8 +56,23 @@ class LearnerTransport(abc.ABC):
         """Announce a new weight version to every actor, including ones that join later."""
 
     @abc.abstractmethod
+    def shutdown_actors(self, reason: str) -> None:
+        """Tell every actor to stop (the run is over)."""
+
+    @abc.abstractmethod
     def actors(self) -> dict[str, ActorInfo]:
-        """Actors heard from recently."""
+        """Actors heard from within the actor timeout."""
+
+    def take_joins(self) -> list[ActorJoin]:
+        """Hellos since the last call."""
+        return []
+
+    def take_dead_letters(self) -> list[str]:
+        """Group ids given up on (delivered too often) since the last call."""
+        return []
+
+    def commit(self) -> None:
+        """Everything returned by recv_rollout so far is durably handled (checkpointed): acknowledge it."""
 
     @abc.abstractmethod
     def metrics(self) -> dict[str, float]:
@@ -61,7 +90,12 @@ class ActorTransport(abc.ABC):
         """Ask for up to max_samples samples' worth of prompt groups; None if nothing came in time."""
 
     @abc.abstractmethod
-    async def send_rollout(self, group: RolloutGroup) -> None: ...
+    async def send_rollout(self, group: RolloutGroup) -> None:
+        """Publish a finished group; this also acknowledges its prompt."""
+
+    @abc.abstractmethod
+    async def latest_weights(self, timeout_s: float) -> WeightUpdate | None:
+        """The newest announced weights (None if none yet): a joining actor loads them before working."""
 
     @abc.abstractmethod
     async def next_weight_update(self) -> WeightUpdate:

@@ -7,6 +7,11 @@
 Prompts are pulled, not pushed: an actor asks for as many samples as it has free slots and
 the learner grants whole groups that fit. Nothing sits in an actor's socket buffer that it
 did not ask for, and load balances itself across actors of different speeds.
+
+ZeroMQ acknowledges nothing, so the learner keeps every granted group until its rollout comes
+back. An actor silent for `broker.actor_timeout_s`, or one that says hello again under the
+same id (restarted), has its unreturned groups queued again at the front. A slow actor that
+was given up on may still deliver: the learner deduplicates by group id.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ import time
 import zmq
 import zmq.asyncio
 
-from tidal.broker.base import ActorInfo, ActorTransport, LearnerTransport
+from tidal.broker.base import ActorInfo, ActorJoin, ActorTransport, LearnerTransport
 from tidal.broker.schema import (Heartbeat, Message, PromptGroup, RolloutGroup, Shutdown, WeightUpdate,
                                  WireCodec, WireError, WorkGrant, WorkRequest)
 from tidal.config import ZmqConfig
@@ -40,9 +45,13 @@ def _bind(sock: zmq.Socket, host: str, port: int) -> int:
 class ZmqLearnerTransport(LearnerTransport):
     """Owns the learner's three sockets on one I/O thread; the public methods are thread-safe."""
 
-    def __init__(self, cfg: ZmqConfig, codec: WireCodec):
+    def __init__(self, cfg: ZmqConfig, codec: WireCodec, actor_timeout_s: float = 10.0):
         self._cfg = cfg
         self._codec = codec
+        self._actor_timeout_s = actor_timeout_s
+        self._granted: dict[str, tuple[str, PromptGroup]] = {}  # group id -> (actor id, group), until returned
+        self._joins: list[ActorJoin] = []
+        self.num_redispatched = 0
         self._pending: collections.deque[PromptGroup] = collections.deque()
         self._parked: collections.deque[tuple[bytes, WorkRequest, float]] = collections.deque()
         self._rollouts: queue.Queue[RolloutGroup] = queue.Queue()
@@ -85,10 +94,17 @@ class ZmqLearnerTransport(LearnerTransport):
         with self._lock:
             return dict(self._actors)
 
+    def take_joins(self) -> list[ActorJoin]:
+        with self._lock:
+            joins, self._joins = self._joins, []
+        return joins
+
     def metrics(self) -> dict[str, float]:
         with self._lock:
             out = {"broker/pending_prompt_groups": float(len(self._pending)),
                    "broker/granted_groups": float(self.num_granted_groups),
+                   "broker/unreturned_groups": float(len(self._granted)),
+                   "broker/redispatched_groups": float(self.num_redispatched),
                    "broker/live_actors": float(len(self._actors))}
             if self._actors:
                 out["timing/actor_weight_swap_paused_s"] = max(a.weight_swap_paused_s for a in self._actors.values())
@@ -111,6 +127,7 @@ class ZmqLearnerTransport(LearnerTransport):
         ctx = zmq.Context()
         try:
             router, pull, pub = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
+            router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted actor reuses its id at once
             pull.setsockopt(zmq.RCVHWM, self._cfg.rollout_hwm)
             for sock in (router, pull, pub):
                 sock.setsockopt(zmq.LINGER, 0)
@@ -139,6 +156,7 @@ class ZmqLearnerTransport(LearnerTransport):
             while not self._outbox.empty():
                 pub.send(self._codec.encode(self._outbox.get_nowait()))
             self._serve_parked(router)
+            self._expire_silent_actors()
 
     def _drain_rollouts(self, pull: zmq.Socket) -> None:
         while True:
@@ -147,9 +165,13 @@ class ZmqLearnerTransport(LearnerTransport):
             except zmq.Again:
                 return
             try:
-                self._rollouts.put(self._codec.decode(frame.buffer, expect=RolloutGroup))
+                group = self._codec.decode(frame.buffer, expect=RolloutGroup)
             except WireError as err:
                 log.warning("rejected a frame on the rollout stream: %s", err)
+                continue
+            with self._lock:
+                self._granted.pop(group.group_id, None)
+            self._rollouts.put(group)
 
     def _drain_control(self, router: zmq.Socket) -> None:
         while True:
@@ -169,14 +191,38 @@ class ZmqLearnerTransport(LearnerTransport):
             if isinstance(msg, Heartbeat):
                 self._on_heartbeat(msg)
             else:
+                with self._lock:
+                    if msg.actor_id in self._actors:
+                        self._actors[msg.actor_id].last_seen = time.monotonic()
                 self._parked.append((identity, msg, time.monotonic() + LONG_POLL_S))
 
     def _on_heartbeat(self, beat: Heartbeat) -> None:
         with self._lock:
-            if beat.actor_id not in self._actors:
-                log.info("actor %s joined (engine %s, weight version %d)", beat.actor_id, beat.engine, beat.version)
+            if beat.hello:
+                announced = self._latest_weights.version if self._latest_weights else 0
+                log.info("actor %s joined (engine %s, weight version %d, latest announced %d)",
+                         beat.actor_id, beat.engine, beat.version, announced)
+                self._joins.append(ActorJoin(beat.actor_id, beat.version, announced))
+                self._requeue(beat.actor_id, "said hello again (restarted)")
             self._actors[beat.actor_id] = ActorInfo(beat.actor_id, beat.version, beat.engine, beat.outstanding,
                                                     beat.num_generated_tokens, beat.weight_swap_paused_s)
+
+    def _expire_silent_actors(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for actor_id, info in list(self._actors.items()):
+                if now - info.last_seen > self._actor_timeout_s:
+                    del self._actors[actor_id]
+                    self._requeue(actor_id, f"silent for {now - info.last_seen:.1f} s")
+
+    def _requeue(self, actor_id: str, why: str) -> None:
+        """Queue an actor's unreturned groups again, at the front (they are the oldest). Lock held."""
+        mine = [gid for gid, (owner, _) in self._granted.items() if owner == actor_id]
+        if not mine:
+            return
+        self._pending.extendleft(reversed([self._granted.pop(gid)[1] for gid in mine]))
+        self.num_redispatched += len(mine)
+        log.warning("actor %s %s: re-dispatching its %d unreturned groups", actor_id, why, len(mine))
 
     def _serve_parked(self, router: zmq.Socket) -> None:
         """Grant parked requests in arrival order; answer empty ones whose long poll ran out."""
@@ -184,7 +230,7 @@ class ZmqLearnerTransport(LearnerTransport):
         still_parked = collections.deque()
         while self._parked:
             identity, request, deadline = self._parked.popleft()
-            groups = self._take(request.max_samples)
+            groups = self._take(request.actor_id, request.max_samples)
             if groups or now >= deadline:
                 with self._lock:
                     latest = self._latest_weights
@@ -193,7 +239,7 @@ class ZmqLearnerTransport(LearnerTransport):
                 still_parked.append((identity, request, deadline))
         self._parked = still_parked
 
-    def _take(self, max_samples: int) -> list[PromptGroup]:
+    def _take(self, actor_id: str, max_samples: int) -> list[PromptGroup]:
         groups: list[PromptGroup] = []
         budget = max_samples
         with self._lock:
@@ -201,6 +247,7 @@ class ZmqLearnerTransport(LearnerTransport):
                 group = self._pending.popleft()
                 budget -= group.n
                 groups.append(group)
+                self._granted[group.group_id] = (actor_id, group)
             self.num_granted_groups += len(groups)
         return groups
 
@@ -239,6 +286,15 @@ class ZmqActorTransport(ActorTransport):
 
     async def send_rollout(self, group: RolloutGroup) -> None:
         await self._push.send(self._codec.encode(group), copy=False)
+
+    async def latest_weights(self, timeout_s: float) -> WeightUpdate | None:
+        """Every grant carries the newest announcement; an empty request fetches one."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            grant = await self.request_work(0, timeout_s=1.0)
+            if grant is not None:
+                return grant.latest_weights
+        return None
 
     async def next_weight_update(self) -> WeightUpdate | Shutdown:
         while True:

@@ -1,5 +1,6 @@
 """Checkpoints: Accelerate state (model, optimizer, scheduler, RNG) plus tidal's own state
-(policy version, coordinator position, MLflow run id) in `tidal_state.json`."""
+(policy version, coordinator bookkeeping, learner totals, the step's metrics, MLflow run id)
+in `tidal_state.json`, written last: a folder without it is an unfinished save and is ignored."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,17 @@ import shutil
 from pathlib import Path
 
 from tidal.config import CheckpointConfig
+
+STATE_FILE = "tidal_state.json"
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    done = sorted(p for p in directory.glob("step-*") if (p / STATE_FILE).is_file())
+    return done[-1] if done else None
+
+
+def read_state(path: Path) -> dict:
+    return json.loads((path / STATE_FILE).read_text())
 
 
 class Checkpointer:
@@ -16,15 +28,25 @@ class Checkpointer:
         self.accelerator = accelerator
         self.run_id = run_id
 
-    def due(self, version: int) -> bool:
-        return bool(self.cfg.every) and version % self.cfg.every == 0
+    @property
+    def periodic(self) -> bool:
+        return self.cfg.every > 0
 
-    def save(self, version: int, coordinator_state: dict) -> Path:
+    def due(self, version: int) -> bool:
+        return self.periodic and version % self.cfg.every == 0
+
+    def save(self, version: int, state: dict) -> Path:
         path = self.directory / f"step-{version:06d}"
         self.accelerator.save_state(str(path))
         if self.accelerator.is_main_process:
-            state = {"version": version, "coordinator": coordinator_state, "mlflow_run_id": self.run_id}
-            (path / "tidal_state.json").write_text(json.dumps(state, indent=2))
+            tmp = path / (STATE_FILE + ".tmp")
+            tmp.write_text(json.dumps({"version": version, "mlflow_run_id": self.run_id, **state}))
+            tmp.replace(path / STATE_FILE)
             for old in sorted(self.directory.glob("step-*"))[:-max(self.cfg.keep, 1)]:
                 shutil.rmtree(old, ignore_errors=True)
         return path
+
+    def load(self, path: Path) -> dict:
+        """Restore model, optimizer, scheduler and RNG in place; returns tidal's state."""
+        self.accelerator.load_state(str(path))
+        return read_state(path)

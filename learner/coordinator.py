@@ -1,22 +1,30 @@
-"""The coordinator thread: owns the prompt dataset, admission control and eval dispatch.
+"""The coordinator: owns the prompt dataset, admission control, eval dispatch, and the
+bookkeeping of every prompt group (what is outstanding, what was consumed).
 
-Admission control keeps `released - consumed <= (max_lag + 1) * groups_per_step`, and every
-released group carries `min_version` = the learner's version at release, so a token trained at
-step s was produced by weights no older than s - max_lag (DESIGN §3). Groups discarded at
-arrival (zero variance, stale) free their slot at once; trained groups free theirs only after
-the step that used them has bumped the version, which makes max_lag = 0 synchronous.
+Admission control keeps at most `(max_lag + 1) * groups_per_step` training groups outstanding,
+and every released group carries `min_version` = the learner's version at release, so a token
+trained at step s was produced by weights no older than s - max_lag (DESIGN §3). Groups
+discarded at arrival (zero variance, stale) free their slot at once; trained groups free theirs
+only after the step that used them has bumped the version, which makes max_lag = 0 synchronous.
+
+Delivery is at-least-once (a redelivered Redis entry, a group re-dispatched from an actor that
+went silent but was only slow), so the learner asks `admit(group_id)` first: a group id is
+consumed at most once. A copy of a group this coordinator never released (released by the
+learner before a restart) is trained normally but frees no slot.
 """
 from __future__ import annotations
 
 import logging
 import random
 import threading
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
 from tidal.broker.base import LearnerTransport
 from tidal.broker.schema import PromptGroup, SamplingParams, int32s
+from tidal.learner.ledger import Ledger
 from tidal.tasks import Prompt
 
 log = logging.getLogger(__name__)
@@ -38,17 +46,22 @@ class DispatchPlan:
 
 
 class Coordinator:
-    def __init__(self, plan: DispatchPlan, train: list[Prompt], val: list[Prompt], encode, transport: LearnerTransport):
+    def __init__(self, plan: DispatchPlan, train: list[Prompt], val: list[Prompt], encode,
+                 transport: LearnerTransport, ledger: Ledger):
         self.plan = plan
         self.train = train
         self.val = val
         self.encode = encode  # text -> list[int]
         self.transport = transport
+        self.ledger = ledger
         self.version = 0
         self.epoch = 0
         self.cursor = 0
         self.num_released = 0
-        self.num_consumed = 0
+        self.outstanding: dict[str, tuple[int, int]] = {}  # group id -> (train prompt index, min_version)
+        self.consumed: set[str] = set()  # group ids trained on or discarded
+        self.dead: set[str] = set()  # group ids given up on by the broker
+        self.counts: Counter[str] = Counter()
         self._order = self._shuffled(0)
         self._cond = threading.Condition()
         self._stop = False
@@ -75,17 +88,46 @@ class Coordinator:
 
     # ---- called by the training loop ---------------------------------------------------------
 
-    def on_discarded(self, num_groups: int) -> None:
-        """Groups dropped at arrival: their slots are free now."""
+    def admit(self, group_id: str) -> bool:
+        """True the first time a group id arrives; later copies are recorded as duplicates."""
         with self._cond:
-            self.num_consumed += num_groups
-            self._cond.notify_all()
+            if group_id in self.consumed:
+                self.counts["duplicates"] += 1
+                self.ledger.record("duplicate", id=group_id)
+                self._free(group_id)  # a re-released copy of a group first seen before a restart
+                return False
+            self.consumed.add(group_id)
+            if group_id not in self.outstanding:
+                self.counts["unknown"] += 1  # released before a restart; trained, frees no slot
+            return True
 
-    def on_step(self, new_version: int, num_groups: int) -> None:
-        """A step trained on num_groups groups and produced new_version (already published)."""
+    def on_discarded(self, group_id: str, reason: str) -> None:
+        """A group dropped at arrival: its slot is free now."""
+        with self._cond:
+            self.counts[f"discarded/{reason}"] += 1
+            self.ledger.record("discarded", reason=reason, id=group_id)
+            self._free(group_id)
+
+    def on_step(self, new_version: int, group_ids: list[str]) -> None:
+        """A step trained on these groups and produced new_version (already published)."""
         with self._cond:
             self.version = new_version
-            self.num_consumed += num_groups
+            self.ledger.record("trained", step=new_version, ids=group_ids)
+            for group_id in group_ids:
+                self._free(group_id)
+
+    def on_dead_letter(self, group_id: str) -> None:
+        """The broker gave up on a group (too many deliveries): free its slot, once."""
+        with self._cond:
+            if group_id in self.dead:
+                return
+            self.dead.add(group_id)
+            self.counts["dead_lettered"] += 1
+            self.ledger.record("dead_letter", id=group_id)
+            self._free(group_id)
+
+    def _free(self, group_id: str) -> None:
+        if self.outstanding.pop(group_id, None) is not None:
             self._cond.notify_all()
 
     def dispatch_eval(self, version: int) -> list[str]:
@@ -101,11 +143,11 @@ class Coordinator:
         try:
             while True:
                 with self._cond:
-                    self._cond.wait_for(lambda: self._stop or self.num_released - self.num_consumed < self.window)
+                    self._cond.wait_for(lambda: self._stop or len(self.outstanding) < self.window)
                     if self._stop:
                         return
-                    free = self.window - (self.num_released - self.num_consumed)
-                    groups = [self._next_train_group() for _ in range(free)]
+                    groups = [self._next_train_group() for _ in range(self.window - len(self.outstanding))]
+                    self.ledger.record("released", ids=[g.group_id for g in groups])
                 self.transport.submit_prompts(groups)
         except BaseException as err:
             self._error = err
@@ -116,10 +158,12 @@ class Coordinator:
             self.epoch += 1
             self.cursor = 0
             self._order = self._shuffled(self.epoch)
-        prompt = self.train[self._order[self.cursor]]
+        index = int(self._order[self.cursor])
         self.cursor += 1
         self.num_released += 1
-        return self._group(prompt, f"{self.plan.run_id}-{self.num_released - 1}", self.version, is_eval=False)
+        group_id = f"{self.plan.run_id}-{self.num_released - 1}"
+        self.outstanding[group_id] = (index, self.version)
+        return self._group(self.train[index], group_id, self.version, is_eval=False)
 
     def _group(self, prompt: Prompt, group_id: str, min_version: int, is_eval: bool) -> PromptGroup:
         return PromptGroup(
@@ -134,7 +178,29 @@ class Coordinator:
         random.Random(self.plan.seed * 100_003 + epoch).shuffle(order)
         return np.asarray(order)
 
+    # ---- checkpoints -----------------------------------------------------------------------------
+
     def state_dict(self) -> dict:
+        """Everything a resumed learner needs, with the ledger offset taken under the same lock."""
         with self._cond:
             return {"epoch": self.epoch, "cursor": self.cursor, "num_released": self.num_released,
-                    "num_consumed": self.num_consumed, "version": self.version}
+                    "version": self.version, "outstanding": {k: list(v) for k, v in self.outstanding.items()},
+                    "consumed": sorted(self.consumed), "dead": sorted(self.dead), "counts": dict(self.counts),
+                    "ledger_offset": self.ledger.offset()}
+
+    def load_state_dict(self, state: dict) -> None:
+        with self._cond:
+            self.epoch, self.cursor = state["epoch"], state["cursor"]
+            self.num_released, self.version = state["num_released"], state["version"]
+            self.outstanding = {k: (int(v[0]), int(v[1])) for k, v in state["outstanding"].items()}
+            self.consumed, self.dead = set(state["consumed"]), set(state["dead"])
+            self.counts = Counter(state["counts"])
+            self._order = self._shuffled(self.epoch)
+
+    def resubmit_outstanding(self) -> int:
+        """After a restart on a transport that kept nothing (ZeroMQ): queue the outstanding groups again."""
+        with self._cond:
+            groups = [self._group(self.train[index], group_id, min_version, is_eval=False)
+                      for group_id, (index, min_version) in self.outstanding.items()]
+        self.transport.submit_prompts(groups)
+        return len(groups)

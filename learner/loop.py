@@ -7,9 +7,11 @@
           ▼
         trainer.step: advantages → micro-batches → fused logprobs → loss → AdamW      (version v → v+1)
           ▼
-        publish_weights (file + announcement) → coordinator.on_step → eval? → checkpoint? → log
+        publish_weights (file + announcement) → coordinator.on_step → eval? → checkpoint (+ commit) → log
 
-Every step is one pass of `run`; each named step is a method below.
+Every step is one pass of `run`; each named step is a method below. A resumed learner starts
+from a checkpoint's version; the step's metrics are logged after its checkpoint is saved, so a
+crash between the two is healed on resume by logging the copy stored in the checkpoint.
 """
 from __future__ import annotations
 
@@ -24,12 +26,14 @@ from tidal.broker.base import LearnerTransport
 from tidal.broker.schema import RolloutGroup
 from tidal.broker.weights import WeightChannel
 from tidal.config import EvalConfig, LearnerConfig, OnViolation, StalenessConfig
+from tidal.health import HealthFile
 from tidal.learner.coordinator import Coordinator
 from tidal.learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
 ROLLOUT_TIMEOUT_S = 600.0  # no rollout for this long means the actors are gone
+BROKER_POLL_S = 1.0  # how often the loop asks the broker about joins and dead letters
 
 
 @dataclass
@@ -77,30 +81,40 @@ class Learner:
         self.version = 0
         self.evaluator = Evaluator()
         self.totals: Counter = Counter()
+        self.by_actor: Counter = Counter()  # rollout groups received per actor id
         self.eval_multi_version = 0  # eval samples whose tokens came from two or more weight versions
         self.start_time = time.monotonic()
         self.device_seconds = 0.0
         self.last_axis_time = self.start_time
+        self.health = HealthFile(cfg.health_file)
+        self.next_broker_poll = 0.0
+        self.resumed: dict | None = None  # the checkpoint state this learner continues from
 
     def run(self) -> dict:
         self.publish_weights()
-        self.start_eval()
+        if self.resumed is None:
+            self.start_eval()
+        else:
+            self.heal_last_log()
         self.coordinator.start()
         while self.version < self.cfg.max_steps:
             batch = self.collect_step_batch()
             metrics = self.trainer.step(batch.groups, batch.token_masks, self.version)
             self.version += 1
             metrics["timing/weight_push_s"] = self.publish_weights()
-            self.coordinator.on_step(self.version, len(batch.groups))
+            self.coordinator.on_step(self.version, [g.group_id for g in batch.groups])
             if self.eval_cfg.every and self.version % self.eval_cfg.every == 0 and self.version < self.cfg.max_steps:
                 self.start_eval()
+            metrics = self.step_metrics(batch, metrics)
             if self.checkpointer.due(self.version):
-                self.checkpointer.save(self.version, self.coordinator.state_dict())
-            self.log_step(batch, metrics)
+                self.save_checkpoint(metrics)
+            elif not self.checkpointer.periodic:
+                self.transport.commit()  # no resume point to wait for
+            self.tracker.log_metrics(metrics, step=self.version)
         self.coordinator.stop()
         self.start_eval()
         self.wait_for_evals()
-        self.checkpointer.save(self.version, self.coordinator.state_dict())
+        self.save_checkpoint({})
         return self.summary()
 
     # ---- named steps -----------------------------------------------------------------------------
@@ -111,6 +125,7 @@ class Learner:
         last_arrival = time.monotonic()
         while len(batch.groups) < self.cfg.groups_per_step:
             self.coordinator.check()
+            self.poll_broker()
             group = self.transport.recv_rollout(timeout_s=0.5)
             if group is None:
                 if time.monotonic() - last_arrival > ROLLOUT_TIMEOUT_S:
@@ -118,11 +133,26 @@ class Learner:
                                        f"(live actors: {sorted(self.transport.actors())})")
                 continue
             last_arrival = time.monotonic()
+            self.by_actor[group.actor_id] += 1
             if group.is_eval:
                 self.on_eval_group(group)
-                continue
-            self.admit(group, batch)
+            elif not self.coordinator.admit(group.group_id):
+                batch.stats["duplicates"] += 1  # redelivered or re-dispatched: trained once already
+            else:
+                self.admit(group, batch)
         return batch
+
+    def poll_broker(self) -> None:
+        """Liveness, actor joins and dead letters, about once a second."""
+        self.health.touch()
+        if time.monotonic() < self.next_broker_poll:
+            return
+        self.next_broker_poll = time.monotonic() + BROKER_POLL_S
+        for join in self.transport.take_joins():
+            self.coordinator.ledger.record("actor_joined", actor=join.actor_id, version=join.version,
+                                           announced=join.announced, learner_version=self.version)
+        for group_id in self.transport.take_dead_letters():
+            self.coordinator.on_dead_letter(group_id)
 
     def admit(self, group: RolloutGroup, batch: StepBatch) -> None:
         """Staleness enforcement and zero-variance filtering for one training group."""
@@ -139,12 +169,12 @@ class Learner:
         stats["stale_tokens"] += int(sum(m.sum() for m in too_old))
         if any(m.any() for m in too_old) and self.staleness.on_violation is OnViolation.drop_group:
             stats["dropped_stale"] += 1
-            self.coordinator.on_discarded(1)
+            self.coordinator.on_discarded(group.group_id, "stale")
             return
         rewards = [s.reward for s in group.samples]
         if self.cfg.zero_variance_filter and max(rewards) == min(rewards):
             stats["zero_variance"] += 1
-            self.coordinator.on_discarded(1)
+            self.coordinator.on_discarded(group.group_id, "zero_variance")
             return
         masks = [~m if self.staleness.on_violation is OnViolation.mask_tokens else np.ones_like(m) for m in too_old]
         batch.groups.append(group)
@@ -171,6 +201,7 @@ class Learner:
     def wait_for_evals(self) -> None:
         last_arrival = time.monotonic()
         while self.evaluator.waiting():
+            self.poll_broker()
             group = self.transport.recv_rollout(timeout_s=0.5)
             if group is not None:
                 last_arrival = time.monotonic()
@@ -196,7 +227,7 @@ class Learner:
                 "compute/flops": float(flops), "compute/device_hours": self.device_seconds / 3600,
                 "compute/wall_s": now - self.start_time}
 
-    def log_step(self, batch: StepBatch, metrics: dict[str, float]) -> None:
+    def step_metrics(self, batch: StepBatch, metrics: dict[str, float]) -> dict[str, float]:
         s = batch.stats
         self.totals.update(s)
         self.totals["steps"] += 1
@@ -212,9 +243,45 @@ class Learner:
             "eval/multi_version_samples_total": float(self.eval_multi_version),
             "offpolicy/dropped_stale_groups": float(s["dropped_stale"]),
             "offpolicy/stale_tokens": float(s["stale_tokens"]),
+            "broker/duplicate_groups": float(self.coordinator.counts["duplicates"]),
+            "broker/dead_lettered_groups": float(self.coordinator.counts["dead_lettered"]),
             "learner/version": float(self.version),
         } | self.transport.metrics() | self.compute_axis()
-        self.tracker.log_metrics(metrics, step=self.version)
+        return metrics
+
+    # ---- checkpoints and resume --------------------------------------------------------------
+
+    def save_checkpoint(self, metrics: dict[str, float]) -> None:
+        """Save, then acknowledge to the broker everything the checkpoint covers."""
+        self.checkpointer.save(self.version, {"coordinator": self.coordinator.state_dict(),
+                                              "learner": self.state_dict(), "metrics": metrics})
+        self.transport.commit()
+
+    def state_dict(self) -> dict:
+        return {"totals": dict(self.totals), "by_actor": dict(self.by_actor), "evals": self.evaluator.results,
+                "eval_multi_version": self.eval_multi_version, "device_seconds": self.device_seconds,
+                "wall_s": time.monotonic() - self.start_time}
+
+    def restore(self, state: dict) -> None:
+        """Continue from a checkpoint's tidal state (model and optimizer are restored by the caller)."""
+        self.resumed = state
+        self.version = state["version"]
+        mine = state["learner"]
+        self.totals, self.by_actor = Counter(mine["totals"]), Counter(mine["by_actor"])
+        self.evaluator.results = {int(k): v for k, v in mine["evals"].items()}
+        self.eval_multi_version, self.device_seconds = mine["eval_multi_version"], mine["device_seconds"]
+        self.start_time = time.monotonic() - mine["wall_s"]  # compute axes continue where they were
+        self.last_axis_time = time.monotonic()
+
+    def heal_last_log(self) -> None:
+        """The checkpoint's step may not have reached MLflow before the crash: log its stored copy."""
+        last = self.tracker.last_step()
+        if (last is None or last < self.version) and self.resumed.get("metrics"):
+            self.tracker.log_metrics(self.resumed["metrics"], step=self.version)
+        elif last is not None and last > self.version:
+            log.warning("MLflow has steps up to %d but the last checkpoint is step %d: steps %d..%d are trained "
+                        "and logged again (checkpoint.every = 1 avoids this)", last, self.version,
+                        self.version + 1, last)
 
     def summary(self) -> dict:
         evals = self.evaluator.results
@@ -222,4 +289,6 @@ class Learner:
                 "val_pass_rate_by_version": {str(k): v for k, v in sorted(evals.items())},
                 "steps": self.version, "samples": self.totals["samples"], "gen_tokens": self.totals["gen_tokens"],
                 "wall_s": time.monotonic() - self.start_time, "mlflow_run_id": self.tracker.run_id,
-                "mlflow_uri": self.tracker.uri, "rejected_frames": self.transport.metrics()["broker/rejected_frames"]}
+                "mlflow_uri": self.tracker.uri, "rejected_frames": self.transport.metrics()["broker/rejected_frames"],
+                "groups_by_actor": dict(self.by_actor), "groups": dict(self.coordinator.counts),
+                "outstanding_groups": sorted(self.coordinator.outstanding)}

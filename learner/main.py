@@ -6,6 +6,7 @@ import json
 import logging
 import shutil
 import signal
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -15,16 +16,18 @@ from tidal.config import RunConfig
 log = logging.getLogger("tidal.learner")
 
 
-def build(cfg: RunConfig, run_dir: Path):
+def build(cfg: RunConfig, run_dir: Path, checkpoint: Path | None = None):
+    """Every part of the learner; with `checkpoint`, restored to continue from it."""
     import torch
     from accelerate import Accelerator
     from transformers import AutoTokenizer
 
-    from tidal.broker.schema import SamplingParams, WireCodec
+    from tidal.broker.factory import learner_transport
+    from tidal.broker.schema import SamplingParams
     from tidal.broker.weights import FileWeightChannel
-    from tidal.broker.zmq_transport import ZmqLearnerTransport
-    from tidal.learner.checkpoint import Checkpointer
+    from tidal.learner.checkpoint import Checkpointer, read_state
     from tidal.learner.coordinator import Coordinator, DispatchPlan
+    from tidal.learner.ledger import Ledger
     from tidal.learner.loop import Learner
     from tidal.learner.tracking import Tracker
     from tidal.learner.trainer import Trainer, load_policy
@@ -38,17 +41,18 @@ def build(cfg: RunConfig, run_dir: Path):
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     split = get_task(cfg.task.name).load_prompts(cfg.task)
-    transport = ZmqLearnerTransport(cfg.broker.zmq, WireCodec(cfg.broker.max_message_bytes))
+    state = read_state(checkpoint) if checkpoint else None
+    transport = learner_transport(cfg.broker, cfg.name, fresh=state is None)
     stop_ids = (tokenizer.eos_token_id,)
     plan = DispatchPlan(
         run_id=f"{cfg.name}-{run_dir.name}", task=cfg.task.name, n=cfg.sampling.n,
         sampling=SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_tokens, stop_ids),
         eval_n=cfg.eval.n, eval_sampling=SamplingParams(cfg.eval.temperature, 1.0, cfg.sampling.max_tokens, stop_ids),
         groups_per_step=cfg.learner.groups_per_step, max_lag=cfg.staleness.max_lag, seed=cfg.learner.seed)
-    coordinator = Coordinator(plan, split.train, split.val, partial(encode_prompt, tokenizer), transport)
+    ledger = Ledger(run_dir / "ledger.jsonl", truncate_to=state["coordinator"]["ledger_offset"] if state else 0)
+    coordinator = Coordinator(plan, split.train, split.val, partial(encode_prompt, tokenizer), transport, ledger)
     trainer = Trainer(cfg.learner, load_policy(cfg.model.path, cfg.model.dtype), accelerator, cfg.sampling.temperature)
-    tracker = Tracker(cfg.tracking, run_dir, cfg.name)
-    tracker.log_config(cfg)
+    tracker = Tracker(cfg.tracking, run_dir, cfg.name, resume_run_id=state["mlflow_run_id"] if state else None)
     # one folder per run directory, so two runs never share (or prune) each other's files
     run_key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]
     weights_dir = cfg.learner.weights_dir or f"/dev/shm/tidal-{cfg.name}-{run_dir.name}-{run_key}"
@@ -56,7 +60,21 @@ def build(cfg: RunConfig, run_dir: Path):
     checkpointer = Checkpointer(cfg.checkpoint, run_dir / "checkpoints", accelerator, tracker.run_id)
     learner = Learner(cfg.learner, cfg.staleness, cfg.eval, trainer, coordinator, transport, channel, tracker,
                       checkpointer)
+    if state is None:
+        tracker.log_config(cfg)
+    else:
+        restore(learner, checkpointer.load(checkpoint), cfg)
     return learner, transport, tracker
+
+
+def restore(learner, state: dict, cfg: RunConfig) -> None:
+    learner.coordinator.load_state_dict(state["coordinator"])
+    learner.restore(state)
+    learner.tracker.log_resumed_config(cfg, state["version"])
+    if not learner.transport.durable:  # what was in flight died with the old processes
+        count = learner.coordinator.resubmit_outstanding()
+        log.info("re-dispatched %d prompt groups that were outstanding at the checkpoint", count)
+    log.info("resumed at version %d from the checkpoint (MLflow run %s)", state["version"], state["mlflow_run_id"])
 
 
 def write_endpoints(run_dir: Path, ports: dict[str, int]) -> None:
@@ -70,14 +88,37 @@ def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)  # unwinds through main's handlers, so the MLflow run is closed
 
 
-def main(cfg: RunConfig) -> int:
+def find_checkpoint(run_dir: Path, resume: str | None) -> Path | None:
+    """The checkpoint to continue from: None for a fresh start; raises when one is required and missing."""
+    from tidal.learner.checkpoint import latest_checkpoint
+
+    if resume is None:
+        return None
+    found = latest_checkpoint(run_dir / "checkpoints")
+    if found is None and resume == "required":
+        raise FileNotFoundError(f"--resume: no finished checkpoint in {run_dir / 'checkpoints'} "
+                                "(set run_dir to the run to continue, or use --resume auto)")
+    if found is None:
+        log.info("--resume auto: no checkpoint in %s, starting fresh", run_dir / "checkpoints")
+    return found
+
+
+def main(cfg: RunConfig, resume: str | None = None) -> int:
     run_dir = Path(cfg.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    learner, transport, tracker = build(cfg, run_dir)
+    try:
+        checkpoint = find_checkpoint(run_dir, resume)
+    except FileNotFoundError as err:
+        print(f"tidal learner: {err}", file=sys.stderr)
+        return 2
+    learner, transport, tracker = build(cfg, run_dir, checkpoint)
     write_endpoints(run_dir, transport.ports)
     try:
         summary = learner.run()
+        # only a finished run stops the actors: after a crash or an eviction they wait for the resumed learner
+        transport.shutdown_actors("learner finished")
+        time.sleep(0.2)  # let the PUB socket flush the shutdown before closing
     except (KeyboardInterrupt, SystemExit):
         tracker.finish({"error": "learner stopped by a signal"}, status="KILLED")
         raise
@@ -85,9 +126,8 @@ def main(cfg: RunConfig) -> int:
         tracker.finish({"error": "learner failed; see its log"}, status="FAILED")
         raise
     finally:
-        transport.shutdown_actors("learner finished")
-        time.sleep(0.2)  # let the PUB socket flush the shutdown before closing
         transport.close()
+        learner.coordinator.ledger.close()
         if not cfg.learner.weights_dir:  # the default folder lives in /dev/shm: give the memory back
             shutil.rmtree(learner.channel.directory, ignore_errors=True)
     tracker.finish(summary)

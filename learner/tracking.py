@@ -19,7 +19,7 @@ def tracking_uri(cfg: TrackingConfig, run_dir: Path) -> str:
 
 
 class Tracker:
-    def __init__(self, cfg: TrackingConfig, run_dir: Path, run_name: str):
+    def __init__(self, cfg: TrackingConfig, run_dir: Path, run_name: str, resume_run_id: str | None = None):
         import mlflow
 
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -32,7 +32,8 @@ class Tracker:
             if mlflow.get_experiment_by_name(cfg.experiment) is None:
                 mlflow.create_experiment(cfg.experiment, artifact_location=(run_dir / "artifacts").resolve().as_uri())
         mlflow.set_experiment(cfg.experiment)
-        self.run = mlflow.start_run(run_name=run_name)
+        # a resumed learner continues its MLflow run: same run id, step numbers carry on
+        self.run = mlflow.start_run(run_id=resume_run_id) if resume_run_id else mlflow.start_run(run_name=run_name)
         self.run_id = self.run.info.run_id
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
 
@@ -42,6 +43,15 @@ class Tracker:
         for i in range(0, len(items), 100):  # log_batch takes at most 100 params
             self._mlflow.log_params(dict(items[i:i + 100]))
         self._mlflow.log_text(to_yaml(cfg), "config.yaml")
+
+    def log_resumed_config(self, cfg: RunConfig, version: int) -> None:
+        """Params are immutable in a run; a resume records its (possibly changed) config as an artifact."""
+        self._mlflow.log_text(to_yaml(cfg), f"config-resumed-at-{version}.yaml")
+        self._mlflow.set_tag("tidal.resumed_at", str(version))
+
+    def last_step(self, metric: str = "learner/version") -> int | None:
+        history = self._mlflow.tracking.MlflowClient().get_metric_history(self.run_id, metric)
+        return max((m.step for m in history), default=None)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(v)}

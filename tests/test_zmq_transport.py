@@ -66,3 +66,42 @@ def test_actor_gets_whole_groups_that_fit_and_hears_weights(learner_side):
     assert second.latest_weights.version == 3  # a late joiner learns the current weights from its grant
     assert heard.version == 3 and isinstance(stop, Shutdown)
     assert learner_side.recv_rollout(timeout_s=5).group_id == "g1"
+
+
+def test_groups_of_a_silent_or_restarted_actor_are_dispatched_again():
+    from tidal.broker.schema import Heartbeat
+
+    side = ZmqLearnerTransport(ZmqConfig(), WireCodec(1 << 20), actor_timeout_s=0.5)
+    side.submit_prompts([prompt(i) for i in range(3)])
+
+    async def scenario():
+        def actor(actor_id):
+            return ZmqActorTransport(actor_config(side), WireCodec(1 << 20), actor_id)
+
+        hello = lambda a: Heartbeat(actor_id=a, version=0, engine={}, outstanding=[], hello=True)  # noqa: E731
+        a = actor("a")
+        await a.heartbeat(hello("a"))
+        held = await a.request_work(4, timeout_s=5)  # r-0, then silence
+        a.close()
+        b = actor("b")
+        await b.heartbeat(hello("b"))
+        taken = await b.request_work(8, timeout_s=5)  # r-1, r-2 (r-0 is still a's)
+        for _ in range(5):  # a is past the actor timeout; b keeps beating
+            await asyncio.sleep(0.2)
+            await b.heartbeat(Heartbeat(actor_id="b", version=0, engine={}, outstanding=[]))
+        again = await b.request_work(8, timeout_s=5)
+        b.close()
+        b2 = actor("b")  # b restarts under the same id: its groups go back at once
+        await b2.heartbeat(hello("b"))
+        back = await b2.request_work(12, timeout_s=5)
+        b2.close()
+        return held, taken, again, back
+
+    held, taken, again, back = asyncio.run(scenario())
+    side.close()
+    assert [g.group_id for g in held.groups] == ["r-0"]
+    assert [g.group_id for g in taken.groups] == ["r-1", "r-2"]
+    assert [g.group_id for g in again.groups] == ["r-0"]
+    assert sorted(g.group_id for g in back.groups) == ["r-0", "r-1", "r-2"]
+    assert side.metrics()["broker/redispatched_groups"] == 1 + 3
+    assert [j.actor_id for j in side.take_joins()] == ["a", "b", "b"]

@@ -1,4 +1,4 @@
-"""`tidal` command line: run | learner | actor | prepare. Heavy imports are deferred so --help is instant."""
+"""`tidal` command line: run | learner | actor | prepare | fit | sweep | plan-batch | health. Heavy imports are deferred so --help is instant."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +18,14 @@ def _parser() -> argparse.ArgumentParser:
         r = sub.add_parser(role, help=f"run one {role} process (what the launcher and Kubernetes pods start)")
         r.add_argument("--config", required=True, help="YAML config (a preset or a run's resolved config.yaml)")
         r.add_argument("overrides", nargs="*", help="key=value overrides")
+    for name in ("run", "learner"):
+        sub.choices[name].add_argument(
+            "--resume", nargs="?", const="required", choices=("required", "auto"),
+            help="continue from the latest checkpoint in run_dir (same MLflow run, steps continue); "
+                 "`--resume auto` starts fresh when there is none (for pods that restart)")
+    health = sub.add_parser("health", help="exit 0 if FILE was touched within --max-age-s (liveness probes)")
+    health.add_argument("file")
+    health.add_argument("--max-age-s", type=float, default=120.0)
     prep = sub.add_parser("prepare", help="build (or find in the cache) the warm-started tiny model")
     prep.add_argument("config")
     prep.add_argument("overrides", nargs="*")
@@ -51,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command in ("fit", "sweep"):
         return _analysis(args)
+    if args.command == "health":
+        return _health(args.file, args.max_age_s)
     try:
         cfg = load_config(getattr(args, "config", None), args.overrides)
     except ConfigError as err:
@@ -59,11 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         from tidal.launcher import launch
 
-        return launch(cfg)
+        return launch(cfg, resume=args.resume)
     if args.command == "learner":
         from tidal.learner.main import main as learner_main
 
-        return learner_main(cfg)
+        return learner_main(cfg, resume=args.resume)
     if args.command == "actor":
         from tidal.actor.main import main as actor_main
 
@@ -74,6 +84,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan-batch":
         return _plan_batch(cfg, args)
     print(cfg.model.path)
+    return 0
+
+
+def _health(path: str, max_age_s: float) -> int:
+    import os
+    import time
+
+    try:
+        age = time.time() - os.stat(path).st_mtime
+    except FileNotFoundError:
+        print(f"tidal health: {path} does not exist yet", file=sys.stderr)
+        return 1
+    if age > max_age_s:
+        print(f"tidal health: {path} is {age:.0f} s old (> {max_age_s:.0f} s)", file=sys.stderr)
+        return 1
     return 0
 
 

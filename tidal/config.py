@@ -19,12 +19,20 @@ class ConfigError(ValueError):
 
 class LossType(enum.Enum):
     cispo = "cispo"
+    tis = "tis"
+    ppo = "ppo"
+    gspo = "gspo"
 
 
 class Aggregation(enum.Enum):
     prompt_mean = "prompt_mean"
     token_mean = "token_mean"
     sample_mean = "sample_mean"
+
+
+class LrScaling(enum.Enum):
+    none = "none"
+    sqrt = "sqrt"
 
 
 class AdvantageNorm(enum.Enum):
@@ -85,8 +93,14 @@ class TaskConfig:
 
     name: str = "arithmetic"  # a module in tidal.tasks
     max_operand: int = 99  # arithmetic: operands are drawn from 0..max_operand
-    num_val: int = 256  # held-out prompts for evaluation (never trained on)
+    num_val: int = 256  # held-out prompts for evaluation (never trained on); math: at most this many
     seed: int = 0  # split seed
+    data_path: str = ""  # math: training problems, a JSON Lines (.jsonl, .json) or Parquet file
+    val_path: str = ""  # math: held-out problems (num_val drawn by seed); empty = split num_val off data_path
+    prompt_field: str = "problem"  # math: the column holding the problem text
+    answer_field: str = "answer"  # math: the column holding the gold answer, e.g. "\\frac{1}{2}" or "12"
+    # math: the prompt text; {<prompt_field>} is replaced by the problem, {{ and }} are literal braces
+    prompt_template: str = "{problem}\nPut the final answer in \\boxed{{}}."
 
 
 @dataclass
@@ -113,6 +127,7 @@ class ActorConfig:
     seed: int = 0  # sampling seed (offset by the actor index)
     max_restarts: int = 5  # the launcher restarts a dead actor this many times (per actor) before giving up
     restart_backoff_s: float = 1.0  # first restart delay; doubles per restart of the same actor, up to 30 s
+    health_file: str = ""  # touched every heartbeat, for liveness probes (`tidal health FILE`); empty = off
 
 
 @dataclass
@@ -124,7 +139,6 @@ class ZmqConfig:
     rollout_port: int = 0  # PULL: rollout groups from actors
     weights_port: int = 0  # PUB: weight announcements
     rollout_hwm: int = 1024  # high-water mark (messages) of the rollout stream
-    actor_timeout_s: float = 10.0  # an actor silent this long is gone: its granted groups are re-dispatched
 
 
 @dataclass
@@ -151,6 +165,7 @@ class BrokerConfig:
 
     type: BrokerType = BrokerType.zmq  # zmq (embedded, no server) | redis (durable, multi-node)
     max_message_bytes: int = 64 * 1024 * 1024  # frames above this are rejected and counted
+    actor_timeout_s: float = 10.0  # an actor silent this long counts as gone (zmq: its groups are re-dispatched)
     zmq: ZmqConfig = field(default_factory=ZmqConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
 
@@ -165,8 +180,17 @@ class StalenessConfig:
 
 @dataclass
 class LossConfig:
-    type: LossType = LossType.cispo  # policy-gradient loss
-    eps_max: float = 4.0  # CISPO cap on the importance ratio
+    """The policy-gradient loss (DESIGN §6); each type reads only its own keys."""
+
+    type: LossType = LossType.cispo  # cispo | tis | ppo | gspo
+    eps_max: float = 4.0  # cispo: cap on the token ratio rho = pi_theta / pi_behavior
+    tis_cap: float = 2.0  # tis: truncation c of the token ratio, clamp(rho, 0, c)
+    clip_eps: float = 0.2  # ppo: the ratio to the proximal policy is clipped to [1 - eps, 1 + eps]
+    prox_cap: float = 2.0  # ppo: cap c on the behavior correction pi_prox / pi_behavior
+    gspo_clip_low: float = 3e-4  # gspo: the sequence ratio is clipped below at 1 - this
+    gspo_clip_high: float = 4e-4  # gspo: the sequence ratio is clipped above at 1 + this
+    minibatches_per_step: int = 1  # the step batch is split into this many mini-batches, one optimizer update each
+    epochs_per_step: int = 1  # passes over those mini-batches (updates per step = epochs x mini-batches)
     aggregation: Aggregation = Aggregation.prompt_mean  # how token losses are averaged
 
 
@@ -178,6 +202,8 @@ class OptimConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     warmup_steps: int = 0  # linear warmup steps
     max_grad_norm: float = 1.0  # clip; 0 disables
+    lr_scaling: LrScaling = LrScaling.none  # sqrt: lr = optim.lr * sqrt(learner.groups_per_step / ref_groups_per_step)
+    ref_groups_per_step: int = 0  # B_ref, the groups per step at which optim.lr was tuned (lr_scaling=sqrt needs it)
 
 
 @dataclass
@@ -186,7 +212,7 @@ class LearnerConfig:
 
     groups_per_step: int = 16  # prompt groups in one optimizer step
     max_steps: int = 100  # optimizer steps of the run
-    micro_batch_tokens: int = 8192  # token budget of one forward/backward micro-batch
+    micro_batch_tokens: int = 8192  # padded tokens (rows x longest row) of one forward/backward micro-batch
     advantage_norm: AdvantageNorm = AdvantageNorm.batch  # how group-centred advantages are scaled
     zero_variance_filter: bool = True  # drop groups whose rewards are all equal
     loss: LossConfig = field(default_factory=LossConfig)
@@ -195,6 +221,7 @@ class LearnerConfig:
     torch_threads: int = 1  # intra-op threads of the learner
     weights_dir: str = ""  # where weight files are written; empty = /dev/shm/tidal-<run name>
     keep_weight_files: int = 3  # older weight files are deleted
+    health_file: str = ""  # touched while the loop makes progress, for liveness probes; empty = off
     seed: int = 0  # torch seed
 
 
@@ -333,7 +360,18 @@ def check_learner(cfg: RunConfig) -> None:
     _require(cfg.staleness.max_lag >= 0, "staleness.max_lag", cfg.staleness.max_lag, "must be >= 0")
     _require(lc.kernel_backend in ("auto", "torch", "naive", "triton"), "learner.kernel_backend",
              lc.kernel_backend, "expected auto, torch, naive or triton")
-    _require(lc.loss.eps_max > 0, "learner.loss.eps_max", lc.loss.eps_max, "must be > 0")
+    _require(lc.micro_batch_tokens >= 1, "learner.micro_batch_tokens", lc.micro_batch_tokens, "must be >= 1")
+    loss, optim = lc.loss, lc.optim
+    for key in ("eps_max", "tis_cap", "prox_cap", "gspo_clip_high"):
+        _require(getattr(loss, key) > 0, f"learner.loss.{key}", getattr(loss, key), "must be > 0")
+    for key in ("clip_eps", "gspo_clip_low"):
+        _require(0 < getattr(loss, key) < 1, f"learner.loss.{key}", getattr(loss, key), "must be in (0, 1)")
+    _require(loss.epochs_per_step >= 1, "learner.loss.epochs_per_step", loss.epochs_per_step, "must be >= 1")
+    _require(1 <= loss.minibatches_per_step <= lc.groups_per_step, "learner.loss.minibatches_per_step",
+             loss.minibatches_per_step, f"must be in [1, learner.groups_per_step = {lc.groups_per_step}]")
+    _require(optim.lr > 0, "learner.optim.lr", optim.lr, "must be > 0")
+    _require(optim.lr_scaling is LrScaling.none or optim.ref_groups_per_step >= 1, "learner.optim.ref_groups_per_step",
+             optim.ref_groups_per_step, "lr_scaling=sqrt needs the groups per step at which optim.lr was tuned (>= 1)")
     _require(cfg.actor.replicas >= 1, "actor.replicas", cfg.actor.replicas, "must be >= 1")
 
 

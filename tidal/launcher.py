@@ -1,11 +1,12 @@
-"""`tidal run CONFIG [key=value ...]`: one learner and N actor processes on this machine.
+"""`tidal run CONFIG [key=value ...] [--resume]`: one learner and N actor processes on this machine.
 
-Resolves the config (model path, run directory) and writes it to the run directory, starts
-`tidal learner`, waits for the endpoints it bound (`endpoints.json`: ports chosen by the
-kernel, so nothing can take them in between), then starts `tidal actor` processes with the
-same file plus those ports, follows the learner's
-metrics with a progress bar, and stops everything on Ctrl-C or when any process fails,
-naming it. On Kubernetes each role is its own pod and this launcher is not used.
+Resolves the config (model path, run directory; a local redis-server when
+`broker.redis.embedded`) and writes it to the run directory, starts `tidal learner`, waits for
+the endpoints it bound (`endpoints.json`: ports chosen by the kernel, so nothing can take them
+in between), then starts `tidal actor` processes with the same file plus those ports, and
+follows the learner's metrics with a progress bar. A dead actor is restarted with backoff
+(up to `actor.max_restarts` times); the learner failing stops everything, naming it; so does
+Ctrl-C. On Kubernetes each role is its own pod and this launcher is not used.
 """
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+import shutil
+import socket
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from tidal.config import RunConfig, to_yaml
+from tidal.config import BrokerType, RunConfig, to_yaml
 
 
 @dataclass
@@ -26,6 +29,10 @@ class Child:
     name: str
     proc: subprocess.Popen
     log_path: Path
+    args: list[str] = field(default_factory=list)  # to start it again
+    cores: str | None = None
+    restarts: int = 0
+    restart_at: float | None = None  # when a dead actor is due to start again
 
 
 class LaunchError(RuntimeError):
@@ -57,29 +64,75 @@ def cpu_plan(num_actors: int) -> tuple[str, list[str]]:
     return str(cores[0]), [str(rest[i % len(rest)]) for i in range(num_actors)]
 
 
-def start_children(cfg: RunConfig, run_dir: Path, children: list[Child]) -> None:
+def start_children(cfg: RunConfig, run_dir: Path, children: list[Child], resume: str | None = None) -> None:
     """The learner first; the actors once it has bound its endpoints. Appends to `children`
     as it goes, so the caller can stop whatever started if a later start fails."""
     (run_dir / "logs").mkdir(exist_ok=True)
     (run_dir / "endpoints.json").unlink(missing_ok=True)
     config = str(run_dir / "config.yaml")
     learner_cores, actor_cores = cpu_plan(cfg.actor.replicas)
-    children.append(_spawn("learner", ["learner", "--config", config], run_dir, learner_cores))
-    ports = wait_for_endpoints(run_dir, children[0])
+    learner_args = ["learner", "--config", config, *(["--resume", resume] if resume else [])]
+    children.append(_spawn("learner", learner_args, run_dir, learner_cores))
+    ports = wait_for_endpoints(run_dir, children[-1])
     for i in range(cfg.actor.replicas):
-        overrides = [f"actor.id=actor-{i}", *(f"broker.zmq.{name}_port={port}" for name, port in ports.items())]
+        overrides = [f"actor.id=actor-{i}", *actor_endpoint_overrides(ports)]
         if not cfg.actor.cpu_cores:
             overrides.append(f"actor.cpu_cores={actor_cores[i]}")
         children.append(_spawn(f"actor-{i}", ["actor", "--config", config, *overrides], run_dir, None))
 
 
-def _spawn(name: str, args: list[str], run_dir: Path, cores: str | None) -> Child:
+def actor_endpoint_overrides(ports: dict[str, int]) -> list[str]:
+    """What an actor needs beyond the run's config.yaml: the ports the learner bound (zmq only)."""
+    return [f"broker.zmq.{name}_port={port}" for name, port in ports.items()]
+
+
+def _spawn(name: str, args: list[str], run_dir: Path, cores: str | None, restarts: int = 0) -> Child:
     log_path = run_dir / "logs" / f"{name}.log"
     cmd = [sys.executable, "-m", "tidal", *args]
     if cores is not None and _has_taskset():
         cmd = ["taskset", "-c", cores, *cmd]
-    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    return Child(name, proc, log_path)
+    log_file = open(log_path, "a" if restarts else "w")
+    if restarts:
+        log_file.write(f"\n===== restart {restarts} =====\n")
+        log_file.flush()
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    return Child(name, proc, log_path, args, cores, restarts)
+
+
+def start_redis(cfg: RunConfig, run_dir: Path) -> Child:
+    """A local redis-server for this run: AOF on with fsync per write, data in run_dir/redis,
+    so `--resume` finds the streams where the crashed run left them."""
+    server = shutil.which("redis-server")
+    if server is None:
+        raise LaunchError("broker.redis.embedded is true but redis-server is not installed "
+                          "(apt-get install redis-server)")
+    port = cfg.broker.redis.embedded_port or _free_port()
+    data = run_dir / "redis"
+    data.mkdir(exist_ok=True)
+    log_path = run_dir / "logs" / "redis.log"
+    (run_dir / "logs").mkdir(exist_ok=True)
+    cmd = [server, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data), "--appendonly", "yes",
+           "--appendfsync", "always", "--save", "", "--logfile", str(log_path)]
+    child = Child("redis-server", subprocess.Popen(cmd, start_new_session=True), log_path, cmd)
+    deadline = time.monotonic() + 30
+    while not _port_open(port):
+        if child.proc.poll() is not None or time.monotonic() > deadline:
+            raise LaunchError(f"redis-server did not start on port {port}; see {log_path}:\n{tail(log_path)}")
+        time.sleep(0.1)
+    cfg.broker.redis.url = f"redis://127.0.0.1:{port}/0"
+    return child
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def wait_for_endpoints(run_dir: Path, learner: Child, timeout_s: float = 300.0) -> dict[str, int]:
@@ -130,28 +183,71 @@ def tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
-def supervise(children: list[Child], run_dir: Path, max_steps: int) -> None:
-    """Until the learner exits 0; raises LaunchError naming the first process that fails."""
+MAX_BACKOFF_S = 30.0
+
+
+def supervise(children: list[Child], run_dir: Path, cfg: RunConfig) -> None:
+    """Until the learner exits 0. A dead actor is restarted with backoff; the learner (or
+    redis-server) dying, or an actor out of restarts, raises LaunchError naming it."""
     from tqdm import tqdm
 
     metrics_path = run_dir / "metrics.jsonl"
-    bar = tqdm(total=max_steps, desc="steps", unit="step", dynamic_ncols=True)
-    offset, learner = 0, children[0]
-    while True:
-        offset = _advance(bar, metrics_path, offset)
-        for c in children:
-            code = c.proc.poll()
-            if code is None:
-                continue
-            if c is learner and code == 0:
-                _advance(bar, metrics_path, offset)
-                bar.close()
-                return
-            if c is not learner and code == 0:
-                continue  # an actor told to shut down by a finishing learner
-            bar.close()
-            raise LaunchError(f"{c.name} exited with code {code}; last lines of {c.log_path}:\n{tail(c.log_path)}")
-        time.sleep(0.5)
+    bar = tqdm(total=cfg.learner.max_steps, desc="steps", unit="step", dynamic_ncols=True)
+    offset, learner = 0, next(c for c in children if c.name == "learner")
+    try:
+        while True:
+            offset = _advance(bar, metrics_path, offset)
+            for i, c in enumerate(children):
+                code = c.proc.poll()
+                if code is None:
+                    continue
+                if c is learner and code == 0:
+                    _advance(bar, metrics_path, offset)
+                    return
+                if not c.name.startswith("actor-"):
+                    raise LaunchError(f"{c.name} exited with code {code}; last lines of {c.log_path}:\n"
+                                      f"{tail(c.log_path)}")
+                if code != 0:  # exit 0: told to shut down by a finishing learner
+                    children[i] = _restart_actor(c, code, cfg.actor, run_dir, bar)
+            time.sleep(0.5)
+    finally:
+        bar.close()
+
+
+def _restart_actor(c: Child, code: int, cfg, run_dir: Path, bar) -> Child:
+    """Schedule, then perform, the restart of a dead actor; returns the child to watch."""
+    now = time.monotonic()
+    if c.restart_at is None:
+        _signal_group(c, signal.SIGKILL)  # its engine-core process may still hold memory
+        sweep_orphan_shm()
+        if c.restarts >= cfg.max_restarts:
+            raise LaunchError(f"{c.name} exited with code {code} and was restarted {c.restarts} times "
+                              f"(actor.max_restarts); last lines of {c.log_path}:\n{tail(c.log_path)}")
+        delay = min(cfg.restart_backoff_s * 2 ** c.restarts, MAX_BACKOFF_S)
+        bar.write(f"[run] {c.name} exited with code {code}; restarting in {delay:.1f} s "
+                  f"(restart {c.restarts + 1} of {cfg.max_restarts})")
+        c.restart_at = now + delay
+        return c
+    if now < c.restart_at:
+        return c
+    return _spawn(c.name, c.args, run_dir, c.cores, restarts=c.restarts + 1)
+
+
+def sweep_orphan_shm() -> None:
+    """Remove vLLM shared-memory segments (/dev/shm/psm_*) that no live process maps: a killed
+    engine never ran its cleanup, and each segment holds on to its memory until removed."""
+    shm = Path("/dev/shm")
+    segments = {p.name for p in shm.glob("psm_*")}
+    if not segments:
+        return
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        segments = {name for name in segments if f"/dev/shm/{name}" not in text}
+    for name in segments:
+        (shm / name).unlink(missing_ok=True)
 
 
 def _advance(bar, metrics_path: Path, offset: int) -> int:
@@ -187,17 +283,25 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def launch(cfg: RunConfig) -> int:
+def launch(cfg: RunConfig, resume: str | None = None) -> int:
     # Ctrl-C and SIGTERM both stop every child cleanly, even where SIGINT was inherited as ignored
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     start = time.monotonic()
-    run_dir = resolve(cfg)
-    print(f"[run] {run_dir}: learner + {cfg.actor.replicas} actor(s)", flush=True)
+    if resume and not cfg.run_dir:
+        print("tidal run: --resume needs run_dir=<the run's folder>", file=sys.stderr)
+        return 2
     children: list[Child] = []
     try:
-        start_children(cfg, run_dir, children)
-        supervise(children, run_dir, cfg.learner.max_steps)
+        run_dir = Path(cfg.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+        cfg.run_dir = str(run_dir)
+        if cfg.broker.type is BrokerType.redis and cfg.broker.redis.embedded:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            children.append(start_redis(cfg, run_dir))
+        resolve(cfg)
+        print(f"[run] {run_dir}: learner + {cfg.actor.replicas} actor(s)", flush=True)
+        start_children(cfg, run_dir, children, resume)
+        supervise(children, run_dir, cfg)
     except LaunchError as err:
         print(f"tidal run failed: {err}", file=sys.stderr)
         return 1

@@ -30,7 +30,10 @@ def build_tokenizer(alphabet: str):
 
 def cache_key(tiny: TinyModelConfig, task: TaskConfig, alphabet: str) -> str:
     """Hash of every input that shapes the warm-started model (architecture, SFT, task split)."""
-    blob = json.dumps({"tiny": asdict(tiny), "task": asdict(task), "alphabet": alphabet, "format": 2},
+    # only the task fields that shape the tiny task's prompts: keys added for other tasks must
+    # not invalidate (and rebuild) every cached model
+    shaping = {k: getattr(task, k) for k in ("name", "max_operand", "num_val", "seed")}
+    blob = json.dumps({"tiny": asdict(tiny), "task": shaping, "alphabet": alphabet, "format": 2},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

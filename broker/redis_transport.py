@@ -1,0 +1,533 @@
+"""Redis Streams transport: durable, at-least-once, multi-node.
+
+    <prefix>:<run>:prompts     learner XADD ──► consumer group "actors" (one consumer per actor id)
+    <prefix>:<run>:rollouts    actors  XADD ──► consumer group "learner"
+    <prefix>:<run>:weights     learner XADD (WeightUpdate / Shutdown, last 16 kept) ──► actors XREAD
+    <prefix>:<run>:heartbeats  actors  XADD (last ~1000 kept) ──► learner XREAD
+    <prefix>:<run>:dead        entries delivered more than `max_deliveries` times, and bad frames
+
+Acknowledgement rules, so that a crash anywhere loses nothing:
+- An actor publishes a rollout and XACKs its prompt in one MULTI/EXEC. A restarted actor
+  (same id) first re-reads its own pending prompts; prompts pending at a silent actor for
+  `claim_idle_ms` are taken over with XAUTOCLAIM. A working actor renews its claim on the
+  prompts it holds with every heartbeat, so long generations are not stolen.
+- The learner XACKs rollouts only in `commit()`, which it calls after the checkpoint that
+  covers them. A restarted learner re-reads its pending rollouts: what it trained after its
+  last checkpoint is trained again, once, by the resumed model.
+- Trimming (XTRIM MINID) never passes the oldest pending entry or the group's read position.
+- Every call goes through `Reconnect`: while Redis is away (restart, failover) calls retry
+  with backoff; after `reconnect_timeout_s` the error is raised, naming the URL.
+Writes retried after a lost reply may land twice; consumers deduplicate by group id.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import deque
+
+import msgspec
+import redis
+import redis.asyncio
+from redis.exceptions import ResponseError
+
+from tidal.broker.base import ActorInfo, ActorJoin, ActorTransport, LearnerTransport
+from tidal.broker.schema import (Heartbeat, PromptGroup, RolloutGroup, Shutdown, WeightUpdate, WireCodec,
+                                 WireError, WorkGrant)
+from tidal.config import RedisConfig, redact_url
+
+log = logging.getLogger(__name__)
+
+ACTORS, LEARNER = "actors", "learner"  # consumer group names
+WEIGHTS_KEPT = 16
+HEARTBEATS_KEPT = 1000
+DEAD_KEPT = 100_000
+READ_COUNT = 64
+
+
+class BrokerUnavailable(ConnectionError):
+    """Redis stayed unreachable for longer than broker.redis.reconnect_timeout_s."""
+
+
+class BrokerAuthError(PermissionError):
+    """Redis refused the credentials: retrying cannot help."""
+
+
+class StreamKeys:
+    def __init__(self, prefix: str, run: str):
+        base = f"{prefix}:{run}"
+        self.prompts, self.rollouts, self.weights = f"{base}:prompts", f"{base}:rollouts", f"{base}:weights"
+        self.heartbeats, self.dead = f"{base}:heartbeats", f"{base}:dead"
+
+    def all(self) -> list[str]:
+        return [self.prompts, self.rollouts, self.weights, self.heartbeats, self.dead]
+
+
+def client_kwargs(cfg: RedisConfig, block_ms: int) -> dict:
+    """Connection settings; the password only ever comes from the environment."""
+    kwargs = {"socket_timeout": block_ms / 1000 + 10, "socket_connect_timeout": 5, "health_check_interval": 15}
+    password = os.environ.get(cfg.password_env) if cfg.password_env else None
+    if password:
+        kwargs["password"] = password
+    if cfg.username:
+        kwargs["username"] = cfg.username
+    if cfg.ca_file:
+        kwargs["ssl_ca_certs"] = cfg.ca_file
+    return kwargs
+
+
+TRANSIENT = (redis.ConnectionError, redis.TimeoutError)  # BusyLoadingError (AOF replay) is a ConnectionError
+
+
+class Reconnect:
+    """Retry policy shared by the sync (learner) and asyncio (actor) sides."""
+
+    def __init__(self, cfg: RedisConfig):
+        self.url = redact_url(cfg.url)
+        self.who = f"user {cfg.username or '(from the URL or default)'}, password from ${cfg.password_env}"
+        self.timeout_s = cfg.reconnect_timeout_s
+        self.down_since: float | None = None
+        self.delay = 0.1
+        self.reconnects = 0
+
+    def failed(self, err: Exception) -> float:
+        """Seconds to wait before the next try; raises once Redis has been away too long."""
+        if isinstance(err, redis.AuthenticationError):
+            raise BrokerAuthError(f"Redis at {self.url} refused the credentials ({self.who}): {err}") from err
+        now = time.monotonic()
+        if self.down_since is None:
+            self.down_since, self.delay = now, 0.1
+            log.warning("Redis at %s unreachable (%s); retrying for up to %.0f s", self.url, err, self.timeout_s)
+        if now - self.down_since > self.timeout_s:
+            raise BrokerUnavailable(f"Redis at {self.url} unreachable for {now - self.down_since:.0f} s "
+                                    f"(broker.redis.reconnect_timeout_s): {err}") from err
+        delay, self.delay = self.delay, min(self.delay * 2, 2.0)
+        return delay
+
+    def succeeded(self) -> None:
+        if self.down_since is not None:
+            log.warning("Redis at %s back after %.1f s", self.url, time.monotonic() - self.down_since)
+            self.reconnects += 1
+            self.down_since = None
+
+    def call(self, fn, *args, **kwargs):
+        while True:
+            try:
+                result = fn(*args, **kwargs)
+            except TRANSIENT as err:
+                time.sleep(self.failed(err))
+                continue
+            self.succeeded()
+            return result
+
+    async def acall(self, fn, *args, **kwargs):
+        while True:
+            try:
+                result = await fn(*args, **kwargs)
+            except TRANSIENT as err:
+                await asyncio.sleep(self.failed(err))
+                continue
+            self.succeeded()
+            return result
+
+
+def is_nogroup(err: ResponseError) -> bool:
+    return str(err).startswith("NOGROUP")
+
+
+def dead_letter_fields(frame: bytes, stream: str, reason: str, group_id: str = "", deliveries: int = 0) -> dict:
+    return {"m": frame, "stream": stream, "reason": reason, "group_id": group_id, "deliveries": deliveries}
+
+
+class _GroupIdOnly(msgspec.Struct):
+    group_id: str = ""
+
+
+def peek_group_id(frame: bytes) -> str:
+    """The group id of a frame we will not use, for the dead-letter record ('' if unreadable).
+    Not a second decode through the codec: the frame was rejected (and counted) once already."""
+    try:
+        return msgspec.msgpack.decode(frame, type=_GroupIdOnly).group_id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ""
+
+
+# ---- learner side -----------------------------------------------------------------------------
+
+class RedisLearnerTransport(LearnerTransport):
+    durable = True
+
+    def __init__(self, cfg: RedisConfig, codec: WireCodec, run: str, actor_timeout_s: float, fresh: bool):
+        self.cfg, self.codec = cfg, codec
+        self.keys = StreamKeys(cfg.prefix, run)
+        self.link = Reconnect(cfg)
+        self.r = redis.Redis.from_url(cfg.url, **client_kwargs(cfg, cfg.block_ms))
+        self.actor_timeout_s = actor_timeout_s
+        self.ports: dict[str, int] = {}
+        if fresh:  # a new run under this name: leftovers of an earlier one must not be consumed
+            self.link.call(self.r.delete, *self.keys.all())
+        self._ensure_groups()
+        self._buffer: deque[tuple[str, RolloutGroup]] = deque()
+        self._seen: set[bytes] = set()  # rollout entry ids read by this process
+        self._to_ack: list[bytes] = []  # entries handed out by recv_rollout, not yet committed
+        self._pending_cursor: bytes | None = b"0"  # re-read our own pending entries first
+        last = self.link.call(self.r.xrevrange, self.keys.heartbeats, "+", "-", count=1)
+        self._heartbeat_cursor = last[0][0] if last else b"0"  # hellos from before a restart are history
+        self._dead_cursor = b"0"
+        self._actors: dict[str, ActorInfo] = {}
+        self._joins: list[ActorJoin] = []
+        self._latest_version = 0
+        self.num_dead_lettered = 0
+
+    def _ensure_groups(self) -> None:
+        for key, group in ((self.keys.prompts, ACTORS), (self.keys.rollouts, LEARNER)):
+            try:
+                self.link.call(self.r.xgroup_create, key, group, id="0", mkstream=True)
+            except ResponseError as err:
+                if "BUSYGROUP" not in str(err):
+                    raise
+
+    # ---- prompts and weights out -------------------------------------------------------------
+
+    def submit_prompts(self, groups: list[PromptGroup]) -> None:
+        if not groups:
+            return
+        frames = [self.codec.encode(g) for g in groups]
+
+        def send():
+            pipe = self.r.pipeline(transaction=False)
+            for frame in frames:
+                pipe.xadd(self.keys.prompts, {"m": frame})
+            pipe.execute()
+        self.link.call(send)
+
+    def publish_weights(self, update: WeightUpdate) -> None:
+        self._latest_version = update.version
+        self.link.call(self.r.xadd, self.keys.weights, {"m": self.codec.encode(update)},
+                       maxlen=WEIGHTS_KEPT, approximate=False)
+
+    def shutdown_actors(self, reason: str) -> None:
+        self.link.call(self.r.xadd, self.keys.weights, {"m": self.codec.encode(Shutdown(reason=reason))},
+                       maxlen=WEIGHTS_KEPT, approximate=False)
+
+    # ---- rollouts in ---------------------------------------------------------------------------
+
+    def recv_rollout(self, timeout_s: float) -> RolloutGroup | None:
+        deadline = time.monotonic() + timeout_s
+        while not self._buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            self._read(block_ms=max(1, min(int(remaining * 1000), self.cfg.block_ms)))
+        entry_id, group = self._buffer.popleft()
+        self._to_ack.append(entry_id)
+        return group
+
+    def _read(self, block_ms: int) -> None:
+        cursor = self._pending_cursor
+        try:
+            reply = self.link.call(self.r.xreadgroup, LEARNER, LEARNER, {self.keys.rollouts: cursor or ">"},
+                                   count=READ_COUNT, block=None if cursor else block_ms)
+        except ResponseError as err:
+            if not is_nogroup(err):
+                raise
+            log.warning("rollout consumer group missing (Redis lost its data?); creating it again")
+            self._ensure_groups()
+            return
+        entries = reply[0][1] if reply else []
+        if cursor is not None:
+            self._pending_cursor = entries[-1][0] if entries else None
+            if entries:
+                entries = self._drop_overdelivered(entries)
+        for entry_id, fields in entries:
+            if entry_id not in self._seen:
+                self._seen.add(entry_id)
+                self._accept(entry_id, fields)
+
+    def _drop_overdelivered(self, entries: list) -> list:
+        """Pending entries that keep coming back (a poison rollout that kills the learner) go dead."""
+        info = self.link.call(self.r.xpending_range, self.keys.rollouts, LEARNER, min=entries[0][0],
+                              max=entries[-1][0], count=len(entries))
+        times = {p["message_id"]: p["times_delivered"] for p in info}
+        keep = []
+        for entry_id, fields in entries:
+            if times.get(entry_id, 0) > self.cfg.max_deliveries and fields:
+                self._dead_letter(entry_id, fields.get(b"m", b""), "max_deliveries", times[entry_id])
+            else:
+                keep.append((entry_id, fields))
+        return keep
+
+    def _accept(self, entry_id: bytes, fields: dict | None) -> None:
+        if not fields:  # trimmed or deleted while pending: nothing left to use
+            self.link.call(self.r.xack, self.keys.rollouts, LEARNER, entry_id)
+            return
+        frame = fields.get(b"m", b"")
+        try:
+            group = self.codec.decode(frame, expect=RolloutGroup)
+        except WireError as err:
+            log.warning("rejected rollout entry %s: %s", entry_id.decode(), err)
+            self._dead_letter(entry_id, frame, err.reason)
+            return
+        self._buffer.append((entry_id, group))
+
+    def _dead_letter(self, entry_id: bytes, frame: bytes, reason: str, deliveries: int = 0) -> None:
+        def move():
+            pipe = self.r.pipeline(transaction=True)
+            pipe.xadd(self.keys.dead, dead_letter_fields(frame, "rollouts", reason, peek_group_id(frame),
+                                                         deliveries), maxlen=DEAD_KEPT)
+            pipe.xack(self.keys.rollouts, LEARNER, entry_id)
+            pipe.execute()
+        self.link.call(move)
+
+    def commit(self) -> None:
+        acks, self._to_ack = self._to_ack, []
+        for i in range(0, len(acks), 1000):
+            self.link.call(self.r.xack, self.keys.rollouts, LEARNER, *acks[i:i + 1000])
+        self._trim(self.keys.prompts, ACTORS)
+        self._trim(self.keys.rollouts, LEARNER)
+
+    def _trim(self, key: str, group: str) -> None:
+        """Drop entries before the oldest one still pending, and never past the read position."""
+        groups = {g["name"].decode(): g for g in self.link.call(self.r.xinfo_groups, key)}
+        if group not in groups:
+            return
+        pending = self.link.call(self.r.xpending, key, group)
+        floor = pending["min"] if pending["pending"] else groups[group]["last-delivered-id"]
+        if floor and floor not in (b"0-0", "0-0"):
+            self.link.call(self.r.xtrim, key, minid=floor)
+
+    # ---- actors, dead letters, metrics -------------------------------------------------------
+
+    def _poll_heartbeats(self) -> None:
+        reply = self.link.call(self.r.xread, {self.keys.heartbeats: self._heartbeat_cursor}, count=HEARTBEATS_KEPT)
+        now = time.monotonic()
+        for entry_id, fields in (reply[0][1] if reply else []):
+            self._heartbeat_cursor = entry_id
+            try:
+                beat = self.codec.decode(fields.get(b"m", b""), expect=Heartbeat)
+            except WireError as err:
+                log.warning("rejected heartbeat entry %s: %s", entry_id.decode(), err)
+                continue
+            if beat.hello:
+                self._joins.append(ActorJoin(beat.actor_id, beat.version, self._latest_version))
+                log.info("actor %s joined (engine %s, weight version %d, latest announced %d)",
+                         beat.actor_id, beat.engine, beat.version, self._latest_version)
+            self._actors[beat.actor_id] = ActorInfo(beat.actor_id, beat.version, beat.engine, beat.outstanding,
+                                                    beat.num_generated_tokens, beat.weight_swap_paused_s, now)
+        for actor_id, info in list(self._actors.items()):
+            if now - info.last_seen > self.actor_timeout_s:
+                log.warning("actor %s silent for %.1f s; its prompts go to others after %d ms idle",
+                            actor_id, now - info.last_seen, self.cfg.claim_idle_ms)
+                del self._actors[actor_id]
+
+    def actors(self) -> dict[str, ActorInfo]:
+        self._poll_heartbeats()
+        return dict(self._actors)
+
+    def take_joins(self) -> list[ActorJoin]:
+        self._poll_heartbeats()
+        joins, self._joins = self._joins, []
+        return joins
+
+    def take_dead_letters(self) -> list[str]:
+        reply = self.link.call(self.r.xread, {self.keys.dead: self._dead_cursor}, count=1000)
+        ids = []
+        for entry_id, fields in (reply[0][1] if reply else []):
+            self._dead_cursor = entry_id
+            self.num_dead_lettered += 1
+            if fields.get(b"group_id"):
+                ids.append(fields[b"group_id"].decode())
+        return ids
+
+    def metrics(self) -> dict[str, float]:
+        out = {"broker/live_actors": float(len(self.actors())), "broker/dead_lettered": float(self.num_dead_lettered),
+               "broker/reconnects": float(self.link.reconnects)}
+        for key, group, name in ((self.keys.prompts, ACTORS, "prompt"), (self.keys.rollouts, LEARNER, "rollout")):
+            for g in self.link.call(self.r.xinfo_groups, key):
+                if g["name"].decode() == group:
+                    out[f"broker/{name}_pending"] = float(g["pending"])  # delivered, not acknowledged
+                    out[f"broker/{name}_lag"] = float(g.get("lag") or 0)  # not delivered yet
+        out["broker/pending_prompt_groups"] = out.get("broker/prompt_lag", 0.0)
+        if self._actors:
+            out["timing/actor_weight_swap_paused_s"] = max(a.weight_swap_paused_s for a in self._actors.values())
+        out["broker/rejected_frames"] = float(sum(self.codec.rejected.values()))
+        for reason, count in self.codec.rejected.items():
+            out[f"broker/rejected/{reason}"] = float(count)
+        return out
+
+    def close(self) -> None:
+        self.r.close()
+
+
+# ---- actor side -------------------------------------------------------------------------------
+
+class RedisActorTransport(ActorTransport):
+    def __init__(self, cfg: RedisConfig, codec: WireCodec, actor_id: str, run: str):
+        self.cfg, self.codec, self.actor_id = cfg, codec, actor_id
+        self.keys = StreamKeys(cfg.prefix, run)
+        self.link = Reconnect(cfg)
+        self.r = redis.asyncio.Redis.from_url(cfg.url, **client_kwargs(cfg, cfg.block_ms))
+        self._entries: dict[str, bytes] = {}  # group id -> prompt entry id, until its rollout is sent
+        self._pending_cursor: bytes | None = b"0"  # a restarted actor first takes back its own prompts
+        self._weights_cursor = b"$"
+        self._next_claim = 0.0
+        self._largest_n: int | None = None  # largest group seen: how many entries fit the free slots
+
+    async def request_work(self, max_samples: int, timeout_s: float) -> WorkGrant | None:
+        """Own pending prompts first (after a restart), then idle ones of silent actors, then new
+        ones while they fit: the first read blocks up to timeout_s, the rest do not."""
+        taken = await self._own_pending() or await self._claim_idle()
+        if taken:
+            return WorkGrant(groups=await self._accept(taken))
+        groups, budget, block_ms = [], max_samples, int(timeout_s * 1000)
+        while budget >= (self._largest_n or 1):
+            count = max(1, budget // self._largest_n) if self._largest_n else 1
+            entries = await self._read_new(count, None if groups else block_ms)
+            if not entries:
+                break
+            new = await self._accept(entries)
+            groups += new
+            budget -= sum(g.n for g in new)
+        return WorkGrant(groups=groups) if groups else None
+
+    async def _accept(self, entries: list) -> list[PromptGroup]:
+        groups = []
+        for entry_id, fields, deliveries in entries:
+            group = await self._decode_prompt(entry_id, fields, deliveries)
+            if group is not None:
+                self._entries[group.group_id] = entry_id
+                self._largest_n = max(self._largest_n or 1, group.n)
+                groups.append(group)
+        return groups
+
+    async def _xreadgroup(self, cursor, count: int, block: int | None):
+        try:
+            reply = await self.link.acall(self.r.xreadgroup, ACTORS, self.actor_id, {self.keys.prompts: cursor},
+                                          count=count, block=block)
+        except ResponseError as err:
+            if not is_nogroup(err):
+                raise
+            await asyncio.sleep(self.cfg.block_ms / 1000)  # the learner has not created the streams yet
+            return None
+        return reply[0][1] if reply else []
+
+    async def _own_pending(self) -> list | None:
+        if self._pending_cursor is None:
+            return None
+        entries = await self._xreadgroup(self._pending_cursor, READ_COUNT, None)
+        if not entries:
+            self._pending_cursor = None if entries is not None else self._pending_cursor
+            return None
+        self._pending_cursor = entries[-1][0]
+        log.info("took back %d prompt groups this actor held before it restarted", len(entries))
+        return await self._with_deliveries(entries)
+
+    async def _claim_idle(self) -> list | None:
+        """Prompts held too long by an actor that went silent become ours."""
+        if time.monotonic() < self._next_claim:
+            return None
+        self._next_claim = time.monotonic() + max(self.cfg.claim_idle_ms / 2000, 1.0)
+        try:
+            reply = await self.link.acall(self.r.xautoclaim, self.keys.prompts, ACTORS, self.actor_id,
+                                          min_idle_time=self.cfg.claim_idle_ms, start_id="0-0", count=READ_COUNT)
+        except ResponseError as err:
+            if is_nogroup(err):
+                return None
+            raise
+        entries = [e for e in reply[1] if e[1]]
+        if not entries:
+            return None
+        log.warning("claimed %d prompt groups idle for more than %d ms at a silent actor",
+                    len(entries), self.cfg.claim_idle_ms)
+        return await self._with_deliveries(entries)
+
+    async def _read_new(self, count: int, block_ms: int | None) -> list | None:
+        block = None if block_ms is None else max(1, min(block_ms, self.cfg.block_ms))
+        entries = await self._xreadgroup(">", count, block)
+        if not entries:
+            return None
+        return [(entry_id, fields, 1) for entry_id, fields in entries]
+
+    async def _with_deliveries(self, entries: list) -> list:
+        info = await self.link.acall(self.r.xpending_range, self.keys.prompts, ACTORS, min=entries[0][0],
+                                     max=entries[-1][0], count=len(entries) + 100)
+        times = {p["message_id"]: p["times_delivered"] for p in info}
+        return [(entry_id, fields, times.get(entry_id, 1)) for entry_id, fields in entries]
+
+    async def _decode_prompt(self, entry_id: bytes, fields: dict | None, deliveries: int) -> PromptGroup | None:
+        frame = (fields or {}).get(b"m", b"")
+        try:
+            group = self.codec.decode(frame, expect=PromptGroup)
+        except WireError as err:
+            log.warning("rejected prompt entry %s: %s", entry_id.decode(), err)
+            await self._dead_letter(entry_id, frame, err.reason, "", deliveries)
+            return None
+        if deliveries > self.cfg.max_deliveries:
+            log.warning("prompt group %s delivered %d times (> broker.redis.max_deliveries %d): dead-lettered",
+                        group.group_id, deliveries, self.cfg.max_deliveries)
+            await self._dead_letter(entry_id, frame, "max_deliveries", group.group_id, deliveries)
+            return None
+        return group
+
+    async def _dead_letter(self, entry_id: bytes, frame: bytes, reason: str, group_id: str, deliveries: int) -> None:
+        async def move():
+            pipe = self.r.pipeline(transaction=True)
+            pipe.xadd(self.keys.dead, dead_letter_fields(frame, "prompts", reason, group_id, deliveries),
+                      maxlen=DEAD_KEPT)
+            pipe.xack(self.keys.prompts, ACTORS, entry_id)
+            await pipe.execute()
+        await self.link.acall(move)
+
+    async def send_rollout(self, group: RolloutGroup) -> None:
+        frame = self.codec.encode(group)
+        entry_id = self._entries.pop(group.group_id, None)
+
+        async def publish():
+            pipe = self.r.pipeline(transaction=True)
+            pipe.xadd(self.keys.rollouts, {"m": frame})
+            if entry_id is not None:
+                pipe.xack(self.keys.prompts, ACTORS, entry_id)
+            await pipe.execute()
+        await self.link.acall(publish)
+
+    async def latest_weights(self, timeout_s: float) -> WeightUpdate | None:
+        entries = await self.link.acall(self.r.xrevrange, self.keys.weights, "+", "-", count=WEIGHTS_KEPT)
+        self._weights_cursor = entries[0][0] if entries else b"0"
+        for _, fields in entries:
+            try:
+                return self.codec.decode(fields.get(b"m", b""), expect=WeightUpdate)
+            except WireError:
+                continue  # a Shutdown of an earlier incarnation, or junk
+        return None
+
+    async def next_weight_update(self) -> WeightUpdate | Shutdown:
+        while True:
+            reply = await self.link.acall(self.r.xread, {self.keys.weights: self._weights_cursor},
+                                          count=WEIGHTS_KEPT, block=self.cfg.block_ms)
+            if not reply:
+                continue
+            entries = reply[0][1]
+            self._weights_cursor = entries[-1][0]
+            for _, fields in reversed(entries):  # the newest wins
+                try:
+                    return self.codec.decode(fields.get(b"m", b""), expect=(WeightUpdate, Shutdown))
+                except WireError as err:
+                    log.warning("rejected a frame on the weight stream: %s", err)
+
+    async def heartbeat(self, beat: Heartbeat) -> None:
+        await self.link.acall(self.r.xadd, self.keys.heartbeats, {"m": self.codec.encode(beat)},
+                              maxlen=HEARTBEATS_KEPT, approximate=True)
+        held = [self._entries[g] for g in beat.outstanding if g in self._entries]
+        if held:  # renew the claim: resets the idle time others use to decide we are gone
+            try:
+                await self.link.acall(self.r.xclaim, self.keys.prompts, ACTORS, self.actor_id, 0, held, justid=True)
+            except ResponseError as err:
+                if not is_nogroup(err):
+                    raise
+
+    def close(self) -> None:
+        try:
+            asyncio.get_running_loop().create_task(self.r.aclose())
+        except RuntimeError:
+            pass

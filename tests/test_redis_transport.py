@@ -1,0 +1,209 @@
+"""Redis Streams transport against a real redis-server: acknowledgement, redelivery, takeover,
+dead letters, trimming, reconnection and credentials."""
+import asyncio
+import os
+import time
+
+import pytest
+import redis
+
+from tidal.broker.redis_transport import BrokerAuthError, BrokerUnavailable, RedisActorTransport, RedisLearnerTransport
+from tidal.broker.schema import Heartbeat, RolloutGroup, Shutdown, WeightUpdate, WireCodec
+from tidal.config import RedisConfig
+from tests.conftest import RedisServer, require_redis_server
+from tests.test_schema import rollout
+from tests.test_zmq_transport import prompt
+
+
+def config(server, **kw) -> RedisConfig:
+    return RedisConfig(url=server.url, block_ms=100, **kw)
+
+
+def learner(cfg, fresh=True) -> RedisLearnerTransport:
+    return RedisLearnerTransport(cfg, WireCodec(1 << 20), "t", actor_timeout_s=5, fresh=fresh)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def reply_for(group) -> RolloutGroup:
+    r = rollout()
+    r.group_id = group.group_id
+    return r
+
+
+async def work(cfg, actor_id, max_samples=100, reply=True, timeout_s=2.0):
+    """One actor incarnation: take what it is granted, answer it (or die holding it)."""
+    t = RedisActorTransport(cfg, WireCodec(1 << 20), actor_id, "t")
+    grant = await t.request_work(max_samples, timeout_s=timeout_s)
+    groups = grant.groups if grant else []
+    if reply:
+        for g in groups:
+            await t.send_rollout(reply_for(g))
+    await t.r.aclose()
+    return [g.group_id for g in groups]
+
+
+def drain(side, want, timeout_s=5.0):
+    got, deadline = [], time.monotonic() + timeout_s
+    while len(got) < want and time.monotonic() < deadline:
+        g = side.recv_rollout(timeout_s=0.2)
+        if g is not None:
+            got.append(g.group_id)
+    return got
+
+
+def test_round_trip_acknowledges_prompt_and_rollout(redis_server):
+    cfg = config(redis_server)
+    side = learner(cfg)
+    side.submit_prompts([prompt(i) for i in range(3)])
+    assert run(work(cfg, "a0", max_samples=8)) == ["r-0", "r-1"]  # two groups of 4 fit in 8 slots
+    assert drain(side, 2) == ["r-0", "r-1"]
+    m = side.metrics()
+    assert m["broker/prompt_pending"] == 0 and m["broker/prompt_lag"] == 1
+    assert m["broker/rollout_pending"] == 2  # handled, not yet covered by a checkpoint
+    side.commit()
+    assert side.metrics()["broker/rollout_pending"] == 0
+
+
+def test_restarted_actor_takes_back_its_own_prompts(redis_server):
+    cfg = config(redis_server)
+    side = learner(cfg)
+    side.submit_prompts([prompt(i) for i in range(2)])
+    assert run(work(cfg, "a0", reply=False)) == ["r-0", "r-1"]  # dies holding both
+    assert run(work(cfg, "a0")) == ["r-0", "r-1"]  # same id, restarted: its pending entries first
+    assert sorted(drain(side, 2)) == ["r-0", "r-1"]
+
+
+def test_silent_actors_prompts_are_claimed_and_heartbeats_keep_them(redis_server):
+    cfg = config(redis_server, claim_idle_ms=300)
+    side = learner(cfg)
+    side.submit_prompts([prompt(0), prompt(1)])
+
+    async def scenario():
+        alive = RedisActorTransport(cfg, WireCodec(1 << 20), "alive", "t")
+        held = await alive.request_work(4, timeout_s=2)  # r-0, kept fresh by heartbeats
+        assert await work(cfg, "dead", max_samples=4, reply=False) == ["r-1"]
+        for _ in range(4):
+            await asyncio.sleep(0.15)
+            await alive.heartbeat(Heartbeat(actor_id="alive", version=0, engine={},
+                                            outstanding=[held.groups[0].group_id]))
+        other = RedisActorTransport(cfg, WireCodec(1 << 20), "other", "t")
+        claimed = await other.request_work(100, timeout_s=0.5)
+        await alive.r.aclose()
+        await other.r.aclose()
+        return [g.group_id for g in claimed.groups]
+
+    assert run(scenario()) == ["r-1"]  # the dead actor's group, not the live one's
+
+
+def test_overdelivered_prompts_are_dead_lettered_and_reported(redis_server):
+    cfg = config(redis_server, claim_idle_ms=100, max_deliveries=2)
+    side = learner(cfg)
+    side.submit_prompts([prompt(0)])
+    assert run(work(cfg, "a0", reply=False)) == ["r-0"]  # delivery 1
+    time.sleep(0.2)
+    assert run(work(cfg, "a1", reply=False, timeout_s=0.3)) == ["r-0"]  # claimed: delivery 2
+    time.sleep(0.2)
+    assert run(work(cfg, "a2", timeout_s=0.3)) == []  # delivery 3 > 2: dead-lettered, not worked on
+    assert side.take_dead_letters() == ["r-0"]
+    assert side.metrics()["broker/prompt_pending"] == 0
+
+
+def test_restarted_learner_gets_what_it_had_not_committed_and_nothing_else(redis_server):
+    cfg = config(redis_server)
+    side = learner(cfg)
+    side.submit_prompts([prompt(i) for i in range(4)])
+    run(work(cfg, "a0"))
+    assert drain(side, 2) == ["r-0", "r-1"]
+    side.commit()  # a checkpoint covered r-0 and r-1
+    assert drain(side, 1) == ["r-2"]  # handed out, then the learner dies before its next checkpoint
+    side.close()
+    again = learner(cfg, fresh=False)
+    assert drain(again, 2) == ["r-2", "r-3"]
+    assert drain(again, 1, timeout_s=0.5) == []
+
+
+def test_fresh_learner_clears_an_earlier_runs_streams(redis_server):
+    cfg = config(redis_server)
+    learner(cfg).submit_prompts([prompt(0)])
+    learner(cfg, fresh=True)
+    assert run(work(cfg, "a0", timeout_s=0.3)) == []
+
+
+def test_trimming_keeps_unacknowledged_entries(redis_server):
+    cfg = config(redis_server)
+    side = learner(cfg)
+    side.submit_prompts([prompt(i) for i in range(6)])
+    run(work(cfg, "a0", max_samples=8, reply=False))  # r-0, r-1 pending at a dead actor
+    run(work(cfg, "a1", max_samples=8))  # r-2, r-3 done
+    drain(side, 2)
+    side.commit()
+    r = redis.Redis.from_url(cfg.url)
+    ids = [fields[b"m"] for _, fields in r.xrange("tidal:t:prompts")]
+    assert len(ids) == 6  # the oldest pending entry (r-0) bounds the trim
+    assert run(work(cfg, "a0", max_samples=8)) == ["r-0", "r-1"]
+
+
+def test_bad_rollout_frames_are_rejected_counted_and_dead_lettered(redis_server):
+    cfg = config(redis_server)
+    side = learner(cfg)
+    r = redis.Redis.from_url(cfg.url)
+    r.xadd("tidal:t:rollouts", {"m": b"not msgpack"})
+    r.xadd("tidal:t:rollouts", {"other": b"field"})
+    r.xadd("tidal:t:rollouts", {"m": WireCodec(1 << 20).encode(rollout())})
+    assert drain(side, 1) == ["g1"]
+    assert side.metrics()["broker/rejected_frames"] == 2
+    assert r.xlen("tidal:t:dead") == 2
+    assert side.metrics()["broker/rollout_pending"] == 1  # only the good one waits for a commit
+
+
+def test_weights_latest_and_next(redis_server):
+    cfg = config(redis_server)
+    side = learner(cfg)
+    side.publish_weights(WeightUpdate(version=2, transport="file", location="/w", manifest=[], checksum="c"))
+
+    async def actor():
+        t = RedisActorTransport(cfg, WireCodec(1 << 20), "a0", "t")
+        latest = await t.latest_weights(timeout_s=1)
+        side.publish_weights(WeightUpdate(version=3, transport="file", location="/w", manifest=[], checksum="c"))
+        side.publish_weights(WeightUpdate(version=4, transport="file", location="/w", manifest=[], checksum="c"))
+        newest = await asyncio.wait_for(t.next_weight_update(), 5)
+        side.shutdown_actors("done")
+        stop = await asyncio.wait_for(t.next_weight_update(), 5)
+        await t.r.aclose()
+        return latest.version, newest.version, stop
+
+    latest, newest, stop = run(actor())
+    assert (latest, newest) == (2, 4) and isinstance(stop, Shutdown)  # conflated: the newest wins
+
+
+def test_survives_a_redis_restart_and_gives_up_after_the_timeout(redis_server):
+    cfg = config(redis_server, reconnect_timeout_s=2.0)
+    side = learner(cfg)
+    side.submit_prompts([prompt(0)])
+    redis_server.stop()
+    redis_server.start()  # AOF replayed: the stream and its groups are back
+    assert run(work(cfg, "a0")) == ["r-0"]
+    assert drain(side, 1) == ["r-0"]
+    redis_server.stop()
+    with pytest.raises(BrokerUnavailable, match="unreachable"):
+        side.recv_rollout(timeout_s=1)
+
+
+def test_password_comes_from_the_environment_and_acl_users_work(tmp_path, monkeypatch):
+    require_redis_server()
+    server = RedisServer(tmp_path, extra=("--user", "default", "off", "--user", "learner", "on", ">s3cret",
+                                          "~tidal:*", "+@all")).start()
+    try:
+        cfg = RedisConfig(url=server.url, username="learner", password_env="TEST_REDIS_PW", block_ms=100,
+                          reconnect_timeout_s=1)
+        monkeypatch.setenv("TEST_REDIS_PW", "s3cret")
+        learner(cfg).submit_prompts([prompt(0)])
+        monkeypatch.setenv("TEST_REDIS_PW", "wrong")
+        with pytest.raises(BrokerAuthError, match="TEST_REDIS_PW"):
+            learner(cfg)
+    finally:
+        server.stop()
+    assert "s3cret" not in str(cfg)
