@@ -1,5 +1,6 @@
 """Tasks: each module makes its prompts (for the learner's coordinator) and scores completions
-(for the actors). A task module exposes `load_prompts(cfg) -> Split` and `reward(text, payload)`.
+(for the actors). A task module exposes `load_prompts(cfg) -> Split`, `reward(text, payload)` and
+`ALPHABET`, the characters the tiny model's tokenizer is built from (tasks for real models raise on it).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ class Split:
     val: list[Prompt]  # held out: never trained on
 
 
-TASKS = ("arithmetic",)
+TASKS = ("arithmetic", "math")
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:

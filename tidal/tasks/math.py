@@ -1,0 +1,365 @@
+"""Math problems from a local JSON Lines or Parquet file, scored 1/0 by math-verify equivalence.
+
+Prompts: each row's `task.prompt_field` put into `task.prompt_template`; the payload carries the row's
+`task.answer_field`. Rewards: math-verify extracts the completion's final answer and compares it with
+the gold answer symbolically, so `\\boxed{1/2}`, `0.5` and `\\frac{1}{2}` all match a gold `\\frac{1}{2}`.
+
+math-verify bounds its own work with signal.alarm, which works only on a process's main thread
+(elsewhere `parse` and `verify` raise ValueError even with raise_on_error=False) and only in whole
+seconds. So the checks run in a helper process with the library's timeouts off, and the caller, on
+any thread, waits at most REWARD_TIMEOUT_S: a helper stuck on an input like `\\boxed{9^{9^{9^{9}}}}`
+is killed and replaced, and that sample scores 0. Outcomes are counted (`reward_stats`); timeouts
+and other oddities are logged at 1, 10, 100, ... occurrences.
+
+For real models only (model.path): the tiny model is character-level and built for arithmetic.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import select
+import signal
+import string
+import subprocess
+import sys
+import threading
+import weakref
+from collections import Counter
+from pathlib import Path
+from typing import Callable
+
+from tidal.config import ConfigError, TaskConfig
+from tidal.tasks import Prompt, Split
+
+log = logging.getLogger(__name__)
+
+REWARD_TIMEOUT_S = 2.0  # longest check of one completion; a legitimate one takes milliseconds
+STARTUP_TIMEOUT_S = 120.0  # a fresh helper imports sympy and math-verify (seconds on a busy machine)
+# CPU seconds one check may use before the kernel ends the helper: the parent kills it long before,
+# unless the parent itself was killed mid-check (a stuck check ignores its stdin closing).
+HELPER_CPU_LIMIT_S = 30
+# Only the completion's tail is checked: the final answer is there, and extraction regexes over a
+# runaway completion would cost more than sampling it did.
+MAX_COMPLETION_CHARS = 4000
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # file suffix -> datasets builder
+
+# Outcomes of one check; all but CORRECT score 0.
+CORRECT, WRONG, NO_ANSWER = "correct", "wrong", "no_answer"
+BAD_GOLD, TIMEOUT, CRASHED, ERROR = "bad_gold", "timeout", "crashed", "error"
+_WORTH_A_WARNING = (BAD_GOLD, TIMEOUT, CRASHED, ERROR)
+
+
+def __getattr__(name: str):
+    # The tiny model builds its tokenizer from a task's ALPHABET. Math needs a real model's tokenizer,
+    # so being asked for one means the config left model.path empty.
+    if name == "ALPHABET":
+        raise ConfigError("config key 'model.path' = '': task.name = 'math' needs a Hugging Face model "
+                          "directory; the tiny model is character-level, for task.name = 'arithmetic' only")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ---- prompts -------------------------------------------------------------------------------
+
+def load_prompts(cfg: TaskConfig) -> Split:
+    """Rows of task.data_path; held out: num_val rows drawn by seed from task.val_path, else split off data_path."""
+    render = build_renderer(cfg.prompt_template, cfg.prompt_field)
+    if cfg.num_val < 0:
+        raise ValueError(f"config key 'task.num_val' = {cfg.num_val}: must be >= 0")
+    rows = read_rows(cfg.data_path, "task.data_path", cfg)
+    if cfg.val_path:
+        val_rows = read_rows(cfg.val_path, "task.val_path", cfg)
+        # val ids follow the train file's, so the two files never share a prompt id
+        train_ids, val_ids = range(len(rows)), _draw(len(val_rows), cfg.num_val, cfg.seed)
+        val = [_prompt(len(rows) + i, val_rows[i], render) for i in val_ids]
+    else:
+        if cfg.num_val >= len(rows):
+            raise ValueError(f"config key 'task.num_val' = {cfg.num_val} leaves no training prompts "
+                             f"({len(rows)} rows in {cfg.data_path}; or set task.val_path)")
+        val_ids = _draw(len(rows), cfg.num_val, cfg.seed)
+        held_out = set(val_ids)
+        train_ids = [i for i in range(len(rows)) if i not in held_out]
+        val = [_prompt(i, rows[i], render) for i in val_ids]
+    return Split(train=[_prompt(i, rows[i], render) for i in train_ids], val=val)
+
+
+def _draw(num_rows: int, num: int, seed: int) -> list[int]:
+    """Up to `num` row indices drawn by `seed`, in file order."""
+    order = list(range(num_rows))
+    random.Random(seed).shuffle(order)
+    return sorted(order[:num])
+
+
+def _prompt(prompt_id: int, row: tuple[str, str], render: Callable[[str], str]) -> Prompt:
+    problem, answer = row
+    return Prompt(prompt_id=prompt_id, text=render(problem), payload={"answer": answer})
+
+
+def build_renderer(template: str, field: str) -> Callable[[str], str]:
+    """problem -> prompt text; the template must hold exactly one placeholder, {<field>}."""
+    key = f"config key 'task.prompt_template' = {template!r}"
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as err:
+        raise ValueError(f"{key}: {err} (literal braces are written {{{{ and }}}})") from None
+    if names != {field}:
+        found = ", ".join(f"{{{n}}}" for n in sorted(names)) or "none"
+        raise ValueError(f"{key}: needs exactly the placeholder {{{field}}} (task.prompt_field), found {found} "
+                         f"(literal braces are written {{{{ and }}}})")
+    return lambda problem: template.format(**{field: problem})
+
+
+def read_rows(path_value: str, key: str, cfg: TaskConfig) -> list[tuple[str, str]]:
+    """(problem, answer) per row of a JSON Lines or Parquet file; a bad row raises naming file and line/row."""
+    if not path_value:
+        raise ValueError(f"config key '{key}' is empty: the math task reads problems from a JSON Lines "
+                         f"or Parquet file")
+    path = Path(path_value).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"config key '{key}' = {path_value!r}: no such file")
+    builder = FORMATS.get(path.suffix.lower())
+    if builder is None:
+        raise ValueError(f"config key '{key}' = {path_value!r}: expected a {', '.join(FORMATS)} file")
+    try:
+        data = _load(builder, path)
+    except Exception as err:  # datasets' errors rarely say where; the file itself can
+        located = _find_bad_json_row(path, cfg) if builder == "json" else None
+        reason = str(err).splitlines()[0] if str(err) else ""
+        raise ValueError(located or f"{path}: cannot be read as {builder} ({key}): "
+                                    f"{type(err).__name__}: {reason}") from None
+    for field, field_key in ((cfg.prompt_field, "task.prompt_field"), (cfg.answer_field, "task.answer_field")):
+        if field not in data.column_names:
+            raise ValueError(f"{path}: no column {field!r} (config key {field_key}); columns: "
+                             f"{', '.join(data.column_names)}")
+    if len(data) == 0:
+        raise ValueError(f"{path}: no rows ({key})")
+    rows = []
+    for index, row in enumerate(data.select_columns([cfg.prompt_field, cfg.answer_field])):
+        why = _bad_row(row, cfg)
+        if why:
+            # datasets may have coerced a JSON column's types; the file itself names the first bad line
+            located = _find_bad_json_row(path, cfg) if builder == "json" else None
+            raise ValueError(located or f"{path}: row {index} (counting from 0): {why}")
+        rows.append((row[cfg.prompt_field], row[cfg.answer_field].strip()))
+    return rows
+
+
+def _load(builder: str, path: Path):
+    """The file as a datasets.Dataset (cached by datasets like any local file)."""
+    import datasets
+
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # one bar per split in the learner's log says nothing
+    try:
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+
+
+_MISSING = object()
+
+
+def _bad_row(row: dict, cfg: TaskConfig) -> str | None:
+    """Why a row cannot be used, or None."""
+    for field, key in ((cfg.prompt_field, "task.prompt_field"), (cfg.answer_field, "task.answer_field")):
+        value = row.get(field, _MISSING)
+        if value is _MISSING or value is None:
+            return f"{field!r} is missing or null (config key {key})"
+        if not isinstance(value, str):
+            return (f"{field!r} is {type(value).__name__} {repr(value)[:40]}, expected a string "
+                    f"(config key {key}; quote numbers in the file)")
+        if not value.strip():
+            return f"{field!r} is empty (config key {key})"
+    return None
+
+
+def _find_bad_json_row(path: Path, cfg: TaskConfig) -> str | None:
+    """'FILE:LINE: why' for the first bad line of a JSON Lines file; None if all are fine (or it is a JSON array)."""
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return f"{path}:{line_no}: not UTF-8"
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                if line_no == 1 and line.lstrip().startswith("["):
+                    return None  # a JSON array: no line per row to name
+                return f"{path}:{line_no}: not valid JSON ({err.msg})"
+            if not isinstance(row, dict):
+                return f"{path}:{line_no}: expected a JSON object, found {type(row).__name__}"
+            why = _bad_row(row, cfg)
+            if why:
+                return f"{path}:{line_no}: {why}"
+    return None
+
+
+# ---- reward --------------------------------------------------------------------------------
+
+def reward(text: str, payload: dict[str, str]) -> float:
+    """1.0 if the completion's final answer equals payload["answer"] (math-verify), else 0.0; never raises on it."""
+    return 1.0 if _shared_verifier().judge(payload["answer"], text[-MAX_COMPLETION_CHARS:]) == CORRECT else 0.0
+
+
+def reward_stats() -> dict[str, int]:
+    """Outcome counts of this process's reward calls, e.g. rollout/math_timeout."""
+    counts = _shared.counts if _shared is not None else Counter()
+    return {f"rollout/math_{outcome}": n for outcome, n in sorted(counts.items())}
+
+
+_shared: Verifier | None = None
+_shared_lock = threading.Lock()
+
+
+def _shared_verifier() -> Verifier:
+    """The process's helper, started on the first reward call (no import-time side effects)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = Verifier()
+        return _shared
+
+
+class Verifier:
+    """math-verify in a helper process: an outcome within timeout_s from any thread, else TIMEOUT."""
+
+    def __init__(self, timeout_s: float = REWARD_TIMEOUT_S):
+        self.timeout_s = timeout_s
+        self.counts: Counter[str] = Counter()
+        self._lock = threading.Lock()  # one request at a time per helper
+        self._helper: _Helper | None = None
+        self._ready = False
+
+    def judge(self, gold: str, completion: str) -> str:
+        """CORRECT, WRONG, NO_ANSWER, BAD_GOLD, TIMEOUT, CRASHED or ERROR; raises only if math-verify cannot start."""
+        with self._lock:
+            if self._helper is None or self._helper.owner_pid != os.getpid():  # new, or a forked copy
+                self._start()
+            self._wait_ready()
+            try:
+                self._helper.send(gold, completion)
+                reply = self._helper.read_line(self.timeout_s)
+                outcome = TIMEOUT if reply is None else reply or CRASHED  # "" = end of file: it died
+            except OSError:  # BrokenPipeError: it died before reading (e.g. a crash inside sympy)
+                outcome = CRASHED
+            if outcome in (TIMEOUT, CRASHED):
+                self.close()
+                self._start()  # at once, so its imports overlap with the caller's next sampling
+            self.counts[outcome] += 1
+            num = self.counts[outcome]
+        if outcome in _WORTH_A_WARNING and _is_power_of_ten(num):
+            log.warning("math reward: %s #%d (gold %.60r, completion ending %.80r); the sample scores 0",
+                        outcome, num, gold, completion[-80:])
+        return outcome
+
+    def close(self) -> None:
+        """Stop the helper (a later judge starts a new one)."""
+        if self._helper is not None:
+            self._helper.stop()
+        self._helper = None
+
+    def _start(self) -> None:
+        self._helper, self._ready = _Helper(), False
+
+    def _wait_ready(self) -> None:
+        """A missing or broken math-verify is the environment's fault, not the sample's: raise."""
+        if self._ready:
+            return
+        reply = self._helper.read_line(STARTUP_TIMEOUT_S)
+        if reply != "ready":
+            why = (f"no answer within {STARTUP_TIMEOUT_S:.0f} s" if reply is None else reply
+                   or f"exited with code {self._helper.proc.wait()} (its error is above)")
+            self.close()
+            raise RuntimeError(f"math reward helper did not start: {why} (the math task needs math-verify)")
+        self._ready = True
+
+
+class _Helper:
+    """One helper process: requests as JSON lines on its stdin, one reply line each on a private pipe."""
+
+    def __init__(self):
+        # A private pipe, not stdout: nothing a library prints can be mistaken for a reply.
+        read_fd, write_fd = os.pipe()
+        # A fresh interpreter rather than multiprocessing: fork would copy the actor's threads and
+        # engine state, and spawn re-runs the caller's __main__, which breaks unguarded scripts.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", f"from tidal.tasks.math import _serve; _serve({write_fd}, {HELPER_CPU_LIMIT_S})"],
+            stdin=subprocess.PIPE, pass_fds=(write_fd,), env=env, bufsize=0)
+        os.close(write_fd)
+        self.replies = os.fdopen(read_fd, "rb", buffering=0)
+        self.owner_pid = os.getpid()
+        # Also at exit: a helper stuck mid-check would never see its stdin close.
+        self.stop = weakref.finalize(self, _stop, self.proc, self.replies, self.owner_pid)
+
+    def send(self, gold: str, completion: str) -> None:
+        data = (json.dumps([gold, completion]) + "\n").encode()  # ASCII: lone surrogates are escaped
+        while data:
+            data = data[os.write(self.proc.stdin.fileno(), data):]
+
+    def read_line(self, timeout_s: float) -> str | None:
+        """The next reply; None when none came within timeout_s, "" when the helper exited."""
+        ready, _, _ = select.select([self.replies], [], [], timeout_s)
+        if not ready:
+            return None
+        return self.replies.readline().decode().strip()  # unbuffered: never reads past one reply
+
+
+def _stop(proc: subprocess.Popen, replies, owner_pid: int) -> None:
+    if os.getpid() != owner_pid:
+        return  # a forked copy must leave its parent's helper alone
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    proc.stdin.close()
+    replies.close()
+
+
+def _is_power_of_ten(n: int) -> bool:
+    while n % 10 == 0:
+        n //= 10
+    return n == 1
+
+
+def _serve(reply_fd: int, cpu_limit_s: int) -> None:
+    """The helper process: a reply line per request line ([gold, completion] as JSON) until stdin closes."""
+    import resource
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, which stops this helper
+    replies = os.fdopen(reply_fd, "w", buffering=1)
+    # Its "timeout is disabled" warning: the parent enforces the timeout.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    try:
+        from math_verify import parse, verify
+    except Exception as err:
+        replies.write(f"cannot import math_verify: {type(err).__name__}: {err}".replace("\n", " ") + "\n")
+        return
+    replies.write("ready\n")
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    for line in sys.stdin.buffer:  # ends when the parent closes the pipe or exits
+        gold, completion = json.loads(line)
+        # SIGXCPU ends this process even while sympy holds the GIL in C, where no Python code runs
+        used = resource.getrusage(resource.RUSAGE_SELF)
+        soft = int(used.ru_utime + used.ru_stime) + cpu_limit_s
+        resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+        replies.write(_check(parse, verify, gold, completion) + "\n")
+
+
+def _check(parse, verify, gold: str, completion: str) -> str:
+    """One comparison, run inside the helper with math-verify's signal timeouts off."""
+    try:
+        # boxed, so plain answers such as "\\sqrt{2}" or "x^2+1" parse as LaTeX
+        gold_parsed = parse(gold if "\\boxed" in gold else f"\\boxed{{{gold}}}", parsing_timeout=None)
+        if not gold_parsed:
+            return BAD_GOLD
+        answer = parse(completion, parsing_timeout=None)
+        if not answer:
+            return NO_ANSWER
+        return CORRECT if verify(gold_parsed, answer, timeout_seconds=None) else WRONG
+    except Exception:  # math-verify raising on an odd completion is the completion's fault: it scores 0
+        return ERROR
