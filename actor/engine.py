@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,7 +23,8 @@ class Completion:
     logprobs: np.ndarray  # float32 [completion_len], processed (after temperature)
     version_spans: list[tuple[int, int, int]]  # (version, start, end)
     text: str
-    finish_reason: str  # stop | length
+    finish_reason: str  # stop | length | interrupted (see Sample.finish_reason)
+    injected_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) injected by the actor
 
 
 class Engine:
@@ -68,11 +69,13 @@ class Engine:
             return time.perf_counter() - start
 
     async def sample(self, prompt_tokens: list[int], n: int, params: SamplingParams,
-                     request_id: str) -> list[Completion]:
+                     request_id: str, max_tokens: int | None = None) -> list[Completion]:
+        """n samples of one prompt; `max_tokens` overrides params.max_tokens (thinking budgets, answers)."""
         from vllm import SamplingParams as VllmSamplingParams
 
         sp = VllmSamplingParams(n=n, temperature=params.temperature, top_p=params.top_p,
-                                max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids),
+                                max_tokens=params.max_tokens if max_tokens is None else max_tokens,
+                                stop_token_ids=list(params.stop_token_ids),
                                 logprobs=0)  # logprobs=0: the sampled token's own logprob
         self.num_requests += 1
         # With n > 1 each streamed output carries only the samples that changed in that engine

@@ -1,6 +1,7 @@
 """The actor: pull prompt groups, sample them on vLLM, score them, stream finished groups out.
 
     learner ──WorkGrant──► fill_slots ──► run_group (wait for min_version → sample n → reward) ──► RolloutGroup
+                                                      (length_control: interruptions, overlong penalty)
     learner ──WeightUpdate──► watch_weights ──► engine.load_weights (pause(keep) → reload → version → resume)
                               heartbeats ──► learner (version, outstanding groups)
 
@@ -16,8 +17,8 @@ from collections import Counter
 
 from tidal.actor.engine import Engine
 from tidal.broker.base import ActorTransport
-from tidal.broker.schema import (Heartbeat, PromptGroup, RolloutGroup, Sample, Shutdown, WeightUpdate, float32s,
-                                 int32s)
+from tidal.actor.length_control import generate, to_sample
+from tidal.broker.schema import Heartbeat, PromptGroup, RolloutGroup, Shutdown, WeightUpdate
 from tidal.broker.weights import verify_weight_file
 from tidal.config import ActorConfig
 from tidal.health import HealthFile
@@ -76,6 +77,8 @@ class Actor:
             if grant.latest_weights is not None:
                 self.note_announcement(grant.latest_weights)
             for group in grant.groups:
+                if group.group_id in self.outstanding:
+                    continue  # redelivered to us while we work on it (at-least-once): one copy is enough
                 self.inflight_samples += group.n
                 self.outstanding[group.group_id] = group
                 asyncio.create_task(self.guard(self.run_group(group)))
@@ -93,18 +96,18 @@ class Actor:
         queued = time.perf_counter()
         await self.wait_for_version(group.min_version)
         start = time.perf_counter()
-        completions = await self.engine.sample(group.prompt_tokens.numpy("i4", "prompt_tokens").tolist(),
-                                               group.n, group.sampling, request_id=group.group_id)
+        completions = await generate(self.engine, group)  # with forced interruptions when the group asks
         reward = self.reward_fns[group.task]
-        samples = [Sample(tokens=int32s(c.tokens), logprobs=float32s(c.logprobs), version_spans=c.version_spans,
-                          reward=float(reward(c.text, group.payload)), finish_reason=c.finish_reason)
-                   for c in completions]
+        # the overlong penalty (when the group asks) is added here; Sample.raw_reward keeps the task's
+        samples = [to_sample(c, float(reward(c.text, group.payload)), group.sampling) for c in completions]
         await self.transport.send_rollout(RolloutGroup(
             group_id=group.group_id, prompt_id=group.prompt_id, actor_id=self.cfg.id,
             prompt_tokens=group.prompt_tokens, samples=samples, is_eval=group.is_eval,
             gen_seconds=time.perf_counter() - start, queue_seconds=start - queued))
         self.stats["groups"] += 1
-        self.stats["tokens"] += sum(len(c.tokens) for c in completions)
+        injected = sum(end - start for c in completions for start, end in c.injected_spans)
+        self.stats["tokens"] += sum(len(c.tokens) for c in completions) - injected  # generated, not injected
+        self.stats["interrupted_samples"] += sum(bool(c.injected_spans) for c in completions)
         self.inflight_samples -= group.n
         del self.outstanding[group.group_id]
 

@@ -63,11 +63,41 @@ class Message(msgspec.Struct, tag_field="kind", kw_only=True):
         """Field-level invariants that types alone do not express."""
 
 
+class InterruptParams(msgspec.Struct, frozen=True):
+    """ScaleRL forced interruption: a sample still going at its thinking budget gets `tokens`
+    appended and continues for at most `answer_tokens` more."""
+
+    tokens: tuple[int, ...]  # the interruption text, tokenized by the learner
+    text: str  # the same text, so the reward sees the completion as the model read it
+    min_think_tokens: int  # each sample's thinking budget is drawn uniformly from
+    max_think_tokens: int  # [min_think_tokens, max_think_tokens]
+    answer_tokens: int  # generation budget after the interruption
+
+
 class SamplingParams(msgspec.Struct, frozen=True):
     temperature: float = 1.0
     top_p: float = 1.0
-    max_tokens: int = 16
+    max_tokens: int = 16  # cap on every completion's length, interruption and answer included
     stop_token_ids: tuple[int, ...] = ()
+    interrupt: InterruptParams | None = None  # None: no forced interruptions (eval groups by default)
+    overlong_buffer_tokens: int = 0  # DAPO's L_cache; 0: no overlong penalty on the reward
+
+    def check(self) -> None:
+        """Length-control settings that could not be honoured; reasons name the field and value."""
+        if not 0 <= self.overlong_buffer_tokens < self.max_tokens:
+            raise WireError("bad_value", f"sampling.overlong_buffer_tokens {self.overlong_buffer_tokens} "
+                            f"not in [0, max_tokens {self.max_tokens})")
+        it = self.interrupt
+        if it is None:
+            return
+        if not (it.tokens and 1 <= it.min_think_tokens <= it.max_think_tokens and it.answer_tokens >= 1):
+            raise WireError("bad_value", f"sampling.interrupt: {len(it.tokens)} tokens, think budget "
+                            f"[{it.min_think_tokens}, {it.max_think_tokens}], answer_tokens {it.answer_tokens}")
+        longest = it.max_think_tokens + len(it.tokens) + it.answer_tokens
+        if longest > self.max_tokens:
+            raise WireError("bad_value", f"sampling.interrupt: max_think_tokens {it.max_think_tokens} + "
+                            f"{len(it.tokens)} interruption tokens + answer_tokens {it.answer_tokens} = "
+                            f"{longest} > max_tokens {self.max_tokens}")
 
 
 class PromptGroup(Message, tag="prompt_group"):
@@ -88,18 +118,37 @@ class PromptGroup(Message, tag="prompt_group"):
             raise WireError("bad_shape", f"prompt_tokens shape {tokens.shape}")
         if self.n < 1:
             raise WireError("bad_value", f"n = {self.n}")
+        self.sampling.check()
 
 
 class Sample(msgspec.Struct, kw_only=True):
     tokens: Array  # int32 [completion_len]
     logprobs: Array  # float32 [completion_len], behavior logprobs after temperature
     version_spans: list[tuple[int, int, int]]  # (version, start, end) over completion tokens
-    reward: float
-    finish_reason: str  # stop | length | interrupted
+    reward: float  # what the learner trains on: the task reward plus any overlong penalty
+    # stop: ended by a stop token, never interrupted. interrupted: interrupted, then ended by a stop
+    # token. length: reached the completion's final budget without a stop token (a truncation).
+    finish_reason: str
+    # [start, end) ranges of completion tokens the actor injected (interruption text): part of the
+    # sequence the model read, never trained on; their behavior logprobs are 0.0
+    injected_spans: list[tuple[int, int]] = []
+    raw_reward: float | None = None  # the task's reward before length shaping; None: equal to `reward`
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens.data) // 4  # int32 tokens
+
+    @property
+    def task_reward(self) -> float:
+        """The task's own reward (pass rates are computed from it, not from the shaped one)."""
+        return self.reward if self.raw_reward is None else self.raw_reward
+
+    def injected_mask(self) -> np.ndarray:
+        """bool [completion_len]: True where the actor injected the token."""
+        out = np.zeros(self.num_tokens, dtype=bool)
+        for start, end in self.injected_spans:
+            out[start:end] = True
+        return out
 
     def spans_several_versions(self) -> bool:
         """True when a weight update landed while this sample was being generated."""
@@ -144,8 +193,20 @@ class RolloutGroup(Message, tag="rollout_group"):
                 raise WireError("bad_spans", f"samples[{i}]: spans cover {covered} of {tokens.size} tokens")
             if s.finish_reason not in FINISH_REASONS:
                 raise WireError("bad_value", f"samples[{i}].finish_reason {s.finish_reason!r}")
-            if not np.isfinite(s.reward) or not np.all(np.isfinite(logprobs)):
+            if not np.isfinite(s.reward) or not np.isfinite(s.task_reward) or not np.all(np.isfinite(logprobs)):
                 raise WireError("bad_value", f"samples[{i}]: non-finite reward or logprob")
+            _check_injected_spans(s.injected_spans, tokens.size, f"samples[{i}]")
+            if s.finish_reason == "interrupted" and not s.injected_spans:
+                raise WireError("bad_value", f"samples[{i}]: finish_reason 'interrupted' without injected_spans")
+
+
+def _check_injected_spans(spans: list[tuple[int, int]], num_tokens: int, where: str) -> None:
+    """Injected spans are sorted, disjoint, non-empty and inside the completion."""
+    previous_end = 0
+    for start, end in spans:
+        if not previous_end <= start < end <= num_tokens:
+            raise WireError("bad_spans", f"{where}.injected_spans {spans} (completion of {num_tokens} tokens)")
+        previous_end = end
 
 
 class TensorSpec(msgspec.Struct, frozen=True):

@@ -81,8 +81,10 @@ def build_rows(groups: list[RolloutGroup], token_masks: list[list[np.ndarray]], 
         prompt = g.prompt_tokens.numpy("i4", "prompt_tokens").astype(np.int64)
         for s, a, m, w in zip(g.samples, adv, masks, ws, strict=True):
             completion = s.tokens.numpy("i4", "tokens").astype(np.int64)
+            # tokens the actor injected (forced interruptions) are read as context, never trained on
+            keep = np.asarray(m, dtype=bool) & ~s.injected_mask()
             rows.append(Row(np.concatenate([prompt, completion]), len(prompt), s.logprobs.numpy("f4", "logprobs"),
-                            s.versions(), np.asarray(m, dtype=bool), float(a), w.astype(np.float64)))
+                            s.versions(), keep, float(a), np.where(keep, w, 0.0).astype(np.float64)))
     return rows
 
 

@@ -7,14 +7,16 @@
     {"event": "dead_letter", "id": ...}                      gave up after too many deliveries
     {"event": "actor_joined", "actor": ..., "version": v, "announced": a}
 
-Operators and the fault tests reconcile from it. Checkpoints store its byte offset, and a
-resumed learner cuts it back there, so it always describes the lineage of the live model.
+Every line also carries its wall-clock "time". Operators and the fault tests reconcile from
+it. Checkpoints store its byte offset, and a resumed learner cuts it back there, so it always
+describes the lineage of the live model.
 """
 from __future__ import annotations
 
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 
@@ -29,7 +31,7 @@ class Ledger:
 
     def record(self, event: str, **fields) -> None:
         with self._lock:
-            self._file.write(json.dumps({"event": event, **fields}) + "\n")
+            self._file.write(json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n")
 
     def offset(self) -> int:
         """Byte length so far, flushed to disk: what a checkpoint stores."""

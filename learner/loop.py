@@ -61,8 +61,40 @@ class Evaluator:
         self.results[version] = float(np.mean(self.rewards[version]))
         return version, self.results[version]
 
+    def drop(self, group_id: str) -> tuple[int, float] | None:
+        """An eval group the broker gave up on: the evaluation completes without it."""
+        for version, pending in self.expected.items():
+            if group_id in pending:
+                pending.discard(group_id)
+                log.warning("eval group %s was dead-lettered; the eval at version %d is computed without it",
+                            group_id, version)
+                if not pending and self.rewards[version]:
+                    self.results[version] = float(np.mean(self.rewards[version]))
+                    return version, self.results[version]
+        return None
+
     def waiting(self) -> bool:
         return any(self.expected.values())
+
+
+def staleness_masks(lags: list[np.ndarray], max_lag: int, on_violation: OnViolation,
+                    generated: list[np.ndarray] | None = None) -> tuple[list[np.ndarray] | None, int]:
+    """Token masks (True = trained; one bool array per sample) under the bound `max_lag` on each
+    token's lag (int [completion_len] per sample), and the count of generated tokens over it.
+    `generated` (bool, same shapes; default all) excludes tokens the actor injected, which are never
+    trained. Masks are None when the group must not be trained: drop_group with any stale token, or
+    mask_tokens leaving no generated token."""
+    generated = generated if generated is not None else [np.ones(lag.shape, dtype=bool) for lag in lags]
+    too_old = [(lag > max_lag) & g for lag, g in zip(lags, generated, strict=True)]
+    num_stale = int(sum(m.sum() for m in too_old))
+    if num_stale and on_violation is OnViolation.drop_group:
+        return None, num_stale
+    if on_violation is OnViolation.mask_tokens:
+        masks = [~m for m in too_old]
+        # a group without a trainable token would reach the trainer as pure padding
+        trainable = any((m & g).any() for m, g in zip(masks, generated))
+        return (masks if trainable or not num_stale else None), num_stale
+    return [np.ones_like(m) for m in too_old], num_stale
 
 
 @dataclass
@@ -152,33 +184,43 @@ class Learner:
             self.coordinator.ledger.record("actor_joined", actor=join.actor_id, version=join.version,
                                            announced=join.announced, learner_version=self.version)
         for group_id in self.transport.take_dead_letters():
-            self.coordinator.on_dead_letter(group_id)
+            if "-eval" in group_id:
+                self.report_eval(self.evaluator.drop(group_id))
+            else:
+                self.coordinator.on_dead_letter(group_id)
 
     def admit(self, group: RolloutGroup, batch: StepBatch) -> None:
-        """Staleness enforcement and zero-variance filtering for one training group."""
+        """Counts, the prompt's pass rate for the curriculum, staleness enforcement and zero-variance
+        filtering for one training group."""
         stats = batch.stats
         stats["groups_received"] += 1
         stats["samples"] += len(group.samples)
         stats["gen_tokens"] += sum(s.num_tokens for s in group.samples)
         stats["prompt_tokens"] += len(group.samples) * (len(group.prompt_tokens.data) // 4)
         stats["truncated"] += sum(s.finish_reason == "length" for s in group.samples)
-        stats["reward_sum"] += sum(s.reward for s in group.samples)
+        rewards = [s.reward for s in group.samples]
+        task_rewards = [s.task_reward for s in group.samples]  # pass rates ignore length shaping
+        stats["reward_sum"] += sum(rewards)
+        stats["passed"] += sum(r > 0 for r in task_rewards)
         stats["multi_version_samples"] += sum(s.spans_several_versions() for s in group.samples)
-        lags = [self.version - s.versions() for s in group.samples]
-        too_old = [lag > self.staleness.max_lag for lag in lags]
-        stats["stale_tokens"] += int(sum(m.sum() for m in too_old))
-        if any(m.any() for m in too_old) and self.staleness.on_violation is OnViolation.drop_group:
+        # every received group is evidence of the prompt's pass rate, discarded ones included
+        self.coordinator.on_rewards(group.prompt_id, task_rewards)
+        generated = [~s.injected_mask() for s in group.samples]  # interruption text is never trained
+        masks, num_stale = staleness_masks([self.version - s.versions() for s in group.samples],
+                                           self.staleness.max_lag, self.staleness.on_violation, generated)
+        stats["stale_tokens"] += num_stale
+        if masks is None:
             stats["dropped_stale"] += 1
             self.coordinator.on_discarded(group.group_id, "stale")
             return
-        rewards = [s.reward for s in group.samples]
         if self.cfg.zero_variance_filter and max(rewards) == min(rewards):
             stats["zero_variance"] += 1
             self.coordinator.on_discarded(group.group_id, "zero_variance")
             return
-        masks = [~m if self.staleness.on_violation is OnViolation.mask_tokens else np.ones_like(m) for m in too_old]
+        if self.staleness.on_violation is OnViolation.mask_tokens:
+            stats["masked_stale_tokens"] += num_stale
         batch.groups.append(group)
-        batch.token_masks.append(masks)
+        batch.token_masks.append([m & g for m, g in zip(masks, generated)])  # aggregation counts real tokens only
 
     def publish_weights(self) -> float:
         start = time.perf_counter()
@@ -192,7 +234,9 @@ class Learner:
 
     def on_eval_group(self, group: RolloutGroup) -> None:
         self.eval_multi_version += sum(s.spans_several_versions() for s in group.samples)
-        done = self.evaluator.add(group)
+        self.report_eval(self.evaluator.add(group))
+
+    def report_eval(self, done: tuple[int, float] | None) -> None:
         if done is not None:
             version, pass_rate = done
             log.info("eval at version %d: val pass rate %.3f", version, pass_rate)
@@ -235,14 +279,18 @@ class Learner:
         elapsed = time.monotonic() - self.start_time
         metrics |= {
             "rollout/reward": s["reward_sum"] / max(s["samples"], 1),
+            "rollout/pass_rate": s["passed"] / max(s["samples"], 1),
             "rollout/truncation_rate": s["truncated"] / max(s["samples"], 1),
             "rollout/completion_len_mean": s["gen_tokens"] / max(s["samples"], 1),
+            "rollout/prompt_len_mean": s["prompt_tokens"] / max(s["samples"], 1),
             "rollout/zero_variance_frac": s["zero_variance"] / max(s["groups_received"], 1),
             "rollout/gen_tokens_per_s": self.totals["gen_tokens"] / elapsed,
             "rollout/multi_version_samples": float(s["multi_version_samples"]),
             "eval/multi_version_samples_total": float(self.eval_multi_version),
             "offpolicy/dropped_stale_groups": float(s["dropped_stale"]),
             "offpolicy/stale_tokens": float(s["stale_tokens"]),
+            "offpolicy/masked_stale_tokens": float(s["masked_stale_tokens"]),
+            "curriculum/retired_prompts": float(self.coordinator.num_retired_prompts),
             "broker/duplicate_groups": float(self.coordinator.counts["duplicates"]),
             "broker/dead_lettered_groups": float(self.coordinator.counts["dead_lettered"]),
             "learner/version": float(self.version),

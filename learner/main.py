@@ -23,7 +23,7 @@ def build(cfg: RunConfig, run_dir: Path, checkpoint: Path | None = None):
     from transformers import AutoTokenizer
 
     from tidal.broker.factory import learner_transport
-    from tidal.broker.schema import SamplingParams
+    from tidal.broker.schema import InterruptParams, SamplingParams
     from tidal.broker.weights import FileWeightChannel
     from tidal.learner.checkpoint import Checkpointer, read_state
     from tidal.learner.coordinator import Coordinator, DispatchPlan
@@ -44,13 +44,21 @@ def build(cfg: RunConfig, run_dir: Path, checkpoint: Path | None = None):
     state = read_state(checkpoint) if checkpoint else None
     transport = learner_transport(cfg.broker, cfg.name, fresh=state is None)
     stop_ids = (tokenizer.eos_token_id,)
+    it = cfg.sampling.interrupt  # length control travels in each group's SamplingParams; eval: no penalty
+    interrupt = InterruptParams(tuple(encode_prompt(tokenizer, it.text)), it.text, it.min_tokens, it.max_tokens,
+                                it.answer_tokens) if it.enabled else None
+    overlong = cfg.sampling.overlong.buffer_tokens if cfg.sampling.overlong.enabled else 0
     plan = DispatchPlan(
         run_id=f"{cfg.name}-{run_dir.name}", task=cfg.task.name, n=cfg.sampling.n,
-        sampling=SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_tokens, stop_ids),
-        eval_n=cfg.eval.n, eval_sampling=SamplingParams(cfg.eval.temperature, 1.0, cfg.sampling.max_tokens, stop_ids),
+        sampling=SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_tokens, stop_ids,
+                                interrupt, overlong),
+        eval_n=cfg.eval.n, eval_sampling=SamplingParams(cfg.eval.temperature, 1.0, cfg.sampling.max_tokens, stop_ids,
+                                                        interrupt if it.eval else None),
         groups_per_step=cfg.learner.groups_per_step, max_lag=cfg.staleness.max_lag, seed=cfg.learner.seed)
+    plan.sampling.check()  # the interruption text's token count is known only now: does it fit max_tokens?
     ledger = Ledger(run_dir / "ledger.jsonl", truncate_to=state["coordinator"]["ledger_offset"] if state else 0)
-    coordinator = Coordinator(plan, split.train, split.val, partial(encode_prompt, tokenizer), transport, ledger)
+    coordinator = Coordinator(plan, split.train, split.val, partial(encode_prompt, tokenizer), transport, ledger,
+                              cfg.curriculum)
     trainer = Trainer(cfg.learner, load_policy(cfg.model.path, cfg.model.dtype), accelerator, cfg.sampling.temperature)
     tracker = Tracker(cfg.tracking, run_dir, cfg.name, resume_run_id=state["mlflow_run_id"] if state else None)
     # one folder per run directory, so two runs never share (or prune) each other's files

@@ -3,19 +3,61 @@ from pathlib import Path
 
 import pytest
 
-from tidal.config import Aggregation, ConfigError, load_config
+from tidal.config import AdvantageNorm, Aggregation, ConfigError, LossType, flatten, load_config
 
-CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+ROOT = Path(__file__).parents[1] / "configs"
+CONFIGS = sorted(ROOT.rglob("*.yaml"))  # configs/loo/ and any other folder too
+TINY = ROOT / "tiny.yaml"
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+@pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(ROOT)) for p in CONFIGS])
 def test_every_preset_loads(path):
     cfg = load_config(path)
     assert cfg.learner.groups_per_step >= 1
 
 
+def test_presets_include_the_subfolders():
+    assert {"tiny.yaml", "scalerl.yaml", "tiny-scalerl.yaml", "loo/tiny-loo-sync.yaml"} <= {
+        str(p.relative_to(ROOT)) for p in CONFIGS}
+
+
+def test_scalerl_preset_is_the_recipe():
+    cfg = load_config(ROOT / "scalerl.yaml")
+    lc = cfg.learner
+    assert cfg.model.path == ""  # the user must set it
+    assert (cfg.staleness.max_lag, lc.groups_per_step, cfg.sampling.n) == (8, 48, 16)
+    assert lc.loss.type is LossType.cispo and lc.loss.aggregation is Aggregation.prompt_mean
+    assert lc.advantage_norm is AdvantageNorm.batch and lc.zero_variance_filter
+    assert cfg.curriculum.enabled and cfg.curriculum.retire_pass_rate == 0.9
+    assert cfg.sampling.interrupt.enabled and not cfg.sampling.overlong.enabled
+    assert (lc.optim.lr, lc.optim.eps, lc.optim.weight_decay, lc.optim.warmup_steps) == (5e-7, 1e-15, 0.01, 100)
+
+
+# Each leave-one-out preset differs from configs/tiny-scalerl.yaml in its name and its one piece only.
+LEFT_OUT = {
+    "tiny-loo-tis.yaml": {"learner.loss.type": "tis"},
+    "tiny-loo-token-mean.yaml": {"learner.loss.aggregation": "token_mean"},
+    "tiny-loo-group-norm.yaml": {"learner.advantage_norm": "group"},
+    "tiny-loo-no-zero-var-filter.yaml": {"learner.zero_variance_filter": "False"},
+    "tiny-loo-no-curriculum.yaml": {"curriculum.enabled": "False"},
+    "tiny-loo-sync.yaml": {"staleness.max_lag": "0"},
+}
+
+
+def test_every_leave_one_out_preset_is_listed():
+    assert sorted(p.name for p in (ROOT / "loo").glob("*.yaml")) == sorted(LEFT_OUT)
+
+
+@pytest.mark.parametrize("name", sorted(LEFT_OUT))
+def test_leave_one_out_preset_changes_one_piece(name):
+    recipe = flatten(load_config(ROOT / "tiny-scalerl.yaml"))
+    variant = flatten(load_config(ROOT / "loo" / name))
+    changed = {k: v for k, v in variant.items() if recipe[k] != v}
+    assert changed == {"name": name.removesuffix(".yaml")} | LEFT_OUT[name]
+
+
 def test_overrides_apply_with_types():
-    cfg = load_config(CONFIGS[0], ["learner.max_steps=7", "learner.loss.aggregation=token_mean", "staleness.max_lag=0"])
+    cfg = load_config(TINY, ["learner.max_steps=7", "learner.loss.aggregation=token_mean", "staleness.max_lag=0"])
     assert cfg.learner.max_steps == 7
     assert cfg.learner.loss.aggregation is Aggregation.token_mean
     assert cfg.staleness.max_lag == 0
@@ -27,10 +69,13 @@ def test_overrides_apply_with_types():
     ("learner.loss.aggregation=median", "learner.loss.aggregation"),
     ("sampling.n=1", "sampling.n"),
     ("model.tiny.num_heads=8", "model.tiny.num_heads"),
+    ("curriculum.retire_pass_rate=1.5", "curriculum.retire_pass_rate"),
+    ("curriculum.retire_pass_rate=0", "curriculum.retire_pass_rate"),
+    ("curriculum.min_samples=0", "curriculum.min_samples"),
 ])
 def test_bad_override_names_the_key(override, key):
     with pytest.raises(ConfigError) as err:
-        load_config(CONFIGS[0], [override])
+        load_config(TINY, [override])
     message = str(err.value)
     assert key in message and "\n" not in message
 
@@ -45,6 +90,6 @@ def test_bad_yaml_key_names_the_key(tmp_path):
 def test_cli_reports_config_error_in_one_line(capsys):
     from tidal.cli import main
 
-    assert main(["prepare", str(CONFIGS[0]), "eval.every=soon"]) == 2
+    assert main(["prepare", str(TINY), "eval.every=soon"]) == 2
     err = capsys.readouterr().err.strip()
     assert "eval.every" in err and len(err.splitlines()) == 1

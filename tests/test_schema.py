@@ -3,8 +3,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from tidal.broker.schema import (PromptGroup, RolloutGroup, Sample, SamplingParams, WeightUpdate, WireCodec,
-                                 WireError, float32s, int32s)
+from tidal.broker.schema import (InterruptParams, PromptGroup, RolloutGroup, Sample, SamplingParams, WeightUpdate,
+                                 WireCodec, WireError, float32s, int32s)
 
 
 def rollout(tokens=(3, 4, 1), logprobs=(-0.5, -1.0, -0.1), spans=((0, 0, 1), (1, 1, 3)), reward=1.0):
@@ -80,3 +80,78 @@ def test_unexpected_kind_is_rejected():
     with pytest.raises(WireError) as err:
         codec.decode(codec.encode(update), expect=RolloutGroup)
     assert err.value.reason == "unexpected_kind"
+
+
+def interrupted(injected=((1, 2),), finish="interrupted", raw_reward=1.0):
+    g = rollout(logprobs=(-0.5, 0.0, -0.1), reward=0.5)
+    g.samples[0].injected_spans = [tuple(s) for s in injected]
+    g.samples[0].finish_reason = finish
+    g.samples[0].raw_reward = raw_reward
+    return g
+
+
+def test_injected_spans_and_raw_reward_round_trip():
+    codec = WireCodec(1 << 20)
+    s = codec.decode(codec.encode(interrupted()), expect=RolloutGroup).samples[0]
+    assert s.injected_spans == [(1, 2)] and s.finish_reason == "interrupted"
+    assert (s.reward, s.raw_reward, s.task_reward) == (0.5, 1.0, 1.0)
+    assert s.injected_mask().tolist() == [False, True, False]
+
+
+def test_frames_without_length_control_fields_still_decode():
+    codec = WireCodec(1 << 20)
+    frame = msgspec.msgpack.decode(codec.encode(rollout()))  # plain dicts, as an older actor would send
+    for sample in frame["samples"]:
+        del sample["injected_spans"], sample["raw_reward"]
+    s = codec.decode(msgspec.msgpack.encode(frame), expect=RolloutGroup).samples[0]
+    assert s.injected_spans == [] and s.raw_reward is None and s.task_reward == 1.0
+    assert not s.injected_mask().any()
+
+
+@pytest.mark.parametrize("bad", [
+    dict(injected=((2, 1),)),  # reversed
+    dict(injected=((1, 1),)),  # empty
+    dict(injected=((2, 4),)),  # past the completion's 3 tokens
+    dict(injected=((-1, 1),)),
+    dict(injected=((0, 2), (1, 3))),  # overlapping
+    dict(injected=((2, 3), (0, 1))),  # unsorted
+])
+def test_bad_injected_spans_are_rejected(bad):
+    codec = WireCodec(1 << 20)
+    with pytest.raises(WireError, match="injected_spans") as err:
+        codec.decode(codec.encode(interrupted(**bad)))
+    assert err.value.reason == "bad_spans"
+
+
+@pytest.mark.parametrize("bad", [dict(injected=(), finish="interrupted"), dict(raw_reward=float("inf"))])
+def test_inconsistent_length_control_fields_are_rejected(bad):
+    codec = WireCodec(1 << 20)
+    with pytest.raises(WireError) as err:
+        codec.decode(codec.encode(interrupted(**bad)))
+    assert err.value.reason == "bad_value"
+
+
+def prompt_group(sampling):
+    return PromptGroup(run_id="r", group_id="r-0", prompt_id=1, prompt_tokens=int32s([1, 2]), task="arithmetic",
+                       payload={"answer": "3"}, n=4, sampling=sampling, min_version=3)
+
+
+def test_prompt_group_with_length_control_round_trips():
+    codec = WireCodec(1 << 20)
+    g = prompt_group(SamplingParams(1.0, 1.0, 32, (1,), InterruptParams((5, 6), "ok", 8, 16, 8),
+                                    overlong_buffer_tokens=4))
+    assert codec.decode(codec.encode(g)) == g
+
+
+@pytest.mark.parametrize("sampling, words", [
+    # 16 thinking + 2 interruption + 8 answer = 26 > 24
+    (SamplingParams(max_tokens=24, interrupt=InterruptParams((5, 6), "ok", 8, 16, 8)), "26 > max_tokens 24"),
+    (SamplingParams(max_tokens=24, interrupt=InterruptParams((5, 6), "ok", 9, 8, 8)), "think budget"),
+    (SamplingParams(max_tokens=24, interrupt=InterruptParams((), "", 1, 2, 3)), "0 tokens"),
+    (SamplingParams(max_tokens=24, overlong_buffer_tokens=24), "overlong_buffer_tokens 24"),
+])
+def test_impossible_length_control_is_rejected(sampling, words):
+    codec = WireCodec(1 << 20)
+    with pytest.raises(WireError, match=words) as err:
+        codec.decode(codec.encode(prompt_group(sampling)))
+    assert err.value.reason == "bad_value"

@@ -66,6 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"tidal: {err}", file=sys.stderr)
         return 2
+    try:
+        return _role(cfg, args)
+    except (ConfigError, FileNotFoundError) as err:  # e.g. a preset whose model.path is still empty
+        print(f"tidal {args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+def _role(cfg, args) -> int:
     if args.command == "run":
         from tidal.launcher import launch
 

@@ -104,13 +104,37 @@ class TaskConfig:
 
 
 @dataclass
+class InterruptConfig:
+    """ScaleRL forced interruptions: a sample still going at its thinking budget (drawn uniformly per
+    sample from [min_tokens, max_tokens]) gets `text` appended and `answer_tokens` more to answer."""
+
+    enabled: bool = False  # interrupt training samples that reach their thinking budget
+    min_tokens: int = 0  # smallest thinking budget (tokens); required (>= 1) when enabled
+    max_tokens: int = 0  # largest thinking budget (tokens); required (>= min_tokens) when enabled
+    text: str = "\n\nOkay, time is up. Let me give my final answer now.\n\n"  # injected; never trained on
+    answer_tokens: int = 0  # budget after the interruption (tokens); required (>= 1) when enabled
+    eval: bool = False  # interrupt eval groups too (pass rate under the same thinking budget)
+
+
+@dataclass
+class OverlongConfig:
+    """DAPO overlong penalty on training rewards, the alternative to interruptions: a completion of L
+    tokens gets min(0, (sampling.max_tokens - buffer_tokens - L) / buffer_tokens) added to its reward."""
+
+    enabled: bool = False  # shape the rewards of training samples (eval rewards never)
+    buffer_tokens: int = 0  # L_cache: the penalty falls from 0 to -1 over these last tokens; required when enabled
+
+
+@dataclass
 class SamplingConfig:
     """How actors sample each prompt group (travels inside every PromptGroup)."""
 
     n: int = 8  # samples per prompt
     temperature: float = 1.0  # behavior temperature; the learner uses the same one
     top_p: float = 1.0  # nucleus sampling (1.0 keeps the exact behavior policy)
-    max_tokens: int = 8  # completion token budget
+    max_tokens: int = 8  # completion token budget (interruption text and answer included)
+    interrupt: InterruptConfig = field(default_factory=InterruptConfig)  # forced interruptions
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)  # overlong reward penalty
 
 
 @dataclass
@@ -175,7 +199,17 @@ class StalenessConfig:
     """Bound on how old (in optimizer steps) a trained token's policy may be."""
 
     max_lag: int = 8  # k; 0 = synchronous
-    on_violation: OnViolation = OnViolation.drop_group  # what the learner does with older tokens
+    # tokens older than k: drop_group (the whole group) | mask_tokens (out of the loss) | keep (train anyway)
+    on_violation: OnViolation = OnViolation.drop_group
+
+
+@dataclass
+class CurriculumConfig:
+    """No-positive-resampling (DESIGN §6): the coordinator stops dispatching prompts the policy solves."""
+
+    enabled: bool = True  # track each training prompt's pass rate and retire solved prompts
+    retire_pass_rate: float = 0.9  # retire a prompt once this fraction of its samples pass (reward > 0)
+    min_samples: int = 8  # a prompt is judged once this many of its samples arrived since its last judgement
 
 
 @dataclass
@@ -256,6 +290,7 @@ class RunConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     broker: BrokerConfig = field(default_factory=BrokerConfig)
     staleness: StalenessConfig = field(default_factory=StalenessConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -353,6 +388,24 @@ def check_sampling(cfg: RunConfig) -> None:
              f"must hold at least one group (sampling.n = {s.n})")
 
 
+def check_length_control(cfg: RunConfig) -> None:
+    s, it, ol = cfg.sampling, cfg.sampling.interrupt, cfg.sampling.overlong
+    _require(not (it.enabled and ol.enabled), "sampling.overlong.enabled", ol.enabled,
+             "interruptions and the overlong penalty are alternatives: enable one of them")
+    if it.enabled:
+        _require(it.min_tokens >= 1, "sampling.interrupt.min_tokens", it.min_tokens, "must be >= 1")
+        _require(it.max_tokens >= it.min_tokens, "sampling.interrupt.max_tokens", it.max_tokens,
+                 f"must be >= sampling.interrupt.min_tokens = {it.min_tokens}")
+        _require(it.answer_tokens >= 1, "sampling.interrupt.answer_tokens", it.answer_tokens, "must be >= 1")
+        _require(bool(it.text), "sampling.interrupt.text", it.text, "must not be empty")
+        # the text's token count is known once tokenized: the learner checks the exact sum then
+        _require(it.max_tokens + it.answer_tokens < s.max_tokens, "sampling.interrupt.max_tokens", it.max_tokens,
+                 f"+ answer_tokens {it.answer_tokens} + the text's tokens must fit sampling.max_tokens {s.max_tokens}")
+    if ol.enabled:
+        _require(1 <= ol.buffer_tokens < s.max_tokens, "sampling.overlong.buffer_tokens", ol.buffer_tokens,
+                 f"must be in [1, sampling.max_tokens = {s.max_tokens})")
+
+
 def check_learner(cfg: RunConfig) -> None:
     lc = cfg.learner
     _require(lc.groups_per_step >= 1, "learner.groups_per_step", lc.groups_per_step, "must be >= 1")
@@ -375,6 +428,13 @@ def check_learner(cfg: RunConfig) -> None:
     _require(cfg.actor.replicas >= 1, "actor.replicas", cfg.actor.replicas, "must be >= 1")
 
 
+def check_curriculum(cfg: RunConfig) -> None:
+    cur = cfg.curriculum
+    _require(0 < cur.retire_pass_rate <= 1, "curriculum.retire_pass_rate", cur.retire_pass_rate,
+             "must be in (0, 1]; set curriculum.enabled=false to keep every prompt")
+    _require(cur.min_samples >= 1, "curriculum.min_samples", cur.min_samples, "must be >= 1")
+
+
 def validate(cfg: RunConfig) -> None:
-    for check in (check_model, check_sampling, check_learner):
+    for check in (check_model, check_sampling, check_length_control, check_learner, check_curriculum):
         check(cfg)
