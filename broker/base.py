@@ -38,6 +38,15 @@ class ActorJoin:
     announced: int
 
 
+def common_metrics(actors: list[ActorInfo], rejected: dict[str, int]) -> dict[str, float]:
+    """What every learner transport reports: the slowest recent weight swap and rejected frames."""
+    out = {"broker/rejected_frames": float(sum(rejected.values()))}
+    out |= {f"broker/rejected/{reason}": float(count) for reason, count in rejected.items()}
+    if actors:
+        out["timing/actor_weight_swap_paused_s"] = max(a.weight_swap_paused_s for a in actors)
+    return out
+
+
 class LearnerTransport(abc.ABC):
     """Learner side: prompt queue out, rollout stream in, weight announcements out."""
 

@@ -32,7 +32,7 @@ import redis
 import redis.asyncio
 from redis.exceptions import ResponseError
 
-from tidal.broker.base import ActorInfo, ActorJoin, ActorTransport, LearnerTransport
+from tidal.broker.base import ActorInfo, ActorJoin, ActorTransport, LearnerTransport, common_metrics
 from tidal.broker.schema import (Heartbeat, PromptGroup, RolloutGroup, Shutdown, WeightUpdate, WireCodec,
                                  WireError, WorkGrant)
 from tidal.config import RedisConfig, redact_url
@@ -349,12 +349,7 @@ class RedisLearnerTransport(LearnerTransport):
                     out[f"broker/{name}_pending"] = float(g["pending"])  # delivered, not acknowledged
                     out[f"broker/{name}_lag"] = float(g.get("lag") or 0)  # not delivered yet
         out["broker/pending_prompt_groups"] = out.get("broker/prompt_lag", 0.0)
-        if self._actors:
-            out["timing/actor_weight_swap_paused_s"] = max(a.weight_swap_paused_s for a in self._actors.values())
-        out["broker/rejected_frames"] = float(sum(self.codec.rejected.values()))
-        for reason, count in self.codec.rejected.items():
-            out[f"broker/rejected/{reason}"] = float(count)
-        return out
+        return out | common_metrics(list(self._actors.values()), self.codec.rejected)
 
     def close(self) -> None:
         self.r.close()
@@ -381,6 +376,9 @@ class RedisActorTransport(ActorTransport):
         if taken:
             return WorkGrant(groups=await self._accept(taken))
         groups, budget, block_ms = [], max_samples, int(timeout_s * 1000)
+        if budget < (self._largest_n or 1):  # no group fits yet: yield, or the caller's loop spins
+            await asyncio.sleep(min(timeout_s, 0.01))
+            return None
         while budget >= (self._largest_n or 1):
             count = max(1, budget // self._largest_n) if self._largest_n else 1
             entries = await self._read_new(count, None if groups else block_ms)
@@ -395,6 +393,11 @@ class RedisActorTransport(ActorTransport):
         groups = []
         for entry_id, fields, deliveries in entries:
             group = await self._decode_prompt(entry_id, fields, deliveries)
+            if group is not None and group.group_id in self._entries:
+                # ours already (our own idle entry claimed back, or a copy from a retried XADD)
+                if self._entries[group.group_id] != entry_id:
+                    await self.link.acall(self.r.xack, self.keys.prompts, ACTORS, entry_id)
+                continue
             if group is not None:
                 self._entries[group.group_id] = entry_id
                 self._largest_n = max(self._largest_n or 1, group.n)

@@ -25,7 +25,7 @@ import time
 import zmq
 import zmq.asyncio
 
-from tidal.broker.base import ActorInfo, ActorJoin, ActorTransport, LearnerTransport
+from tidal.broker.base import ActorInfo, ActorJoin, ActorTransport, LearnerTransport, common_metrics
 from tidal.broker.schema import (Heartbeat, Message, PromptGroup, RolloutGroup, Shutdown, WeightUpdate,
                                  WireCodec, WireError, WorkGrant, WorkRequest)
 from tidal.config import ZmqConfig
@@ -106,12 +106,7 @@ class ZmqLearnerTransport(LearnerTransport):
                    "broker/unreturned_groups": float(len(self._granted)),
                    "broker/redispatched_groups": float(self.num_redispatched),
                    "broker/live_actors": float(len(self._actors))}
-            if self._actors:
-                out["timing/actor_weight_swap_paused_s"] = max(a.weight_swap_paused_s for a in self._actors.values())
-        out["broker/rejected_frames"] = float(sum(self._codec.rejected.values()))
-        for reason, count in self._codec.rejected.items():
-            out[f"broker/rejected/{reason}"] = float(count)
-        return out
+            return out | common_metrics(list(self._actors.values()), self._codec.rejected)
 
     def close(self) -> None:
         self._closed.set()

@@ -207,3 +207,27 @@ def test_password_comes_from_the_environment_and_acl_users_work(tmp_path, monkey
     finally:
         server.stop()
     assert "s3cret" not in str(cfg)
+
+
+def test_a_request_too_small_for_any_group_yields_to_the_event_loop(redis_server):
+    cfg = config(redis_server)
+    learner(cfg).submit_prompts([prompt(0), prompt(1)])
+
+    async def scenario():
+        t = RedisActorTransport(cfg, WireCodec(1 << 20), "a0", "t")
+        assert len((await t.request_work(4, timeout_s=1)).groups) == 1  # learns that groups are 4 samples
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        assert await t.request_work(2, timeout_s=1) is None  # 2 free slots fit no group
+        task.cancel()
+        await t.r.aclose()
+        return ticks
+
+    assert run(scenario()) > 0  # the actor's other tasks (heartbeats, rollouts) got to run

@@ -112,14 +112,15 @@ def assert_mlflow_has_the_curve(summary):
     assert {m.step for m in evals} == set(range(0, 31, 2))
 
 
-def test_a_dead_actor_stops_the_run_with_its_name(tmp_path):
-    """SIGKILL the only actor mid-run: tidal run stops every process and names the one that died."""
+def test_an_actor_out_of_restarts_stops_the_run_with_its_name(tmp_path):
+    """SIGKILL the only actor mid-run with restarts off: tidal run stops every process and names
+    the one that died. (Restarts themselves are in test_fault_tolerance.py.)"""
     import os
     import signal
 
     run_dir = tmp_path / "killed"
     cmd = [sys.executable, "-m", "tidal", "run", str(ROOT / "configs/tiny.yaml"), f"run_dir={run_dir}",
-           "learner.max_steps=1000", "eval.every=0"]
+           "learner.max_steps=1000", "eval.every=0", "actor.max_restarts=0"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
     while not (run_dir / "metrics.jsonl").exists() or "learner/loss" not in (run_dir / "metrics.jsonl").read_text():
@@ -131,7 +132,7 @@ def test_a_dead_actor_stops_the_run_with_its_name(tmp_path):
     os.kill(actor_pid, signal.SIGKILL)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1
-    assert "actor-0 exited with code -9" in out
+    assert "actor-0 exited with code -9 and was restarted 0 times" in out
     # nothing of the run is left: not the learner, nor the dead actor's vLLM engine process
     # (each child leads its own process group, named by its pid)
     for pid in [actor_pid, *launched_pids]:

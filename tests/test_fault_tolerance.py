@@ -1,0 +1,241 @@
+"""Fault tests with real processes: vLLM actors, the learner, a real redis-server.
+
+Each run reconciles the learner's ledger: every training group the coordinator released was
+trained on exactly once, discarded once at arrival, dead-lettered, or is still outstanding at
+the end; no group was trained twice. Recovery times are printed (run with -s to see them).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import RedisServer, require_redis_server
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).parents[1]
+TINY = str(ROOT / "configs/tiny.yaml")
+
+
+def start_run(run_dir: Path, overrides: list[str], resume: bool = False) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "tidal", "run", TINY, f"run_dir={run_dir}", *overrides, *(["--resume"] if resume else [])]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def ledger(run_dir: Path) -> list[dict]:
+    path = run_dir / "ledger.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def steps_done(run_dir: Path) -> int:
+    return max((e["step"] for e in ledger(run_dir) if e["event"] == "trained"), default=0)
+
+
+def wait_for(what: str, predicate, proc: subprocess.Popen, timeout_s: float = 300) -> float:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if proc.poll() is not None:
+            out = proc.stdout.read()
+            pytest.fail(f"the run ended (code {proc.returncode}) before {what}:\n{out[-3000:]}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return time.time()
+
+
+def finish(proc: subprocess.Popen, timeout_s: float = 420) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        pytest.fail(f"tidal run did not finish in {timeout_s} s:\n{out[-3000:]}")
+    return out
+
+
+def joins(run_dir: Path, actor: str) -> list[dict]:
+    return [e for e in ledger(run_dir) if e["event"] == "actor_joined" and e["actor"] == actor]
+
+
+def actor_pid(run_dir: Path, actor: str) -> int:
+    """The actor process's pid, from its engine info in the learner's log."""
+    lines = [line for line in (run_dir / "logs/learner.log").read_text().splitlines() if f"actor {actor} joined" in line]
+    return int(lines[-1].split("'pid': '")[1].split("'")[0])
+
+
+def start_extra_actor(run_dir: Path, actor_id: str) -> subprocess.Popen:
+    """An actor nobody planned for, started by hand mid-run the way an operator would."""
+    ports = json.loads((run_dir / "endpoints.json").read_text())
+    overrides = [f"broker.zmq.{name}_port={port}" for name, port in ports.items()]
+    log = open(run_dir / "logs" / f"{actor_id}.log", "w")
+    return subprocess.Popen([sys.executable, "-m", "tidal", "actor", "--config", str(run_dir / "config.yaml"),
+                             f"actor.id={actor_id}", "actor.cpu_cores=1", *overrides],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+def reconcile(run_dir: Path) -> dict:
+    """Every released training group is accounted for exactly once; returns the tallies."""
+    events = ledger(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    released = [i for e in events if e["event"] == "released" for i in e["ids"]]
+    trained = [i for e in events if e["event"] == "trained" for i in e["ids"]]
+    discarded = [e["id"] for e in events if e["event"] == "discarded"]
+    dead = {e["id"] for e in events if e["event"] == "dead_letter"}
+    outstanding = set(summary["outstanding_groups"])
+    assert len(released) == len(set(released)), "a group id was released twice"
+    assert len(trained) == len(set(trained)), [i for i, c in Counter(trained).items() if c > 1]
+    assert not set(trained) & set(discarded)
+    for group_id in released:
+        fates = [group_id in set(trained), group_id in set(discarded), group_id in dead, group_id in outstanding]
+        assert sum(fates) == 1, f"{group_id}: trained/discarded/dead/outstanding = {fates}"
+    # copies of groups released before a learner restart are trained too, and counted as unknown
+    assert len((set(trained) | set(discarded)) - set(released)) <= summary["groups"].get("unknown", 0)
+    return {"released": len(released), "trained": len(trained), "discarded": len(discarded), "dead": len(dead),
+            "outstanding": len(outstanding), "duplicates": summary["groups"].get("duplicates", 0)}
+
+
+def kill_actor_and_add_one(run_dir: Path, proc: subprocess.Popen, extra_id: str) -> tuple:
+    """SIGKILL one of the two actors mid-run, let it restart, then start one more actor;
+    returns (killed actor's id, extra actor process, kill time).
+
+    An engine that shares a core with a busy one can take minutes to start here, and the run
+    must not end before the new engines train. So whenever an engine is starting, the actors
+    already up are frozen (SIGSTOP): the starting one has to produce the next steps. A frozen
+    actor is also a silent one whose work the others take over, and when it thaws its late
+    rollouts are duplicates the learner must drop."""
+    wait_for("an actor to join", lambda: any(e["event"] == "actor_joined" for e in ledger(run_dir)), proc)
+    first = next(e["actor"] for e in ledger(run_dir) if e["event"] == "actor_joined")
+    victim = "actor-1" if first == "actor-0" else "actor-0"
+    frozen = [actor_pid(run_dir, first)]
+    os.killpg(frozen[0], signal.SIGSTOP)
+    try:
+        wait_for(f"{victim} to join and train", lambda: joins(run_dir, victim) and steps_done(run_dir) >= 3, proc)
+        os.kill(actor_pid(run_dir, victim), signal.SIGKILL)
+        killed_at = time.time()
+        wait_until_it_trains(run_dir, proc, f"{victim} to come back", lambda: len(joins(run_dir, victim)) >= 2)
+        frozen.append(actor_pid(run_dir, victim))
+        os.killpg(frozen[-1], signal.SIGSTOP)
+        extra = start_extra_actor(run_dir, extra_id)
+        wait_until_it_trains(run_dir, proc, "the new actor to join", lambda: joins(run_dir, extra_id))
+    finally:
+        for pid in frozen:
+            os.killpg(pid, signal.SIGCONT)
+    return victim, extra, killed_at
+
+
+def wait_until_it_trains(run_dir: Path, proc: subprocess.Popen, what: str, joined) -> None:
+    wait_for(what, joined, proc)
+    step = steps_done(run_dir)
+    wait_for(f"training after {what}", lambda: steps_done(run_dir) >= step + 2, proc)
+
+
+def check_restarted_actor(run_dir: Path, victim: str, killed_at: float, out: str) -> float:
+    assert f"{victim} exited with code -9; restarting" in out
+    first, again = joins(run_dir, victim)[:2]
+    # a restarted actor loads the newest weights before its hello (one may land in between)
+    assert again["version"] >= again["announced"] - 1 and again["version"] > first["version"]
+    return again["time"] - killed_at
+
+
+def check_finished_run(run_dir: Path, proc, out: str, victim: str, killed_at: float, steps: int):
+    """The run completed, the killed actor came back current, the added actor worked, the
+    ledger reconciles; returns (restart seconds, summary, ledger tallies)."""
+    assert proc.returncode == 0, out[-3000:]
+    restart_s = check_restarted_actor(run_dir, victim, killed_at, out)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps
+    assert summary["groups_by_actor"].get("actor-extra", 0) > 0, summary["groups_by_actor"]
+    return restart_s, summary, reconcile(run_dir)
+
+
+def test_zmq_killed_actor_is_restarted_its_groups_redispatched_and_a_new_actor_is_used(tmp_path):
+    run_dir = tmp_path / "zmq"
+    proc = start_run(run_dir, ["actor.replicas=2", "learner.max_steps=60", "eval.every=0",
+                               "broker.actor_timeout_s=4", "actor.restart_backoff_s=0.5"])
+    victim, extra, killed_at = kill_actor_and_add_one(run_dir, proc, "actor-extra")
+    try:
+        out = finish(proc)
+    finally:
+        stop(extra)
+    restart_s, summary, tallies = check_finished_run(run_dir, proc, out, victim, killed_at, steps=60)
+    print(f"\nzmq: {victim} back (restarted, weights loaded, hello) {restart_s:.1f} s after SIGKILL; "
+          f"groups by actor {summary['groups_by_actor']}; ledger {tallies}")
+
+
+def test_redis_killed_actor_and_redis_restart_lose_nothing(tmp_path):
+    require_redis_server()
+    (tmp_path / "redis").mkdir()
+    server = RedisServer(tmp_path / "redis").start()
+    run_dir = tmp_path / "run"
+    proc = start_run(run_dir, ["actor.replicas=2", "learner.max_steps=80", "eval.every=0", "broker.type=redis",
+                               f"broker.redis.url={server.url}", "broker.redis.claim_idle_ms=4000",
+                               "actor.restart_backoff_s=0.5"])
+    try:
+        victim, extra, killed_at = kill_actor_and_add_one(run_dir, proc, "actor-extra")
+        step_before = steps_done(run_dir)
+        server.stop()
+        time.sleep(1.0)  # Redis is away for a moment; everyone retries
+        server.start()
+        back_at = time.time()
+        resumed_at = wait_for("training after the Redis restart", lambda: steps_done(run_dir) > step_before + 1, proc)
+        out = finish(proc)
+        stop(extra)
+    finally:
+        server.stop()
+    restart_s, summary, tallies = check_finished_run(run_dir, proc, out, victim, killed_at, steps=80)
+    print(f"\nredis: {victim} back {restart_s:.1f} s after SIGKILL; training went on {resumed_at - back_at:.1f} s after "
+          f"redis-server was back; groups by actor {summary['groups_by_actor']}; ledger {tallies}")
+
+
+def test_killed_learner_resumes_with_the_same_mlflow_run_and_no_step_twice(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    require_redis_server()
+    run_dir = tmp_path / "resume"
+    overrides = ["learner.max_steps=40", "eval.every=10", "checkpoint.every=1", "broker.type=redis",
+                 "broker.redis.embedded=true"]
+    proc = start_run(run_dir, overrides)
+    wait_for("step 12", lambda: steps_done(run_dir) >= 12, proc)
+    learner_pid = int(subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "tidal learner"], capture_output=True,
+                                     text=True).stdout.split()[0])
+    os.kill(learner_pid, signal.SIGKILL)
+    killed_at = time.time()
+    out = finish(proc, timeout_s=120)
+    assert proc.returncode == 1 and "learner exited with code -9" in out, out[-3000:]
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+
+    resumed = start_run(run_dir, overrides, resume=True)
+    first_step_at = wait_for("the first step after the resume",
+                             lambda: any(e["event"] == "trained" and e["time"] > killed_at for e in ledger(run_dir)),
+                             resumed)
+    out = finish(resumed)
+    assert resumed.returncode == 0, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    client = MlflowClient(tracking_uri=summary["mlflow_uri"])
+    runs = client.search_runs([client.get_experiment_by_name("tidal").experiment_id])
+    assert [r.info.run_id for r in runs] == [summary["mlflow_run_id"]]  # one run, continued
+    steps = [m.step for m in client.get_metric_history(summary["mlflow_run_id"], "learner/version")]
+    assert sorted(steps) == list(range(1, 41)), f"gaps or duplicates in steps: {sorted(Counter(steps).items())}"
+    evals = [m.step for m in client.get_metric_history(summary["mlflow_run_id"], "eval/pass_rate")]
+    assert len(evals) == len(set(evals))
+    trained_steps = [e["step"] for e in ledger(run_dir) if e["event"] == "trained"]
+    assert trained_steps == list(range(1, 41))
+    tallies = reconcile(run_dir)
+    print(f"\nresume: killed after {checkpoints[-1]}; first step of the resumed learner "
+          f"{first_step_at - killed_at:.1f} s after the kill (includes restarting every process); ledger {tallies}")
