@@ -1,0 +1,482 @@
+"""Kubernetes manifests (k8s/): each overlay renders with kustomize and every object validates
+offline against the Kubernetes schemas; pods are sized, probed and non-root; passwords exist
+only in a git-ignored file and reach pods by reference; scaling actors is one number; pods run
+the same `tidal learner` / `tidal actor` commands the launcher does. No cluster needed."""
+from __future__ import annotations
+
+import argparse
+import base64
+import dataclasses
+import re
+import secrets
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tidal.config import ActorConfig, LearnerConfig, load_config
+from tidal.tiny import cached_model_path
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "k8s"
+OVERLAYS = ("cpu-demo", "gpu")
+# the oldest Kubernetes release kubernetes-validate >= 1.30 ships schemas for
+K8S_VERSION = "1.30.0"
+RUN_CONFIG = "/etc/tidal/run.yaml"
+SECRET_ENV = K8S / "base" / "redis.env"
+SECRET_NAME = re.compile(r"pass|secret|token|auth|credential|api_?key", re.IGNORECASE)
+# ids that are not bare "gpu": conftest skips items with a "gpu" keyword on machines without CUDA
+for_each_overlay = pytest.mark.parametrize("overlay", OVERLAYS, ids=[f"overlays/{o}" for o in OVERLAYS])
+# Being added elsewhere (the manifests already use them): checked as soon as they exist.
+PENDING_KEYS = {"learner.health_file": LearnerConfig, "actor.health_file": ActorConfig}
+
+
+# ---- rendering -----------------------------------------------------------------------------
+
+def secret_keys(example: Path) -> list[str]:
+    lines = [ln.strip() for ln in example.read_text().splitlines()]
+    return [ln.split("=", 1)[0] for ln in lines if ln and not ln.startswith("#")]
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """k8s/ copied, with redis.env filled from the committed example as the README says."""
+    dst = tmp_path_factory.mktemp("k8s") / "k8s"
+    shutil.copytree(K8S, dst, ignore=shutil.ignore_patterns(SECRET_ENV.name))
+    passwords = {key: secrets.token_hex(24) for key in secret_keys(K8S / "base" / "redis.env.example")}
+    (dst / "base" / SECRET_ENV.name).write_text("".join(f"{k}={v}\n" for k, v in passwords.items()))
+    return dst, passwords
+
+
+def kustomize(directory: Path) -> list[dict]:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not on PATH: overlays cannot be rendered here "
+                    "(test_base_files_validate_and_are_safe still checks the base files)")
+    out = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"kubectl kustomize {directory} failed:\n{out.stderr}"
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+@pytest.fixture(scope="module")
+def rendered(tree) -> dict[str, list[dict]]:
+    root, _ = tree
+    return {name: kustomize(root / "overlays" / name) for name in OVERLAYS}
+
+
+def overlay_with(tree_root: Path, name: str, body: str) -> Path:
+    """A throwaway overlay next to the real ones (kustomize wants relative paths)."""
+    path = tree_root / "overlays" / name
+    path.mkdir(exist_ok=True)
+    (path / "kustomization.yaml").write_text(body)
+    return path
+
+
+def find(objects: list[dict], kind: str, name: str) -> dict:
+    hits = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(hits) == 1, f"expected one {kind}/{name}, found {len(hits)}"
+    return hits[0]
+
+
+def pod_spec(obj: dict) -> dict | None:
+    return obj.get("spec", {}).get("template", {}).get("spec")
+
+
+def containers(spec: dict):
+    """(is_init, container) for every container of a pod spec."""
+    yield from ((True, c) for c in spec.get("initContainers", []))
+    yield from ((False, c) for c in spec.get("containers", []))
+
+
+def nodes(tree):
+    """Every mapping inside a YAML tree."""
+    if isinstance(tree, dict):
+        yield tree
+        tree = list(tree.values())
+    if isinstance(tree, list):
+        for item in tree:
+            yield from nodes(item)
+
+
+def role_container(objects: list[dict], role: str) -> tuple[dict, dict]:
+    sts = find(objects, "StatefulSet", f"tidal-{role}")
+    spec = pod_spec(sts)
+    return spec, next(c for c in spec["containers"] if c["name"] == role)
+
+
+# ---- the checks every set of objects must pass -------------------------------------------------
+
+def schema_problems(objects: list[dict]) -> list[str]:
+    problems = []
+    for obj in objects:
+        try:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        except kubernetes_validate.SchemaNotFoundError:
+            problems.append(f"{obj['kind']}/{obj['metadata']['name']}: not a built-in kind, cannot be validated offline")
+        except kubernetes_validate.ValidationError as err:
+            problems.append(f"{obj['kind']}/{obj['metadata']['name']}: {err.message} at {list(err.path)}")
+    return problems
+
+
+def pod_problems(objects: list[dict]) -> list[str]:
+    """Resources, probes, non-root, secret env vars: for every container of every workload."""
+    problems = []
+    for obj in objects:
+        spec = pod_spec(obj)
+        if spec is None:
+            continue
+        pod_ctx = spec.get("securityContext", {})
+        for is_init, c in containers(spec):
+            where = f"{obj['kind']}/{obj['metadata']['name']} container {c['name']}"
+            res = c.get("resources", {})
+            for part in ("requests", "limits"):
+                missing = {"cpu", "memory"} - set(res.get(part, {}))
+                if missing:
+                    problems.append(f"{where}: no {part} for {sorted(missing)}")
+            if not is_init:
+                problems += [f"{where}: no {p}" for p in ("startupProbe", "livenessProbe") if p not in c]
+            ctx = {**pod_ctx, **c.get("securityContext", {})}
+            if ctx.get("runAsNonRoot") is not True or ctx.get("runAsUser", 1) == 0:
+                problems.append(f"{where}: may run as root")
+            if c.get("securityContext", {}).get("allowPrivilegeEscalation") is not False:
+                problems.append(f"{where}: allowPrivilegeEscalation is not false")
+            for env in c.get("env", []):
+                if SECRET_NAME.search(env["name"]) and "secretKeyRef" not in env.get("valueFrom", {}):
+                    problems.append(f"{where}: env {env['name']} looks secret but is not a secretKeyRef")
+    return problems
+
+
+# ---- tests ------------------------------------------------------------------------------------
+
+def test_base_files_validate_and_are_safe():
+    """The committed resources themselves, before kustomize: runs where kubectl is missing too."""
+    objects = []
+    for kustomization in [K8S / "base" / "kustomization.yaml", *K8S.glob("components/*/kustomization.yaml")]:
+        for res in yaml.safe_load(kustomization.read_text()).get("resources", []):
+            objects += [d for d in yaml.safe_load_all((kustomization.parent / res).read_text()) if d]
+    built_in = [o for o in objects if not o["apiVersion"].startswith("keda.sh/")]
+    assert not schema_problems(built_in) + pod_problems(built_in)
+
+
+@for_each_overlay
+def test_overlay_validates_against_the_kubernetes_schemas(rendered, overlay):
+    objects = rendered[overlay]
+    assert {"StatefulSet", "Secret", "ConfigMap", "NetworkPolicy", "PersistentVolumeClaim"} <= {o["kind"] for o in objects}
+    assert not schema_problems(objects)
+
+
+@for_each_overlay
+def test_every_container_is_sized_probed_and_non_root(rendered, overlay):
+    assert not pod_problems(rendered[overlay])
+
+
+@for_each_overlay
+def test_passwords_reach_pods_only_by_reference(tree, rendered, overlay):
+    _, passwords = tree
+    objects = rendered[overlay]
+    secret = next(o for o in objects if o["kind"] == "Secret")
+    assert {k: base64.b64decode(v).decode() for k, v in secret["data"].items()} == passwords
+    others = [o for o in objects if o["kind"] != "Secret"]
+    assert not [k for k, pw in passwords.items() if pw in yaml.safe_dump(others)]
+    # every reference names a key the Secret really has
+    refs = [node["secretKeyRef"] for node in nodes(others) if "secretKeyRef" in node]
+    assert refs and all(r["name"] == secret["metadata"]["name"] and r["key"] in passwords for r in refs)
+
+
+def test_no_password_is_committed():
+    """Secrets come from a git-ignored env file whose committed .example holds no values."""
+    for path in K8S.rglob("*.yaml"):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if not doc:
+                continue
+            assert doc.get("kind") != "Secret", f"{path}: a Secret object in a committed manifest"
+            for gen in doc.get("secretGenerator", []):
+                literal_keys = [lit.split("=", 1)[0] for lit in gen.get("literals", [])]
+                assert not [k for k in literal_keys if SECRET_NAME.search(k)], f"{path}: a literal password"
+                for source in gen.get("envs", []) + gen.get("files", []):
+                    source_path = path.parent / source
+                    example = source_path.with_name(source_path.name + ".example")
+                    assert example.is_file(), f"{path}: {source} has no committed {example.name}"
+                    values = [ln.split("=", 1)[1] for ln in example.read_text().splitlines()
+                              if ln.strip() and not ln.startswith("#")]
+                    assert values and not any(v.strip() for v in values), f"{example}: values must stay empty"
+                    if shutil.which("git") and (ROOT / ".git").exists():
+                        ignored = subprocess.run(["git", "check-ignore", "-q", str(source_path)], cwd=ROOT)
+                        assert ignored.returncode == 0, f"{source_path} is not git-ignored"
+    # nor may it reach an image: the build context leaves k8s/ out
+    assert "k8s" in (ROOT / ".dockerignore").read_text().split()
+
+
+def test_scaling_actors_changes_only_the_replica_count(tree, rendered):
+    root, _ = tree
+    scaled = kustomize(overlay_with(root, "scale-3", "resources: [../cpu-demo]\n"
+                                    "replicas:\n  - name: tidal-actor\n    count: 3\n"))
+
+    def diff(a, b, path=""):
+        if isinstance(a, dict) and isinstance(b, dict):
+            return [d for k in sorted(a.keys() | b.keys()) for d in diff(a.get(k), b.get(k), f"{path}.{k}")]
+        if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            return [d for i, (x, y) in enumerate(zip(a, b)) for d in diff(x, y, f"{path}[{i}]")]
+        return [] if a == b else [path]
+
+    def by_name(objects):
+        return {(o["kind"], o["metadata"]["name"]): o for o in objects}
+
+    before, after = by_name(rendered["cpu-demo"]), by_name(scaled)
+    assert before.keys() == after.keys()
+    changes = {key: diff(before[key], after[key]) for key in before}
+    assert {key: d for key, d in changes.items() if d} == {("StatefulSet", "tidal-actor"): [".spec.replicas"]}
+    assert after[("StatefulSet", "tidal-actor")]["spec"]["replicas"] == 3
+
+
+def schema_has(key: str) -> bool:
+    """False only for a pending key that the config schema does not have yet."""
+    if key not in PENDING_KEYS:
+        return True
+    return key.rsplit(".", 1)[1] in {f.name for f in dataclasses.fields(PENDING_KEYS[key])}
+
+
+def cli_subparser(name: str) -> argparse.ArgumentParser | None:
+    from tidal.cli import _parser
+
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices.get(name)
+
+
+def run_config_of(objects: list[dict], spec: dict, container: dict, tmp_path: Path) -> Path:
+    """The run.yaml the container sees: the ConfigMap mounted at /etc/tidal, written out."""
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == str(Path(RUN_CONFIG).parent))
+    volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+    config_map = find(objects, "ConfigMap", volume["configMap"]["name"])
+    path = tmp_path / Path(RUN_CONFIG).name
+    path.write_text(config_map["data"][path.name])
+    return path
+
+
+@for_each_overlay
+@pytest.mark.parametrize("role", ("learner", "actor"))
+def test_pods_run_the_launchers_commands_on_the_mounted_config(rendered, overlay, role, tmp_path):
+    objects = rendered[overlay]
+    spec, container = role_container(objects, role)
+    args = container["args"]
+    assert container["command"] == ["tidal"] and args[:3] == [role, "--config", RUN_CONFIG]
+    parser = cli_subparser(role)
+    if role == "learner" and "--resume" not in parser._option_string_actions:
+        args = [a for a in args if a not in ("--resume", "auto")]  # the flag is being added
+    parsed = parser.parse_args(args[1:])
+    overrides = [o.replace("$(POD_NAME)", "tidal-actor-2") for o in parsed.overrides]
+    overrides = [o for o in overrides if schema_has(o.split("=", 1)[0])]
+    cfg = load_config(run_config_of(objects, spec, container, tmp_path), overrides)
+    assert cfg.broker.type.value == "redis" and cfg.broker.redis.username == role
+    assert cfg.broker.redis.password_env in {e["name"] for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+    if role == "actor":
+        assert cfg.actor.id == "tidal-actor-2"
+        assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
+    # the probes read the file this process touches
+    assert f"{role}.health_file=/tmp/tidal-health" in container["args"]
+    health = cli_subparser("health")  # the command is being added
+    for probe in ("startupProbe", "livenessProbe"):
+        command = container[probe]["exec"]["command"]
+        assert command[:3] == ["tidal", "health", "/tmp/tidal-health"]
+        if health is not None:
+            health.parse_args(command[2:])
+
+
+@for_each_overlay
+def test_learner_resumes_from_its_volume_and_shares_weights(rendered, overlay):
+    objects = rendered[overlay]
+    learner = find(objects, "StatefulSet", "tidal-learner")
+    spec, container = role_container(objects, "learner")
+    assert learner["spec"]["replicas"] == 1
+    assert {"--resume", "run_dir=/data/run", "learner.weights_dir=/weights"} <= set(container["args"])
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert mounts["/data"]["name"] in {t["metadata"]["name"] for t in learner["spec"]["volumeClaimTemplates"]}
+    claims = {}
+    for role in ("learner", "actor"):
+        spec, container = role_container(objects, role)
+        mount = next(m for m in container["volumeMounts"] if m["mountPath"] == "/weights")
+        claims[role] = next(v for v in spec["volumes"] if v["name"] == mount["name"])["persistentVolumeClaim"]["claimName"]
+        assert mount.get("readOnly", False) == (role == "actor")
+        shm = next(m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
+        assert next(v for v in spec["volumes"] if v["name"] == shm["name"])["emptyDir"]["medium"] == "Memory"
+    assert claims["learner"] == claims["actor"]
+    assert find(objects, "PersistentVolumeClaim", claims["learner"])["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        value, op = labels.get(expr["key"]), expr["operator"]
+        ok = {"In": value in expr.get("values", []), "NotIn": value not in expr.get("values", []),
+              "Exists": value is not None, "DoesNotExist": value is None}[op]
+        if not ok:
+            return False
+    return True
+
+
+@for_each_overlay
+def test_only_learner_and_actor_pods_reach_redis(rendered, overlay):
+    objects = rendered[overlay]
+    labels = {o["metadata"]["name"]: o["spec"]["template"]["metadata"]["labels"]
+              for o in objects if pod_spec(o) is not None}
+    policies = [p for p in objects if p["kind"] == "NetworkPolicy" and selects(p["spec"]["podSelector"], labels["redis"])]
+    assert policies
+    peers = [peer for p in policies for rule in p["spec"]["ingress"] for peer in rule["from"]]
+    assert all(set(peer) == {"podSelector"} for peer in peers), "no namespace or IP block may reach Redis"
+    admitted = {name for name, lab in labels.items() if any(selects(peer["podSelector"], lab) for peer in peers)}
+    assert admitted == {"tidal-learner", "tidal-actor"}
+
+
+def test_cpu_demo_finds_the_model_baked_into_the_image(rendered):
+    """The image builds configs/tiny.yaml's model into /opt/tidal/models; pods must look there
+    with a run whose model and task settings hash to the same cache entry."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    prepare = re.search(r"tidal prepare (\S+) model\.cache_dir=(\S+)", dockerfile)
+    assert prepare and prepare.group(1).endswith("configs/tiny.yaml")
+    cache_dir = prepare.group(2)
+    objects = rendered["cpu-demo"]
+    for role in ("learner", "actor"):
+        _, container = role_container(objects, role)
+        assert f"model.cache_dir={cache_dir}" in container["args"]
+    baked = load_config(ROOT / "configs" / "tiny.yaml", [f"model.cache_dir={cache_dir}"])
+    pods = load_config(K8S / "base" / "run.yaml", [f"model.cache_dir={cache_dir}"])
+    assert pods.model.path == "" and cached_model_path(pods.model, pods.task) == cached_model_path(baked.model, baked.task)
+    uid = re.search(r"^USER (\d+)", dockerfile, re.MULTILINE).group(1)
+    spec, _ = role_container(objects, "learner")
+    assert str(spec["securityContext"]["runAsUser"]) == uid
+    assert re.search(r"^USER (\d+)", (ROOT / "Dockerfile.gpu").read_text(), re.MULTILINE).group(1) == uid
+
+
+def test_gpu_overlay_asks_for_gpus_and_mounts_the_model(rendered):
+    objects = rendered["gpu"]
+    cfg = load_config(K8S / "overlays" / "gpu" / "run.yaml")
+    for role in ("learner", "actor"):
+        spec, container = role_container(objects, role)
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        mount = next(m for m in container["volumeMounts"] if cfg.model.path.startswith(m["mountPath"] + "/"))
+        assert mount["readOnly"] is True
+        assert "model.cache_dir=/opt/tidal/models" not in container["args"]
+
+
+def test_mlflow_is_an_optional_component(rendered):
+    for overlay, wanted in (("cpu-demo", True), ("gpu", False)):
+        objects = rendered[overlay]
+        _, learner = role_container(objects, "learner")
+        assert ("tracking.uri=http://mlflow:5000" in learner["args"]) == wanted
+        services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+        assert ("mlflow" in services) == wanted
+    assert find(rendered["cpu-demo"], "Service", "mlflow")["spec"]["ports"][0]["port"] == 5000
+
+
+def test_keda_autoscaling_stays_outside_the_validated_overlays(tree):
+    root, _ = tree
+    for overlay in OVERLAYS:
+        assert "keda" not in (K8S / "overlays" / overlay / "kustomization.yaml").read_text()
+    objects = kustomize(overlay_with(root, "keda-try", "resources: [../cpu-demo]\ncomponents: [../../components/keda]\n"))
+    assert not schema_problems([o for o in objects if not o["apiVersion"].startswith("keda.sh/")])
+    scaled = find(objects, "ScaledObject", "tidal-actor")
+    auth = find(objects, "TriggerAuthentication", "tidal-redis-keda")
+    secret = next(o for o in objects if o["kind"] == "Secret")
+    assert all(ref["name"] == secret["metadata"]["name"] and ref["key"] in secret["data"]
+               for ref in auth["spec"]["secretTargetRef"])
+    cfg = load_config(K8S / "base" / "run.yaml")
+    trigger = scaled["spec"]["triggers"][0]
+    assert scaled["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "tidal-actor"}
+    assert trigger["metadata"]["stream"] == f"{cfg.broker.redis.prefix}:{cfg.name}:prompts"
+    assert trigger["metadata"]["consumerGroup"] == "actors" and "lagCount" in trigger["metadata"]
+
+
+# ---- Redis: the ACL file and the server flags on a real redis-server ------------------------------
+
+def redis_version() -> tuple[int, ...]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        return ()
+    found = re.search(r"v=(\d+)\.(\d+)", subprocess.run([binary, "--version"], capture_output=True, text=True).stdout)
+    return tuple(int(x) for x in found.groups()) if found else ()
+
+
+# the commands broker/redis_transport.py sends, in the forms it sends them
+ACTOR_MAY = ["XREADGROUP GROUP actors tidal-actor-0 COUNT 1 STREAMS tidal:tiny:prompts >",
+             "XACK tidal:tiny:prompts actors 0-1", "XAUTOCLAIM tidal:tiny:prompts actors tidal-actor-0 60000 0-0",
+             "XCLAIM tidal:tiny:prompts actors tidal-actor-0 0 0-1 JUSTID", "XPENDING tidal:tiny:prompts actors - + 10",
+             "XADD tidal:tiny:rollouts * m 1", "XADD tidal:tiny:heartbeats MAXLEN ~ 1000 * m 1",
+             "XADD tidal:tiny:dead MAXLEN 1000 * m 1",
+             "XREAD COUNT 1 BLOCK 10 STREAMS tidal:tiny:weights $", "XREVRANGE tidal:tiny:weights + - COUNT 1",
+             "PING", "MULTI", "EXEC", "HELLO 3", "CLIENT SETNAME tidal-actor-0"]
+ACTOR_MAY_NOT = ["XADD tidal:tiny:prompts * g 1", "XADD tidal:tiny:weights * v 1",
+                 "XREAD STREAMS tidal:tiny:rollouts 0-0", "XREADGROUP GROUP learner l STREAMS tidal:tiny:rollouts >",
+                 "XGROUP CREATE tidal:tiny:prompts actors $", "XDEL tidal:tiny:prompts 0-1",
+                 "XTRIM tidal:tiny:rollouts MAXLEN 0", "DEL tidal:tiny:prompts", "XADD other:tiny:rollouts * g 1",
+                 "GET tidal:tiny:prompts", "KEYS *", "FLUSHALL", "CONFIG GET *"]
+LEARNER_MAY = ["XGROUP CREATE tidal:tiny:prompts actors $ MKSTREAM", "XADD tidal:tiny:prompts * g 1",
+               "XREADGROUP GROUP learner l STREAMS tidal:tiny:rollouts >", "XADD tidal:tiny:weights * v 1",
+               "XINFO GROUPS tidal:tiny:prompts", "XAUTOCLAIM tidal:tiny:rollouts learner l 1000 0-0",
+               "XTRIM tidal:tiny:prompts MINID 0-1", "XREAD COUNT 10 STREAMS tidal:tiny:heartbeats 0-0",
+               "DEL tidal:tiny:rollouts", "PING"]
+LEARNER_MAY_NOT = ["GET other", "XADD other:tiny:prompts * g 1", "FLUSHALL", "FLUSHDB", "CONFIG SET appendfsync no",
+                   "SHUTDOWN", "ACL SETUSER someone on"]
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(redis_version() < (7, 0), reason="needs redis-server >= 7 (ACL selectors, ACL DRYRUN)")
+def test_redis_acl_gives_each_role_only_its_commands(tmp_path):
+    import redis
+
+    script = K8S / "base" / "redis-users.sh"
+    short = subprocess.run(["sh", str(script), str(tmp_path / "x.acl")], capture_output=True, text=True,
+                           env={"PATH": "/usr/bin:/bin", "LEARNER_PASSWORD": "short", "ACTOR_PASSWORD": "x" * 20})
+    assert short.returncode == 1 and "learner password" in short.stderr
+    passwords = {"learner": secrets.token_hex(16), "actor": secrets.token_hex(16)}
+    acl = tmp_path / "users.acl"
+    subprocess.run(["sh", str(script), str(acl)], check=True, env={
+        "PATH": "/usr/bin:/bin", "LEARNER_PASSWORD": passwords["learner"], "ACTOR_PASSWORD": passwords["actor"]})
+    text = acl.read_text()
+    assert not [pw for pw in passwords.values() if pw in text], "the ACL file must hold hashes only"
+    acl.write_text(text + "user tester on >tester ~* &* +@all\n")  # ACL DRYRUN needs an admin
+
+    # the server flags of the manifest, on a socket in tmp_path instead of the pod's paths
+    sts = next(d for d in yaml.safe_load_all((K8S / "base" / "redis.yaml").read_text()) if d["kind"] == "StatefulSet")
+    container = pod_spec(sts)["containers"][0]
+    flags = dict(zip(container["args"][::2], container["args"][1::2]))
+    assert flags["--appendonly"] == "yes" and flags["--appendfsync"] == "always"
+    flags.update({"--aclfile": str(acl), "--dir": str(tmp_path), "--port": "0",
+                  "--unixsocket": str(tmp_path / "redis.sock"), "--unixsocketperm": "700"})
+    server = subprocess.Popen(["redis-server", *[x for kv in flags.items() for x in kv]],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "redis.sock").exists():
+            assert server.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+        sock = str(tmp_path / "redis.sock")
+        with pytest.raises(redis.exceptions.RedisError):
+            redis.Redis(unix_socket_path=sock).xadd("tidal:tiny:rollouts", {"g": 1})  # default user is off
+        for role, pw in passwords.items():
+            assert redis.Redis(unix_socket_path=sock, username=role, password=pw).ping()
+        # the pod's probe, pointed at this server: passes with the password the pod gets, not without
+        probe = container["readinessProbe"]["exec"]["command"]
+        assert probe == container["livenessProbe"]["exec"]["command"] == container["startupProbe"]["exec"]["command"]
+        if shutil.which("redis-cli"):
+            here = [probe[0], probe[1], probe[2].replace("redis-cli", f"redis-cli -s {sock}")]
+            auth_env = next(e for e in container["env"] if e["name"] == "REDISCLI_AUTH")
+            assert auth_env["valueFrom"]["secretKeyRef"]["key"] == "learner-password"
+            for password, code in ((passwords["learner"], 0), (passwords["actor"], 1)):
+                assert subprocess.run(here, env={"PATH": "/usr/bin:/bin", "REDISCLI_AUTH": password},
+                                      capture_output=True).returncode == code
+        tester = redis.Redis(unix_socket_path=sock, username="tester", password="tester")
+
+        def allowed(user: str, command: str) -> bool:
+            return tester.execute_command("ACL", "DRYRUN", user, *command.split()) in (b"OK", "OK")
+
+        table = [("actor", c, True) for c in ACTOR_MAY] + [("actor", c, False) for c in ACTOR_MAY_NOT] + \
+                [("learner", c, True) for c in LEARNER_MAY] + [("learner", c, False) for c in LEARNER_MAY_NOT]
+        wrong = [(user, c, want) for user, c, want in table if allowed(user, c) != want]
+        assert not wrong, f"(user, command, should be allowed) that Redis decides otherwise: {wrong}"
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
