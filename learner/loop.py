@@ -121,6 +121,7 @@ class Learner:
         self.health = HealthFile(cfg.health_file)
         self.next_broker_poll = 0.0
         self.resumed: dict | None = None  # the checkpoint state this learner continues from
+        self.ranks = None  # learner.ranks.BatchBroadcast when the learner runs on several ranks
 
     def run(self) -> dict:
         self.publish_weights()
@@ -131,6 +132,8 @@ class Learner:
         self.coordinator.start()
         while self.version < self.cfg.max_steps:
             batch = self.collect_step_batch()
+            if self.ranks is not None:
+                self.ranks.send(batch.groups, batch.token_masks)  # the other learner ranks train their share
             metrics = self.trainer.step(batch.groups, batch.token_masks, self.version)
             self.version += 1
             metrics["timing/weight_push_s"] = self.publish_weights()
@@ -260,10 +263,11 @@ class Learner:
 
         FLOPs: 2 N per generated or prompt token on the actors, 6 N per token the learner
         computes (forward and backward). Device-hours: wall time x devices in use (the live
-        actors and the learner), integrated since the start.
+        actors and the learner's ranks), integrated since the start.
         """
         now = time.monotonic()
-        self.device_seconds += (now - self.last_axis_time) * (len(self.transport.actors()) + 1)
+        learner_devices = self.ranks.world if self.ranks is not None else 1
+        self.device_seconds += (now - self.last_axis_time) * (len(self.transport.actors()) + learner_devices)
         self.last_axis_time = now
         n = self.trainer.num_params
         flops = 2 * n * (self.totals["gen_tokens"] + self.totals["prompt_tokens"]) + 6 * n * self.totals["computed_tokens"]

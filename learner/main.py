@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -29,6 +30,7 @@ def build(cfg: RunConfig, run_dir: Path, checkpoint: Path | None = None):
     from tidal.learner.coordinator import Coordinator, DispatchPlan
     from tidal.learner.ledger import Ledger
     from tidal.learner.loop import Learner
+    from tidal.learner.ranks import BatchBroadcast
     from tidal.learner.tracking import Tracker
     from tidal.learner.trainer import Trainer, load_policy
     from tidal.tasks import encode_prompt, get_task
@@ -68,6 +70,7 @@ def build(cfg: RunConfig, run_dir: Path, checkpoint: Path | None = None):
     checkpointer = Checkpointer(cfg.checkpoint, run_dir / "checkpoints", accelerator, tracker.run_id)
     learner = Learner(cfg.learner, cfg.staleness, cfg.eval, trainer, coordinator, transport, channel, tracker,
                       checkpointer)
+    learner.ranks = BatchBroadcast(accelerator)
     if state is None:
         tracker.log_config(cfg)
     else:
@@ -120,6 +123,10 @@ def main(cfg: RunConfig, resume: str | None = None) -> int:
     except FileNotFoundError as err:
         print(f"tidal learner: {err}", file=sys.stderr)
         return 2
+    if int(os.environ.get("RANK", "0")) > 0:  # under torchrun: only rank 0 talks to actors and MLflow
+        from tidal.learner.ranks import follow
+
+        return follow(cfg, run_dir, checkpoint)
     learner, transport, tracker = build(cfg, run_dir, checkpoint)
     write_endpoints(run_dir, transport.ports)
     try:

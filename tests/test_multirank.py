@@ -61,3 +61,18 @@ def test_groups_are_split_into_minibatches_then_balanced_over_ranks():
         # longest first to the least-loaded rank: no rank carries more than the other plus its longest group
         loads = [sum(tokens[i] for i in share) for share in shares]
         assert abs(loads[0] - loads[1]) <= max(tokens[i] for i in part)
+
+
+@pytest.mark.integration  # a learner on two torchrun ranks with one vLLM actor: about a minute on 2 cores
+def test_tidal_run_trains_with_two_learner_ranks(tmp_path):
+    run_dir = tmp_path / "two-ranks"
+    root = Path(__file__).parents[1]
+    cmd = [sys.executable, "-m", "tidal", "run", str(root / "configs/tiny.yaml"), f"run_dir={run_dir}",
+           "learner.num_ranks=2", "learner.max_steps=8", "eval.every=0", "checkpoint.every=4"]
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "rank 1 of 2 follows rank 0" in (run_dir / "logs/learner.log").read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 8
+    # both ranks saved every checkpoint together (saving is collective), the last after the final eval
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000004", "step-000008"]

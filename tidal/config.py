@@ -246,6 +246,7 @@ class LearnerConfig:
 
     groups_per_step: int = 16  # prompt groups in one optimizer step
     max_steps: int = 100  # optimizer steps of the run
+    num_ranks: int = 1  # learner processes; `tidal run` starts them with torchrun (rank 0 talks to the actors)
     micro_batch_tokens: int = 8192  # padded tokens (rows x longest row) of one forward/backward micro-batch
     advantage_norm: AdvantageNorm = AdvantageNorm.batch  # how group-centred advantages are scaled
     zero_variance_filter: bool = True  # drop groups whose rewards are all equal
@@ -410,6 +411,10 @@ def check_learner(cfg: RunConfig) -> None:
     lc = cfg.learner
     _require(lc.groups_per_step >= 1, "learner.groups_per_step", lc.groups_per_step, "must be >= 1")
     _require(lc.max_steps >= 1, "learner.max_steps", lc.max_steps, "must be >= 1")
+    _require(lc.num_ranks >= 1, "learner.num_ranks", lc.num_ranks, "must be >= 1")
+    _require(lc.groups_per_step >= lc.num_ranks * lc.loss.minibatches_per_step, "learner.groups_per_step",
+             lc.groups_per_step, f"every rank needs a group in every mini-batch: at least learner.num_ranks "
+             f"({lc.num_ranks}) x learner.loss.minibatches_per_step ({lc.loss.minibatches_per_step})")
     _require(cfg.staleness.max_lag >= 0, "staleness.max_lag", cfg.staleness.max_lag, "must be >= 0")
     _require(lc.kernel_backend in ("auto", "torch", "naive", "triton"), "learner.kernel_backend",
              lc.kernel_backend, "expected auto, torch, naive or triton")

@@ -72,7 +72,7 @@ def start_children(cfg: RunConfig, run_dir: Path, children: list[Child], resume:
     config = str(run_dir / "config.yaml")
     learner_cores, actor_cores = cpu_plan(cfg.actor.replicas)
     learner_args = ["learner", "--config", config, *(["--resume", resume] if resume else [])]
-    children.append(_spawn("learner", learner_args, run_dir, learner_cores))
+    children.append(_spawn("learner", learner_args, run_dir, learner_cores, ranks=cfg.learner.num_ranks))
     ports = wait_for_endpoints(run_dir, children[-1])
     for i in range(cfg.actor.replicas):
         overrides = [f"actor.id=actor-{i}", *actor_endpoint_overrides(ports)]
@@ -86,9 +86,12 @@ def actor_endpoint_overrides(ports: dict[str, int]) -> list[str]:
     return [f"broker.zmq.{name}_port={port}" for name, port in ports.items()]
 
 
-def _spawn(name: str, args: list[str], run_dir: Path, cores: str | None, restarts: int = 0) -> Child:
+def _spawn(name: str, args: list[str], run_dir: Path, cores: str | None, restarts: int = 0, ranks: int = 1) -> Child:
     log_path = run_dir / "logs" / f"{name}.log"
     cmd = [sys.executable, "-m", "tidal", *args]
+    if ranks > 1:  # torchrun starts the ranks; it stops them all if one fails
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
+               f"--master-port={_free_port()}", "-m", "tidal", *args]
     if cores is not None and _has_taskset():
         cmd = ["taskset", "-c", cores, *cmd]
     log_file = open(log_path, "a" if restarts else "w")

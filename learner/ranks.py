@@ -1,0 +1,92 @@
+"""Several learner ranks (torchrun, `learner.num_ranks`): rank 0 runs the training loop, the
+others follow it step by step.
+
+Rank 0 owns the transport, the coordinator, the tracker and the weight channel. It collects each
+step batch and broadcasts it to the other ranks, encoded with msgspec like everything else on a
+wire (no pickle). Every rank then calls `trainer.step` on the same batch and trains its share;
+DDP syncs the gradients and the trainer sums its counts over ranks, so N ranks make the update
+one rank would. All ranks save checkpoints at the same versions, because saving is collective.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from tidal.broker.schema import RolloutGroup
+from tidal.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+class _WireBatch(msgspec.Struct):
+    groups: list[RolloutGroup]
+    masks: list[list[bytes]]  # per sample: the token mask, bit-packed
+    lengths: list[list[int]]  # per sample: tokens in the mask
+
+
+class BatchBroadcast:
+    """Rank 0 sends each step batch; the other ranks receive it. A no-op on one rank."""
+
+    def __init__(self, accelerator):
+        self.rank = accelerator.process_index
+        self.world = accelerator.num_processes
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    def send(self, groups: list[RolloutGroup], masks: list[list[np.ndarray]]) -> None:
+        if not self.active:
+            return
+        wire = _WireBatch(groups, [[np.packbits(m).tobytes() for m in ms] for ms in masks],
+                          [[int(m.size) for m in ms] for ms in masks])
+        self._broadcast(msgspec.msgpack.encode(wire))
+
+    def recv(self) -> tuple[list[RolloutGroup], list[list[np.ndarray]]]:
+        wire = msgspec.msgpack.decode(self._broadcast(None), type=_WireBatch)
+        masks = [[np.unpackbits(np.frombuffer(b, dtype=np.uint8))[:n].astype(bool) for b, n in zip(bs, ns)]
+                 for bs, ns in zip(wire.masks, wire.lengths)]
+        return wire.groups, masks
+
+    @staticmethod
+    def _broadcast(frame: bytes | None) -> bytes:
+        import torch
+        import torch.distributed as dist
+
+        size = torch.tensor([len(frame) if frame is not None else 0], dtype=torch.int64)
+        dist.broadcast(size, src=0)
+        buf = (torch.frombuffer(bytearray(frame), dtype=torch.uint8) if frame is not None
+               else torch.empty(int(size.item()), dtype=torch.uint8))
+        dist.broadcast(buf, src=0)
+        return buf.numpy().tobytes()
+
+
+def follow(cfg: RunConfig, run_dir: Path, checkpoint: Path | None) -> int:
+    """A rank other than 0: the same trainer and checkpoints, batches from rank 0, nothing else."""
+    import torch
+    from accelerate import Accelerator
+
+    from tidal.learner.checkpoint import Checkpointer
+    from tidal.learner.trainer import Trainer, load_policy
+    from tidal.tiny import resolve_model_path
+
+    torch.set_num_threads(cfg.learner.torch_threads)
+    torch.manual_seed(cfg.learner.seed)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    policy = load_policy(resolve_model_path(cfg.model, cfg.task), cfg.model.dtype)
+    trainer = Trainer(cfg.learner, policy, accelerator, cfg.sampling.temperature)
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir / "checkpoints", accelerator, run_id="")
+    version = checkpointer.load(checkpoint)["version"] if checkpoint else 0
+    ranks = BatchBroadcast(accelerator)
+    log.info("rank %d of %d follows rank 0 from version %d", ranks.rank, ranks.world, version)
+    while version < cfg.learner.max_steps:
+        groups, masks = ranks.recv()
+        trainer.step(groups, masks, version)
+        version += 1
+        if checkpointer.due(version):
+            checkpointer.save(version, {})
+    checkpointer.save(version, {})  # rank 0's final save, after its last evaluation
+    return 0
