@@ -45,12 +45,14 @@ class Actor:
         self.failure: Exception | None = None
         self.last_swap_paused_s = 0.0
         self.swap_wanted = asyncio.Event()
+        self.loaded_incarnation = ""  # the learner process whose weights the engine runs ("" = from disk)
 
     async def run(self) -> str:
         """Runs until the learner says shutdown; returns its reason."""
         await self.catch_up()
         await self.send_heartbeat(hello=True)
-        tasks = [asyncio.create_task(coro) for coro in (self.fill_slots(), self.watch_weights(), self.heartbeats())]
+        tasks = [asyncio.create_task(coro)
+                 for coro in (self.fill_slots(), self.watch_weights(), self.listen(), self.heartbeats())]
         stopper = asyncio.create_task(self.stop.wait())
         done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
         for task in tasks:
@@ -99,7 +101,9 @@ class Actor:
         completions = await generate(self.engine, group)  # with forced interruptions when the group asks
         reward = self.reward_fns[group.task]
         # the overlong penalty (when the group asks) is added here; Sample.raw_reward keeps the task's
-        samples = [to_sample(c, float(reward(c.text, group.payload)), group.sampling) for c in completions]
+        # off the event loop: a slow verifier must not stall heartbeats, claims and weight swaps
+        rewards = await asyncio.to_thread(lambda: [float(reward(c.text, group.payload)) for c in completions])
+        samples = [to_sample(c, r, group.sampling) for c, r in zip(completions, rewards)]
         await self.transport.send_rollout(RolloutGroup(
             group_id=group.group_id, prompt_id=group.prompt_id, actor_id=self.cfg.id,
             prompt_tokens=group.prompt_tokens, samples=samples, is_eval=group.is_eval,
@@ -116,7 +120,7 @@ class Actor:
     async def catch_up(self) -> None:
         """A joining or restarted actor loads the newest announced weights before it says hello."""
         update = await self.transport.latest_weights(timeout_s=CATCH_UP_TIMEOUT_S)
-        if update is None or update.version <= self.engine.version:
+        if update is None or self.is_loaded(update):
             return
         try:
             path = await asyncio.to_thread(verify_weight_file, update)
@@ -125,48 +129,51 @@ class Actor:
             log.warning("could not catch up to weights v%d (%s); continuing", update.version, err)
             return
         self.latest = update
+        self.loaded_incarnation = update.incarnation
         self.stats["weight_updates"] += 1
         log.info("caught up to weights v%d before taking work (%.3f s)", update.version, paused_s)
 
     def note_announcement(self, update: WeightUpdate) -> None:
-        if self.latest is None or update.version > self.latest.version:
+        if self.latest is None or update.version > self.latest.version or update.incarnation != self.latest.incarnation:
             self.latest = update
             self.swap_wanted.set()
+
+    def is_loaded(self, update: WeightUpdate) -> bool:
+        """Already running these weights or newer ones of the same learner; a restarted (resumed)
+        learner's versions replace whatever an earlier learner process announced."""
+        return update.version <= self.engine.version and update.incarnation == self.loaded_incarnation
 
     async def wait_for_version(self, min_version: int) -> None:
         async with self.version_changed:
             await self.version_changed.wait_for(lambda: self.engine.version >= min_version)
 
     async def watch_weights(self) -> None:
-        """Hear announcements and apply the newest one; a slow load never queues stale versions."""
-        listener = asyncio.create_task(self.listen())
-        try:
-            while True:
-                await self.swap_wanted.wait()
-                self.swap_wanted.clear()
-                update = self.latest
-                if update is None or update.version <= self.engine.version:
-                    continue
-                try:
-                    path = await asyncio.to_thread(verify_weight_file, update)
-                    paused_s = await self.engine.load_weights(str(path), update.version)
-                except Exception as err:  # a pruned or damaged file: a newer version will come
-                    self.stats["weight_load_failures"] += 1
-                    self.stats["weight_load_failures_in_a_row"] += 1
-                    log.warning("could not load weights v%d (%s); waiting for the next announcement",
-                                update.version, err)
-                    if self.stats["weight_load_failures_in_a_row"] >= MAX_WEIGHT_LOAD_FAILURES:
-                        raise RuntimeError(f"{MAX_WEIGHT_LOAD_FAILURES} weight loads failed; last: {err}") from err
-                    continue
-                self.stats["weight_updates"] += 1
-                self.stats["weight_load_failures_in_a_row"] = 0
-                self.last_swap_paused_s = paused_s
-                log.info("weights v%d loaded in flight (engine paused %.3f s, %d samples in flight)",
-                         update.version, paused_s, self.inflight_samples)
-                async with self.version_changed:
-                    self.version_changed.notify_all()
-        finally:
-            listener.cancel()
+        """Apply the newest announcement heard; a slow load never queues stale versions."""
+        while True:
+            await self.swap_wanted.wait()
+            self.swap_wanted.clear()
+            update = self.latest
+            if update is None or self.is_loaded(update):
+                continue
+            try:
+                path = await asyncio.to_thread(verify_weight_file, update)
+                paused_s = await self.engine.load_weights(str(path), update.version)
+            except Exception as err:  # a pruned or damaged file: a newer version will come
+                self.stats["weight_load_failures"] += 1
+                self.stats["weight_load_failures_in_a_row"] += 1
+                log.warning("could not load weights v%d (%s); waiting for the next announcement",
+                            update.version, err)
+                if self.stats["weight_load_failures_in_a_row"] >= MAX_WEIGHT_LOAD_FAILURES:
+                    raise RuntimeError(f"{MAX_WEIGHT_LOAD_FAILURES} weight loads failed; last: {err}") from err
+                continue
+            self.loaded_incarnation = update.incarnation
+            self.stats["weight_updates"] += 1
+            self.stats["weight_load_failures_in_a_row"] = 0
+            self.last_swap_paused_s = paused_s
+            log.info("weights v%d loaded in flight (engine paused %.3f s, %d samples in flight)",
+                     update.version, paused_s, self.inflight_samples)
+            async with self.version_changed:
+                self.version_changed.notify_all()
 
     async def listen(self) -> None:
         while True:

@@ -50,8 +50,6 @@ def common_metrics(actors: list[ActorInfo], rejected: dict[str, int]) -> dict[st
 class LearnerTransport(abc.ABC):
     """Learner side: prompt queue out, rollout stream in, weight announcements out."""
 
-    durable: bool = False  # True when queued prompts and unacknowledged rollouts survive a learner restart
-
     @abc.abstractmethod
     def submit_prompts(self, groups: list[PromptGroup]) -> None:
         """Queue prompt groups for the actors (never blocks; admission control bounds them)."""
@@ -82,6 +80,9 @@ class LearnerTransport(abc.ABC):
 
     def commit(self) -> None:
         """Everything returned by recv_rollout so far is durably handled (checkpointed): acknowledge it."""
+
+    def leave_pending(self, group: RolloutGroup) -> None:
+        """A group returned by recv_rollout that this learner will not use: keep it for a later one."""
 
     @abc.abstractmethod
     def metrics(self) -> dict[str, float]:

@@ -77,7 +77,8 @@ def client_kwargs(cfg: RedisConfig, block_ms: int) -> dict:
     return kwargs
 
 
-TRANSIENT = (redis.ConnectionError, redis.TimeoutError)  # BusyLoadingError (AOF replay) is a ConnectionError
+# BusyLoadingError (AOF replay) is a ConnectionError; READONLY is a replica promoted-to-be after a failover
+TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError)
 
 
 class Reconnect:
@@ -156,8 +157,6 @@ def peek_group_id(frame: bytes) -> str:
 # ---- learner side -----------------------------------------------------------------------------
 
 class RedisLearnerTransport(LearnerTransport):
-    durable = True
-
     def __init__(self, cfg: RedisConfig, codec: WireCodec, run: str, actor_timeout_s: float, fresh: bool):
         self.cfg, self.codec = cfg, codec
         self.keys = StreamKeys(cfg.prefix, run)
@@ -171,6 +170,7 @@ class RedisLearnerTransport(LearnerTransport):
         self._buffer: deque[tuple[str, RolloutGroup]] = deque()
         self._seen: set[bytes] = set()  # rollout entry ids read by this process
         self._to_ack: list[bytes] = []  # entries handed out by recv_rollout, not yet committed
+        self._last_entry: dict[str, bytes] = {}  # group id -> its entry, for leave_pending
         self._pending_cursor: bytes | None = b"0"  # re-read our own pending entries first
         last = self.link.call(self.r.xrevrange, self.keys.heartbeats, "+", "-", count=1)
         self._heartbeat_cursor = last[0][0] if last else b"0"  # hellos from before a restart are history
@@ -222,10 +222,17 @@ class RedisLearnerTransport(LearnerTransport):
             self._read(block_ms=max(1, min(int(remaining * 1000), self.cfg.block_ms)))
         entry_id, group = self._buffer.popleft()
         self._to_ack.append(entry_id)
+        self._last_entry[group.group_id] = entry_id
         return group
+
+    def leave_pending(self, group: RolloutGroup) -> None:
+        entry_id = self._last_entry.pop(group.group_id, None)
+        if entry_id in self._to_ack:
+            self._to_ack.remove(entry_id)
 
     def _read(self, block_ms: int) -> None:
         cursor = self._pending_cursor
+        reconnects = self.link.reconnects  # a read whose reply was lost left entries pending at us
         try:
             reply = self.link.call(self.r.xreadgroup, LEARNER, LEARNER, {self.keys.rollouts: cursor or ">"},
                                    count=READ_COUNT, block=None if cursor else block_ms)
@@ -238,8 +245,11 @@ class RedisLearnerTransport(LearnerTransport):
         entries = reply[0][1] if reply else []
         if cursor is not None:
             self._pending_cursor = entries[-1][0] if entries else None
+            entries = [e for e in entries if e[0] not in self._seen]
             if entries:
                 entries = self._drop_overdelivered(entries)
+        if self.link.reconnects > reconnects:
+            self._pending_cursor = b"0"
         for entry_id, fields in entries:
             if entry_id not in self._seen:
                 self._seen.add(entry_id)
@@ -248,7 +258,7 @@ class RedisLearnerTransport(LearnerTransport):
     def _drop_overdelivered(self, entries: list) -> list:
         """Pending entries that keep coming back (a poison rollout that kills the learner) go dead."""
         info = self.link.call(self.r.xpending_range, self.keys.rollouts, LEARNER, min=entries[0][0],
-                              max=entries[-1][0], count=len(entries))
+                              max=entries[-1][0], count=len(entries), consumername=LEARNER)
         times = {p["message_id"]: p["times_delivered"] for p in info}
         keep = []
         for entry_id, fields in entries:
@@ -282,6 +292,7 @@ class RedisLearnerTransport(LearnerTransport):
 
     def commit(self) -> None:
         acks, self._to_ack = self._to_ack, []
+        self._last_entry.clear()
         for i in range(0, len(acks), 1000):
             self.link.call(self.r.xack, self.keys.rollouts, LEARNER, *acks[i:i + 1000])
         self._trim(self.keys.prompts, ACTORS)
@@ -367,6 +378,7 @@ class RedisActorTransport(ActorTransport):
         self._pending_cursor: bytes | None = b"0"  # a restarted actor first takes back its own prompts
         self._weights_cursor = b"$"
         self._next_claim = 0.0
+        self._claim_cursor: bytes | str = "0-0"
         self._largest_n: int | None = None  # largest group seen: how many entries fit the free slots
 
     async def request_work(self, max_samples: int, timeout_s: float) -> WorkGrant | None:
@@ -433,11 +445,13 @@ class RedisActorTransport(ActorTransport):
         self._next_claim = time.monotonic() + max(self.cfg.claim_idle_ms / 2000, 1.0)
         try:
             reply = await self.link.acall(self.r.xautoclaim, self.keys.prompts, ACTORS, self.actor_id,
-                                          min_idle_time=self.cfg.claim_idle_ms, start_id="0-0", count=READ_COUNT)
+                                          min_idle_time=self.cfg.claim_idle_ms, start_id=self._claim_cursor,
+                                          count=READ_COUNT)
         except ResponseError as err:
             if is_nogroup(err):
                 return None
             raise
+        self._claim_cursor = reply[0]  # Redis scans a bounded slice per call: go on from where it stopped
         entries = [e for e in reply[1] if e[1]]
         if not entries:
             return None
@@ -454,7 +468,7 @@ class RedisActorTransport(ActorTransport):
 
     async def _with_deliveries(self, entries: list) -> list:
         info = await self.link.acall(self.r.xpending_range, self.keys.prompts, ACTORS, min=entries[0][0],
-                                     max=entries[-1][0], count=len(entries) + 100)
+                                     max=entries[-1][0], count=len(entries), consumername=self.actor_id)
         times = {p["message_id"]: p["times_delivered"] for p in info}
         return [(entry_id, fields, times.get(entry_id, 1)) for entry_id, fields in entries]
 

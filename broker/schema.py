@@ -223,6 +223,9 @@ class WeightUpdate(Message, tag="weight_update"):
     location: str  # path of the safetensors file
     manifest: list[TensorSpec]
     checksum: str  # sha256 of the file's bytes
+    # which learner process announced it: a resumed learner counts versions again from its
+    # checkpoint, and actors that outlived the crash must load those over higher, abandoned ones
+    incarnation: str = ""
 
 
 class Heartbeat(Message, tag="heartbeat"):

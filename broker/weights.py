@@ -57,7 +57,8 @@ def read_manifest(path: Path) -> list[TensorSpec]:
 class FileWeightChannel(WeightChannel):
     """Writes `weights-v{version:06d}.safetensors` under `directory`, temp file + rename."""
 
-    def __init__(self, directory: str | Path, keep: int = 3):
+    def __init__(self, directory: str | Path, keep: int = 3, incarnation: str = ""):
+        self.incarnation = incarnation
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.keep = max(keep, 2)  # an actor may still be reading the previous file
@@ -71,7 +72,7 @@ class FileWeightChannel(WeightChannel):
         os.replace(tmp, path)  # atomic: readers see the whole file or none
         self._prune(version)
         return WeightUpdate(version=version, transport="file", location=str(path),
-                            manifest=read_manifest(path), checksum=_sha256(path))
+                            manifest=read_manifest(path), checksum=_sha256(path), incarnation=self.incarnation)
 
     def _prune(self, version: int) -> None:
         for old in self.directory.glob("weights-v*.safetensors"):

@@ -37,6 +37,9 @@ class Checkpointer:
 
     def save(self, version: int, state: dict) -> Path:
         path = self.directory / f"step-{version:06d}"
+        if self.accelerator.is_main_process:  # saved again (the final save): unfinished until rewritten
+            (path / STATE_FILE).unlink(missing_ok=True)
+        self.accelerator.wait_for_everyone()
         self.accelerator.save_state(str(path))
         if self.accelerator.is_main_process:
             tmp = path / (STATE_FILE + ".tmp")

@@ -16,6 +16,7 @@ crash between the two is healed on resume by logging the copy stored in the chec
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from tidal.learner.trainer import Trainer
 log = logging.getLogger(__name__)
 
 ROLLOUT_TIMEOUT_S = 600.0  # no rollout for this long means the actors are gone
+EVAL_GROUP_ID = re.compile(r"-eval\d+-\d+$")  # how Coordinator.dispatch_eval names eval groups
 BROKER_POLL_S = 1.0  # how often the loop asks the broker about joins and dead letters
 
 
@@ -121,6 +123,7 @@ class Learner:
         self.health = HealthFile(cfg.health_file)
         self.next_broker_poll = 0.0
         self.resumed: dict | None = None  # the checkpoint state this learner continues from
+        self.unlogged: list[tuple[int, dict]] = []  # (step, metrics) waiting for a checkpoint to cover them
         self.ranks = None  # learner.ranks.BatchBroadcast when the learner runs on several ranks
 
     def run(self) -> dict:
@@ -128,7 +131,9 @@ class Learner:
         if self.resumed is None:
             self.start_eval()
         else:
-            self.heal_last_log()
+            self.heal_logs()
+            for version in self.resumed["learner"].get("evals_pending", []):  # lost with the old process
+                self.evaluator.expect(version, self.coordinator.dispatch_eval(version))
         self.coordinator.start()
         while self.version < self.cfg.max_steps:
             batch = self.collect_step_batch()
@@ -140,17 +145,28 @@ class Learner:
             self.coordinator.on_step(self.version, [g.group_id for g in batch.groups])
             if self.eval_cfg.every and self.version % self.eval_cfg.every == 0 and self.version < self.cfg.max_steps:
                 self.start_eval()
-            metrics = self.step_metrics(batch, metrics)
+            self.log(self.step_metrics(batch, metrics), step=self.version)
             if self.checkpointer.due(self.version):
-                self.save_checkpoint(metrics)
+                self.save_checkpoint()
             elif not self.checkpointer.periodic:
                 self.transport.commit()  # no resume point to wait for
-            self.tracker.log_metrics(metrics, step=self.version)
         self.coordinator.stop()
         self.start_eval()
         self.wait_for_evals()
-        self.save_checkpoint({})
+        self.save_checkpoint()
         return self.summary()
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """With periodic checkpoints, metrics reach MLflow once a checkpoint covers their step, so a
+        resumed learner, which trains the steps after its checkpoint again, logs no step twice."""
+        self.unlogged.append((step, metrics))
+        if not self.checkpointer.periodic:
+            self.flush_logs()
+
+    def flush_logs(self) -> None:
+        for step, metrics in self.unlogged:
+            self.tracker.log_metrics(metrics, step=step)
+        self.unlogged = []
 
     # ---- named steps -----------------------------------------------------------------------------
 
@@ -187,7 +203,7 @@ class Learner:
             self.coordinator.ledger.record("actor_joined", actor=join.actor_id, version=join.version,
                                            announced=join.announced, learner_version=self.version)
         for group_id in self.transport.take_dead_letters():
-            if "-eval" in group_id:
+            if EVAL_GROUP_ID.search(group_id):
                 self.report_eval(self.evaluator.drop(group_id))
             else:
                 self.coordinator.on_dead_letter(group_id)
@@ -243,7 +259,7 @@ class Learner:
         if done is not None:
             version, pass_rate = done
             log.info("eval at version %d: val pass rate %.3f", version, pass_rate)
-            self.tracker.log_metrics({"eval/pass_rate": pass_rate} | self.compute_axis(), step=version)
+            self.log({"eval/pass_rate": pass_rate} | self.compute_axis(), step=version)
 
     def wait_for_evals(self) -> None:
         last_arrival = time.monotonic()
@@ -254,6 +270,8 @@ class Learner:
                 last_arrival = time.monotonic()
                 if group.is_eval:
                     self.on_eval_group(group)
+                else:
+                    self.transport.leave_pending(group)  # not trained: a longer resumed run still can
             elif time.monotonic() - last_arrival > ROLLOUT_TIMEOUT_S:
                 raise TimeoutError("final evaluation did not complete: no rollout arrived for "
                                    f"{ROLLOUT_TIMEOUT_S:.0f} s")
@@ -303,14 +321,16 @@ class Learner:
 
     # ---- checkpoints and resume --------------------------------------------------------------
 
-    def save_checkpoint(self, metrics: dict[str, float]) -> None:
-        """Save, then acknowledge to the broker everything the checkpoint covers."""
+    def save_checkpoint(self) -> None:
+        """Save, then acknowledge to the broker and log to MLflow everything the checkpoint covers."""
         self.checkpointer.save(self.version, {"coordinator": self.coordinator.state_dict(),
-                                              "learner": self.state_dict(), "metrics": metrics})
+                                              "learner": self.state_dict(), "unlogged": self.unlogged})
         self.transport.commit()
+        self.flush_logs()
 
     def state_dict(self) -> dict:
         return {"totals": dict(self.totals), "by_actor": dict(self.by_actor), "evals": self.evaluator.results,
+                "evals_pending": [v for v, pending in self.evaluator.expected.items() if pending],
                 "eval_multi_version": self.eval_multi_version, "device_seconds": self.device_seconds,
                 "wall_s": time.monotonic() - self.start_time}
 
@@ -325,15 +345,14 @@ class Learner:
         self.start_time = time.monotonic() - mine["wall_s"]  # compute axes continue where they were
         self.last_axis_time = time.monotonic()
 
-    def heal_last_log(self) -> None:
-        """The checkpoint's step may not have reached MLflow before the crash: log its stored copy."""
-        last = self.tracker.last_step()
-        if (last is None or last < self.version) and self.resumed.get("metrics"):
-            self.tracker.log_metrics(self.resumed["metrics"], step=self.version)
-        elif last is not None and last > self.version:
-            log.warning("MLflow has steps up to %d but the last checkpoint is step %d: steps %d..%d are trained "
-                        "and logged again (checkpoint.every = 1 avoids this)", last, self.version,
-                        self.version + 1, last)
+    def heal_logs(self) -> None:
+        """Metrics the checkpoint covered may not have reached MLflow before the crash: log the
+        stored copies of those MLflow does not have yet."""
+        last = {key: self.tracker.last_step(key) for key in ("learner/version", "eval/pass_rate")}
+        for step, metrics in self.resumed.get("unlogged", []):
+            key = "learner/version" if "learner/version" in metrics else "eval/pass_rate"
+            if last[key] is None or step > last[key]:
+                self.tracker.log_metrics(metrics, step=step)
 
     def summary(self) -> dict:
         evals = self.evaluator.results

@@ -9,6 +9,7 @@ import shutil
 import signal
 import sys
 import time
+import uuid
 from functools import partial
 from pathlib import Path
 
@@ -66,7 +67,7 @@ def build(cfg: RunConfig, run_dir: Path, checkpoint: Path | None = None):
     # one folder per run directory, so two runs never share (or prune) each other's files
     run_key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]
     weights_dir = cfg.learner.weights_dir or f"/dev/shm/tidal-{cfg.name}-{run_dir.name}-{run_key}"
-    channel = FileWeightChannel(weights_dir, keep=cfg.learner.keep_weight_files)
+    channel = FileWeightChannel(weights_dir, keep=cfg.learner.keep_weight_files, incarnation=uuid.uuid4().hex[:12])
     checkpointer = Checkpointer(cfg.checkpoint, run_dir / "checkpoints", accelerator, tracker.run_id)
     learner = Learner(cfg.learner, cfg.staleness, cfg.eval, trainer, coordinator, transport, channel, tracker,
                       checkpointer)
@@ -82,9 +83,11 @@ def restore(learner, state: dict, cfg: RunConfig) -> None:
     learner.coordinator.load_state_dict(state["coordinator"])
     learner.restore(state)
     learner.tracker.log_resumed_config(cfg, state["version"])
-    if not learner.transport.durable:  # what was in flight died with the old processes
-        count = learner.coordinator.resubmit_outstanding()
-        log.info("re-dispatched %d prompt groups that were outstanding at the checkpoint", count)
+    # On ZeroMQ what was in flight died with the old processes. On Redis it is usually still
+    # queued, but groups released just before the crash may never have reached it: send them all
+    # again, and the learner keeps whichever copy comes first.
+    count = learner.coordinator.resubmit_outstanding()
+    log.info("re-dispatched %d prompt groups that were outstanding at the checkpoint", count)
     log.info("resumed at version %d from the checkpoint (MLflow run %s)", state["version"], state["mlflow_run_id"])
 
 

@@ -231,3 +231,16 @@ def test_a_request_too_small_for_any_group_yields_to_the_event_loop(redis_server
         return ticks
 
     assert run(scenario()) > 0  # the actor's other tasks (heartbeats, rollouts) got to run
+
+
+def test_a_group_left_pending_is_not_acknowledged_by_the_next_commit(redis_server):
+    cfg = config(redis_server)
+    side = learner(cfg)
+    side.submit_prompts([prompt(0), prompt(1)])
+    run(work(cfg, "a0"))
+    first, second = side.recv_rollout(timeout_s=2), side.recv_rollout(timeout_s=2)
+    side.leave_pending(second)  # e.g. a training group arriving during the final evaluation
+    side.commit()
+    assert side.metrics()["broker/rollout_pending"] == 1
+    side.close()
+    assert drain(learner(cfg, fresh=False), 1) == [second.group_id]  # a resumed learner still gets it

@@ -440,6 +440,16 @@ def check_curriculum(cfg: RunConfig) -> None:
     _require(cur.min_samples >= 1, "curriculum.min_samples", cur.min_samples, "must be >= 1")
 
 
+def check_broker(cfg: RunConfig) -> None:
+    r = cfg.broker.redis
+    _require(r.url.startswith(("redis://", "rediss://", "unix://")), "broker.redis.url", redact_url(r.url),
+             "expected redis://, rediss:// (TLS) or unix://")
+    _require(not r.ca_file or r.url.startswith("rediss://"), "broker.redis.ca_file", r.ca_file,
+             "a CA bundle verifies TLS: use a rediss:// URL")
+    _require(r.max_deliveries >= 1, "broker.redis.max_deliveries", r.max_deliveries, "must be >= 1")
+    _require(r.claim_idle_ms >= 1, "broker.redis.claim_idle_ms", r.claim_idle_ms, "must be >= 1")
+
+
 def validate(cfg: RunConfig) -> None:
-    for check in (check_model, check_sampling, check_length_control, check_learner, check_curriculum):
+    for check in (check_model, check_sampling, check_length_control, check_learner, check_curriculum, check_broker):
         check(cfg)

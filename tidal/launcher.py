@@ -250,7 +250,10 @@ def sweep_orphan_shm() -> None:
             continue
         segments = {name for name in segments if f"/dev/shm/{name}" not in text}
     for name in segments:
-        (shm / name).unlink(missing_ok=True)
+        try:
+            (shm / name).unlink(missing_ok=True)
+        except OSError:  # another user's segment (its maps were unreadable): not ours to remove
+            pass
 
 
 def _advance(bar, metrics_path: Path, offset: int) -> int:
