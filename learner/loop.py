@@ -28,7 +28,7 @@ from tidal.broker.schema import RolloutGroup
 from tidal.broker.weights import WeightChannel
 from tidal.config import EvalConfig, LearnerConfig, OnViolation, StalenessConfig
 from tidal.health import HealthFile
-from tidal.learner.coordinator import Coordinator
+from tidal.learner.coordinator import Coordinator, CurriculumExhausted
 from tidal.learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -123,6 +123,7 @@ class Learner:
         self.health = HealthFile(cfg.health_file)
         self.next_broker_poll = 0.0
         self.resumed: dict | None = None  # the checkpoint state this learner continues from
+        self.stopped_early = ""  # why the run ended before learner.max_steps, if it did
         self.unlogged: list[tuple[int, dict]] = []  # (step, metrics) waiting for a checkpoint to cover them
         self.ranks = None  # learner.ranks.BatchBroadcast when the learner runs on several ranks
 
@@ -136,7 +137,14 @@ class Learner:
                 self.evaluator.expect(version, self.coordinator.dispatch_eval(version))
         self.coordinator.start()
         while self.version < self.cfg.max_steps:
-            batch = self.collect_step_batch()
+            try:
+                batch = self.collect_step_batch()
+            except CurriculumExhausted as err:  # nothing left to learn from: end the run, do not fail it
+                log.warning("%s; ending the run at step %d of %d", err, self.version, self.cfg.max_steps)
+                self.stopped_early = str(err)
+                if self.ranks is not None:
+                    self.ranks.send([], [])  # an empty batch tells the other ranks the loop is over
+                break
             if self.ranks is not None:
                 self.ranks.send(batch.groups, batch.token_masks)  # the other learner ranks train their share
             metrics = self.trainer.step(batch.groups, batch.token_masks, self.version)
@@ -361,5 +369,6 @@ class Learner:
                 "steps": self.version, "samples": self.totals["samples"], "gen_tokens": self.totals["gen_tokens"],
                 "wall_s": time.monotonic() - self.start_time, "mlflow_run_id": self.tracker.run_id,
                 "mlflow_uri": self.tracker.uri, "rejected_frames": self.transport.metrics()["broker/rejected_frames"],
+                "stopped_early": self.stopped_early,
                 "groups_by_actor": dict(self.by_actor), "groups": dict(self.coordinator.counts),
                 "outstanding_groups": sorted(self.coordinator.outstanding)}

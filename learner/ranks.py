@@ -84,6 +84,8 @@ def follow(cfg: RunConfig, run_dir: Path, checkpoint: Path | None) -> int:
     log.info("rank %d of %d follows rank 0 from version %d", ranks.rank, ranks.world, version)
     while version < cfg.learner.max_steps:
         groups, masks = ranks.recv()
+        if not groups:  # rank 0 ended the run early (the curriculum ran out of prompts)
+            break
         trainer.step(groups, masks, version)
         version += 1
         if checkpointer.due(version):

@@ -281,6 +281,8 @@ def print_summary(run_dir: Path, wall_s: float) -> None:
     print(f"val pass rate: {fmt(s['val_pass_rate_initial'])} -> {fmt(s['val_pass_rate_final'])}")
     print(f"steps: {s['steps']}  samples: {s['samples']}  generated tokens: {s['gen_tokens']}  "
           f"wall time: {wall_s:.1f} s (learner {s['wall_s']:.1f} s)")
+    if s.get("stopped_early"):
+        print(f"stopped early: {s['stopped_early']}")
     print(f"mlflow run id: {s['mlflow_run_id']}  tracking uri: {s['mlflow_uri']}")
     print(f"run directory: {run_dir}")
 
