@@ -44,6 +44,7 @@ WEIGHTS_KEPT = 16
 HEARTBEATS_KEPT = 1000
 DEAD_KEPT = 100_000
 READ_COUNT = 64
+HEARTBEAT_POLL_S = 0.5
 
 
 class BrokerUnavailable(ConnectionError):
@@ -177,6 +178,7 @@ class RedisLearnerTransport(LearnerTransport):
         self._dead_cursor = b"0"
         self._actors: dict[str, ActorInfo] = {}
         self._joins: list[ActorJoin] = []
+        self._last_heartbeat_poll = 0.0
         self._latest_version = 0
         self.num_dead_lettered = 0
 
@@ -311,6 +313,10 @@ class RedisLearnerTransport(LearnerTransport):
     # ---- actors, dead letters, metrics -------------------------------------------------------
 
     def _poll_heartbeats(self) -> None:
+        """Read new heartbeats; at most every HEARTBEAT_POLL_S, since each step asks several times."""
+        if time.monotonic() - self._last_heartbeat_poll < HEARTBEAT_POLL_S:
+            return
+        self._last_heartbeat_poll = time.monotonic()
         reply = self.link.call(self.r.xread, {self.keys.heartbeats: self._heartbeat_cursor}, count=HEARTBEATS_KEPT)
         now = time.monotonic()
         for entry_id, fields in (reply[0][1] if reply else []):

@@ -15,7 +15,6 @@ was given up on may still deliver: the learner deduplicates by group id.
 """
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 import queue

@@ -58,8 +58,9 @@ class Evaluator:
             return None  # a duplicate or a leftover of an earlier run
         pending.discard(group.group_id)
         self.rewards[version].extend(s.reward for s in group.samples)
-        if pending:
-            return None
+        return None if pending else self._complete(version)
+
+    def _complete(self, version: int) -> tuple[int, float]:
         self.results[version] = float(np.mean(self.rewards[version]))
         return version, self.results[version]
 
@@ -71,8 +72,7 @@ class Evaluator:
                 log.warning("eval group %s was dead-lettered; the eval at version %d is computed without it",
                             group_id, version)
                 if not pending and self.rewards[version]:
-                    self.results[version] = float(np.mean(self.rewards[version]))
-                    return version, self.results[version]
+                    return self._complete(version)
         return None
 
     def waiting(self) -> bool:

@@ -13,7 +13,7 @@ import uuid
 from functools import partial
 from pathlib import Path
 
-from tidal.config import RunConfig
+from tidal.config import RunConfig, run_directory
 
 log = logging.getLogger("tidal.learner")
 
@@ -25,18 +25,16 @@ def build(cfg: RunConfig, run_dir: Path, checkpoint: Path | None = None):
     from transformers import AutoTokenizer
 
     from tidal.broker.factory import learner_transport
-    from tidal.broker.schema import InterruptParams, SamplingParams
     from tidal.broker.weights import FileWeightChannel
     from tidal.learner.checkpoint import Checkpointer, read_state
-    from tidal.learner.coordinator import Coordinator, DispatchPlan
+    from tidal.learner.coordinator import Coordinator
     from tidal.learner.ledger import Ledger
     from tidal.learner.loop import Learner
     from tidal.learner.ranks import BatchBroadcast
     from tidal.learner.tracking import Tracker
     from tidal.learner.trainer import Trainer, load_policy
-    from tidal.tasks import encode_prompt, get_task
-
     from tidal.learner.warmstart import ensure_model
+    from tidal.tasks import encode_prompt, get_task
 
     cfg.model.path = ensure_model(cfg.model, cfg.task, progress=log.info)  # builds the tiny model if missing
     torch.set_num_threads(cfg.learner.torch_threads)
@@ -46,18 +44,7 @@ def build(cfg: RunConfig, run_dir: Path, checkpoint: Path | None = None):
     split = get_task(cfg.task.name).load_prompts(cfg.task)
     state = read_state(checkpoint) if checkpoint else None
     transport = learner_transport(cfg.broker, cfg.name, fresh=state is None)
-    stop_ids = (tokenizer.eos_token_id,)
-    it = cfg.sampling.interrupt  # length control travels in each group's SamplingParams; eval: no penalty
-    interrupt = InterruptParams(tuple(encode_prompt(tokenizer, it.text)), it.text, it.min_tokens, it.max_tokens,
-                                it.answer_tokens) if it.enabled else None
-    overlong = cfg.sampling.overlong.buffer_tokens if cfg.sampling.overlong.enabled else 0
-    plan = DispatchPlan(
-        run_id=f"{cfg.name}-{run_dir.name}", task=cfg.task.name, n=cfg.sampling.n,
-        sampling=SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_tokens, stop_ids,
-                                interrupt, overlong),
-        eval_n=cfg.eval.n, eval_sampling=SamplingParams(cfg.eval.temperature, 1.0, cfg.sampling.max_tokens, stop_ids,
-                                                        interrupt if it.eval else None),
-        groups_per_step=cfg.learner.groups_per_step, max_lag=cfg.staleness.max_lag, seed=cfg.learner.seed)
+    plan = dispatch_plan(cfg, tokenizer, run_dir)
     plan.sampling.check()  # the interruption text's token count is known only now: does it fit max_tokens?
     ledger = Ledger(run_dir / "ledger.jsonl", truncate_to=state["coordinator"]["ledger_offset"] if state else 0)
     coordinator = Coordinator(plan, split.train, split.val, partial(encode_prompt, tokenizer), transport, ledger,
@@ -77,6 +64,27 @@ def build(cfg: RunConfig, run_dir: Path, checkpoint: Path | None = None):
     else:
         restore(learner, checkpointer.load(checkpoint), cfg)
     return learner, transport, tracker
+
+
+def dispatch_plan(cfg: RunConfig, tokenizer, run_dir: Path):
+    """How the coordinator turns prompts into groups; length control travels in each group's
+    SamplingParams, and eval groups get no overlong penalty (nor interruptions unless asked)."""
+    from tidal.broker.schema import InterruptParams, SamplingParams
+    from tidal.learner.coordinator import DispatchPlan
+    from tidal.tasks import encode_prompt
+
+    stop_ids = (tokenizer.eos_token_id,)
+    it = cfg.sampling.interrupt
+    interrupt = InterruptParams(tuple(encode_prompt(tokenizer, it.text)), it.text, it.min_tokens, it.max_tokens,
+                                it.answer_tokens) if it.enabled else None
+    overlong = cfg.sampling.overlong.buffer_tokens if cfg.sampling.overlong.enabled else 0
+    return DispatchPlan(
+        run_id=f"{cfg.name}-{run_dir.name}", task=cfg.task.name, n=cfg.sampling.n,
+        sampling=SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_tokens, stop_ids,
+                                interrupt, overlong),
+        eval_n=cfg.eval.n, eval_sampling=SamplingParams(cfg.eval.temperature, 1.0, cfg.sampling.max_tokens, stop_ids,
+                                                        interrupt if it.eval else None),
+        groups_per_step=cfg.learner.groups_per_step, max_lag=cfg.staleness.max_lag, seed=cfg.learner.seed)
 
 
 def restore(learner, state: dict, cfg: RunConfig) -> None:
@@ -118,7 +126,7 @@ def find_checkpoint(run_dir: Path, resume: str | None) -> Path | None:
 
 
 def main(cfg: RunConfig, resume: str | None = None) -> int:
-    run_dir = Path(cfg.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = run_directory(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from pathlib import Path
 
 import torch
 

@@ -1,7 +1,6 @@
 """Redis Streams transport against a real redis-server: acknowledgement, redelivery, takeover,
 dead letters, trimming, reconnection and credentials."""
 import asyncio
-import os
 import time
 
 import pytest
@@ -238,7 +237,7 @@ def test_a_group_left_pending_is_not_acknowledged_by_the_next_commit(redis_serve
     side = learner(cfg)
     side.submit_prompts([prompt(0), prompt(1)])
     run(work(cfg, "a0"))
-    first, second = side.recv_rollout(timeout_s=2), side.recv_rollout(timeout_s=2)
+    _, second = side.recv_rollout(timeout_s=2), side.recv_rollout(timeout_s=2)
     side.leave_pending(second)  # e.g. a training group arriving during the final evaluation
     side.commit()
     assert side.metrics()["broker/rollout_pending"] == 1

@@ -326,6 +326,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return cfg
 
 
+def run_directory(cfg: RunConfig) -> Path:
+    """The run's folder: run_dir, or runs/<name>-<time> when it is empty."""
+    import time
+
+    return Path(cfg.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
 def to_yaml(cfg: RunConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 

@@ -21,7 +21,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tidal.config import BrokerType, RunConfig, to_yaml
+from tidal.config import BrokerType, RunConfig, run_directory, to_yaml
 
 
 @dataclass
@@ -43,7 +43,7 @@ def resolve(cfg: RunConfig) -> Path:
     """Fill in what the processes must agree on; returns the run directory (config.yaml written)."""
     from tidal.learner.warmstart import ensure_model
 
-    run_dir = Path(cfg.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir = run_directory(cfg).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.run_dir = str(run_dir)
     cfg.model.path = ensure_model(cfg.model, cfg.task, progress=lambda msg: print(f"[prepare] {msg}", flush=True))
@@ -301,11 +301,11 @@ def launch(cfg: RunConfig, resume: str | None = None) -> int:
         return 2
     children: list[Child] = []
     try:
-        run_dir = Path(cfg.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+        run_dir = run_directory(cfg).resolve()
+        run_dir.mkdir(parents=True, exist_ok=True)
         cfg.run_dir = str(run_dir)
         if cfg.broker.type is BrokerType.redis and cfg.broker.redis.embedded:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            children.append(start_redis(cfg, run_dir))
+            children.append(start_redis(cfg, run_dir))  # before resolve: its URL goes into config.yaml
         resolve(cfg)
         print(f"[run] {run_dir}: learner + {cfg.actor.replicas} actor(s)", flush=True)
         start_children(cfg, run_dir, children, resume)
