@@ -28,9 +28,10 @@ class Completion:
 
 
 class Engine:
-    """One vLLM AsyncLLM per actor process."""
+    """One vLLM AsyncLLM per actor process. The actor loop needs only `version`, `set_version`,
+    `swap_weights`, `sample`, `info` and `shutdown`: a scripted engine with those runs the loop in tests."""
 
-    def __init__(self, cfg: ActorConfig, model_path: str, dtype: str, seed: int):
+    def __init__(self, cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int | None = None):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.kv_cache_gib))))
         if cfg.cpu_cores:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_cores
@@ -38,10 +39,10 @@ class Engine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = AsyncEngineArgs(
-            model=model_path, dtype=dtype, enforce_eager=cfg.enforce_eager, seed=seed,
-            max_num_seqs=cfg.max_inflight,
+            model=model_path, dtype=dtype, enforce_eager=cfg.enforce_eager, seed=cfg.seed + cfg.index,
+            max_num_seqs=max_num_seqs or cfg.max_inflight,
             logprobs_mode="processed_logprobs",  # behavior logprobs after temperature
-            worker_extension_cls="tidal.actor.worker_ext.WeightReceiver",
+            worker_extension_cls="tidal.actor.worker_ext.TidalWorker",
             enable_prefix_caching=False,  # a cached prefix would outlive a weight update
         )
         self._llm = AsyncLLM.from_engine_args(args)
@@ -53,16 +54,14 @@ class Engine:
         await self._llm.update_weight_version(str(version))
         self.version = version
 
-    async def load_weights(self, path: str, version: int) -> float:
-        """Pause (in-flight requests keep their place), reload, label the version, resume.
-
-        Returns seconds the engine was paused.
-        """
+    async def swap_weights(self, version: int, transport: str, payload) -> float:
+        """Pause (in-flight requests keep their place), load in every worker by the weight channel's
+        own means, label the version, resume. Returns seconds the engine was paused."""
         async with self._swap_lock:
             start = time.perf_counter()
             await self._llm.pause_generation(mode="keep", clear_cache=True)
             try:
-                await self._llm.collective_rpc("tidal_load_weight_file", args=(path,))
+                await self._llm.collective_rpc("tidal_load_weights", args=(transport, payload))
                 await self.set_version(version)
             finally:
                 await self._llm.resume_generation()

@@ -1,12 +1,14 @@
 """The actor: pull prompt groups, sample them on vLLM, score them, stream finished groups out.
 
-    learner ──WorkGrant──► fill_slots ──► run_group (wait for min_version → sample n → reward) ──► RolloutGroup
-                                                      (length_control: interruptions, overlong penalty)
-    learner ──WeightUpdate──► watch_weights ──► engine.load_weights (pause(keep) → reload → version → resume)
-                              heartbeats ──► learner (version, outstanding groups)
+    learner ──groups──► fill_slots ──► run_group (wait for min_version → sample n → reward) ──► RolloutGroup
+                                                  (length_control: interruptions, overlong penalty)
+    learner ──announcements──► listen ──► apply_newest ──► receiver.apply (engine: pause(keep) → load → resume)
+                               heartbeats ──► learner (version, outstanding groups)
 
-Three concurrent tasks on one asyncio loop. Requests in flight during a weight swap continue
-under the new weights; every token's version is recorded in the rollout's version spans.
+Concurrent tasks on one asyncio loop. Announcements are the one way an actor hears of new
+weights: the first one (the current weights) is applied before the hello, later ones while
+requests are in flight, which continue under the new weights; every token's version is recorded
+in the rollout's version spans.
 """
 from __future__ import annotations
 
@@ -15,30 +17,33 @@ import logging
 import time
 from collections import Counter
 
-from tidal.actor.engine import Engine
-from tidal.broker.base import ActorTransport
 from tidal.actor.length_control import generate, to_sample
+from tidal.broker.base import ActorTransport
 from tidal.broker.schema import Heartbeat, PromptGroup, RolloutGroup, Shutdown, WeightUpdate
-from tidal.broker.weights import verify_weight_file
+from tidal.broker.weights import WeightReceiver
 from tidal.config import ActorConfig
 from tidal.health import HealthFile
 
 log = logging.getLogger(__name__)
 
 MAX_WEIGHT_LOAD_FAILURES = 10  # in a row would mean the weight folder is unreachable: stop loudly
-CATCH_UP_TIMEOUT_S = 30.0  # how long a joining actor waits to hear the newest weights before starting at v0
+CATCH_UP_TIMEOUT_S = 30.0  # how long a joining actor waits to hear the current weights before starting without
 
 
 class Actor:
-    def __init__(self, cfg: ActorConfig, engine: Engine, transport: ActorTransport, reward_fns: dict):
+    def __init__(self, cfg: ActorConfig, engine, transport: ActorTransport, receiver: WeightReceiver | None,
+                 reward_fns: dict):
         self.cfg = cfg
-        self.engine = engine
+        self.engine = engine  # tidal.actor.engine.Engine, or anything with its methods
         self.transport = transport
+        self.receiver = receiver
         self.reward_fns = reward_fns  # task name -> reward(text, payload)
         self.inflight_samples = 0
         self.outstanding: dict[str, PromptGroup] = {}
+        self.tasks: set[asyncio.Task] = set()  # the loop holds tasks weakly: keep every one until it ends
         self.latest: WeightUpdate | None = None  # newest announcement heard
         self.version_changed = asyncio.Condition()
+        self.slots_freed = asyncio.Event()
         self.stats: Counter[str] = Counter()
         self.stop = asyncio.Event()
         self.stop_reason = ""
@@ -46,16 +51,19 @@ class Actor:
         self.last_swap_paused_s = 0.0
         self.swap_wanted = asyncio.Event()
         self.loaded_incarnation = ""  # the learner process whose weights the engine runs ("" = from disk)
+        self._engine_info: dict[str, str] | None = None
 
     async def run(self) -> str:
         """Runs until the learner says shutdown; returns its reason."""
         await self.catch_up()
+        if self.stop.is_set():  # the run ended before this actor joined it
+            return self.stop_reason
         await self.send_heartbeat(hello=True)
-        tasks = [asyncio.create_task(coro)
-                 for coro in (self.fill_slots(), self.watch_weights(), self.listen(), self.heartbeats())]
-        stopper = asyncio.create_task(self.stop.wait())
-        done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
-        for task in tasks:
+        loops = [self.spawn(coro) for coro in (self.fill_slots(), self.apply_newest(), self.listen(),
+                                                self.heartbeats())]
+        stopper = self.spawn(self.stop.wait())
+        done, _ = await asyncio.wait([*loops, stopper], return_when=asyncio.FIRST_COMPLETED)
+        for task in list(self.tasks):
             task.cancel()
         for task in done:
             if task is not stopper and task.exception():
@@ -64,6 +72,12 @@ class Actor:
             raise self.failure
         return self.stop_reason
 
+    def spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
     # ---- work ----------------------------------------------------------------------------------
 
     async def fill_slots(self) -> None:
@@ -71,19 +85,15 @@ class Actor:
         while True:
             free = self.cfg.max_inflight - self.inflight_samples
             if free <= 0:
-                await asyncio.sleep(0.005)
+                self.slots_freed.clear()
+                await self.slots_freed.wait()
                 continue
-            grant = await self.transport.request_work(free, timeout_s=1.0)
-            if grant is None:
-                continue
-            if grant.latest_weights is not None:
-                self.note_announcement(grant.latest_weights)
-            for group in grant.groups:
+            for group in await self.transport.request_work(free, timeout_s=1.0):
                 if group.group_id in self.outstanding:
                     continue  # redelivered to us while we work on it (at-least-once): one copy is enough
                 self.inflight_samples += group.n
                 self.outstanding[group.group_id] = group
-                asyncio.create_task(self.guard(self.run_group(group)))
+                self.spawn(self.guard(self.run_group(group)))
 
     async def guard(self, coro) -> None:
         """A failing group must stop the actor loudly, not vanish in a detached task."""
@@ -106,7 +116,7 @@ class Actor:
         samples = [to_sample(c, r, group.sampling) for c, r in zip(completions, rewards)]
         await self.transport.send_rollout(RolloutGroup(
             group_id=group.group_id, prompt_id=group.prompt_id, actor_id=self.cfg.id,
-            prompt_tokens=group.prompt_tokens, samples=samples, is_eval=group.is_eval,
+            prompt_tokens=group.prompt_tokens, samples=samples, eval_version=group.eval_version,
             gen_seconds=time.perf_counter() - start, queue_seconds=start - queued))
         self.stats["groups"] += 1
         injected = sum(end - start for c in completions for start, end in c.injected_spans)
@@ -114,24 +124,24 @@ class Actor:
         self.stats["interrupted_samples"] += sum(bool(c.injected_spans) for c in completions)
         self.inflight_samples -= group.n
         del self.outstanding[group.group_id]
+        self.slots_freed.set()
 
     # ---- weights -------------------------------------------------------------------------------
 
     async def catch_up(self) -> None:
-        """A joining or restarted actor loads the newest announced weights before it says hello."""
-        update = await self.transport.latest_weights(timeout_s=CATCH_UP_TIMEOUT_S)
-        if update is None or self.is_loaded(update):
-            return
+        """A joining or restarted actor loads the current weights before it says hello."""
         try:
-            path = await asyncio.to_thread(verify_weight_file, update)
-            paused_s = await self.engine.load_weights(str(path), update.version)
-        except Exception as err:  # pruned meanwhile: the groups' min_version makes us load a newer one
-            log.warning("could not catch up to weights v%d (%s); continuing", update.version, err)
+            msg = await asyncio.wait_for(self.transport.next_announcement(), CATCH_UP_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("heard no weights within %.0f s; starting with the model's own", CATCH_UP_TIMEOUT_S)
             return
-        self.latest = update
-        self.loaded_incarnation = update.incarnation
-        self.stats["weight_updates"] += 1
-        log.info("caught up to weights v%d before taking work (%.3f s)", update.version, paused_s)
+        if isinstance(msg, Shutdown):
+            self.stop_reason = msg.reason
+            self.stop.set()
+            return
+        self.note_announcement(msg)
+        if await self.load_newest(tolerate=True):
+            log.info("caught up to weights v%d before taking work", self.engine.version)
 
     def note_announcement(self, update: WeightUpdate) -> None:
         if self.latest is None or update.version > self.latest.version or update.incarnation != self.latest.incarnation:
@@ -147,37 +157,42 @@ class Actor:
         async with self.version_changed:
             await self.version_changed.wait_for(lambda: self.engine.version >= min_version)
 
-    async def watch_weights(self) -> None:
+    async def apply_newest(self) -> None:
         """Apply the newest announcement heard; a slow load never queues stale versions."""
         while True:
             await self.swap_wanted.wait()
-            self.swap_wanted.clear()
-            update = self.latest
-            if update is None or self.is_loaded(update):
-                continue
-            try:
-                path = await asyncio.to_thread(verify_weight_file, update)
-                paused_s = await self.engine.load_weights(str(path), update.version)
-            except Exception as err:  # a pruned or damaged file: a newer version will come
-                self.stats["weight_load_failures"] += 1
-                self.stats["weight_load_failures_in_a_row"] += 1
-                log.warning("could not load weights v%d (%s); waiting for the next announcement",
-                            update.version, err)
-                if self.stats["weight_load_failures_in_a_row"] >= MAX_WEIGHT_LOAD_FAILURES:
-                    raise RuntimeError(f"{MAX_WEIGHT_LOAD_FAILURES} weight loads failed; last: {err}") from err
-                continue
-            self.loaded_incarnation = update.incarnation
-            self.stats["weight_updates"] += 1
-            self.stats["weight_load_failures_in_a_row"] = 0
-            self.last_swap_paused_s = paused_s
-            log.info("weights v%d loaded in flight (engine paused %.3f s, %d samples in flight)",
-                     update.version, paused_s, self.inflight_samples)
-            async with self.version_changed:
-                self.version_changed.notify_all()
+            await self.load_newest(tolerate=False)
+
+    async def load_newest(self, tolerate: bool) -> bool:
+        """Load the newest announced weights unless they run already; True when loaded. A failed
+        load (a pruned or damaged file) waits for the next version; MAX_WEIGHT_LOAD_FAILURES in a row
+        stop the actor unless `tolerate` (catching up: the groups' min_version makes us load later)."""
+        self.swap_wanted.clear()
+        update = self.latest
+        if update is None or self.is_loaded(update):
+            return False
+        try:
+            paused_s = await self.receiver.apply(update, self.engine)
+        except Exception as err:
+            log.warning("could not load weights v%d (%s); waiting for the next announcement", update.version, err)
+            self.stats["weight_load_failures"] += 1
+            self.stats["weight_load_failures_in_a_row"] += 1
+            if not tolerate and self.stats["weight_load_failures_in_a_row"] >= MAX_WEIGHT_LOAD_FAILURES:
+                raise RuntimeError(f"{MAX_WEIGHT_LOAD_FAILURES} weight loads failed; last: {err}") from err
+            return False
+        self.loaded_incarnation = update.incarnation
+        self.stats["weight_updates"] += 1
+        self.stats["weight_load_failures_in_a_row"] = 0
+        self.last_swap_paused_s = paused_s
+        log.info("weights v%d loaded (engine paused %.3f s, %d samples in flight)",
+                 update.version, paused_s, self.inflight_samples)
+        async with self.version_changed:
+            self.version_changed.notify_all()
+        return True
 
     async def listen(self) -> None:
         while True:
-            msg = await self.transport.next_weight_update()
+            msg = await self.transport.next_announcement()
             if isinstance(msg, Shutdown):
                 self.stop_reason = msg.reason
                 self.stop.set()
@@ -194,13 +209,9 @@ class Actor:
             await self.send_heartbeat()
 
     async def send_heartbeat(self, hello: bool = False) -> None:
+        if self._engine_info is None:
+            self._engine_info = self.engine.info()
         await self.transport.heartbeat(Heartbeat(
-            actor_id=self.cfg.id, version=self.engine.version, engine=self.engine_info,
+            actor_id=self.cfg.id, version=self.engine.version, engine=self._engine_info,
             outstanding=list(self.outstanding), num_generated_tokens=self.stats["tokens"],
             weight_swap_paused_s=self.last_swap_paused_s, hello=hello))
-
-    @property
-    def engine_info(self) -> dict[str, str]:
-        if not hasattr(self, "_engine_info"):
-            self._engine_info = self.engine.info()
-        return self._engine_info

@@ -1,4 +1,4 @@
-"""`tidal actor --config FILE [key=value ...]`: one vLLM engine serving one learner."""
+"""`tidal actor CONFIG [key=value ...]`: one vLLM engine serving one learner."""
 from __future__ import annotations
 
 import asyncio
@@ -11,21 +11,25 @@ log = logging.getLogger("tidal.actor")
 
 
 async def serve(cfg: RunConfig) -> str:
+    """`cfg` is resolved (tidal.config.resolve): model path, actor id and index are set."""
     from tidal.actor.engine import Engine
     from tidal.actor.loop import Actor
     from tidal.broker.factory import actor_transport
+    from tidal.broker.weights import build_receiver
     from tidal.tasks import get_reward
-    from tidal.tiny import resolve_model_path
 
-    cfg.model.path = resolve_model_path(cfg.model, cfg.task)
-    index = int(cfg.actor.id.rsplit("-", 1)[-1]) if cfg.actor.id.rsplit("-", 1)[-1].isdigit() else 0
     transport = actor_transport(cfg.broker, cfg.actor.id, cfg.name)
-    engine = Engine(cfg.actor, cfg.model.path, cfg.model.dtype, seed=cfg.actor.seed + index)
+    engine = Engine(cfg.actor, cfg.model.path, cfg.model.dtype)
     await engine.set_version(0)
-    actor = Actor(cfg.actor, engine, transport, {cfg.task.name: get_reward(cfg.task.name)})
+    actor = Actor(cfg.actor, engine, transport, build_receiver(cfg.weights), {cfg.task.name: get_reward(cfg.task.name)})
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        actor.stop_reason = f"signal {sig.name}"
+        actor.stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda s=sig: (setattr(actor, "stop_reason", f"signal {s.name}"), actor.stop.set()))
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         reason = await actor.run()
     finally:
@@ -37,7 +41,9 @@ async def serve(cfg: RunConfig) -> str:
 
 
 def main(cfg: RunConfig) -> int:
-    if not cfg.actor.id:
-        cfg.actor.id = "actor-0"
+    from tidal.config import resolve
+    from tidal.models import resolve_model_path
+
+    cfg = resolve(cfg, model_path=resolve_model_path(cfg.model, cfg.task), actor=True)  # actors never build
     asyncio.run(serve(cfg))
     return 0

@@ -1,23 +1,17 @@
-"""Runs inside vLLM's worker process: loads an announced safetensors weight file in place.
+"""Runs inside vLLM's worker processes: the entry point for a weight update.
 
-Tensors cannot travel through `collective_rpc` in multiprocess mode, so the learner writes a
-file and the actor sends only its path; the layer-wise reload path is the one that works on
-the CPU backend (its linear layers are repacked, so plain `load_weights` fails there).
+Tensors cannot travel through `collective_rpc` in multiprocess mode (they do not pickle), so
+each weight channel sends only what its worker side needs (a file path, an address) and loads
+the tensors itself, through the layer-wise reload that works on every backend.
 """
 from __future__ import annotations
 
-import time
 
-
-class WeightReceiver:
+class TidalWorker:
     """Mixed into vLLM's worker class via `worker_extension_cls`."""
 
-    def tidal_load_weight_file(self, path: str) -> float:
-        """Reload every tensor of the safetensors file at `path`; returns seconds spent."""
-        from safetensors import safe_open
+    def tidal_load_weights(self, transport: str, payload) -> float:
+        """Load one version by the named weight channel's means; returns seconds spent."""
+        from tidal.broker.weights import load_in_worker
 
-        start = time.perf_counter()
-        with safe_open(path, framework="pt") as f:
-            weights = [(name, f.get_tensor(name)) for name in f.keys()]
-        self.reload_weights(weights_iterator=weights)
-        return time.perf_counter() - start
+        return load_in_worker(self, transport, payload)

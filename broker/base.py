@@ -2,7 +2,8 @@
 
 The learner side is synchronous and thread-safe (the coordinator thread submits prompts, the
 training loop takes rollouts and publishes weights); the actor side is asyncio, because the
-actor runs vLLM's AsyncLLM. Implementations: zmq (embedded default) and redis (durable).
+actor runs vLLM's AsyncLLM. Implementations: zmq (embedded default), redis (durable) and
+inproc (both sides in one process, for tests and notebooks).
 
 Delivery is at-least-once on both: a consumer that dies before acknowledging gets its work
 redelivered, so every consumer of the learner side deduplicates by group id.
@@ -13,7 +14,7 @@ import abc
 import time
 from dataclasses import dataclass, field
 
-from tidal.broker.schema import Heartbeat, PromptGroup, RolloutGroup, WeightUpdate, WorkGrant
+from tidal.broker.schema import Heartbeat, PromptGroup, RolloutGroup, Shutdown, WeightUpdate
 
 
 @dataclass
@@ -93,23 +94,21 @@ class LearnerTransport(abc.ABC):
 
 
 class ActorTransport(abc.ABC):
-    """Actor side (asyncio): ask for work, publish rollouts, hear about weights."""
+    """Actor side (asyncio): ask for work, publish rollouts, hear announcements."""
 
     @abc.abstractmethod
-    async def request_work(self, max_samples: int, timeout_s: float) -> WorkGrant | None:
-        """Ask for up to max_samples samples' worth of prompt groups; None if nothing came in time."""
+    async def request_work(self, max_samples: int, timeout_s: float) -> list[PromptGroup]:
+        """Prompt groups whose samples fit in max_samples; empty if none came within timeout_s."""
 
     @abc.abstractmethod
     async def send_rollout(self, group: RolloutGroup) -> None:
         """Publish a finished group; this also acknowledges its prompt."""
 
     @abc.abstractmethod
-    async def latest_weights(self, timeout_s: float) -> WeightUpdate | None:
-        """The newest announced weights (None if none yet): a joining actor loads them before working."""
-
-    @abc.abstractmethod
-    async def next_weight_update(self) -> WeightUpdate:
-        """Wait for the next announcement (announcements are never queued up: the newest wins)."""
+    async def next_announcement(self) -> WeightUpdate | Shutdown:
+        """The one way an actor hears of new weights and of the run's end. The first call returns
+        the current weights (a joining actor loads them before it works); later calls return what
+        was announced since, the newest first (announcements are never queued up)."""
 
     @abc.abstractmethod
     async def heartbeat(self, beat: Heartbeat) -> None: ...

@@ -33,8 +33,7 @@ import redis.asyncio
 from redis.exceptions import ResponseError
 
 from tidal.broker.base import ActorInfo, ActorJoin, ActorTransport, LearnerTransport, common_metrics
-from tidal.broker.schema import (Heartbeat, PromptGroup, RolloutGroup, Shutdown, WeightUpdate, WireCodec,
-                                 WireError, WorkGrant)
+from tidal.broker.schema import Heartbeat, PromptGroup, RolloutGroup, Shutdown, WeightUpdate, WireCodec, WireError
 from tidal.config import RedisConfig, redact_url
 
 log = logging.getLogger(__name__)
@@ -382,21 +381,21 @@ class RedisActorTransport(ActorTransport):
         self.r = redis.asyncio.Redis.from_url(cfg.url, **client_kwargs(cfg, cfg.block_ms))
         self._entries: dict[str, bytes] = {}  # group id -> prompt entry id, until its rollout is sent
         self._pending_cursor: bytes | None = b"0"  # a restarted actor first takes back its own prompts
-        self._weights_cursor = b"$"
+        self._weights_cursor: bytes | None = None  # None until the first announcement is read
         self._next_claim = 0.0
         self._claim_cursor: bytes | str = "0-0"
         self._largest_n: int | None = None  # largest group seen: how many entries fit the free slots
 
-    async def request_work(self, max_samples: int, timeout_s: float) -> WorkGrant | None:
+    async def request_work(self, max_samples: int, timeout_s: float) -> list[PromptGroup]:
         """Own pending prompts first (after a restart), then idle ones of silent actors, then new
         ones while they fit: the first read blocks up to timeout_s, the rest do not."""
         taken = await self._own_pending() or await self._claim_idle()
         if taken:
-            return WorkGrant(groups=await self._accept(taken))
+            return await self._accept(taken)
         groups, budget, block_ms = [], max_samples, int(timeout_s * 1000)
         if budget < (self._largest_n or 1):  # no group fits yet: yield, or the caller's loop spins
             await asyncio.sleep(min(timeout_s, 0.01))
-            return None
+            return []
         while budget >= (self._largest_n or 1):
             count = max(1, budget // self._largest_n) if self._largest_n else 1
             entries = await self._read_new(count, None if groups else block_ms)
@@ -405,7 +404,7 @@ class RedisActorTransport(ActorTransport):
             new = await self._accept(entries)
             groups += new
             budget -= sum(g.n for g in new)
-        return WorkGrant(groups=groups) if groups else None
+        return groups
 
     async def _accept(self, entries: list) -> list[PromptGroup]:
         groups = []
@@ -514,17 +513,11 @@ class RedisActorTransport(ActorTransport):
             await pipe.execute()
         await self.link.acall(publish)
 
-    async def latest_weights(self, timeout_s: float) -> WeightUpdate | None:
-        entries = await self.link.acall(self.r.xrevrange, self.keys.weights, "+", "-", count=WEIGHTS_KEPT)
-        self._weights_cursor = entries[0][0] if entries else b"0"
-        for _, fields in entries:
-            try:
-                return self.codec.decode(fields.get(b"m", b""), expect=WeightUpdate)
-            except WireError:
-                continue  # a Shutdown of an earlier incarnation, or junk
-        return None
-
-    async def next_weight_update(self) -> WeightUpdate | Shutdown:
+    async def next_announcement(self) -> WeightUpdate | Shutdown:
+        if self._weights_cursor is None:
+            current = await self._current_weights()
+            if current is not None:
+                return current
         while True:
             reply = await self.link.acall(self.r.xread, {self.keys.weights: self._weights_cursor},
                                           count=WEIGHTS_KEPT, block=self.cfg.block_ms)
@@ -537,6 +530,17 @@ class RedisActorTransport(ActorTransport):
                     return self.codec.decode(fields.get(b"m", b""), expect=(WeightUpdate, Shutdown))
                 except WireError as err:
                     log.warning("rejected a frame on the weight stream: %s", err)
+
+    async def _current_weights(self) -> WeightUpdate | None:
+        """The newest weights in the stream (a Shutdown left by an earlier learner process is history)."""
+        entries = await self.link.acall(self.r.xrevrange, self.keys.weights, "+", "-", count=WEIGHTS_KEPT)
+        self._weights_cursor = entries[0][0] if entries else b"0"
+        for _, fields in entries:
+            try:
+                return self.codec.decode(fields.get(b"m", b""), expect=WeightUpdate)
+            except WireError:
+                continue
+        return None
 
     async def heartbeat(self, beat: Heartbeat) -> None:
         await self.link.acall(self.r.xadd, self.keys.heartbeats, {"m": self.codec.encode(beat)},

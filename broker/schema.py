@@ -8,12 +8,11 @@ frames with a `WireError` that names the problem, and counts each rejection by r
 from __future__ import annotations
 
 from collections import Counter
-from typing import Union
 
 import msgspec
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: eval groups carry eval_version; grants no longer carry weights
 
 
 class WireError(ValueError):
@@ -36,6 +35,11 @@ class Array(msgspec.Struct, frozen=True):
         arr = np.ascontiguousarray(arr)
         le = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
         return cls(le.dtype.str.lstrip("<|"), tuple(arr.shape), le.tobytes())
+
+    @property
+    def num_elements(self) -> int:
+        """Elements the bytes hold (checked against the shape by `numpy`)."""
+        return len(self.data) // np.dtype("<" + self.dtype).itemsize
 
     def numpy(self, expect: str, field: str) -> np.ndarray:
         """Decode, checking the dtype is `expect` (e.g. 'i4') and the byte count fits the shape."""
@@ -110,7 +114,11 @@ class PromptGroup(Message, tag="prompt_group"):
     n: int  # samples to generate
     sampling: SamplingParams
     min_version: int  # start only once the actor runs weights of at least this version
-    is_eval: bool = False  # eval groups are scored and aggregated, never trained on
+    eval_version: int | None = None  # set on eval groups: the policy version being evaluated (never trained on)
+
+    @property
+    def is_eval(self) -> bool:
+        return self.eval_version is not None
 
     def check(self) -> None:
         tokens = self.prompt_tokens.numpy("i4", "prompt_tokens")
@@ -136,7 +144,7 @@ class Sample(msgspec.Struct, kw_only=True):
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens.data) // 4  # int32 tokens
+        return self.tokens.num_elements
 
     @property
     def task_reward(self) -> float:
@@ -171,9 +179,17 @@ class RolloutGroup(Message, tag="rollout_group"):
     actor_id: str
     prompt_tokens: Array  # int32 [prompt_len]
     samples: list[Sample]
-    is_eval: bool = False
+    eval_version: int | None = None  # copied from the PromptGroup: the policy version being evaluated
     gen_seconds: float = 0.0  # wall time from the first request to the last sample
     queue_seconds: float = 0.0  # wall time the group waited at the actor before starting
+
+    @property
+    def is_eval(self) -> bool:
+        return self.eval_version is not None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.prompt_tokens.num_elements
 
     def check(self) -> None:
         self.prompt_tokens.numpy("i4", "prompt_tokens")
@@ -247,14 +263,13 @@ class WorkRequest(Message, tag="work_request"):
 
 class WorkGrant(Message, tag="work_grant"):
     groups: list[PromptGroup]
-    latest_weights: WeightUpdate | None = None  # so a late joiner catches up before working
 
 
 class Shutdown(Message, tag="shutdown"):
     reason: str
 
 
-AnyMessage = Union[PromptGroup, RolloutGroup, WeightUpdate, Heartbeat, WorkRequest, WorkGrant, Shutdown]
+AnyMessage = PromptGroup | RolloutGroup | WeightUpdate | Heartbeat | WorkRequest | WorkGrant | Shutdown
 
 
 class _Header(msgspec.Struct):

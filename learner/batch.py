@@ -19,7 +19,6 @@ import torch
 from tidal.broker.schema import RolloutGroup
 from tidal.config import AdvantageNorm, Aggregation
 
-
 Reduce = Callable[[np.ndarray], np.ndarray]  # sums a float64 vector over all ranks (identity on one rank)
 
 
@@ -95,7 +94,7 @@ def assign_groups(groups: list[RolloutGroup], num_minibatches: int, world_size: 
     whatever the number of ranks; inside a mini-batch, groups go to the least-loaded rank (by
     tokens, longest first), the same answer on every rank.
     """
-    tokens = [sum(len(g.prompt_tokens.data) // 4 + s.num_tokens for s in g.samples) for g in groups]
+    tokens = [sum(g.num_prompt_tokens + s.num_tokens for s in g.samples) for g in groups]
     plan = []
     for part in np.array_split(np.arange(len(groups)), num_minibatches):
         load, mine = [0] * world_size, []

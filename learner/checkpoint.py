@@ -22,11 +22,10 @@ def read_state(path: Path) -> dict:
 
 
 class Checkpointer:
-    def __init__(self, cfg: CheckpointConfig, directory: Path, accelerator, run_id: str):
+    def __init__(self, cfg: CheckpointConfig, directory: Path, accelerator):
         self.cfg = cfg
         self.directory = directory
         self.accelerator = accelerator
-        self.run_id = run_id
 
     @property
     def periodic(self) -> bool:
@@ -36,6 +35,7 @@ class Checkpointer:
         return self.periodic and version % self.cfg.every == 0
 
     def save(self, version: int, state: dict) -> Path:
+        """All ranks save together; rank 0 writes tidal's `state` (JSON) last, marking the save complete."""
         path = self.directory / f"step-{version:06d}"
         if self.accelerator.is_main_process:  # saved again (the final save): unfinished until rewritten
             (path / STATE_FILE).unlink(missing_ok=True)
@@ -43,7 +43,7 @@ class Checkpointer:
         self.accelerator.save_state(str(path))
         if self.accelerator.is_main_process:
             tmp = path / (STATE_FILE + ".tmp")
-            tmp.write_text(json.dumps({"version": version, "mlflow_run_id": self.run_id, **state}))
+            tmp.write_text(json.dumps({"version": version, **state}))
             tmp.replace(path / STATE_FILE)
             for old in sorted(self.directory.glob("step-*"))[:-max(self.cfg.keep, 1)]:
                 shutil.rmtree(old, ignore_errors=True)

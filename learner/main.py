@@ -1,11 +1,9 @@
-"""`tidal learner --config FILE [key=value ...]`: the coordinator and the training loop."""
+"""`tidal learner CONFIG [key=value ...]`: the coordinator and the training loop."""
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
 import time
@@ -13,60 +11,73 @@ import uuid
 from functools import partial
 from pathlib import Path
 
-from tidal.config import RunConfig, run_directory
+from tidal.config import RunConfig
 
 log = logging.getLogger("tidal.learner")
 
 
-def build(cfg: RunConfig, run_dir: Path, checkpoint: Path | None = None):
-    """Every part of the learner; with `checkpoint`, restored to continue from it."""
+def setup_trainer(cfg: RunConfig):
+    """What every learner rank builds alike: the accelerator, the trainer around the policy, the
+    checkpointer (saving is collective). Returns (accelerator, trainer, checkpointer)."""
     import torch
     from accelerate import Accelerator
-    from transformers import AutoTokenizer
 
-    from tidal.broker.factory import learner_transport
-    from tidal.broker.weights import FileWeightChannel
-    from tidal.learner.checkpoint import Checkpointer, read_state
-    from tidal.learner.coordinator import Coordinator
-    from tidal.learner.ledger import Ledger
-    from tidal.learner.loop import Learner
-    from tidal.learner.ranks import BatchBroadcast
-    from tidal.learner.tracking import Tracker
+    from tidal.learner.checkpoint import Checkpointer
     from tidal.learner.trainer import Trainer, load_policy
-    from tidal.learner.warmstart import ensure_model
-    from tidal.tasks import encode_prompt, get_task
 
-    cfg.model.path = ensure_model(cfg.model, cfg.task, progress=log.info)  # builds the tiny model if missing
     torch.set_num_threads(cfg.learner.torch_threads)
     torch.manual_seed(cfg.learner.seed)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    trainer = Trainer(cfg.learner, load_policy(cfg.model.path, cfg.model.dtype), accelerator, cfg.sampling.temperature)
+    checkpointer = Checkpointer(cfg.checkpoint, Path(cfg.run_dir) / "checkpoints", accelerator)
+    return accelerator, trainer, checkpointer
+
+
+def build(cfg: RunConfig, checkpoint: Path | None = None, transport=None):
+    """Every part of rank 0's learner; with `checkpoint`, restored to continue from it. `transport`
+    replaces the one `broker.type` names (the in-process one, with actors in this process)."""
+    from transformers import AutoTokenizer
+
+    from tidal.broker.factory import learner_transport
+    from tidal.broker.weights import build_publisher
+    from tidal.learner.admission import Admission
+    from tidal.learner.checkpoint import read_state
+    from tidal.learner.coordinator import Coordinator
+    from tidal.learner.groups import GroupBook
+    from tidal.learner.ledger import Ledger
+    from tidal.learner.loop import Learner, LearnerParts
+    from tidal.learner.ranks import BatchBroadcast
+    from tidal.learner.tracking import Tracker
+    from tidal.tasks import encode_prompt, get_task
+
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    state = read_state(checkpoint) if checkpoint else None
+    accelerator, trainer, checkpointer = setup_trainer(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     split = get_task(cfg.task.name).load_prompts(cfg.task)
-    state = read_state(checkpoint) if checkpoint else None
-    transport = learner_transport(cfg.broker, cfg.name, fresh=state is None)
-    plan = dispatch_plan(cfg, tokenizer, run_dir)
+    transport = transport or learner_transport(cfg.broker, cfg.name, fresh=state is None)
+    plan = dispatch_plan(cfg, tokenizer)
     plan.sampling.check()  # the interruption text's token count is known only now: does it fit max_tokens?
-    ledger = Ledger(run_dir / "ledger.jsonl", truncate_to=state["coordinator"]["ledger_offset"] if state else 0)
-    coordinator = Coordinator(plan, split.train, split.val, partial(encode_prompt, tokenizer), transport, ledger,
+    ledger_offset = state["coordinator"]["ledger_offset"] if state else 0  # the ledger describes the live lineage
+    book = GroupBook(Ledger(run_dir / "ledger.jsonl", truncate_to=ledger_offset))
+    coordinator = Coordinator(plan, split.train, split.val, partial(encode_prompt, tokenizer), transport, book,
                               cfg.curriculum)
-    trainer = Trainer(cfg.learner, load_policy(cfg.model.path, cfg.model.dtype), accelerator, cfg.sampling.temperature)
     tracker = Tracker(cfg.tracking, run_dir, cfg.name, resume_run_id=state["mlflow_run_id"] if state else None)
-    # one folder per run directory, so two runs never share (or prune) each other's files
-    run_key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]
-    weights_dir = cfg.learner.weights_dir or f"/dev/shm/tidal-{cfg.name}-{run_dir.name}-{run_key}"
-    channel = FileWeightChannel(weights_dir, keep=cfg.learner.keep_weight_files, incarnation=uuid.uuid4().hex[:12])
-    checkpointer = Checkpointer(cfg.checkpoint, run_dir / "checkpoints", accelerator, tracker.run_id)
-    learner = Learner(cfg.learner, cfg.staleness, cfg.eval, trainer, coordinator, transport, channel, tracker,
-                      checkpointer)
-    learner.ranks = BatchBroadcast(accelerator)
+    parts = LearnerParts(
+        trainer=trainer, coordinator=coordinator, book=book, transport=transport, tracker=tracker,
+        admission=Admission(cfg.staleness, cfg.learner.zero_variance_filter, book, coordinator.on_rewards),
+        publisher=build_publisher(cfg.weights, uuid.uuid4().hex[:12], cfg.name, cfg.run_dir),
+        checkpointer=checkpointer, ranks=BatchBroadcast(accelerator))
+    learner = Learner(cfg.learner, cfg.eval, parts)
     if state is None:
         tracker.log_config(cfg)
     else:
         restore(learner, checkpointer.load(checkpoint), cfg)
-    return learner, transport, tracker
+    return learner
 
 
-def dispatch_plan(cfg: RunConfig, tokenizer, run_dir: Path):
+def dispatch_plan(cfg: RunConfig, tokenizer):
     """How the coordinator turns prompts into groups; length control travels in each group's
     SamplingParams, and eval groups get no overlong penalty (nor interruptions unless asked)."""
     from tidal.broker.schema import InterruptParams, SamplingParams
@@ -79,7 +90,7 @@ def dispatch_plan(cfg: RunConfig, tokenizer, run_dir: Path):
                                 it.answer_tokens) if it.enabled else None
     overlong = cfg.sampling.overlong.buffer_tokens if cfg.sampling.overlong.enabled else 0
     return DispatchPlan(
-        run_id=f"{cfg.name}-{run_dir.name}", task=cfg.task.name, n=cfg.sampling.n,
+        run_id=f"{cfg.name}-{Path(cfg.run_dir).name}", task=cfg.task.name, n=cfg.sampling.n,
         sampling=SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_tokens, stop_ids,
                                 interrupt, overlong),
         eval_n=cfg.eval.n, eval_sampling=SamplingParams(cfg.eval.temperature, 1.0, cfg.sampling.max_tokens, stop_ids,
@@ -88,9 +99,8 @@ def dispatch_plan(cfg: RunConfig, tokenizer, run_dir: Path):
 
 
 def restore(learner, state: dict, cfg: RunConfig) -> None:
-    learner.coordinator.load_state_dict(state["coordinator"])
     learner.restore(state)
-    learner.tracker.log_resumed_config(cfg, state["version"])
+    learner.parts.tracker.log_resumed_config(cfg, state["version"])
     # On ZeroMQ what was in flight died with the old processes. On Redis it is usually still
     # queued, but groups released just before the crash may never have reached it: send them all
     # again, and the learner keeps whichever copy comes first.
@@ -126,7 +136,15 @@ def find_checkpoint(run_dir: Path, resume: str | None) -> Path | None:
 
 
 def main(cfg: RunConfig, resume: str | None = None) -> int:
-    run_dir = run_directory(cfg)
+    from tidal.config import resolve
+    from tidal.learner.warmstart import build_tiny
+    from tidal.models import resolve_model_path
+
+    rank = int(os.environ.get("RANK", "0"))
+    # rank 0 builds the tiny model if it is missing; under torchrun the others find it (the launcher built it)
+    builder = partial(build_tiny, progress=log.info) if rank == 0 else None
+    cfg = resolve(cfg, model_path=resolve_model_path(cfg.model, cfg.task, builder))
+    run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
@@ -134,11 +152,17 @@ def main(cfg: RunConfig, resume: str | None = None) -> int:
     except FileNotFoundError as err:
         print(f"tidal learner: {err}", file=sys.stderr)
         return 2
-    if int(os.environ.get("RANK", "0")) > 0:  # under torchrun: only rank 0 talks to actors and MLflow
+    if rank > 0:  # under torchrun: only rank 0 talks to actors and MLflow
         from tidal.learner.ranks import follow
 
-        return follow(cfg, run_dir, checkpoint)
-    learner, transport, tracker = build(cfg, run_dir, checkpoint)
+        return follow(cfg, checkpoint)
+    learner = build(cfg, checkpoint)
+    return serve(learner, run_dir)
+
+
+def serve(learner, run_dir: Path) -> int:
+    """Run rank 0's loop; the MLflow run ends FINISHED, KILLED or FAILED accordingly."""
+    transport, tracker = learner.transport, learner.parts.tracker
     write_endpoints(run_dir, transport.ports)
     try:
         summary = learner.run()
@@ -153,9 +177,8 @@ def main(cfg: RunConfig, resume: str | None = None) -> int:
         raise
     finally:
         transport.close()
-        learner.coordinator.ledger.close()
-        if not cfg.learner.weights_dir:  # the default folder lives in /dev/shm: give the memory back
-            shutil.rmtree(learner.channel.directory, ignore_errors=True)
+        learner.book.ledger.close()
+        learner.parts.publisher.close()
     tracker.finish(summary)
     log.info("val pass rate: %s -> %s", summary["val_pass_rate_initial"], summary["val_pass_rate_final"])
     return 0

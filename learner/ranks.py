@@ -64,21 +64,11 @@ class BatchBroadcast:
         return buf.numpy().tobytes()
 
 
-def follow(cfg: RunConfig, run_dir: Path, checkpoint: Path | None) -> int:
+def follow(cfg: RunConfig, checkpoint: Path | None) -> int:
     """A rank other than 0: the same trainer and checkpoints, batches from rank 0, nothing else."""
-    import torch
-    from accelerate import Accelerator
+    from tidal.learner.main import setup_trainer
 
-    from tidal.learner.checkpoint import Checkpointer
-    from tidal.learner.trainer import Trainer, load_policy
-    from tidal.tiny import resolve_model_path
-
-    torch.set_num_threads(cfg.learner.torch_threads)
-    torch.manual_seed(cfg.learner.seed)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    policy = load_policy(resolve_model_path(cfg.model, cfg.task), cfg.model.dtype)
-    trainer = Trainer(cfg.learner, policy, accelerator, cfg.sampling.temperature)
-    checkpointer = Checkpointer(cfg.checkpoint, run_dir / "checkpoints", accelerator, run_id="")
+    accelerator, trainer, checkpointer = setup_trainer(cfg)
     version = checkpointer.load(checkpoint)["version"] if checkpoint else 0
     ranks = BatchBroadcast(accelerator)
     log.info("rank %d of %d follows rank 0 from version %d", ranks.rank, ranks.world, version)

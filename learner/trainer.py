@@ -18,8 +18,16 @@ import torch
 from tidal.broker.schema import RolloutGroup
 from tidal.config import LearnerConfig, LossType, LrScaling
 from tidal.kernels import logprobs as fused_logprobs
-from tidal.learner.batch import (MicroBatch, Row, aggregation_weights, assign_groups, build_rows, collate,
-                                 group_advantages, micro_batches)
+from tidal.learner.batch import (
+    MicroBatch,
+    Row,
+    aggregation_weights,
+    assign_groups,
+    build_rows,
+    collate,
+    group_advantages,
+    micro_batches,
+)
 from tidal.learner.loss import LossInputs, policy_loss
 
 

@@ -5,39 +5,34 @@ Trains on the task's training split (never the held-out one) until greedy decodi
 the teacher is sloppy about stopping: that fraction of its answers carry one or two stray
 characters before <eos>. The model learns the arithmetic (greedy decoding is right) but often
 fails the exact-match reward when sampling, like a pretrained model that knows answers but
-not the output format; RL has to teach it to stop, a gain that shows within minutes on CPU. The result is cached under `model.cache_dir/<hash of everything that shapes it>`.
+not the output format; RL has to teach it to stop, a gain that shows within minutes on CPU. The
+result is cached under `model.cache_dir/<hash of everything that shapes it>`.
 """
 from __future__ import annotations
 
 import logging
 import random
 import time
+from pathlib import Path
 
 import torch
 
 from tidal.config import ModelConfig, TaskConfig, WarmStartConfig
 from tidal.kernels import logprobs as fused_logprobs
 from tidal.tasks import Prompt, encode_prompt, get_task
-from tidal.tiny import build_tiny_model, cached_model_path, resolve_model_path, save_model
+from tidal.tiny import build_tiny_model, save_model
 
 log = logging.getLogger(__name__)
 
 
-def ensure_model(model: ModelConfig, task: TaskConfig, progress=print) -> str:
-    """The model directory to serve and train: model.path, or the cached (or new) tiny model."""
-    if model.path:
-        return resolve_model_path(model, task)
+def build_tiny(model: ModelConfig, task: TaskConfig, path: Path, progress=print) -> None:
+    """Build the tiny model, warm-start it on the task's training split and save it at `path`."""
     task_mod = get_task(task.name)
-    path = cached_model_path(model, task)
-    if (path / "config.json").is_file():
-        progress(f"warm-started model found in cache: {path}")
-        return str(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    progress(f"building the warm-started tiny model at {path}")
     split = task_mod.load_prompts(task)
     net, tokenizer = build_tiny_model(model.tiny, task_mod.ALPHABET, model.tiny.warmstart.seed)
     warm_start(net, tokenizer, split.train, split.val, task_mod.reward, model.tiny.warmstart, progress)
     save_model(net, tokenizer, path)
-    return str(path)
 
 
 def warm_start(net, tokenizer, train: list[Prompt], val: list[Prompt], reward, cfg: WarmStartConfig, progress) -> float:

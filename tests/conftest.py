@@ -1,24 +1,237 @@
-"""Shared test set-up. Triton runs in its interpreter on machines without CUDA; the variable
-must be set before anything imports triton (vLLM does), so it is set here, first."""
+"""Shared test set-up and helpers for every tier.
+
+    tests/unit         fast, no vLLM, no redis-server (`make test-unit`)
+    tests/integration  real vLLM engines, redis-server, MLflow stores, torchrun processes
+    tests/fault        real processes killed and restarted mid-run
+    tests/gpu          CUDA only; skipped elsewhere
+
+Each test gets its tier's marker from its folder. Triton runs in its interpreter on machines
+without CUDA; the variable must be set before anything imports triton (vLLM does), so it is set
+here, first.
+"""
+from __future__ import annotations
+
 import os
 import shutil
+from pathlib import Path
 
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import math  # noqa: E402
+
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tidal.broker.schema import PromptGroup, RolloutGroup, Sample, SamplingParams, float32s, int32s  # noqa: E402
+from tidal.config import Aggregation, LearnerConfig, LossConfig, LossType, OptimConfig, TinyModelConfig  # noqa: E402
+from tidal.kernels import logprobs  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TIERS = {"integration": "integration", "fault": "fault", "gpu": "gpu"}  # folder -> marker
 
 
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        tier = Path(item.fspath).resolve().relative_to(ROOT / "tests").parts[0]
+        if tier in TIERS:
+            item.add_marker(TIERS[tier])
+        if skip_gpu is not None and "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
 
+
+# ---- wire messages -------------------------------------------------------------------------------
+
+def prompt_group(i: int, n: int = 4, eval_version: int | None = None) -> PromptGroup:
+    return PromptGroup(run_id="r", group_id=f"r-{i}", prompt_id=i, prompt_tokens=int32s([1, 2]), task="arithmetic",
+                       payload={"answer": "3"}, n=n, sampling=SamplingParams(), min_version=0,
+                       eval_version=eval_version)
+
+
+def rollout(tokens=(3, 4, 1), logprobs=(-0.5, -1.0, -0.1), spans=((0, 0, 1), (1, 1, 3)), reward=1.0,
+            group_id="g1") -> RolloutGroup:
+    return RolloutGroup(group_id=group_id, prompt_id=7, actor_id="actor-0", prompt_tokens=int32s([5, 6]),
+                        samples=[Sample(tokens=int32s(tokens), logprobs=float32s(logprobs),
+                                        version_spans=[tuple(s) for s in spans], reward=reward, finish_reason="stop")])
+
+
+def sample(spans, reward, finish_reason="stop", **extra) -> Sample:
+    """A sample whose tokens were produced by the versions of `spans` [(version, num_tokens), ...]."""
+    version_spans, start = [], 0
+    for version, n in spans:
+        version_spans.append((version, start, start + n))
+        start += n
+    return Sample(tokens=int32s([5] * start), logprobs=float32s([-1.0] * start), version_spans=version_spans,
+                  reward=reward, finish_reason=finish_reason, **extra)
+
+
+# ---- one training step of a tiny model (unit tests, and the multi-rank script under torchrun) -----
+
+STEP_VERSION = 2  # the learner's version during the step; samples carry versions 1 and 2
+ALPHABET = "0123456789+="
+TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=1, num_kv_heads=1, intermediate_size=64)
+
+# name -> (loss, aggregation, micro_batch_tokens, mini-batches per step)
+CASES = {
+    "cispo_prompt_mean": (LossType.cispo, Aggregation.prompt_mean, 24, 1),
+    "ppo_token_mean_2updates": (LossType.ppo, Aggregation.token_mean, 24, 2),
+    "gspo_sample_mean": (LossType.gspo, Aggregation.sample_mean, 10_000, 1),
+}
+
+
+def step_batch(num_groups: int = 6, seed: int = 0) -> tuple[list[RolloutGroup], list[list[np.ndarray]]]:
+    """Groups of 2-3 samples with uneven lengths, mixed versions and one masked (too old) token."""
+    rng = np.random.default_rng(seed)
+    groups, masks = [], []
+    for g in range(num_groups):
+        samples = []
+        for i in range(2 + g % 2):
+            n = int(rng.integers(1, 7))
+            version = STEP_VERSION - int(rng.integers(0, 2))
+            behavior = float32s(-2.4 + 0.3 * rng.standard_normal(n))
+            samples.append(Sample(tokens=int32s(rng.integers(2, 14, n)), logprobs=behavior,
+                                  version_spans=[(version, 0, n)], reward=float((g + i) % 2), finish_reason="stop"))
+        prompt = int32s(rng.integers(2, 14, 2 + g % 3))
+        groups.append(RolloutGroup(group_id=f"g{g}", prompt_id=g, actor_id="a", prompt_tokens=prompt, samples=samples))
+        masks.append([np.ones(s.num_tokens, dtype=bool) for s in samples])
+    masks[-1][0][0] = False  # a token the staleness rule masked out
+    return groups, masks
+
+
+def learner_config(loss: LossType, aggregation: Aggregation, micro_batch_tokens: int, minibatches: int,
+                   num_groups: int = 6) -> LearnerConfig:
+    # AdamW's first update is lr * g / (|g| + eps): with eps = 1 and lr = 1 it follows the gradient
+    # almost linearly, so parameters after the step differ when the gradients do (Adam's usual
+    # g / |g| would hide a wrong gradient scale).
+    optim = OptimConfig(lr=1.0, eps=1.0, max_grad_norm=0.0)
+    # narrow clip ranges, so that the second ppo update and gspo's sequence ratios do clip
+    loss_cfg = LossConfig(type=loss, aggregation=aggregation, minibatches_per_step=minibatches, clip_eps=0.05,
+                          gspo_clip_low=0.05, gspo_clip_high=0.05)
+    return LearnerConfig(groups_per_step=num_groups, micro_batch_tokens=micro_batch_tokens, kernel_backend="torch",
+                         optim=optim, loss=loss_cfg)
+
+
+def run_step(cfg: LearnerConfig, accelerator, groups=None, masks=None) -> tuple[dict, dict]:
+    """Parameters after one step from the same initial tiny model, and the step's metrics."""
+    from tidal.learner.trainer import Trainer
+    from tidal.tiny import build_tiny_model
+
+    if groups is None:
+        groups, masks = step_batch(cfg.groups_per_step)
+    model, _ = build_tiny_model(TINY, ALPHABET, seed=0)
+    trainer = Trainer(cfg, model, accelerator, temperature=1.0)
+    metrics = trainer.step(groups, masks, STEP_VERSION)
+    params = {k: v.detach().cpu().clone() for k, v in trainer.policy.state_dict().items()}
+    return params, metrics
+
+
+# ---- the actor's engine, scripted (no vLLM) ------------------------------------------------------
+
+class ScriptedEngine:
+    """Stands in for the vLLM engine in unit tests of the actor loop and the whole pipeline: answers
+    `a+b=` prompts right with probability `p_correct` (else off by one), stamps each token with the
+    version it runs, and loads weights through the weight channel's worker side, as vLLM's workers do."""
+
+    def __init__(self, tokenizer, p_correct: float = 0.5, seed: int = 0):
+        import random
+
+        self.tokenizer = tokenizer
+        self.p_correct = p_correct
+        self.rng = random.Random(seed)
+        self.version = 0
+        self.loaded: dict = {}  # name -> tensor, what the last weight update brought
+        self.swaps: list[int] = []  # versions loaded, in order
+        self.num_requests = 0
+
+    async def set_version(self, version: int) -> None:
+        self.version = version
+
+    async def swap_weights(self, version: int, transport: str, payload) -> float:
+        from tidal.broker.weights import load_in_worker
+
+        load_in_worker(self, transport, payload)
+        self.version = version
+        self.swaps.append(version)
+        return 0.0
+
+    def reload_weights(self, weights_iterator) -> None:  # what the weight channel calls in a vLLM worker
+        self.loaded = dict(weights_iterator)
+
+    async def sample(self, prompt_tokens, n, params, request_id, max_tokens=None):
+        import asyncio
+
+        from tidal.actor.engine import Completion
+
+        self.num_requests += 1
+        await asyncio.sleep(0)  # requests interleave on the loop like real ones
+        a, b = self.tokenizer.decode(prompt_tokens).rstrip("=").split("+")
+        width = len(a) + 1
+        out = []
+        for _ in range(n):
+            total = int(a) + int(b) + (0 if self.rng.random() < self.p_correct else 1)
+            text = f"{total:0{width}d}"[-width:]
+            tokens = [*self.tokenizer(text, add_special_tokens=False)["input_ids"], self.tokenizer.eos_token_id]
+            out.append(Completion(np.asarray(tokens, dtype=np.int32), np.full(len(tokens), -0.7, dtype=np.float32),
+                                  [(self.version, 0, len(tokens))], text, "stop"))
+        return out
+
+    def info(self) -> dict[str, str]:
+        return {"engine": "scripted"}
+
+    def shutdown(self) -> None:
+        pass
+
+
+# ---- fused logprob kernels against the naive reference -------------------------------------------
+
+KERNEL_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+
+
+def kernel_inputs(num_tokens, dim, vocab, dtype, device="cpu", seed=0, logit_scale=2.0):
+    """Random hidden [T, D], weight [V, D] (logits of std ~logit_scale), targets [T]."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(num_tokens, dim, generator=gen)
+    weight = torch.randn(vocab, dim, generator=gen) * (logit_scale / math.sqrt(dim))
+    targets = torch.randint(0, vocab, (num_tokens,), generator=gen)
+    return hidden.to(device, dtype), weight.to(device, dtype), targets.to(device)
+
+
+def kernel_upstream(num_tokens, device, seed=1):
+    """Random dL/dlogprob and dL/dentropy [T], so both backward paths count."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(num_tokens, generator=gen).to(device),
+            torch.randn(num_tokens, generator=gen).to(device))
+
+
+def run_kernel(backend, hidden, weight, targets, temperature=1.0, dtype=None, **kwargs):
+    """Forward + backward; returns (logprob, entropy, dhidden, dweight) in fp64."""
+    dtype = dtype or hidden.dtype
+    hidden = hidden.detach().to(dtype).requires_grad_()
+    weight = weight.detach().to(dtype).requires_grad_()
+    logp, entropy = logprobs(hidden, weight, targets, temperature, backend=backend, **kwargs)
+    grad_logp, grad_entropy = kernel_upstream(len(targets), hidden.device)
+    loss = (logp * grad_logp.to(logp.dtype)).sum() + (entropy * grad_entropy.to(logp.dtype)).sum()
+    loss.backward()
+    return [t.detach().double() for t in (logp, entropy, hidden.grad, weight.grad)]
+
+
+def assert_kernel_matches_reference(backend, hidden, weight, targets, temperature=1.0, **kwargs):
+    """Compare a backend with the naive backend evaluated in fp64 on the same input values."""
+    got = run_kernel(backend, hidden, weight, targets, temperature, **kwargs)
+    want = run_kernel("naive", hidden, weight, targets, temperature, dtype=torch.float64, **{
+        k: v for k, v in kwargs.items() if k != "chunk_size"})
+    tol = KERNEL_TOL[hidden.dtype]
+    for name, g, w in zip(("logprob", "entropy", "dhidden", "dweight"), got, want):
+        assert torch.isfinite(g).all(), name
+        torch.testing.assert_close(g, w, atol=tol, rtol=tol, msg=lambda m, name=name: f"{name}: {m}")
+    return got, want
+
+
+# ---- a real redis-server ------------------------------------------------------------------------
 
 class RedisServer:
     """A real redis-server on a free port, its data (AOF, fsync per write) in a temp folder."""
@@ -34,7 +247,7 @@ class RedisServer:
         self.url = f"redis://127.0.0.1:{port}/0"
         self.proc = None
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         import subprocess
         import time
 
@@ -53,7 +266,7 @@ class RedisServer:
                 return self  # up, and asking for a password
             except redis.ConnectionError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start on port {self.port}")
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
                 time.sleep(0.05)
 
     def stop(self) -> None:

@@ -1,4 +1,6 @@
-"""`tidal` command line: run | learner | actor | prepare | fit | sweep | plan-batch | health. Heavy imports are deferred so --help is instant."""
+"""`tidal` command line: run | learner | actor | prepare | fit | sweep | plan-batch | health.
+
+Heavy imports are deferred so --help is instant."""
 from __future__ import annotations
 
 import argparse
@@ -86,9 +88,11 @@ def _role(cfg, args) -> int:
         from tidal.actor.main import main as actor_main
 
         return actor_main(cfg)
-    from tidal.learner.warmstart import ensure_model
+    from tidal.config import resolve
+    from tidal.learner.warmstart import build_tiny
+    from tidal.models import resolve_model_path
 
-    cfg.model.path = ensure_model(cfg.model, cfg.task)
+    cfg = resolve(cfg, model_path=resolve_model_path(cfg.model, cfg.task, build_tiny))
     if args.command == "plan-batch":
         return _plan_batch(cfg, args)
     print(cfg.model.path)

@@ -6,7 +6,7 @@ whole tree. Unknown keys and wrong types fail at load time with one line naming 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -52,7 +52,7 @@ class BrokerType(enum.Enum):
     redis = "redis"
 
 
-@dataclass
+@dataclass(frozen=True)
 class WarmStartConfig:
     """Supervised warm start of the tiny model, so RL starts from a non-zero pass rate."""
 
@@ -65,7 +65,7 @@ class WarmStartConfig:
     seed: int = 0  # init and data-order seed
 
 
-@dataclass
+@dataclass(frozen=True)
 class TinyModelConfig:
     """A small Qwen2 built locally (no download) with a character-level tokenizer."""
 
@@ -77,7 +77,7 @@ class TinyModelConfig:
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """Which weights the actors serve and the learner trains."""
 
@@ -87,7 +87,7 @@ class ModelConfig:
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TaskConfig:
     """The task: prompts for the coordinator, the reward for the actors."""
 
@@ -103,7 +103,7 @@ class TaskConfig:
     prompt_template: str = "{problem}\nPut the final answer in \\boxed{{}}."
 
 
-@dataclass
+@dataclass(frozen=True)
 class InterruptConfig:
     """ScaleRL forced interruptions: a sample still going at its thinking budget (drawn uniformly per
     sample from [min_tokens, max_tokens]) gets `text` appended and `answer_tokens` more to answer."""
@@ -116,7 +116,7 @@ class InterruptConfig:
     eval: bool = False  # interrupt eval groups too (pass rate under the same thinking budget)
 
 
-@dataclass
+@dataclass(frozen=True)
 class OverlongConfig:
     """DAPO overlong penalty on training rewards, the alternative to interruptions: a completion of L
     tokens gets min(0, (sampling.max_tokens - buffer_tokens - L) / buffer_tokens) added to its reward."""
@@ -125,7 +125,7 @@ class OverlongConfig:
     buffer_tokens: int = 0  # L_cache: the penalty falls from 0 to -1 over these last tokens; required when enabled
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingConfig:
     """How actors sample each prompt group (travels inside every PromptGroup)."""
 
@@ -137,24 +137,25 @@ class SamplingConfig:
     overlong: OverlongConfig = field(default_factory=OverlongConfig)  # overlong reward penalty
 
 
-@dataclass
+@dataclass(frozen=True)
 class ActorConfig:
     """One vLLM engine per actor process."""
 
     replicas: int = 1  # actor processes the launcher starts
-    id: str = ""  # this actor's id; the launcher sets actor-<i>
+    index: int = 0  # this actor's number: its sampling seed is actor.seed + index; the launcher sets it
+    id: str = ""  # this actor's id, unique among live actors; empty = actor-<index>
     max_inflight: int = 256  # generation requests in flight at once (samples, not groups)
     kv_cache_gib: float = 1.0  # CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)
     enforce_eager: bool = True  # skip graph capture (CPU and debugging)
     cpu_cores: str = ""  # cores for the engine's OpenMP threads, e.g. "1" or "0-1"; empty = auto
     heartbeat_s: float = 1.0  # seconds between heartbeats to the learner
-    seed: int = 0  # sampling seed (offset by the actor index)
+    seed: int = 0  # sampling seed (offset by actor.index)
     max_restarts: int = 5  # the launcher restarts a dead actor this many times (per actor) before giving up
     restart_backoff_s: float = 1.0  # first restart delay; doubles per restart of the same actor, up to 30 s
     health_file: str = ""  # touched every heartbeat, for liveness probes (`tidal health FILE`); empty = off
 
 
-@dataclass
+@dataclass(frozen=True)
 class ZmqConfig:
     """ZeroMQ endpoints; ports 0 are chosen free by the launcher."""
 
@@ -165,7 +166,7 @@ class ZmqConfig:
     rollout_hwm: int = 1024  # high-water mark (messages) of the rollout stream
 
 
-@dataclass
+@dataclass(frozen=True)
 class RedisConfig:
     """Redis Streams: durable, at-least-once, multi-node. Secrets never live in the config:
     the password comes from the environment variable named by `password_env`."""
@@ -183,7 +184,7 @@ class RedisConfig:
     embedded_port: int = 0  # port of the embedded server; 0 = a free one
 
 
-@dataclass
+@dataclass(frozen=True)
 class BrokerConfig:
     """Transport between the learner and the actors."""
 
@@ -194,7 +195,15 @@ class BrokerConfig:
     redis: RedisConfig = field(default_factory=RedisConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
+class WeightsConfig:
+    """The weight channel: how each new policy version reaches the actors."""
+
+    dir: str = ""  # where weight files are written; empty = a folder of this run's own in /dev/shm
+    keep: int = 3  # weight files kept; older ones are deleted (at least 2: an actor may still be reading one)
+
+
+@dataclass(frozen=True)
 class StalenessConfig:
     """Bound on how old (in optimizer steps) a trained token's policy may be."""
 
@@ -203,18 +212,18 @@ class StalenessConfig:
     on_violation: OnViolation = OnViolation.drop_group
 
 
-@dataclass
+@dataclass(frozen=True)
 class CurriculumConfig:
-    """No-positive-resampling (DESIGN §6): the coordinator stops dispatching prompts the policy solves."""
+    """No-positive-resampling: the coordinator stops dispatching prompts the policy solves."""
 
     enabled: bool = True  # track each training prompt's pass rate and retire solved prompts
     retire_pass_rate: float = 0.9  # retire a prompt once this fraction of its samples pass (reward > 0)
     min_samples: int = 8  # a prompt is judged once this many of its samples arrived since its last judgement
 
 
-@dataclass
+@dataclass(frozen=True)
 class LossConfig:
-    """The policy-gradient loss (DESIGN §6); each type reads only its own keys."""
+    """The policy-gradient loss; each type reads only its own keys."""
 
     type: LossType = LossType.cispo  # cispo | tis | ppo | gspo
     eps_max: float = 4.0  # cispo: cap on the token ratio rho = pi_theta / pi_behavior
@@ -228,7 +237,7 @@ class LossConfig:
     aggregation: Aggregation = Aggregation.prompt_mean  # how token losses are averaged
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimConfig:
     lr: float = 1e-3  # AdamW learning rate (after warmup)
     betas: tuple[float, float] = (0.9, 0.99)  # AdamW betas
@@ -240,7 +249,7 @@ class OptimConfig:
     ref_groups_per_step: int = 0  # B_ref, the groups per step at which optim.lr was tuned (lr_scaling=sqrt needs it)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LearnerConfig:
     """The training loop: step batches, loss, optimizer, weight publishing."""
 
@@ -254,32 +263,31 @@ class LearnerConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     kernel_backend: str = "auto"  # logprob kernel: auto | torch | naive | triton
     torch_threads: int = 1  # intra-op threads of the learner
-    weights_dir: str = ""  # where weight files are written; empty = /dev/shm/tidal-<run name>
-    keep_weight_files: int = 3  # older weight files are deleted
+    rollout_timeout_s: float = 600.0  # no rollout for this long means the actors are gone: the learner fails
     health_file: str = ""  # touched while the loop makes progress, for liveness probes; empty = off
     seed: int = 0  # torch seed
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalConfig:
     every: int = 10  # optimizer steps between evaluations (0 = only at start and end)
     n: int = 4  # samples per held-out prompt (mean@n pass rate)
     temperature: float = 1.0  # eval sampling temperature
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 0  # optimizer steps between checkpoints (0 = only at the end)
     keep: int = 2  # checkpoints kept on disk
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrackingConfig:
     uri: str = ""  # MLflow tracking URI; empty = sqlite:///<run_dir>/mlflow.db
     experiment: str = "tidal"  # MLflow experiment name
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunConfig:
     """The whole run. Components receive only their own part."""
 
@@ -290,6 +298,7 @@ class RunConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     broker: BrokerConfig = field(default_factory=BrokerConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
     staleness: StalenessConfig = field(default_factory=StalenessConfig)
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
@@ -326,11 +335,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return cfg
 
 
-def run_directory(cfg: RunConfig) -> Path:
-    """The run's folder: run_dir, or runs/<name>-<time> when it is empty."""
+def resolve(cfg: RunConfig, *, model_path: str | None = None, redis_url: str | None = None,
+            actor: bool = False) -> RunConfig:
+    """The one place a loaded config changes: a new frozen config with what every process of a run
+    must agree on filled in. Resolving a resolved config changes nothing but what is passed.
+
+    - run_dir: absolute; runs/<name>-<time> when empty
+    - model.path: `model_path` when given (the caller found or built the model)
+    - weights.dir: the weight channel's own folder for this run when empty
+    - broker.redis.url: `redis_url` when given (an embedded redis-server's)
+    - actor.id, in an actor's own process (`actor=True`): actor-<actor.index> when empty
+    """
     import time
 
-    return Path(cfg.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    from tidal.broker.weights import default_dir  # the channel owns its folder rule; the config records it
+
+    run_dir = Path(cfg.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    broker = cfg.broker if redis_url is None else replace(cfg.broker, redis=replace(cfg.broker.redis, url=redis_url))
+    actor_cfg = replace(cfg.actor, id=cfg.actor.id or f"actor-{cfg.actor.index}") if actor else cfg.actor
+    return replace(
+        cfg, run_dir=str(run_dir), broker=broker, actor=actor_cfg,
+        model=cfg.model if model_path is None else replace(cfg.model, path=model_path),
+        weights=replace(cfg.weights, dir=cfg.weights.dir or default_dir(cfg.name, run_dir)))
 
 
 def to_yaml(cfg: RunConfig) -> str:
@@ -438,6 +464,7 @@ def check_learner(cfg: RunConfig) -> None:
     _require(optim.lr_scaling is LrScaling.none or optim.ref_groups_per_step >= 1, "learner.optim.ref_groups_per_step",
              optim.ref_groups_per_step, "lr_scaling=sqrt needs the groups per step at which optim.lr was tuned (>= 1)")
     _require(cfg.actor.replicas >= 1, "actor.replicas", cfg.actor.replicas, "must be >= 1")
+    _require(cfg.actor.index >= 0, "actor.index", cfg.actor.index, "must be >= 0")
 
 
 def check_curriculum(cfg: RunConfig) -> None:

@@ -12,21 +12,23 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
-import shutil
-import socket
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
-from tidal.config import BrokerType, RunConfig, run_directory, to_yaml
+from tidal.config import BrokerType, RunConfig, resolve, to_yaml
 
 
 @dataclass
 class Child:
     name: str
+    role: str  # learner | actor | redis
     proc: subprocess.Popen
     log_path: Path
     args: list[str] = field(default_factory=list)  # to start it again
@@ -39,16 +41,17 @@ class LaunchError(RuntimeError):
     pass
 
 
-def resolve(cfg: RunConfig) -> Path:
-    """Fill in what the processes must agree on; returns the run directory (config.yaml written)."""
-    from tidal.learner.warmstart import ensure_model
+def prepare(cfg: RunConfig, redis_url: str | None = None) -> RunConfig:
+    """Resolve what the processes must agree on (building the tiny model if it is missing) and write
+    it to the run directory's config.yaml, which every child reads."""
+    from tidal.learner.warmstart import build_tiny
+    from tidal.models import resolve_model_path
 
-    run_dir = run_directory(cfg).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg.run_dir = str(run_dir)
-    cfg.model.path = ensure_model(cfg.model, cfg.task, progress=lambda msg: print(f"[prepare] {msg}", flush=True))
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    return run_dir
+    progress = partial(print, "[prepare]", flush=True)
+    cfg = resolve(cfg, model_path=resolve_model_path(cfg.model, cfg.task, partial(build_tiny, progress=progress)),
+                  redis_url=redis_url)
+    (Path(cfg.run_dir) / "config.yaml").write_text(to_yaml(cfg))
+    return cfg
 
 
 def cpu_plan(num_actors: int) -> tuple[str, list[str]]:
@@ -72,13 +75,13 @@ def start_children(cfg: RunConfig, run_dir: Path, children: list[Child], resume:
     config = str(run_dir / "config.yaml")
     learner_cores, actor_cores = cpu_plan(cfg.actor.replicas)
     learner_args = ["learner", "--config", config, *(["--resume", resume] if resume else [])]
-    children.append(_spawn("learner", learner_args, run_dir, learner_cores, ranks=cfg.learner.num_ranks))
+    children.append(_spawn("learner", "learner", learner_args, run_dir, learner_cores, ranks=cfg.learner.num_ranks))
     ports = wait_for_endpoints(run_dir, children[-1])
     for i in range(cfg.actor.replicas):
-        overrides = [f"actor.id=actor-{i}", *actor_endpoint_overrides(ports)]
+        overrides = [f"actor.index={i}", *actor_endpoint_overrides(ports)]
         if not cfg.actor.cpu_cores:
             overrides.append(f"actor.cpu_cores={actor_cores[i]}")
-        children.append(_spawn(f"actor-{i}", ["actor", "--config", config, *overrides], run_dir, None))
+        children.append(_spawn(f"actor-{i}", "actor", ["actor", "--config", config, *overrides], run_dir, None))
 
 
 def actor_endpoint_overrides(ports: dict[str, int]) -> list[str]:
@@ -86,7 +89,8 @@ def actor_endpoint_overrides(ports: dict[str, int]) -> list[str]:
     return [f"broker.zmq.{name}_port={port}" for name, port in ports.items()]
 
 
-def _spawn(name: str, args: list[str], run_dir: Path, cores: str | None, restarts: int = 0, ranks: int = 1) -> Child:
+def _spawn(name: str, role: str, args: list[str], run_dir: Path, cores: str | None, restarts: int = 0,
+           ranks: int = 1) -> Child:
     log_path = run_dir / "logs" / f"{name}.log"
     cmd = [sys.executable, "-m", "tidal", *args]
     if ranks > 1:  # torchrun starts the ranks; it stops them all if one fails
@@ -99,12 +103,12 @@ def _spawn(name: str, args: list[str], run_dir: Path, cores: str | None, restart
         log_file.write(f"\n===== restart {restarts} =====\n")
         log_file.flush()
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-    return Child(name, proc, log_path, args, cores, restarts)
+    return Child(name, role, proc, log_path, args, cores, restarts)
 
 
-def start_redis(cfg: RunConfig, run_dir: Path) -> Child:
+def start_redis(cfg: RunConfig, run_dir: Path) -> tuple[Child, str]:
     """A local redis-server for this run: AOF on with fsync per write, data in run_dir/redis,
-    so `--resume` finds the streams where the crashed run left them."""
+    so `--resume` finds the streams where the crashed run left them. Returns it and its URL."""
     server = shutil.which("redis-server")
     if server is None:
         raise LaunchError("broker.redis.embedded is true but redis-server is not installed "
@@ -116,14 +120,13 @@ def start_redis(cfg: RunConfig, run_dir: Path) -> Child:
     (run_dir / "logs").mkdir(exist_ok=True)
     cmd = [server, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data), "--appendonly", "yes",
            "--appendfsync", "always", "--save", "", "--logfile", str(log_path)]
-    child = Child("redis-server", subprocess.Popen(cmd, start_new_session=True), log_path, cmd)
+    child = Child("redis-server", "redis", subprocess.Popen(cmd, start_new_session=True), log_path, cmd)
     deadline = time.monotonic() + 30
     while not _port_open(port):
         if child.proc.poll() is not None or time.monotonic() > deadline:
             raise LaunchError(f"redis-server did not start on port {port}; see {log_path}:\n{tail(log_path)}")
         time.sleep(0.1)
-    cfg.broker.redis.url = f"redis://127.0.0.1:{port}/0"
-    return child
+    return child, f"redis://127.0.0.1:{port}/0"
 
 
 def _free_port() -> int:
@@ -196,7 +199,7 @@ def supervise(children: list[Child], run_dir: Path, cfg: RunConfig) -> None:
 
     metrics_path = run_dir / "metrics.jsonl"
     bar = tqdm(total=cfg.learner.max_steps, desc="steps", unit="step", dynamic_ncols=True)
-    offset, learner = 0, next(c for c in children if c.name == "learner")
+    offset, learner = 0, next(c for c in children if c.role == "learner")
     try:
         while True:
             offset = _advance(bar, metrics_path, offset)
@@ -207,7 +210,7 @@ def supervise(children: list[Child], run_dir: Path, cfg: RunConfig) -> None:
                 if c is learner and code == 0:
                     _advance(bar, metrics_path, offset)
                     return
-                if not c.name.startswith("actor-"):
+                if c.role != "actor":
                     raise LaunchError(f"{c.name} exited with code {code}; last lines of {c.log_path}:\n"
                                       f"{tail(c.log_path)}")
                 if code != 0:  # exit 0: told to shut down by a finishing learner
@@ -233,7 +236,7 @@ def _restart_actor(c: Child, code: int, cfg, run_dir: Path, bar) -> Child:
         return c
     if now < c.restart_at:
         return c
-    return _spawn(c.name, c.args, run_dir, c.cores, restarts=c.restarts + 1)
+    return _spawn(c.name, c.role, c.args, run_dir, c.cores, restarts=c.restarts + 1)
 
 
 def sweep_orphan_shm() -> None:
@@ -301,12 +304,14 @@ def launch(cfg: RunConfig, resume: str | None = None) -> int:
         return 2
     children: list[Child] = []
     try:
-        run_dir = run_directory(cfg).resolve()
+        cfg = resolve(cfg)  # the run directory first: an embedded redis-server keeps its data there
+        run_dir = Path(cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        cfg.run_dir = str(run_dir)
+        redis_url = None
         if cfg.broker.type is BrokerType.redis and cfg.broker.redis.embedded:
-            children.append(start_redis(cfg, run_dir))  # before resolve: its URL goes into config.yaml
-        resolve(cfg)
+            redis, redis_url = start_redis(cfg, run_dir)
+            children.append(redis)
+        cfg = prepare(cfg, redis_url)
         print(f"[run] {run_dir}: learner + {cfg.actor.replicas} actor(s)", flush=True)
         start_children(cfg, run_dir, children, resume)
         supervise(children, run_dir, cfg)

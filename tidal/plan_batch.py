@@ -38,8 +38,8 @@ async def measure(cfg: RunConfig, batch_sizes: list[int], reps: int) -> list[Thr
     prompts = get_task(cfg.task.name).load_prompts(cfg.task).train
     params = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_tokens,
                             (tokenizer.eos_token_id,))
-    cfg.actor.max_inflight = max(cfg.actor.max_inflight, max(batch_sizes) * cfg.sampling.n)
-    engine = Engine(cfg.actor, cfg.model.path, cfg.model.dtype, seed=cfg.actor.seed)
+    engine = Engine(cfg.actor, cfg.model.path, cfg.model.dtype,
+                    max_num_seqs=max(cfg.actor.max_inflight, max(batch_sizes) * cfg.sampling.n))
     results, counter = [], 0
     try:
         await engine.set_version(0)
@@ -91,8 +91,8 @@ def plan(throughput: list[Throughput], s_measured: dict[int, float]) -> tuple[li
         note = ("ASSUMPTION: with square-root learning-rate scaling, samples-to-target S(B) does not depend on B "
                 + (f"(S = {base:.0f} samples, from the one batch size run)" if s_measured else
                    "(no runs given: T(B) is in units of S, so only throughput decides)"))
-    rows = [(t.batch_groups, t.samples_per_s, t.tokens_per_s, s_of(t.batch_groups), s_of(t.batch_groups) / t.samples_per_s)
-            for t in throughput]
+    rows = [(t.batch_groups, t.samples_per_s, t.tokens_per_s, s_of(t.batch_groups),
+             s_of(t.batch_groups) / t.samples_per_s) for t in throughput]
     return rows, note
 
 

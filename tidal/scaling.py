@@ -227,12 +227,12 @@ def _refine(compute, pass_rate, A, R0, b_grid, cmid_grid, cell, weights=None) ->
     b_span = (b_grid[max(b_index - 1, 0)], b_grid[min(b_index + 1, b_grid.size - 1)])
     m_span = np.log([cmid_grid[max(m_index - 1, 0)], cmid_grid[min(m_index + 1, cmid_grid.size - 1)]])
     for _ in range(2):
-        res = minimize_scalar(lambda b: sse(b, C_mid), bounds=b_span, method="bounded",
+        res = minimize_scalar(lambda b, m=C_mid: sse(b, m), bounds=b_span, method="bounded",
                               options={"xatol": 1e-4})
         if res.fun < best:
             B, best = float(res.x), float(res.fun)
         if m_span[1] > m_span[0]:
-            res = minimize_scalar(lambda m: sse(B, math.exp(m)), bounds=tuple(m_span), method="bounded",
+            res = minimize_scalar(lambda m, b=B: sse(b, math.exp(m)), bounds=tuple(m_span), method="bounded",
                                   options={"xatol": 1e-4})
             if res.fun < best:
                 C_mid, best = math.exp(float(res.x)), float(res.fun)

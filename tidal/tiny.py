@@ -46,15 +46,6 @@ def cached_model_path(model: ModelConfig, task: TaskConfig) -> Path:
     return Path(model.cache_dir).expanduser() / f"tiny-{task.name}-{cache_key(model.tiny, task, alphabet)}"
 
 
-def resolve_model_path(model: ModelConfig, task: TaskConfig) -> str:
-    """model.path, or the cached tiny model; a clear error when neither exists (actors never build)."""
-    path = Path(model.path) if model.path else cached_model_path(model, task)
-    if not (path / "config.json").is_file():
-        hint = "" if model.path else " (build it with `tidal prepare CONFIG`, or set model.path)"
-        raise FileNotFoundError(f"model.path = {str(path)!r} is not a Hugging Face model directory{hint}")
-    return str(path)
-
-
 def build_tiny_model(tiny: TinyModelConfig, alphabet: str, seed: int):
     """A freshly initialised Qwen2ForCausalLM (fp32, tied embeddings) and its tokenizer."""
     import torch

@@ -27,8 +27,8 @@ import sys
 import threading
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from tidal.config import ConfigError, TaskConfig
 from tidal.tasks import Prompt, Split

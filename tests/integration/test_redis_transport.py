@@ -6,12 +6,11 @@ import time
 import pytest
 import redis
 
+from conftest import RedisServer, require_redis_server, rollout
+from conftest import prompt_group as prompt
 from tidal.broker.redis_transport import BrokerAuthError, BrokerUnavailable, RedisActorTransport, RedisLearnerTransport
 from tidal.broker.schema import Heartbeat, RolloutGroup, Shutdown, WeightUpdate, WireCodec
 from tidal.config import RedisConfig
-from tests.conftest import RedisServer, require_redis_server
-from tests.test_schema import rollout
-from tests.test_zmq_transport import prompt
 
 
 def config(server, **kw) -> RedisConfig:
@@ -35,8 +34,7 @@ def reply_for(group) -> RolloutGroup:
 async def work(cfg, actor_id, max_samples=100, reply=True, timeout_s=2.0):
     """One actor incarnation: take what it is granted, answer it (or die holding it)."""
     t = RedisActorTransport(cfg, WireCodec(1 << 20), actor_id, "t")
-    grant = await t.request_work(max_samples, timeout_s=timeout_s)
-    groups = grant.groups if grant else []
+    groups = await t.request_work(max_samples, timeout_s=timeout_s)
     if reply:
         for g in groups:
             await t.send_rollout(reply_for(g))
@@ -87,12 +85,12 @@ def test_silent_actors_prompts_are_claimed_and_heartbeats_keep_them(redis_server
         for _ in range(4):
             await asyncio.sleep(0.15)
             await alive.heartbeat(Heartbeat(actor_id="alive", version=0, engine={},
-                                            outstanding=[held.groups[0].group_id]))
+                                            outstanding=[held[0].group_id]))
         other = RedisActorTransport(cfg, WireCodec(1 << 20), "other", "t")
         claimed = await other.request_work(100, timeout_s=0.5)
         await alive.r.aclose()
         await other.r.aclose()
-        return [g.group_id for g in claimed.groups]
+        return [g.group_id for g in claimed]
 
     assert run(scenario()) == ["r-1"]  # the dead actor's group, not the live one's
 
@@ -165,12 +163,12 @@ def test_weights_latest_and_next(redis_server):
 
     async def actor():
         t = RedisActorTransport(cfg, WireCodec(1 << 20), "a0", "t")
-        latest = await t.latest_weights(timeout_s=1)
+        latest = await asyncio.wait_for(t.next_announcement(), 5)  # the first call: the current weights
         side.publish_weights(WeightUpdate(version=3, transport="file", location="/w", manifest=[], checksum="c"))
         side.publish_weights(WeightUpdate(version=4, transport="file", location="/w", manifest=[], checksum="c"))
-        newest = await asyncio.wait_for(t.next_weight_update(), 5)
+        newest = await asyncio.wait_for(t.next_announcement(), 5)
         side.shutdown_actors("done")
-        stop = await asyncio.wait_for(t.next_weight_update(), 5)
+        stop = await asyncio.wait_for(t.next_announcement(), 5)
         await t.r.aclose()
         return latest.version, newest.version, stop
 
@@ -214,7 +212,7 @@ def test_a_request_too_small_for_any_group_yields_to_the_event_loop(redis_server
 
     async def scenario():
         t = RedisActorTransport(cfg, WireCodec(1 << 20), "a0", "t")
-        assert len((await t.request_work(4, timeout_s=1)).groups) == 1  # learns that groups are 4 samples
+        assert len(await t.request_work(4, timeout_s=1)) == 1  # learns that groups are 4 samples
         ticks = 0
 
         async def ticker():
@@ -224,7 +222,7 @@ def test_a_request_too_small_for_any_group_yields_to_the_event_loop(redis_server
                 await asyncio.sleep(0)
 
         task = asyncio.create_task(ticker())
-        assert await t.request_work(2, timeout_s=1) is None  # 2 free slots fit no group
+        assert await t.request_work(2, timeout_s=1) == []  # 2 free slots fit no group
         task.cancel()
         await t.r.aclose()
         return ticks

@@ -15,16 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import RedisServer, require_redis_server
+from conftest import RedisServer, require_redis_server
 
-pytestmark = pytest.mark.integration
-
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 TINY = str(ROOT / "configs/tiny.yaml")
 
 
 def start_run(run_dir: Path, overrides: list[str], resume: bool = False) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tidal", "run", TINY, f"run_dir={run_dir}", *overrides, *(["--resume"] if resume else [])]
+    cmd = [sys.executable, "-m", "tidal", "run", TINY, f"run_dir={run_dir}", *overrides,
+           *(["--resume"] if resume else [])]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
@@ -67,7 +66,8 @@ def joins(run_dir: Path, actor: str) -> list[dict]:
 
 def actor_pid(run_dir: Path, actor: str) -> int:
     """The actor process's pid, from its engine info in the learner's log."""
-    lines = [line for line in (run_dir / "logs/learner.log").read_text().splitlines() if f"actor {actor} joined" in line]
+    log = (run_dir / "logs/learner.log").read_text().splitlines()
+    lines = [line for line in log if f"actor {actor} joined" in line]
     return int(lines[-1].split("'pid': '")[1].split("'")[0])
 
 
@@ -199,7 +199,8 @@ def test_redis_killed_actor_and_redis_restart_lose_nothing(tmp_path):
     finally:
         server.stop()
     restart_s, summary, tallies = check_finished_run(run_dir, proc, out, victim, killed_at, steps=80)
-    print(f"\nredis: {victim} back {restart_s:.1f} s after SIGKILL; training went on {resumed_at - back_at:.1f} s after "
+    print(f"\nredis: {victim} back {restart_s:.1f} s after SIGKILL; "
+          f"training went on {resumed_at - back_at:.1f} s after "
           f"redis-server was back; groups by actor {summary['groups_by_actor']}; ledger {tallies}")
 
 

@@ -1,12 +1,13 @@
 """Every loss x aggregation against numbers worked out by hand; REINFORCE as the on-policy limit;
 gradient accumulation, micro-batch packing and learning-rate scaling on the tiny model."""
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
-from multirank_step import ALPHABET, STEP_VERSION, TINY, learner_config, run_step, step_batch
+from conftest import ALPHABET, STEP_VERSION, TINY, learner_config, run_step, step_batch
 from tidal.broker.schema import RolloutGroup, Sample, float32s, int32s
 from tidal.config import AdvantageNorm, Aggregation, ConfigError, LossConfig, LossType, load_config
 from tidal.learner.batch import aggregation_weights, build_rows, collate, group_advantages, micro_batches
@@ -238,8 +239,8 @@ def test_trainer_step_is_reinforce_when_behavior_is_the_current_policy(loss_type
     loss.backward()
     expected = {k: (p - p.grad / (p.grad.abs() + 1.0)).detach() for k, p in model.named_parameters()}
 
-    cfg = learner_config(loss_type, Aggregation.prompt_mean, 10_000, 1, num_groups=4)
-    cfg.advantage_norm = AdvantageNorm.none
+    cfg = replace(learner_config(loss_type, Aggregation.prompt_mean, 10_000, 1, num_groups=4),
+                  advantage_norm=AdvantageNorm.none)
     params, metrics = run_step(cfg, accelerator, with_behavior(groups, behavior), masks)
     assert metrics["offpolicy/rho_max"] == pytest.approx(1.0, abs=1e-5)
     for name, value in expected.items():
@@ -300,7 +301,7 @@ def test_lr_scaling_sets_the_effective_lr(scaling, ref, expected, accelerator):
     from tidal.config import LrScaling
 
     cfg = learner_config(LossType.cispo, Aggregation.prompt_mean, 10_000, 1, num_groups=4)
-    cfg.optim.lr, cfg.optim.lr_scaling, cfg.optim.ref_groups_per_step = 0.01, LrScaling(scaling), ref
+    cfg = replace(cfg, optim=replace(cfg.optim, lr=0.01, lr_scaling=LrScaling(scaling), ref_groups_per_step=ref))
     # B = 4 groups per step: sqrt(4 / 16) = 0.5, sqrt(4 / 1) = 2
     _, metrics = run_step(cfg, accelerator)
     assert metrics["optim/lr"] == pytest.approx(expected)
@@ -332,7 +333,7 @@ def test_step_metrics_are_floats_and_describe_the_batch(accelerator):
 def test_bad_learner_keys_are_named(override, key):
     from pathlib import Path
 
-    preset = Path(__file__).parents[1] / "configs" / "tiny.yaml"
+    preset = Path(__file__).parents[2] / "configs" / "tiny.yaml"
     with pytest.raises(ConfigError) as err:
         load_config(preset, [override])
     assert key in str(err.value) and "\n" not in str(err.value)

@@ -3,14 +3,19 @@ import msgspec
 import numpy as np
 import pytest
 
-from tidal.broker.schema import (InterruptParams, PromptGroup, RolloutGroup, Sample, SamplingParams, WeightUpdate,
-                                 WireCodec, WireError, float32s, int32s)
-
-
-def rollout(tokens=(3, 4, 1), logprobs=(-0.5, -1.0, -0.1), spans=((0, 0, 1), (1, 1, 3)), reward=1.0):
-    return RolloutGroup(group_id="g1", prompt_id=7, actor_id="actor-0", prompt_tokens=int32s([5, 6]),
-                        samples=[Sample(tokens=int32s(tokens), logprobs=float32s(logprobs),
-                                        version_spans=[tuple(s) for s in spans], reward=reward, finish_reason="stop")])
+from conftest import rollout
+from tidal.broker.schema import (
+    SCHEMA_VERSION,
+    InterruptParams,
+    PromptGroup,
+    RolloutGroup,
+    SamplingParams,
+    WeightUpdate,
+    WireCodec,
+    WireError,
+    float32s,
+    int32s,
+)
 
 
 def test_rollout_round_trip_keeps_arrays_and_versions():
@@ -33,7 +38,7 @@ def test_prompt_group_round_trip():
 @pytest.mark.parametrize("frame, reason", [
     (b"\x00\x01garbage", "malformed"),
     (msgspec.msgpack.encode({"kind": "rollout_group", "schema_version": 99}), "schema_version"),
-    (msgspec.msgpack.encode({"kind": "no_such_kind", "schema_version": 1}), "malformed"),
+    (msgspec.msgpack.encode({"kind": "no_such_kind", "schema_version": SCHEMA_VERSION}), "malformed"),
 ])
 def test_garbage_frames_are_rejected_and_counted(frame, reason):
     codec = WireCodec(1 << 20)

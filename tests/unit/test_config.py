@@ -1,11 +1,13 @@
-"""Config: every preset loads; unknown keys and wrong types fail with one line naming the key."""
+"""Config: every preset loads; unknown keys and wrong types fail with one line naming the key; a
+loaded config is frozen and resolved once."""
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from tidal.config import AdvantageNorm, Aggregation, ConfigError, LossType, flatten, load_config
+from tidal.config import AdvantageNorm, Aggregation, ConfigError, LossType, flatten, load_config, resolve
 
-ROOT = Path(__file__).parents[1] / "configs"
+ROOT = Path(__file__).parents[2] / "configs"
 CONFIGS = sorted(ROOT.rglob("*.yaml"))  # configs/loo/ and any other folder too
 TINY = ROOT / "tiny.yaml"
 
@@ -93,3 +95,29 @@ def test_cli_reports_config_error_in_one_line(capsys):
     assert main(["prepare", str(TINY), "eval.every=soon"]) == 2
     err = capsys.readouterr().err.strip()
     assert "eval.every" in err and len(err.splitlines()) == 1
+
+
+def test_a_loaded_config_is_frozen():
+    cfg = load_config(TINY)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.learner.max_steps = 3
+
+
+def test_resolve_fills_what_processes_agree_on_once(tmp_path):
+    cfg = load_config(TINY, [f"run_dir={tmp_path / 'run'}", "actor.index=3"])
+    run = resolve(cfg, model_path="/models/m", redis_url="redis://10.0.0.1:6379/0")
+    assert (run.run_dir, run.model.path, run.broker.redis.url) == (str(tmp_path / "run"), "/models/m",
+                                                                    "redis://10.0.0.1:6379/0")
+    assert run.weights.dir.startswith("/dev/shm/tidal-") and run.actor.id == ""  # ids belong to actor processes
+    assert resolve(run) == run  # resolving again changes nothing
+    actor = resolve(run, actor=True)
+    assert (actor.actor.id, actor.actor.index, actor.weights.dir) == ("actor-3", 3, run.weights.dir)
+    named = resolve(load_config(TINY, ["actor.id=spare", "weights.dir=/w"]), actor=True)
+    assert (named.actor.id, named.weights.dir) == ("spare", "/w")
+    assert cfg.run_dir == str(tmp_path / "run") and cfg.model.path == ""  # the loaded config is untouched
+
+
+def test_two_runs_get_different_weight_folders(tmp_path):
+    a = resolve(load_config(TINY, [f"run_dir={tmp_path / 'a'}"]))
+    b = resolve(load_config(TINY, [f"run_dir={tmp_path / 'b'}"]))
+    assert a.weights.dir != b.weights.dir

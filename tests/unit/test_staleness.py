@@ -1,30 +1,24 @@
-"""Staleness enforcement (DESIGN §3) and the per-step metrics of DESIGN §6, on hand-made rollout
-groups with per-token version spans, through the learner's real `admit` and `step_metrics`."""
-from collections import Counter
+"""Staleness enforcement and the per-step metrics, on hand-made rollout groups with per-token
+version spans, through the learner's real admission and `step_metrics`."""
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from tidal.broker.schema import RolloutGroup, Sample, SamplingParams, float32s, int32s
+from conftest import sample
+from tidal.broker.inproc import InprocBroker
+from tidal.broker.schema import RolloutGroup, SamplingParams, WireCodec, int32s
 from tidal.config import CurriculumConfig, EvalConfig, LearnerConfig, OnViolation, StalenessConfig
+from tidal.learner.admission import Admission, StepBatch, staleness_masks
 from tidal.learner.coordinator import Coordinator, DispatchPlan
+from tidal.learner.groups import GroupBook
 from tidal.learner.ledger import Ledger, read_ledger
-from tidal.learner.loop import Learner, StepBatch, staleness_masks
+from tidal.learner.loop import Learner, LearnerParts
 from tidal.learner.trainer import _StepStats
 from tidal.tasks import Prompt
 
 VERSION = 10  # the learner's version: step 10 is about to be trained
 MAX_LAG = 2
-
-
-def sample(spans, reward, finish_reason="stop", **extra):
-    """A sample whose tokens were produced by the versions of `spans` [(version, num_tokens), ...]."""
-    version_spans, start = [], 0
-    for version, n in spans:
-        version_spans.append((version, start, start + n))
-        start += n
-    return Sample(tokens=int32s([5] * start), logprobs=float32s([-1.0] * start), version_spans=version_spans,
-                  reward=reward, finish_reason=finish_reason, **extra)
 
 
 def group(samples, gid="g", prompt_id=1):
@@ -37,38 +31,27 @@ MIXED = [sample([(9, 2), (10, 1)], 1.0), sample([(7, 2), (8, 2)], 0.0)]
 ALL_STALE = [sample([(7, 3)], 1.0), sample([(6, 1), (7, 1)], 0.0)]
 
 
-class FakeTransport:
-    def submit_prompts(self, groups):
-        pass
-
-    def metrics(self):
-        return {"broker/rejected_frames": 0.0}
-
-    def actors(self):
-        return ["actor-0"]
-
-
-class FakeTrainer:
-    num_params = 1000
-
-
 def build_learner(tmp_path, on_violation, max_lag=MAX_LAG, curriculum=None):
+    """The real learner parts that admission and the step metrics touch, over the in-process broker."""
     plan = DispatchPlan(run_id="r", task="arithmetic", n=2, sampling=SamplingParams(), eval_n=1,
                         eval_sampling=SamplingParams(), groups_per_step=1, max_lag=max_lag, seed=0)
     train = [Prompt(prompt_id=i, text="1+1=", payload={"answer": "02"}) for i in range(3)]
-    transport = FakeTransport()
-    coordinator = Coordinator(plan, train, [], lambda text: [1], transport, Ledger(tmp_path / "ledger.jsonl"),
-                              curriculum)
-    learner = Learner(LearnerConfig(), StalenessConfig(max_lag=max_lag, on_violation=on_violation), EvalConfig(),
-                      FakeTrainer(), coordinator, transport, None, None, None)
+    transport = InprocBroker(WireCodec(1 << 20)).learner()
+    book = GroupBook(Ledger(tmp_path / "ledger.jsonl"))
+    coordinator = Coordinator(plan, train, [], lambda text: [1], transport, book, curriculum)
+    staleness = StalenessConfig(max_lag=max_lag, on_violation=on_violation)
+    parts = LearnerParts(trainer=SimpleNamespace(num_params=1000), coordinator=coordinator, book=book,
+                         admission=Admission(staleness, True, book, coordinator.on_rewards), transport=transport,
+                         publisher=None, tracker=None, checkpointer=SimpleNamespace(periodic=False))
+    learner = Learner(LearnerConfig(), EvalConfig(), parts)
     learner.version = VERSION
     return learner
 
 
 def admit_all(learner, groups) -> StepBatch:
-    batch = StepBatch([], [], Counter())
+    batch = StepBatch()
     for g in groups:
-        learner.admit(g, batch)
+        learner.parts.admission.add(g, batch, learner.version)
     return batch
 
 
@@ -114,7 +97,7 @@ def test_injected_tokens_are_neither_stale_nor_trainable():
     assert staleness_masks([np.array([3, 1])], 2, OnViolation.mask_tokens, [np.array([True, False])]) == (None, 1)
 
 
-# ---- through Learner.admit -----------------------------------------------------------------------
+# ---- through the learner's admission --------------------------------------------------------------
 
 def test_drop_group_discards_the_whole_group_and_counts_it(tmp_path):
     learner = build_learner(tmp_path, OnViolation.drop_group)
@@ -123,7 +106,7 @@ def test_drop_group_discards_the_whole_group_and_counts_it(tmp_path):
     assert [m.tolist() for m in batch.token_masks[0]] == [[True, True], [True, True, True]]
     assert (batch.stats["dropped_stale"], batch.stats["stale_tokens"], batch.stats["masked_stale_tokens"]) == (1, 2, 0)
     assert discarded(tmp_path) == [("stale", "stale")]
-    assert learner.coordinator.counts["discarded/stale"] == 1
+    assert learner.book.counts["discarded/stale"] == 1
 
 
 def test_mask_tokens_trains_the_fresh_tokens_only(tmp_path):

@@ -1,34 +1,37 @@
 """No-positive-resampling curriculum: prompts whose pass rate reaches curriculum.retire_pass_rate
 are never dispatched again, also after a resume; a fully retired dataset fails loudly."""
 import json
-import threading
 import time
 
 import pytest
 
-from tidal.broker.schema import SamplingParams
+from tidal.broker.inproc import InprocBroker
+from tidal.broker.schema import SamplingParams, WireCodec
 from tidal.config import CurriculumConfig
-from tidal.learner.coordinator import Coordinator, Curriculum, CurriculumExhausted, DispatchPlan
+from tidal.learner.coordinator import Coordinator, DispatchPlan
+from tidal.learner.curriculum import Curriculum, CurriculumExhausted
+from tidal.learner.groups import GroupBook
 from tidal.learner.ledger import Ledger, read_ledger
 from tidal.tasks import Prompt
 
 ALL_PASS, ONE_PASS = [1.0] * 4, [1.0, 0.0, 0.0, 0.0]
 
 
-class FakeTransport:
-    """Records the prompt groups the coordinator thread submits."""
+class Released:
+    """The prompt groups the coordinator thread submitted, as the in-process broker queues them (no
+    actor takes any here, so every one is still in the queue, in order)."""
 
     def __init__(self):
-        self.groups = []
-        self._lock = threading.Lock()
+        self.broker = InprocBroker(WireCodec(1 << 20))
+        self.transport = self.broker.learner()
 
-    def submit_prompts(self, groups):
-        with self._lock:
-            self.groups.extend(groups)
+    @property
+    def groups(self):
+        with self.broker.lock:
+            return list(self.broker.grants.pending)
 
     def count(self) -> int:
-        with self._lock:
-            return len(self.groups)
+        return len(self.groups)
 
 
 def wait_for(predicate, timeout_s=5.0):
@@ -42,9 +45,10 @@ def build(tmp_path, num_prompts, groups_per_step, cfg=CurriculumConfig(min_sampl
     plan = DispatchPlan(run_id="r", task="arithmetic", n=4, sampling=SamplingParams(), eval_n=1,
                         eval_sampling=SamplingParams(), groups_per_step=groups_per_step, max_lag=0, seed=0)
     train = [Prompt(prompt_id=10 + i, text="1+1=", payload={"answer": "02"}) for i in range(num_prompts)]
-    transport = FakeTransport()
-    coordinator = Coordinator(plan, train, [], lambda text: [1, 2], transport, Ledger(tmp_path / name), cfg)
-    return coordinator, transport
+    released = Released()
+    coordinator = Coordinator(plan, train, [], lambda text: [1, 2], released.transport,
+                              GroupBook(Ledger(tmp_path / name)), cfg)
+    return coordinator, released
 
 
 def train_rounds(coordinator, transport, rounds, easy, seen_from=0):
@@ -52,12 +56,12 @@ def train_rounds(coordinator, transport, rounds, easy, seen_from=0):
     Returns the prompt ids released after each prompt of `easy` was retired."""
     after_retired, retired = [], set()
     for _ in range(rounds):
-        wait_for(lambda: transport.count() >= seen_from + coordinator.window)
+        wait_for(lambda seen=seen_from: transport.count() >= seen + coordinator.window)
         window = transport.groups[seen_from:seen_from + coordinator.window]
         seen_from += len(window)
         after_retired += [g.prompt_id for g in window if g.prompt_id in retired]
         for g in window:
-            assert coordinator.admit(g.group_id)
+            assert coordinator.book.claim(g.group_id)
             coordinator.on_rewards(g.prompt_id, ALL_PASS if g.prompt_id in easy else ONE_PASS)
             retired |= {g.prompt_id} & easy  # min_samples = 4 = one group: judged at once
         coordinator.on_step(coordinator.version + 1, [g.group_id for g in window])
@@ -133,7 +137,7 @@ def test_a_resumed_coordinator_never_dispatches_a_retired_prompt(tmp_path):
     assert state["curriculum"]["retired"] == [10, 12]
     resumed, transport = build(tmp_path, num_prompts=4, groups_per_step=2, name="resumed.jsonl")
     resumed.load_state_dict(state)
-    resumed.outstanding.clear()  # what was in flight at the checkpoint is not what this test is about
+    resumed.book.outstanding.clear()  # what was in flight at the checkpoint is not what this test is about
     resumed.start()
     try:
         train_rounds(resumed, transport, rounds=6, easy=set())
@@ -152,12 +156,12 @@ def test_every_prompt_retired_stops_dispatch_and_fails_once_nothing_is_in_flight
         first, second, third = transport.groups
         assert first.prompt_id != second.prompt_id
         for g in (first, second):
-            coordinator.admit(g.group_id)
+            coordinator.book.claim(g.group_id)
             coordinator.check()  # one prompt left, or a group still in flight
             coordinator.on_rewards(g.prompt_id, ALL_PASS)
         assert coordinator.curriculum.exhausted
         coordinator.check()  # the third group is still to come: it may complete the step
-        coordinator.admit(third.group_id)
+        coordinator.book.claim(third.group_id)
         with pytest.raises(CurriculumExhausted, match="curriculum.retire_pass_rate = 0.9"):
             coordinator.check()
         coordinator.on_step(1, [first.group_id, second.group_id, third.group_id])

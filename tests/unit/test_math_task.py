@@ -13,8 +13,8 @@ from tidal.config import ConfigError, ModelConfig, TaskConfig, load_config, to_y
 from tidal.tasks import get_task
 from tidal.tasks import math as math_task
 
-DATA = Path(__file__).parent / "data" / "math_small.jsonl"
-PRESET = Path(__file__).parents[1] / "configs" / "math.yaml"
+DATA = Path(__file__).parents[1] / "data" / "math_small.jsonl"
+PRESET = Path(__file__).parents[2] / "configs" / "math.yaml"
 
 
 @pytest.fixture(autouse=True)

@@ -12,12 +12,9 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 import zmq
 
-pytestmark = pytest.mark.integration
-
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 
 
 def run_tidal(run_dir: Path, overrides: list[str], timeout_s: float = 420, during=None):

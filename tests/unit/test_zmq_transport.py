@@ -4,16 +4,11 @@ import asyncio
 import pytest
 import zmq
 
-from tidal.broker.schema import (PromptGroup, RolloutGroup, SamplingParams, Shutdown, WeightUpdate, WireCodec,
-                                 int32s)
+from conftest import prompt_group as prompt
+from conftest import rollout
+from tidal.broker.schema import RolloutGroup, Shutdown, WeightUpdate, WireCodec
 from tidal.broker.zmq_transport import ZmqActorTransport, ZmqLearnerTransport
 from tidal.config import ZmqConfig
-from tests.test_schema import rollout
-
-
-def prompt(i, n=4):
-    return PromptGroup(run_id="r", group_id=f"r-{i}", prompt_id=i, prompt_tokens=int32s([1, 2]), task="arithmetic",
-                       payload={"answer": "3"}, n=n, sampling=SamplingParams(), min_version=0)
 
 
 @pytest.fixture
@@ -53,19 +48,31 @@ def test_actor_gets_whole_groups_that_fit_and_hears_weights(learner_side):
         first = await t.request_work(max_samples=10, timeout_s=5)  # 10 slots: two groups of 4
         learner_side.publish_weights(update)
         second = await t.request_work(max_samples=100, timeout_s=5)
-        heard = await asyncio.wait_for(t.next_weight_update(), 5)
+        heard = await asyncio.wait_for(t.next_announcement(), 5)
         await t.send_rollout(rollout())
         learner_side.shutdown_actors("done")
-        stop = await asyncio.wait_for(t.next_weight_update(), 5)
+        stop = await asyncio.wait_for(t.next_announcement(), 5)
         t.close()
         return first, second, heard, stop
 
     first, second, heard, stop = asyncio.run(actor())
-    assert [g.group_id for g in first.groups] == ["r-0", "r-1"]
-    assert [g.group_id for g in second.groups] == ["r-2", "r-3", "r-4"]
-    assert second.latest_weights.version == 3  # a late joiner learns the current weights from its grant
+    assert [g.group_id for g in first] == ["r-0", "r-1"]
+    assert [g.group_id for g in second] == ["r-2", "r-3", "r-4"]
     assert heard.version == 3 and isinstance(stop, Shutdown)
     assert learner_side.recv_rollout(timeout_s=5).group_id == "g1"
+
+
+def test_an_actor_that_joins_late_hears_the_current_weights_first(learner_side):
+    learner_side.publish_weights(WeightUpdate(version=5, transport="file", location="/w", manifest=[], checksum="c"))
+
+    async def late_actor():
+        await asyncio.sleep(0.3)  # long after the announcement went out
+        t = ZmqActorTransport(actor_config(learner_side), WireCodec(1 << 20), "late")
+        heard = await asyncio.wait_for(t.next_announcement(), 5)
+        t.close()
+        return heard
+
+    assert asyncio.run(late_actor()).version == 5
 
 
 def test_groups_of_a_silent_or_restarted_actor_are_dispatched_again():
@@ -99,9 +106,9 @@ def test_groups_of_a_silent_or_restarted_actor_are_dispatched_again():
 
     held, taken, again, back = asyncio.run(scenario())
     side.close()
-    assert [g.group_id for g in held.groups] == ["r-0"]
-    assert [g.group_id for g in taken.groups] == ["r-1", "r-2"]
-    assert [g.group_id for g in again.groups] == ["r-0"]
-    assert sorted(g.group_id for g in back.groups) == ["r-0", "r-1", "r-2"]
+    assert [g.group_id for g in held] == ["r-0"]
+    assert [g.group_id for g in taken] == ["r-1", "r-2"]
+    assert [g.group_id for g in again] == ["r-0"]
+    assert sorted(g.group_id for g in back) == ["r-0", "r-1", "r-2"]
     assert side.metrics()["broker/redispatched_groups"] == 1 + 3
     assert [j.actor_id for j in side.take_joins()] == ["a", "b", "b"]

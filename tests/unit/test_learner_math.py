@@ -3,9 +3,10 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import step_batch
 from tidal.broker.schema import RolloutGroup, Sample, float32s, int32s
 from tidal.config import AdvantageNorm, Aggregation, LossConfig
-from tidal.learner.batch import aggregation_weights, build_rows, collate, group_advantages, micro_batches
+from tidal.learner.batch import aggregation_weights, assign_groups, build_rows, collate, group_advantages, micro_batches
 from tidal.learner.loss import LossInputs, policy_loss
 
 
@@ -72,3 +73,18 @@ def test_micro_batches_respect_the_budget_and_cover_every_token():
         flat = mb.input_ids.reshape(-1)
         assert torch.equal(flat[mb.predict_at + 1], mb.targets)
     assert sum(float(collate(b).weights.sum()) for b in batches) == pytest.approx(1.0)
+
+
+def test_groups_are_split_into_minibatches_then_balanced_over_ranks():
+    groups, _ = step_batch(6)
+    # tokens per group (prompt + completion, per sample), from step_batch's fixed seed
+    tokens = [sum(g.num_prompt_tokens + s.num_tokens for s in g.samples) for g in groups]
+    one_rank = assign_groups(groups, 2, world_size=1, rank=0)
+    assert one_rank == [[0, 1, 2], [3, 4, 5]]  # contiguous mini-batches, whatever the number of ranks
+    plans = [assign_groups(groups, 2, world_size=2, rank=r) for r in (0, 1)]
+    for k, part in enumerate(one_rank):
+        shares = [plans[r][k] for r in (0, 1)]
+        assert sorted(shares[0] + shares[1]) == part and all(shares)
+        # longest first to the least-loaded rank: no rank carries more than the other plus its longest group
+        loads = [sum(tokens[i] for i in share) for share in shares]
+        assert abs(loads[0] - loads[1]) <= max(tokens[i] for i in part)

@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from conftest import assert_kernel_matches_reference, kernel_inputs, run_kernel
 from tidal.kernels import logprobs
 
 
@@ -28,53 +29,10 @@ HAS_CUDA = torch.cuda.is_available()
 TRITON = pytest.param("triton", marks=pytest.mark.skipif(TRITON_SKIP is not None,
                                                          reason=str(TRITON_SKIP)))
 FAST_BACKENDS = ["torch", TRITON]
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 
 
 def _device(backend: str) -> str:
     return "cuda" if backend == "triton" and HAS_CUDA else "cpu"
-
-
-def _inputs(num_tokens, dim, vocab, dtype, device="cpu", seed=0, logit_scale=2.0):
-    """Random hidden [T, D], weight [V, D] (logits of std ~logit_scale), targets [T]."""
-    gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(num_tokens, dim, generator=gen)
-    weight = torch.randn(vocab, dim, generator=gen) * (logit_scale / math.sqrt(dim))
-    targets = torch.randint(0, vocab, (num_tokens,), generator=gen)
-    return hidden.to(device, dtype), weight.to(device, dtype), targets.to(device)
-
-
-def _upstream(num_tokens, device, seed=1):
-    """Random dL/dlogprob and dL/dentropy [T], so both backward paths count."""
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(num_tokens, generator=gen).to(device),
-            torch.randn(num_tokens, generator=gen).to(device))
-
-
-def _run(backend, hidden, weight, targets, temperature=1.0, dtype=None, **kwargs):
-    """Forward + backward; returns (logprob, entropy, dhidden, dweight) in fp64."""
-    dtype = dtype or hidden.dtype
-    hidden = hidden.detach().to(dtype).requires_grad_()
-    weight = weight.detach().to(dtype).requires_grad_()
-    logp, entropy = logprobs(hidden, weight, targets, temperature, backend=backend, **kwargs)
-    grad_logp, grad_entropy = _upstream(len(targets), hidden.device)
-    loss = (logp * grad_logp.to(logp.dtype)).sum() + (entropy * grad_entropy.to(logp.dtype)).sum()
-    loss.backward()
-    return [t.detach().double() for t in (logp, entropy, hidden.grad, weight.grad)]
-
-
-def _assert_matches_reference(backend, hidden, weight, targets, temperature=1.0, **kwargs):
-    """Compare a backend with the naive backend evaluated in fp64 on the same input values."""
-    got = _run(backend, hidden, weight, targets, temperature, **kwargs)
-    want = _run("naive", hidden, weight, targets, temperature, dtype=torch.float64, **{
-        k: v for k, v in kwargs.items() if k != "chunk_size"})
-    tol = TOL[hidden.dtype]
-    for name, g, w in zip(("logprob", "entropy", "dhidden", "dweight"), got, want):
-        assert torch.isfinite(g).all(), name
-        torch.testing.assert_close(g, w, atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
-    return got, want
 
 
 # Shapes chosen to cross tile edges: Triton interpreter tiles are 16 tokens x 32 vocab x 32 dim,
@@ -86,17 +44,17 @@ SHAPES = [(40, 64, 300), (1, 40, 97), (17, 24, 33)]
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_fp32_matches_reference(backend, shape, temperature):
-    hidden, weight, targets = _inputs(*shape, torch.float32, _device(backend))
-    _assert_matches_reference(backend, hidden, weight, targets, temperature, chunk_size=(8, 32))
+    hidden, weight, targets = kernel_inputs(*shape, torch.float32, _device(backend))
+    assert_kernel_matches_reference(backend, hidden, weight, targets, temperature, chunk_size=(8, 32))
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_inputs_match_reference_and_return_fp32(backend, dtype):
-    hidden, weight, targets = _inputs(40, 64, 300, dtype, _device(backend))
+    hidden, weight, targets = kernel_inputs(40, 64, 300, dtype, _device(backend))
     logp, entropy = logprobs(hidden, weight, targets, 0.7, backend=backend)
     assert logp.dtype == entropy.dtype == torch.float32
-    _assert_matches_reference(backend, hidden, weight, targets, 0.7, chunk_size=(8, 32))
+    assert_kernel_matches_reference(backend, hidden, weight, targets, 0.7, chunk_size=(8, 32))
 
 
 def _integer_inputs(num_tokens, dim, vocab, device, seed=0):
@@ -115,18 +73,18 @@ def test_huge_logits_do_not_overflow(backend):
     # Tie one token's top logit so its entropy is log 2, not just 0.
     top = (hidden[0] @ weight.T).argmax()
     weight[(top + 1) % 200] = weight[top]
-    got, want = _assert_matches_reference(backend, hidden, weight, targets, chunk_size=(8, 32))
+    got, want = assert_kernel_matches_reference(backend, hidden, weight, targets, chunk_size=(8, 32))
     assert got[1][0] == pytest.approx(math.log(2), abs=1e-6)
     assert got[0].min() < -1e3  # the unlikely targets really are ~1e4 below the max
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_padded_vocab_columns_are_excluded(backend):
-    hidden, weight, targets = _inputs(40, 64, 300, torch.float32, _device(backend))
+    hidden, weight, targets = kernel_inputs(40, 64, 300, torch.float32, _device(backend))
     targets = targets % 250
-    got, _ = _assert_matches_reference(backend, hidden, weight, targets, vocab_size=250,
+    got, _ = assert_kernel_matches_reference(backend, hidden, weight, targets, vocab_size=250,
                                        chunk_size=(8, 32))
-    sliced = _run("naive", hidden, weight[:250], targets, dtype=torch.float64)
+    sliced = run_kernel("naive", hidden, weight[:250], targets, dtype=torch.float64)
     torch.testing.assert_close(got[0], sliced[0], atol=1e-5, rtol=1e-5)
     assert got[3].shape == (300, 64)
     assert (got[3][250:] == 0).all()
@@ -135,31 +93,31 @@ def test_padded_vocab_columns_are_excluded(backend):
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_token_mask_zeroes_outputs_and_gradients(backend):
     device = _device(backend)
-    hidden, weight, targets = _inputs(40, 64, 300, torch.float32, device)
+    hidden, weight, targets = kernel_inputs(40, 64, 300, torch.float32, device)
     mask = torch.arange(40, device=device) % 3 != 0
     targets = torch.where(mask, targets, -100)  # masked slots may hold an ignore index
-    got, _ = _assert_matches_reference(backend, hidden, weight, targets, 0.7, mask=mask,
+    got, _ = assert_kernel_matches_reference(backend, hidden, weight, targets, 0.7, mask=mask,
                                        chunk_size=(8, 32))
     logp, entropy, dhidden, _ = got
     assert (logp[~mask] == 0).all() and (entropy[~mask] == 0).all()
     assert (dhidden[~mask] == 0).all() and (dhidden[mask] != 0).any()
     # The active tokens see exactly what they would see alone.
-    alone = _run(backend, hidden[mask], weight, targets[mask], 0.7)
+    alone = run_kernel(backend, hidden[mask], weight, targets[mask], 0.7)
     torch.testing.assert_close(logp[mask], alone[0], atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_all_tokens_masked(backend):
     device = _device(backend)
-    hidden, weight, targets = _inputs(5, 16, 40, torch.float32, device)
-    logp, entropy, dhidden, dweight = _run(backend, hidden, weight, targets,
+    hidden, weight, targets = kernel_inputs(5, 16, 40, torch.float32, device)
+    logp, entropy, dhidden, dweight = run_kernel(backend, hidden, weight, targets,
                                            mask=torch.zeros(5, dtype=torch.bool, device=device))
     assert not logp.any() and not entropy.any() and not dhidden.any() and not dweight.any()
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_gradient_of_one_output_only(backend):
-    hidden, weight, targets = _inputs(20, 32, 70, torch.float32, _device(backend))
+    hidden, weight, targets = kernel_inputs(20, 32, 70, torch.float32, _device(backend))
     hidden.requires_grad_()
     logp, _ = logprobs(hidden, weight, targets, backend=backend)  # entropy unused: grad is None
     logp.sum().backward()
@@ -172,7 +130,7 @@ def test_gradient_of_one_output_only(backend):
 def test_torch_backend_saves_no_logits_sized_tensor():
     """The chunked path keeps only inputs and per-token stats for the backward."""
     num_tokens, dim, vocab = 64, 16, 512
-    hidden, weight, targets = _inputs(num_tokens, dim, vocab, torch.float32)
+    hidden, weight, targets = kernel_inputs(num_tokens, dim, vocab, torch.float32)
     hidden.requires_grad_()
     saved_numels = []
     with torch.autograd.graph.saved_tensors_hooks(
@@ -185,12 +143,12 @@ def test_torch_backend_saves_no_logits_sized_tensor():
 
 @pytest.mark.parametrize("chunk_size", [1, (3, 7), (1000, 1000)])
 def test_torch_backend_any_chunking(chunk_size):
-    hidden, weight, targets = _inputs(11, 8, 50, torch.float32)
-    _assert_matches_reference("torch", hidden, weight, targets, chunk_size=chunk_size)
+    hidden, weight, targets = kernel_inputs(11, 8, 50, torch.float32)
+    assert_kernel_matches_reference("torch", hidden, weight, targets, chunk_size=chunk_size)
 
 
 def test_auto_is_torch_on_cpu():
-    hidden, weight, targets = _inputs(9, 8, 20, torch.float32)
+    hidden, weight, targets = kernel_inputs(9, 8, 20, torch.float32)
     auto = logprobs(hidden, weight, targets, backend="auto")
     chunked = logprobs(hidden, weight, targets, backend="torch")
     assert all(torch.equal(a, c) for a, c in zip(auto, chunked))
@@ -230,35 +188,3 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         logprobs(torch.zeros(2, 8), torch.zeros(10, 8), torch.zeros(2, dtype=torch.long),
                  backend="triton")
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_triton_matches_reference_at_real_tile_sizes(dtype):
-    hidden, weight, targets = _inputs(300, 256, 5003, dtype, "cuda")
-    mask = torch.rand(300, device="cuda") > 0.2
-    _assert_matches_reference("triton", hidden, weight, targets, 0.7, mask=mask,
-                              vocab_size=5000)
-
-
-@gpu
-@needs_cuda
-def test_gpu_triton_gradients_are_deterministic():
-    hidden, weight, targets = _inputs(512, 256, 8192, torch.bfloat16, "cuda")
-    first, second = (_run("triton", hidden, weight, targets) for _ in range(2))
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
-
-
-@gpu
-@needs_cuda
-def test_gpu_triton_uses_far_less_memory_than_naive():
-    hidden, weight, targets = _inputs(2048, 512, 32768, torch.bfloat16, "cuda")
-    peaks = {}
-    for backend in ("naive", "triton"):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        _run(backend, hidden, weight, targets)
-        peaks[backend] = torch.cuda.max_memory_allocated() - base
-    assert peaks["triton"] < 0.25 * peaks["naive"]

@@ -1,24 +1,31 @@
-"""The weight channel, file transport: the learner writes a safetensors file atomically and
-announces it; actors reload it layer-wise. Works on CPU and on a shared volume.
-
-One interface (`WeightChannel`) so a GPU transport (NCCL) can sit beside it.
+"""The file weight channel: the learner writes a safetensors file per version (temp file, then
+rename) into a folder the actors can read (/dev/shm on one machine, a shared volume on a
+cluster) and announces it; each actor checks the file against the announcement and its workers
+reload it layer-wise, the path that works on every vLLM backend (the CPU one repacks its linear
+layers, so a plain `load_weights` fails there).
 """
 from __future__ import annotations
 
-import abc
+import asyncio
 import hashlib
 import json
 import os
+import shutil
 import struct
 from pathlib import Path
 
 from tidal.broker.schema import TensorSpec, WeightUpdate
+from tidal.broker.weights.base import WeightPublisher, WeightReceiver
+from tidal.config import WeightsConfig
+
+TRANSPORT = "file"
 
 
-class WeightChannel(abc.ABC):
-    @abc.abstractmethod
-    def publish(self, named_tensors: dict, version: int) -> WeightUpdate:
-        """Make the tensors available to actors; returns the announcement to broadcast."""
+def default_dir(run_name: str, run_dir: str | Path) -> str:
+    """A folder in /dev/shm of this run's own: two runs never share (or prune) each other's files."""
+    run_dir = Path(run_dir)
+    run_key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]
+    return f"/dev/shm/tidal-{run_name}-{run_dir.name}-{run_key}"
 
 
 def _unshared(named_tensors: dict) -> dict:
@@ -54,14 +61,15 @@ def read_manifest(path: Path) -> list[TensorSpec]:
             for name, meta in header.items() if name != "__metadata__"]
 
 
-class FileWeightChannel(WeightChannel):
-    """Writes `weights-v{version:06d}.safetensors` under `directory`, temp file + rename."""
+class FilePublisher(WeightPublisher):
+    """Writes `weights-v{version:06d}.safetensors` under weights.dir, keeping the newest `keep`."""
 
-    def __init__(self, directory: str | Path, keep: int = 3, incarnation: str = ""):
+    def __init__(self, cfg: WeightsConfig, incarnation: str = "", owns_dir: bool = False):
         self.incarnation = incarnation
-        self.directory = Path(directory)
+        self.owns_dir = owns_dir  # the run's own folder (the default): removed by close()
+        self.directory = Path(cfg.dir)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.keep = max(keep, 2)  # an actor may still be reading the previous file
+        self.keep = max(cfg.keep, 2)  # an actor may still be reading the previous file
 
     def publish(self, named_tensors: dict, version: int) -> WeightUpdate:
         from safetensors.torch import save_file
@@ -71,13 +79,27 @@ class FileWeightChannel(WeightChannel):
         save_file(_unshared(named_tensors), str(tmp), metadata={"version": str(version)})
         os.replace(tmp, path)  # atomic: readers see the whole file or none
         self._prune(version)
-        return WeightUpdate(version=version, transport="file", location=str(path),
+        return WeightUpdate(version=version, transport=TRANSPORT, location=str(path),
                             manifest=read_manifest(path), checksum=_sha256(path), incarnation=self.incarnation)
 
     def _prune(self, version: int) -> None:
         for old in self.directory.glob("weights-v*.safetensors"):
             if int(old.stem.split("-v")[1]) <= version - self.keep:
                 old.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """The default folder lives in /dev/shm: give its memory back. A configured one is left alone."""
+        if self.owns_dir:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class FileReceiver(WeightReceiver):
+    def __init__(self, cfg: WeightsConfig):
+        self.cfg = cfg
+
+    async def apply(self, update: WeightUpdate, engine) -> float:
+        path = await asyncio.to_thread(verify_weight_file, update)
+        return await engine.swap_weights(update.version, TRANSPORT, str(path))
 
 
 def verify_weight_file(update: WeightUpdate) -> Path:
@@ -91,3 +113,16 @@ def verify_weight_file(update: WeightUpdate) -> Path:
     if _sha256(path) != update.checksum:
         raise ValueError(f"weight file {path} does not match the announced sha256 (version {update.version})")
     return path
+
+
+def load_in_worker(worker, path: str) -> float:
+    """In a vLLM worker: reload every tensor of the file at `path`; returns seconds spent."""
+    import time
+
+    from safetensors import safe_open
+
+    start = time.perf_counter()
+    with safe_open(path, framework="pt") as f:
+        weights = [(name, f.get_tensor(name)) for name in f.keys()]
+    worker.reload_weights(weights_iterator=weights)
+    return time.perf_counter() - start

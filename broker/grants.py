@@ -1,0 +1,90 @@
+"""Who holds which prompt group, for transports that acknowledge nothing (ZeroMQ, in-process).
+
+Prompts are pulled, not pushed: an actor asks for as many samples as it has free slots and is
+granted whole groups that fit. Every granted group is kept until its rollout comes back; an
+actor silent for `actor_timeout_s`, or one that says hello again under the same id (it
+restarted), has its unreturned groups queued again at the front. A slow actor given up on may
+still deliver: the learner deduplicates by group id. Redis keeps the same record itself (its
+pending entries). Not thread-safe: the owning transport serializes every call.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+
+from tidal.broker.base import ActorInfo, ActorJoin, common_metrics
+from tidal.broker.schema import Heartbeat, PromptGroup
+
+log = logging.getLogger(__name__)
+
+
+class GrantTable:
+    def __init__(self, actor_timeout_s: float):
+        self.actor_timeout_s = actor_timeout_s
+        self.pending: collections.deque[PromptGroup] = collections.deque()
+        self.granted: dict[str, tuple[str, PromptGroup]] = {}  # group id -> (actor id, group), until returned
+        self.actors: dict[str, ActorInfo] = {}
+        self.joins: list[ActorJoin] = []
+        self.announced_version = 0  # the newest weight version announced, for the join record
+        self.num_granted = 0
+        self.num_redispatched = 0
+
+    def submit(self, groups: list[PromptGroup]) -> None:
+        self.pending.extend(groups)
+
+    def take(self, actor_id: str, max_samples: int) -> list[PromptGroup]:
+        """Whole groups from the front of the queue while their samples fit `max_samples`."""
+        groups: list[PromptGroup] = []
+        budget = max_samples
+        while self.pending and self.pending[0].n <= budget:
+            group = self.pending.popleft()
+            budget -= group.n
+            groups.append(group)
+            self.granted[group.group_id] = (actor_id, group)
+        self.num_granted += len(groups)
+        return groups
+
+    def returned(self, group_id: str) -> None:
+        self.granted.pop(group_id, None)
+
+    def on_heartbeat(self, beat: Heartbeat) -> None:
+        if beat.hello:
+            log.info("actor %s joined (engine %s, weight version %d, latest announced %d)",
+                     beat.actor_id, beat.engine, beat.version, self.announced_version)
+            self.joins.append(ActorJoin(beat.actor_id, beat.version, self.announced_version))
+            self._requeue(beat.actor_id, "said hello again (restarted)")
+        self.actors[beat.actor_id] = ActorInfo(beat.actor_id, beat.version, beat.engine, beat.outstanding,
+                                               beat.num_generated_tokens, beat.weight_swap_paused_s)
+
+    def seen(self, actor_id: str) -> None:
+        """A work request is a sign of life too."""
+        if actor_id in self.actors:
+            self.actors[actor_id].last_seen = time.monotonic()
+
+    def expire_silent_actors(self) -> None:
+        now = time.monotonic()
+        for actor_id, info in list(self.actors.items()):
+            if now - info.last_seen > self.actor_timeout_s:
+                del self.actors[actor_id]
+                self._requeue(actor_id, f"silent for {now - info.last_seen:.1f} s")
+
+    def take_joins(self) -> list[ActorJoin]:
+        joins, self.joins = self.joins, []
+        return joins
+
+    def _requeue(self, actor_id: str, why: str) -> None:
+        """Queue an actor's unreturned groups again, at the front (they are the oldest)."""
+        mine = [gid for gid, (owner, _) in self.granted.items() if owner == actor_id]
+        if not mine:
+            return
+        self.pending.extendleft(reversed([self.granted.pop(gid)[1] for gid in mine]))
+        self.num_redispatched += len(mine)
+        log.warning("actor %s %s: re-dispatching its %d unreturned groups", actor_id, why, len(mine))
+
+    def metrics(self, rejected: dict[str, int]) -> dict[str, float]:
+        return {"broker/pending_prompt_groups": float(len(self.pending)),
+                "broker/granted_groups": float(self.num_granted),
+                "broker/unreturned_groups": float(len(self.granted)),
+                "broker/redispatched_groups": float(self.num_redispatched),
+                "broker/live_actors": float(len(self.actors))} | common_metrics(list(self.actors.values()), rejected)

@@ -1,0 +1,68 @@
+"""Running totals of a run and where each point sits on the compute axes a scaling fit uses.
+
+FLOPs: 2 N per generated or prompt token on the actors, 6 N per token the learner computes
+(forward and backward), N the policy's parameters. Device-hours: wall time x devices in use
+(the live actors and the learner's ranks), integrated since the start. Totals survive a resume,
+so the axes continue where the checkpoint left them.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+
+class Accounting:
+    def __init__(self, num_params: int, learner_devices: int):
+        self.num_params = num_params
+        self.learner_devices = learner_devices
+        self.totals: Counter = Counter()
+        self.by_actor: Counter = Counter()  # rollout groups received per actor id
+        self.start_time = time.monotonic()
+        self.device_seconds = 0.0
+        self.last_axis_time = self.start_time
+
+    def received(self, actor_id: str) -> None:
+        self.by_actor[actor_id] += 1
+
+    def compute_axis(self, num_actors: int) -> dict[str, float]:
+        now = time.monotonic()
+        self.device_seconds += (now - self.last_axis_time) * (num_actors + self.learner_devices)
+        self.last_axis_time = now
+        t, n = self.totals, self.num_params
+        flops = 2 * n * (t["gen_tokens"] + t["prompt_tokens"]) + 6 * n * t["computed_tokens"]
+        return {"compute/samples": float(t["samples"]), "compute/gen_tokens": float(t["gen_tokens"]),
+                "compute/flops": float(flops), "compute/device_hours": self.device_seconds / 3600,
+                "compute/wall_s": now - self.start_time}
+
+    def add_step(self, stats: Counter, computed_tokens: int) -> dict[str, float]:
+        """Fold one step's counts into the totals; returns the step's rollout and staleness metrics."""
+        self.totals.update(stats)
+        self.totals["steps"] += 1
+        self.totals["computed_tokens"] += computed_tokens
+        samples = max(stats["samples"], 1)
+        return {
+            "rollout/reward": stats["reward_sum"] / samples,
+            "rollout/pass_rate": stats["passed"] / samples,
+            "rollout/truncation_rate": stats["truncated"] / samples,
+            "rollout/completion_len_mean": stats["gen_tokens"] / samples,
+            "rollout/prompt_len_mean": stats["prompt_tokens"] / samples,
+            "rollout/zero_variance_frac": stats["zero_variance"] / max(stats["groups_received"], 1),
+            "rollout/gen_tokens_per_s": self.totals["gen_tokens"] / (time.monotonic() - self.start_time),
+            "rollout/multi_version_samples": float(stats["multi_version_samples"]),
+            "offpolicy/dropped_stale_groups": float(stats["dropped_stale"]),
+            "offpolicy/stale_tokens": float(stats["stale_tokens"]),
+            "offpolicy/masked_stale_tokens": float(stats["masked_stale_tokens"]),
+        }
+
+    def wall_s(self) -> float:
+        return time.monotonic() - self.start_time
+
+    def state_dict(self) -> dict:
+        return {"totals": dict(self.totals), "by_actor": dict(self.by_actor), "device_seconds": self.device_seconds,
+                "wall_s": self.wall_s()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.totals, self.by_actor = Counter(state["totals"]), Counter(state["by_actor"])
+        self.device_seconds = state["device_seconds"]
+        self.start_time = time.monotonic() - state["wall_s"]  # compute axes continue where they were
+        self.last_axis_time = time.monotonic()

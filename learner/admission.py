@@ -1,0 +1,90 @@
+"""What enters a step batch: each arriving training group is counted, feeds the curriculum, and
+is checked against the staleness bound and the zero-variance filter, in that order.
+
+A token produced under version v and trained at step s has lag s - v; `staleness.max_lag = k`
+bounds it. Tokens over the bound are handled by `staleness.on_violation`: drop the group, mask
+those tokens out of the loss, or keep them (counted either way). Tokens the actor injected
+(forced interruptions) are never trained and never count as stale.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tidal.broker.schema import RolloutGroup
+from tidal.config import OnViolation, StalenessConfig
+from tidal.learner.groups import GroupBook
+
+
+def staleness_masks(lags: list[np.ndarray], max_lag: int, on_violation: OnViolation,
+                    generated: list[np.ndarray] | None = None) -> tuple[list[np.ndarray] | None, int]:
+    """Token masks (True = trained; one bool array per sample) under the bound `max_lag` on each
+    token's lag (int [completion_len] per sample), and the count of generated tokens over it.
+    `generated` (bool, same shapes; default all) excludes tokens the actor injected, which are never
+    trained. Masks are None when the group must not be trained: drop_group with any stale token, or
+    mask_tokens leaving no generated token."""
+    generated = generated if generated is not None else [np.ones(lag.shape, dtype=bool) for lag in lags]
+    too_old = [(lag > max_lag) & g for lag, g in zip(lags, generated, strict=True)]
+    num_stale = int(sum(m.sum() for m in too_old))
+    if num_stale and on_violation is OnViolation.drop_group:
+        return None, num_stale
+    if on_violation is OnViolation.mask_tokens:
+        masks = [~m for m in too_old]
+        # a group without a trainable token would reach the trainer as pure padding
+        trainable = any((m & g).any() for m, g in zip(masks, generated))
+        return (masks if trainable or not num_stale else None), num_stale
+    return [np.ones_like(m) for m in too_old], num_stale
+
+
+@dataclass
+class StepBatch:
+    groups: list[RolloutGroup] = field(default_factory=list)
+    token_masks: list[list[np.ndarray]] = field(default_factory=list)  # [group][sample] bool [completion_len]
+    stats: Counter = field(default_factory=Counter)  # counts over every group received, trained or not
+
+
+class Admission:
+    def __init__(self, staleness: StalenessConfig, zero_variance_filter: bool, book: GroupBook,
+                 on_rewards: Callable[[int, list[float]], None]):
+        self.staleness = staleness
+        self.zero_variance_filter = zero_variance_filter
+        self.book = book
+        self.on_rewards = on_rewards  # (prompt id, task rewards): the curriculum's evidence
+
+    def add(self, group: RolloutGroup, batch: StepBatch, version: int) -> None:
+        """Count a claimed training group and append it to `batch` unless it is stale or carries no signal."""
+        count(group, batch.stats)
+        # every received group is evidence of the prompt's pass rate, discarded ones included
+        self.on_rewards(group.prompt_id, [s.task_reward for s in group.samples])
+        generated = [~s.injected_mask() for s in group.samples]  # interruption text is never trained
+        masks, num_stale = staleness_masks([version - s.versions() for s in group.samples],
+                                           self.staleness.max_lag, self.staleness.on_violation, generated)
+        batch.stats["stale_tokens"] += num_stale
+        if masks is None:
+            batch.stats["dropped_stale"] += 1
+            self.book.discard(group.group_id, "stale")
+            return
+        rewards = [s.reward for s in group.samples]
+        if self.zero_variance_filter and max(rewards) == min(rewards):
+            batch.stats["zero_variance"] += 1
+            self.book.discard(group.group_id, "zero_variance")
+            return
+        if self.staleness.on_violation is OnViolation.mask_tokens:
+            batch.stats["masked_stale_tokens"] += num_stale
+        batch.groups.append(group)
+        batch.token_masks.append([m & g for m, g in zip(masks, generated)])  # aggregation counts real tokens only
+
+
+def count(group: RolloutGroup, stats: Counter) -> None:
+    """The rollout counts every received training group adds to its step's metrics."""
+    stats["groups_received"] += 1
+    stats["samples"] += len(group.samples)
+    stats["gen_tokens"] += sum(s.num_tokens for s in group.samples)
+    stats["prompt_tokens"] += len(group.samples) * group.num_prompt_tokens
+    stats["truncated"] += sum(s.finish_reason == "length" for s in group.samples)
+    stats["reward_sum"] += sum(s.reward for s in group.samples)
+    stats["passed"] += sum(s.task_reward > 0 for s in group.samples)  # pass rates ignore length shaping
+    stats["multi_version_samples"] += sum(s.spans_several_versions() for s in group.samples)

@@ -1,0 +1,103 @@
+"""The Redis ACL users of k8s/ on a real redis-server: each role may send exactly the commands its
+transport sends, and the server flags and probes of the manifest work."""
+import re
+import secrets
+import shutil
+import subprocess
+import time
+
+import pytest
+import yaml
+
+from conftest import ROOT
+
+K8S = ROOT / "k8s"
+
+
+def redis_version() -> tuple[int, ...]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        return ()
+    found = re.search(r"v=(\d+)\.(\d+)", subprocess.run([binary, "--version"], capture_output=True, text=True).stdout)
+    return tuple(int(x) for x in found.groups()) if found else ()
+
+
+# the commands broker/redis_transport.py sends, in the forms it sends them
+ACTOR_MAY = ["XREADGROUP GROUP actors tidal-actor-0 COUNT 1 STREAMS tidal:tiny:prompts >",
+             "XACK tidal:tiny:prompts actors 0-1", "XAUTOCLAIM tidal:tiny:prompts actors tidal-actor-0 60000 0-0",
+             "XCLAIM tidal:tiny:prompts actors tidal-actor-0 0 0-1 JUSTID", "XPENDING tidal:tiny:prompts actors - + 10",
+             "XADD tidal:tiny:rollouts * m 1", "XADD tidal:tiny:heartbeats MAXLEN ~ 1000 * m 1",
+             "XADD tidal:tiny:dead MAXLEN 1000 * m 1",
+             "XREAD COUNT 1 BLOCK 10 STREAMS tidal:tiny:weights $", "XREVRANGE tidal:tiny:weights + - COUNT 1",
+             "PING", "MULTI", "EXEC", "HELLO 3", "CLIENT SETNAME tidal-actor-0"]
+ACTOR_MAY_NOT = ["XADD tidal:tiny:prompts * g 1", "XADD tidal:tiny:weights * v 1",
+                 "XREAD STREAMS tidal:tiny:rollouts 0-0", "XREADGROUP GROUP learner l STREAMS tidal:tiny:rollouts >",
+                 "XGROUP CREATE tidal:tiny:prompts actors $", "XDEL tidal:tiny:prompts 0-1",
+                 "XTRIM tidal:tiny:rollouts MAXLEN 0", "DEL tidal:tiny:prompts", "XADD other:tiny:rollouts * g 1",
+                 "GET tidal:tiny:prompts", "KEYS *", "FLUSHALL", "CONFIG GET *"]
+LEARNER_MAY = ["XGROUP CREATE tidal:tiny:prompts actors $ MKSTREAM", "XADD tidal:tiny:prompts * g 1",
+               "XREADGROUP GROUP learner l STREAMS tidal:tiny:rollouts >", "XADD tidal:tiny:weights * v 1",
+               "XINFO GROUPS tidal:tiny:prompts", "XAUTOCLAIM tidal:tiny:rollouts learner l 1000 0-0",
+               "XTRIM tidal:tiny:prompts MINID 0-1", "XREAD COUNT 10 STREAMS tidal:tiny:heartbeats 0-0",
+               "DEL tidal:tiny:rollouts", "PING"]
+LEARNER_MAY_NOT = ["GET other", "XADD other:tiny:prompts * g 1", "FLUSHALL", "FLUSHDB", "CONFIG SET appendfsync no",
+                   "SHUTDOWN", "ACL SETUSER someone on"]
+
+
+@pytest.mark.skipif(redis_version() < (7, 0), reason="needs redis-server >= 7 (ACL selectors, ACL DRYRUN)")
+def test_redis_acl_gives_each_role_only_its_commands(tmp_path):
+    import redis
+
+    script = K8S / "base" / "redis-users.sh"
+    short = subprocess.run(["sh", str(script), str(tmp_path / "x.acl")], capture_output=True, text=True,
+                           env={"PATH": "/usr/bin:/bin", "LEARNER_PASSWORD": "short", "ACTOR_PASSWORD": "x" * 20})
+    assert short.returncode == 1 and "learner password" in short.stderr
+    passwords = {"learner": secrets.token_hex(16), "actor": secrets.token_hex(16)}
+    acl = tmp_path / "users.acl"
+    subprocess.run(["sh", str(script), str(acl)], check=True, env={
+        "PATH": "/usr/bin:/bin", "LEARNER_PASSWORD": passwords["learner"], "ACTOR_PASSWORD": passwords["actor"]})
+    text = acl.read_text()
+    assert not [pw for pw in passwords.values() if pw in text], "the ACL file must hold hashes only"
+    acl.write_text(text + "user tester on >tester ~* &* +@all\n")  # ACL DRYRUN needs an admin
+
+    # the server flags of the manifest, on a socket in tmp_path instead of the pod's paths
+    sts = next(d for d in yaml.safe_load_all((K8S / "base" / "redis.yaml").read_text()) if d["kind"] == "StatefulSet")
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    flags = dict(zip(container["args"][::2], container["args"][1::2]))
+    assert flags["--appendonly"] == "yes" and flags["--appendfsync"] == "always"
+    flags.update({"--aclfile": str(acl), "--dir": str(tmp_path), "--port": "0",
+                  "--unixsocket": str(tmp_path / "redis.sock"), "--unixsocketperm": "700"})
+    server = subprocess.Popen(["redis-server", *[x for kv in flags.items() for x in kv]],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "redis.sock").exists():
+            assert server.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+        sock = str(tmp_path / "redis.sock")
+        with pytest.raises(redis.exceptions.RedisError):
+            redis.Redis(unix_socket_path=sock).xadd("tidal:tiny:rollouts", {"g": 1})  # default user is off
+        for role, pw in passwords.items():
+            assert redis.Redis(unix_socket_path=sock, username=role, password=pw).ping()
+        # the pod's probe, pointed at this server: passes with the password the pod gets, not without
+        probe = container["readinessProbe"]["exec"]["command"]
+        assert probe == container["livenessProbe"]["exec"]["command"] == container["startupProbe"]["exec"]["command"]
+        if shutil.which("redis-cli"):
+            here = [probe[0], probe[1], probe[2].replace("redis-cli", f"redis-cli -s {sock}")]
+            auth_env = next(e for e in container["env"] if e["name"] == "REDISCLI_AUTH")
+            assert auth_env["valueFrom"]["secretKeyRef"]["key"] == "learner-password"
+            for password, code in ((passwords["learner"], 0), (passwords["actor"], 1)):
+                assert subprocess.run(here, env={"PATH": "/usr/bin:/bin", "REDISCLI_AUTH": password},
+                                      capture_output=True).returncode == code
+        tester = redis.Redis(unix_socket_path=sock, username="tester", password="tester")
+
+        def allowed(user: str, command: str) -> bool:
+            return tester.execute_command("ACL", "DRYRUN", user, *command.split()) in (b"OK", "OK")
+
+        table = [("actor", c, True) for c in ACTOR_MAY] + [("actor", c, False) for c in ACTOR_MAY_NOT] + \
+                [("learner", c, True) for c in LEARNER_MAY] + [("learner", c, False) for c in LEARNER_MAY_NOT]
+        wrong = [(user, c, want) for user, c, want in table if allowed(user, c) != want]
+        assert not wrong, f"(user, command, should be allowed) that Redis decides otherwise: {wrong}"
+    finally:
+        server.terminate()
+        server.wait(timeout=10)

@@ -1,0 +1,29 @@
+"""Evaluations: the version travels as a field; groups given up on complete an evaluation without them."""
+from conftest import rollout
+from tidal.learner.evaluation import Evaluations
+
+
+def eval_group(group_id: str, version: int, reward: float):
+    group = rollout(reward=reward, group_id=group_id)
+    group.eval_version = version
+    return group
+
+
+def test_a_pass_rate_per_version_from_the_eval_version_field():
+    evals = Evaluations()
+    evals.expect(4, ["x", "y"])
+    evals.expect(6, ["z"])
+    assert evals.add(eval_group("x", 4, 1.0)) is None
+    assert evals.add(eval_group("z", 6, 0.0)) == (6, 0.0)
+    assert evals.add(eval_group("x", 4, 1.0)) is None  # a duplicate changes nothing
+    assert evals.add(eval_group("y", 4, 0.0)) == (4, 0.5)
+    assert not evals.waiting() and evals.results == {4: 0.5, 6: 0.0}
+
+
+def test_a_dead_lettered_group_completes_its_evaluation_without_it():
+    evals = Evaluations()
+    evals.expect(2, ["a", "b"])
+    evals.add(eval_group("a", 2, 1.0))
+    assert evals.owns("b") and not evals.owns("train-17")
+    assert evals.drop("b") == (2, 1.0)
+    assert evals.pending_versions() == []

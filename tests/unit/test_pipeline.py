@@ -1,0 +1,96 @@
+"""The whole pipeline in one process, in seconds: the real coordinator, learner and actor loop over
+the in-process broker (or ZeroMQ on loopback) and the file weight channel, with a scripted engine
+in place of vLLM."""
+import asyncio
+import json
+import threading
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import ALPHABET, TINY, ScriptedEngine
+from tidal.actor.loop import Actor
+from tidal.broker.inproc import InprocBroker
+from tidal.broker.schema import WireCodec
+from tidal.broker.weights import build_receiver
+from tidal.broker.zmq_transport import ZmqActorTransport, ZmqLearnerTransport
+from tidal.config import load_config, resolve
+from tidal.learner.main import build, serve
+from tidal.tasks import get_reward
+from tidal.tiny import build_tiny_model, save_model
+
+MAX_STEPS, MAX_LAG = 4, 1
+
+
+@pytest.fixture
+def tiny_model(tmp_path):
+    model, tokenizer = build_tiny_model(TINY, ALPHABET, seed=0)
+    save_model(model, tokenizer, tmp_path / "model")
+    return tmp_path / "model", tokenizer
+
+
+def transports(kind: str, cfg):
+    """(learner side, a function making the actor side on the actor's loop) of one transport."""
+    codec = WireCodec(cfg.broker.max_message_bytes)
+    if kind == "inproc":
+        broker = InprocBroker(codec)
+        return broker.learner(), lambda: broker.actor(cfg.actor.id)
+    learner_side = ZmqLearnerTransport(cfg.broker.zmq, codec)
+    ports = learner_side.ports
+    zmq_cfg = replace(cfg.broker.zmq, control_port=ports["control"], rollout_port=ports["rollout"],
+                      weights_port=ports["weights"])
+    return learner_side, lambda: ZmqActorTransport(zmq_cfg, WireCodec(cfg.broker.max_message_bytes), cfg.actor.id)
+
+
+def start_actor(actor_side, cfg, engine: ScriptedEngine) -> tuple[threading.Thread, dict]:
+    """The actor loop on its own event loop in a thread, as in its own process."""
+    result = {}
+
+    def main():
+        actor = Actor(cfg.actor, engine, actor_side(), build_receiver(cfg.weights),
+                      {cfg.task.name: get_reward(cfg.task.name)})
+        result["reason"] = asyncio.run(actor.run())
+        result["stats"] = actor.stats
+
+    thread = threading.Thread(target=main, name="actor", daemon=True)
+    thread.start()
+    return thread, result
+
+
+@pytest.mark.parametrize("kind", ["inproc", "zmq"])
+def test_coordinator_actor_and_learner_train_through_a_transport(tmp_path, tiny_model, kind):
+    model_path, tokenizer = tiny_model
+    cfg = resolve(load_config("configs/tiny.yaml", [
+        f"run_dir={tmp_path / 'run'}", f"model.path={model_path}", f"learner.max_steps={MAX_STEPS}",
+        "learner.groups_per_step=4", "sampling.n=4", f"staleness.max_lag={MAX_LAG}", "eval.every=2", "eval.n=2",
+        "task.num_val=8", "actor.max_inflight=16", "actor.heartbeat_s=0.2"]), actor=True)
+    learner_side, actor_side = transports(kind, cfg)
+    engine = ScriptedEngine(tokenizer, p_correct=0.5)
+    learner = build(cfg, transport=learner_side)
+    thread, actor = start_actor(actor_side, cfg, engine)
+
+    assert serve(learner, tmp_path / "run") == 0
+    thread.join(timeout=30)
+    assert actor["reason"] == "learner finished"
+
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == MAX_STEPS
+    assert set(summary["val_pass_rate_by_version"]) == {"0", "2", "4"}
+    # every published version reached the engine through the weight channel, the last one exactly
+    assert engine.swaps[-1] == MAX_STEPS and engine.swaps == sorted(engine.swaps)
+    final = learner.trainer.policy.state_dict()
+    assert set(engine.loaded) == set(final)
+    assert all(torch.equal(engine.loaded[name], final[name].cpu()) for name in final)
+    # the ledger: every trained group was released once and trained once
+    events = [json.loads(line) for line in (tmp_path / "run" / "ledger.jsonl").read_text().splitlines()]
+    released = [i for e in events if e["event"] == "released" for i in e["ids"]]
+    trained = [i for e in events if e["event"] == "trained" for i in e["ids"]]
+    assert len(released) == len(set(released)) and set(trained) <= set(released)
+    assert max(Counter(trained).values()) == 1 and len(trained) == MAX_STEPS * 4
+    steps = [m for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+             if "learner/loss" in m]
+    assert [m["step"] for m in steps] == list(range(1, MAX_STEPS + 1))
+    assert all(m["offpolicy/lag_max"] <= MAX_LAG for m in steps)
+    assert actor["stats"]["groups"] >= len(trained)
