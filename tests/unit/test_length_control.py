@@ -97,7 +97,7 @@ def test_splice_assembles_tokens_logprobs_and_masks(answer_finish, expected):
     assert c.finish_reason == expected  # "length": ran out of the answer budget too, a truncation
 
 
-class ScriptedEngine:
+class ThinkThenAnswerEngine:
     """Thinks 5 tokens then stops (unless the budget is smaller); answers [9, EOS]. Weights move from
     v3 to v4 between thinking and answering. Records every request."""
 
@@ -119,7 +119,7 @@ def prompt_group(sampling: SamplingParams, n=8) -> PromptGroup:
 
 
 def test_generate_interrupts_only_samples_that_reach_their_budget():
-    engine = ScriptedEngine()
+    engine = ThinkThenAnswerEngine()
     group = prompt_group(SamplingParams(max_tokens=12, stop_token_ids=(EOS,), interrupt=INTERRUPT))
     completions = asyncio.run(generate(engine, group))
     budgets = think_budgets("r-g1", 8, INTERRUPT)
@@ -141,7 +141,7 @@ def test_generate_interrupts_only_samples_that_reach_their_budget():
 
 
 def test_generate_without_interruptions_is_one_request():
-    engine = ScriptedEngine()
+    engine = ThinkThenAnswerEngine()
     completions = asyncio.run(generate(engine, prompt_group(SamplingParams(max_tokens=3), n=4)))
     assert engine.requests == [("r-g1", [7, 8], 4, None)]
     assert all(c.finish_reason == "length" and not c.injected_spans for c in completions)
