@@ -27,8 +27,9 @@ def setup_trainer(cfg: RunConfig):
 
     torch.set_num_threads(cfg.learner.torch_threads)
     torch.manual_seed(cfg.learner.seed)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    trainer = Trainer(cfg.learner, load_policy(cfg.model.path, cfg.model.dtype), accelerator, cfg.sampling.temperature)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.learner.mixed_precision)
+    policy = load_policy(cfg.model.path, cfg.learner.param_dtype)
+    trainer = Trainer(cfg.learner, policy, accelerator, cfg.sampling.temperature)
     checkpointer = Checkpointer(cfg.checkpoint, Path(cfg.run_dir) / "checkpoints", accelerator)
     return accelerator, trainer, checkpointer
 
@@ -67,7 +68,7 @@ def build(cfg: RunConfig, checkpoint: Path | None = None, transport=None):
     parts = LearnerParts(
         trainer=trainer, coordinator=coordinator, book=book, transport=transport, tracker=tracker,
         admission=Admission(cfg.staleness, cfg.learner.zero_variance_filter, book, coordinator.on_rewards),
-        publisher=build_publisher(cfg.weights, uuid.uuid4().hex[:12], cfg.name, cfg.run_dir),
+        publisher=build_publisher(cfg.weights, uuid.uuid4().hex[:12], cfg.name, cfg.run_dir, cfg.model.dtype),
         checkpointer=checkpointer, ranks=BatchBroadcast(accelerator))
     learner = Learner(cfg.learner, cfg.eval, parts)
     if state is None:

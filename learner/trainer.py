@@ -31,10 +31,12 @@ from tidal.learner.batch import (
 from tidal.learner.loss import LossInputs, policy_loss
 
 
-def load_policy(model_path: str, dtype: str):
+def load_policy(model_path: str, param_dtype: str):
+    """The policy with its parameters in `param_dtype` (the master weights the optimizer updates)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, param_dtype),
+                                                attn_implementation="sdpa")
 
 
 class PolicyLogprobs(torch.nn.Module):
@@ -53,7 +55,11 @@ class PolicyLogprobs(torch.nn.Module):
     def forward(self, input_ids, attention_mask, predict_at, targets) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.policy.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, L, D]
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, predict_at)  # [tokens, D]
-        return fused_logprobs(hidden, self.policy.lm_head.weight, targets, self.temperature, backend=self.backend)
+        weight = self.policy.lm_head.weight  # [V, D], in the master dtype
+        # The LM head in the weights' own dtype (fp32 master weights: fp32 logits), outside any autocast
+        # of the body, so mixed precision never rounds a logprob.
+        with torch.autocast(hidden.device.type, enabled=False):
+            return fused_logprobs(hidden.to(weight.dtype), weight, targets, self.temperature, backend=self.backend)
 
 
 def effective_lr(cfg: LearnerConfig) -> float:
@@ -138,8 +144,8 @@ class Trainer:
         """Logprobs of the step-start (proximal) policy for every row, and the step-start metrics."""
         # The unwrapped module runs no collectives, so ranks may run different numbers of micro-batches.
         module = self.accelerator.unwrap_model(self.model)
-        for rows in minibatches:
-            for rows_mb in micro_batches(rows, self.cfg.micro_batch_tokens):
+        with self.accelerator.autocast():  # the same compute dtype as the updates' forward passes
+            for rows_mb in (mb for rows in minibatches for mb in micro_batches(rows, self.cfg.micro_batch_tokens)):
                 mb = collate(rows_mb).to(self.accelerator.device)
                 logp, entropy = module(mb.input_ids, mb.attention_mask, mb.predict_at, mb.targets)
                 stats.add_step_start(mb, logp, entropy)

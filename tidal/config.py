@@ -17,6 +17,9 @@ class ConfigError(ValueError):
     """A config that cannot run: the message names the key and the value."""
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
 class LossType(enum.Enum):
     cispo = "cispo"
     tis = "tis"
@@ -83,7 +86,7 @@ class ModelConfig:
 
     path: str = ""  # a Hugging Face model directory; empty builds (or reuses) the tiny model
     cache_dir: str = "~/.cache/tidal/models"  # where built tiny models are kept, keyed by config
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    dtype: str = "float32"  # what the actors serve (and weights travel in): float32 | bfloat16 | float16
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
 
@@ -262,6 +265,10 @@ class LearnerConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     kernel_backend: str = "auto"  # logprob kernel: auto | torch | naive | triton
+    # master weights and AdamW state; keep float32: in bfloat16 updates below its resolution vanish
+    param_dtype: str = "float32"  # float32 | bfloat16 | float16
+    # forward/backward compute through Accelerate's autocast: no (param_dtype) | bf16 | fp16; the LM head stays fp32
+    mixed_precision: str = "no"
     torch_threads: int = 1  # intra-op threads of the learner
     rollout_timeout_s: float = 600.0  # no rollout for this long means the actors are gone: the learner fails
     health_file: str = ""  # touched while the loop makes progress, for liveness probes; empty = off
@@ -408,8 +415,7 @@ def check_model(cfg: RunConfig) -> None:
              f"head_dim {head_dim} is not 32, 64 or 128 (vLLM's CPU attention rejects others)")
     _require(tiny.num_heads % tiny.num_kv_heads == 0, "model.tiny.num_kv_heads", tiny.num_kv_heads,
              "must divide model.tiny.num_heads")
-    _require(cfg.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype", cfg.model.dtype,
-             "expected float32, bfloat16 or float16")
+    _require(cfg.model.dtype in DTYPES, "model.dtype", cfg.model.dtype, f"expected one of {', '.join(DTYPES)}")
 
 
 def check_sampling(cfg: RunConfig) -> None:
@@ -452,6 +458,9 @@ def check_learner(cfg: RunConfig) -> None:
     _require(lc.kernel_backend in ("auto", "torch", "naive", "triton"), "learner.kernel_backend",
              lc.kernel_backend, "expected auto, torch, naive or triton")
     _require(lc.micro_batch_tokens >= 1, "learner.micro_batch_tokens", lc.micro_batch_tokens, "must be >= 1")
+    _require(lc.param_dtype in DTYPES, "learner.param_dtype", lc.param_dtype, f"expected one of {', '.join(DTYPES)}")
+    _require(lc.mixed_precision in ("no", "bf16", "fp16"), "learner.mixed_precision", lc.mixed_precision,
+             "expected no, bf16 or fp16")
     loss, optim = lc.loss, lc.optim
     for key in ("eps_max", "tis_cap", "prox_cap", "gspo_clip_high"):
         _require(getattr(loss, key) > 0, f"learner.loss.{key}", getattr(loss, key), "must be > 0")

@@ -20,9 +20,11 @@ default_dir = file.default_dir  # where a run's weights live when weights.dir is
 __all__ = ["WeightPublisher", "WeightReceiver", "build_publisher", "build_receiver", "default_dir", "load_in_worker"]
 
 
-def build_publisher(cfg: WeightsConfig, incarnation: str, run_name: str, run_dir: str) -> WeightPublisher:
-    """`incarnation` names the learner process, so actors tell a resumed learner's versions apart."""
-    return file.FilePublisher(cfg, incarnation, owns_dir=cfg.dir == default_dir(run_name, run_dir))
+def build_publisher(cfg: WeightsConfig, incarnation: str, run_name: str, run_dir: str,
+                    dtype: str | None = None) -> WeightPublisher:
+    """`incarnation` names the learner process, so actors tell a resumed learner's versions apart;
+    weights travel in `dtype`, what the actors serve (model.dtype)."""
+    return file.FilePublisher(cfg, incarnation, owns_dir=cfg.dir == default_dir(run_name, run_dir), dtype=dtype)
 
 
 def build_receiver(cfg: WeightsConfig) -> WeightReceiver:

@@ -28,13 +28,14 @@ def default_dir(run_name: str, run_dir: str | Path) -> str:
     return f"/dev/shm/tidal-{run_name}-{run_dir.name}-{run_key}"
 
 
-def _unshared(named_tensors: dict) -> dict:
-    """Contiguous CPU tensors, tied ones (lm_head = embed_tokens) copied: safetensors refuses
-    shared storage, and the engine must receive every name it serves (on vLLM's CPU backend
-    a tied LM head is repacked on its own and keeps stale values if only the embedding is sent)."""
+def _unshared(named_tensors: dict, dtype=None) -> dict:
+    """Contiguous CPU tensors in `dtype` (None: as they are), tied ones (lm_head = embed_tokens)
+    copied: safetensors refuses shared storage, and the engine must receive every name it serves
+    (on vLLM's CPU backend a tied LM head is repacked on its own and keeps stale values if only the
+    embedding is sent)."""
     seen, out = set(), {}
     for name, tensor in named_tensors.items():
-        t = tensor.detach().contiguous().cpu()
+        t = tensor.detach().to(dtype or tensor.dtype).contiguous().cpu()
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
         out[name] = t.clone() if key in seen else t
         seen.add(key)
@@ -64,8 +65,9 @@ def read_manifest(path: Path) -> list[TensorSpec]:
 class FilePublisher(WeightPublisher):
     """Writes `weights-v{version:06d}.safetensors` under weights.dir, keeping the newest `keep`."""
 
-    def __init__(self, cfg: WeightsConfig, incarnation: str = "", owns_dir: bool = False):
+    def __init__(self, cfg: WeightsConfig, incarnation: str = "", owns_dir: bool = False, dtype: str | None = None):
         self.incarnation = incarnation
+        self.dtype = dtype  # what the actors serve: weights travel in it (master weights may be fp32)
         self.owns_dir = owns_dir  # the run's own folder (the default): removed by close()
         self.directory = Path(cfg.dir)
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -76,7 +78,10 @@ class FilePublisher(WeightPublisher):
 
         path = self.directory / f"weights-v{version:06d}.safetensors"
         tmp = path.with_suffix(".tmp")
-        save_file(_unshared(named_tensors), str(tmp), metadata={"version": str(version)})
+        import torch
+
+        dtype = getattr(torch, self.dtype) if self.dtype else None
+        save_file(_unshared(named_tensors, dtype), str(tmp), metadata={"version": str(version)})
         os.replace(tmp, path)  # atomic: readers see the whole file or none
         self._prune(version)
         return WeightUpdate(version=version, transport=TRANSPORT, location=str(path),
