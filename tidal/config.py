@@ -84,7 +84,10 @@ class TinyModelConfig:
 class ModelConfig:
     """Which weights the actors serve and the learner trains."""
 
-    path: str = ""  # a Hugging Face model directory; empty builds (or reuses) the tiny model
+    # a Hugging Face model folder, or a Hub id (org/name) fetched into the Hugging Face cache (HF_HUB_OFFLINE=1:
+    # the cache only); empty builds (or reuses) the tiny model
+    path: str = ""
+    revision: str = ""  # Hub ids: a branch, tag or commit; empty = main
     cache_dir: str = "~/.cache/tidal/models"  # where built tiny models are kept, keyed by config
     dtype: str = "float32"  # what the actors serve (and weights travel in): float32 | bfloat16 | float16
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
@@ -416,6 +419,8 @@ def check_model(cfg: RunConfig) -> None:
     _require(tiny.num_heads % tiny.num_kv_heads == 0, "model.tiny.num_kv_heads", tiny.num_kv_heads,
              "must divide model.tiny.num_heads")
     _require(cfg.model.dtype in DTYPES, "model.dtype", cfg.model.dtype, f"expected one of {', '.join(DTYPES)}")
+    _require(not cfg.model.revision or bool(cfg.model.path), "model.revision", cfg.model.revision,
+             "names a version of a Hub model: set model.path to its id (org/name)")
 
 
 def check_sampling(cfg: RunConfig) -> None:
