@@ -38,13 +38,11 @@ class Engine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(
-            model=model_path, dtype=dtype, enforce_eager=cfg.enforce_eager, seed=cfg.seed + cfg.index,
-            max_num_seqs=max_num_seqs or cfg.max_inflight,
-            logprobs_mode="processed_logprobs",  # behavior logprobs after temperature
-            worker_extension_cls="tidal.actor.worker_ext.TidalWorker",
-            enable_prefix_caching=False,  # a cached prefix would outlive a weight update
-        )
+        kwargs = engine_args(cfg, model_path, dtype, max_num_seqs)
+        try:
+            args = AsyncEngineArgs(**kwargs)
+        except TypeError as err:  # an engine_kwargs key this vLLM does not know
+            raise ValueError(f"config key 'actor.vllm.engine_kwargs' = {dict(cfg.vllm.engine_kwargs)}: {err}") from None
         self._llm = AsyncLLM.from_engine_args(args)
         self.version = 0
         self._swap_lock = asyncio.Lock()
@@ -94,6 +92,21 @@ class Engine:
 
     def shutdown(self) -> None:
         self._llm.shutdown()
+
+
+def engine_args(cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int | None = None) -> dict:
+    """AsyncEngineArgs for an actor: what tidal's correctness needs, then the user's engine settings."""
+    vllm = cfg.vllm
+    return {
+        "model": model_path, "dtype": dtype, "enforce_eager": cfg.enforce_eager, "seed": cfg.seed + cfg.index,
+        "max_num_seqs": max_num_seqs or cfg.max_inflight,
+        "logprobs_mode": "processed_logprobs",  # behavior logprobs after temperature
+        "worker_extension_cls": "tidal.actor.worker_ext.TidalWorker",
+        "enable_prefix_caching": False,  # a cached prefix would outlive a weight update
+        "tensor_parallel_size": vllm.tensor_parallel_size, "gpu_memory_utilization": vllm.gpu_memory_utilization,
+        **({"max_model_len": vllm.max_model_len} if vllm.max_model_len else {}),
+        **vllm.engine_kwargs,
+    }
 
 
 def _completion(c) -> Completion:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -144,6 +145,23 @@ class SamplingConfig:
 
 
 @dataclass(frozen=True)
+class VllmConfig:
+    """Settings of each actor's vLLM engine (vLLM's AsyncEngineArgs)."""
+
+    gpu_memory_utilization: float = 0.9  # fraction of each GPU's memory the engine may take (weights + KV cache)
+    tensor_parallel_size: int = 1  # GPUs one engine shards the model over
+    max_model_len: int = 0  # longest prompt + completion the engine accepts; 0 = the model's own
+    # any other AsyncEngineArgs field, e.g. {enable_chunked_prefill: true, swap_space: 8}
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+# engine arguments tidal sets itself: its correctness depends on them
+TIDAL_ENGINE_ARGS = ("model", "dtype", "seed", "logprobs_mode", "worker_extension_cls", "enable_prefix_caching",
+                     "max_num_seqs", "tensor_parallel_size", "gpu_memory_utilization", "max_model_len",
+                     "enforce_eager")
+
+
+@dataclass(frozen=True)
 class ActorConfig:
     """One vLLM engine per actor process."""
 
@@ -159,6 +177,10 @@ class ActorConfig:
     max_restarts: int = 5  # the launcher restarts a dead actor this many times (per actor) before giving up
     restart_backoff_s: float = 1.0  # first restart delay; doubles per restart of the same actor, up to 30 s
     health_file: str = ""  # touched every heartbeat, for liveness probes (`tidal health FILE`); empty = off
+    # GPUs of each actor (`tidal run` sets CUDA_VISIBLE_DEVICES); -1 = actor.vllm.tensor_parallel_size where the
+    # machine has GPUs, none where it has not; 0 = none
+    gpus_per_replica: int = -1
+    vllm: VllmConfig = field(default_factory=VllmConfig)
 
 
 @dataclass(frozen=True)
@@ -262,6 +284,9 @@ class LearnerConfig:
     groups_per_step: int = 16  # prompt groups in one optimizer step
     max_steps: int = 100  # optimizer steps of the run
     num_ranks: int = 1  # learner processes; `tidal run` starts them with torchrun (rank 0 talks to the actors)
+    # GPUs of the learner, one per rank (`tidal run` sets CUDA_VISIBLE_DEVICES); -1 = learner.num_ranks where the
+    # machine has GPUs, none where it has not; 0 = none (train on CPU)
+    gpus: int = -1
     micro_batch_tokens: int = 8192  # padded tokens (rows x longest row) of one forward/backward micro-batch
     advantage_norm: AdvantageNorm = AdvantageNorm.batch  # how group-centred advantages are scaled
     zero_variance_filter: bool = True  # drop groups whose rewards are all equal
@@ -481,6 +506,22 @@ def check_learner(cfg: RunConfig) -> None:
     _require(cfg.actor.index >= 0, "actor.index", cfg.actor.index, "must be >= 0")
 
 
+def check_devices(cfg: RunConfig) -> None:
+    lc, ac, vc = cfg.learner, cfg.actor, cfg.actor.vllm
+    _require(lc.gpus in (-1, 0, lc.num_ranks), "learner.gpus", lc.gpus,
+             f"one GPU per rank: -1 (auto), 0 (CPU) or learner.num_ranks = {lc.num_ranks}")
+    _require(vc.tensor_parallel_size >= 1, "actor.vllm.tensor_parallel_size", vc.tensor_parallel_size, "must be >= 1")
+    _require(ac.gpus_per_replica in (-1, 0) or ac.gpus_per_replica >= vc.tensor_parallel_size,
+             "actor.gpus_per_replica", ac.gpus_per_replica,
+             f"-1 (auto), 0 (CPU) or at least actor.vllm.tensor_parallel_size = {vc.tensor_parallel_size}")
+    _require(0 < vc.gpu_memory_utilization <= 1, "actor.vllm.gpu_memory_utilization", vc.gpu_memory_utilization,
+             "must be in (0, 1]")
+    _require(vc.max_model_len >= 0, "actor.vllm.max_model_len", vc.max_model_len, "must be >= 0 (0 = the model's)")
+    taken = sorted(set(vc.engine_kwargs) & set(TIDAL_ENGINE_ARGS))
+    _require(not taken, "actor.vllm.engine_kwargs", taken,
+             "tidal sets these engine arguments itself (use the actor.* / actor.vllm.* keys where there is one)")
+
+
 def check_curriculum(cfg: RunConfig) -> None:
     cur = cfg.curriculum
     _require(0 < cur.retire_pass_rate <= 1, "curriculum.retire_pass_rate", cur.retire_pass_rate,
@@ -499,5 +540,6 @@ def check_broker(cfg: RunConfig) -> None:
 
 
 def validate(cfg: RunConfig) -> None:
-    for check in (check_model, check_sampling, check_length_control, check_learner, check_curriculum, check_broker):
+    for check in (check_model, check_sampling, check_length_control, check_learner, check_devices, check_curriculum,
+                  check_broker):
         check(cfg)

@@ -23,6 +23,7 @@ from functools import partial
 from pathlib import Path
 
 from tidal.config import BrokerType, RunConfig, resolve, to_yaml
+from tidal.placement import Placement, PlacementError, Slot, place, visible_gpus
 
 
 @dataclass
@@ -32,7 +33,7 @@ class Child:
     proc: subprocess.Popen
     log_path: Path
     args: list[str] = field(default_factory=list)  # to start it again
-    cores: str | None = None
+    slot: Slot = field(default_factory=Slot)  # its cores and GPUs
     restarts: int = 0
     restart_at: float | None = None  # when a dead actor is due to start again
 
@@ -54,34 +55,23 @@ def prepare(cfg: RunConfig, redis_url: str | None = None) -> RunConfig:
     return cfg
 
 
-def cpu_plan(num_actors: int) -> tuple[str, list[str]]:
-    """Cores for the learner and for each actor's engine threads.
-
-    The engine pins its OpenMP threads; left on auto, every actor claims every core. Give the
-    learner core 0 and spread the actors over the others (sharing when there are too few).
-    """
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) == 1:
-        return str(cores[0]), [str(cores[0])] * num_actors
-    rest = cores[1:]
-    return str(cores[0]), [str(rest[i % len(rest)]) for i in range(num_actors)]
-
-
-def start_children(cfg: RunConfig, run_dir: Path, children: list[Child], resume: str | None = None) -> None:
+def start_children(cfg: RunConfig, placement: Placement, children: list[Child], resume: str | None = None) -> None:
     """The learner first; the actors once it has bound its endpoints. Appends to `children`
     as it goes, so the caller can stop whatever started if a later start fails."""
+    run_dir = Path(cfg.run_dir)
     (run_dir / "logs").mkdir(exist_ok=True)
     (run_dir / "endpoints.json").unlink(missing_ok=True)
     config = str(run_dir / "config.yaml")
-    learner_cores, actor_cores = cpu_plan(cfg.actor.replicas)
     learner_args = ["learner", "--config", config, *(["--resume", resume] if resume else [])]
-    children.append(_spawn("learner", "learner", learner_args, run_dir, learner_cores, ranks=cfg.learner.num_ranks))
+    children.append(_spawn("learner", "learner", learner_args, run_dir, placement.learner,
+                           ranks=cfg.learner.num_ranks))
     ports = wait_for_endpoints(run_dir, children[-1])
-    for i in range(cfg.actor.replicas):
+    for i, slot in enumerate(placement.actors):
         overrides = [f"actor.index={i}", *actor_endpoint_overrides(ports)]
-        if not cfg.actor.cpu_cores:
-            overrides.append(f"actor.cpu_cores={actor_cores[i]}")
-        children.append(_spawn(f"actor-{i}", "actor", ["actor", "--config", config, *overrides], run_dir, None))
+        if slot.gpus is None and not cfg.actor.cpu_cores:
+            overrides.append(f"actor.cpu_cores={slot.cores}")  # vLLM's CPU engine binds its threads there
+        children.append(_spawn(f"actor-{i}", "actor", ["actor", "--config", config, *overrides], run_dir,
+                               Slot(gpus=slot.gpus)))
 
 
 def actor_endpoint_overrides(ports: dict[str, int]) -> list[str]:
@@ -89,21 +79,22 @@ def actor_endpoint_overrides(ports: dict[str, int]) -> list[str]:
     return [f"broker.zmq.{name}_port={port}" for name, port in ports.items()]
 
 
-def _spawn(name: str, role: str, args: list[str], run_dir: Path, cores: str | None, restarts: int = 0,
+def _spawn(name: str, role: str, args: list[str], run_dir: Path, slot: Slot, restarts: int = 0,
            ranks: int = 1) -> Child:
     log_path = run_dir / "logs" / f"{name}.log"
     cmd = [sys.executable, "-m", "tidal", *args]
     if ranks > 1:  # torchrun starts the ranks; it stops them all if one fails
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
                f"--master-port={_free_port()}", "-m", "tidal", *args]
-    if cores is not None and _has_taskset():
-        cmd = ["taskset", "-c", cores, *cmd]
+    if slot.cores is not None and _has_taskset():
+        cmd = ["taskset", "-c", slot.cores, *cmd]
     log_file = open(log_path, "a" if restarts else "w")
     if restarts:
         log_file.write(f"\n===== restart {restarts} =====\n")
         log_file.flush()
-    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-    return Child(name, role, proc, log_path, args, cores, restarts)
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=os.environ | slot.env())
+    return Child(name, role, proc, log_path, args, slot, restarts)
 
 
 def start_redis(cfg: RunConfig, run_dir: Path) -> tuple[Child, str]:
@@ -236,7 +227,7 @@ def _restart_actor(c: Child, code: int, cfg, run_dir: Path, bar) -> Child:
         return c
     if now < c.restart_at:
         return c
-    return _spawn(c.name, c.role, c.args, run_dir, c.cores, restarts=c.restarts + 1)
+    return _spawn(c.name, c.role, c.args, run_dir, c.slot, restarts=c.restarts + 1)
 
 
 def sweep_orphan_shm() -> None:
@@ -302,6 +293,11 @@ def launch(cfg: RunConfig, resume: str | None = None) -> int:
     if resume and not cfg.run_dir:
         print("tidal run: --resume needs run_dir=<the run's folder>", file=sys.stderr)
         return 2
+    try:
+        placement = place(cfg.learner, cfg.actor, visible_gpus(), sorted(os.sched_getaffinity(0)))
+    except PlacementError as err:
+        print(f"tidal run: {err}", file=sys.stderr)
+        return 2
     children: list[Child] = []
     try:
         cfg = resolve(cfg)  # the run directory first: an embedded redis-server keeps its data there
@@ -313,7 +309,7 @@ def launch(cfg: RunConfig, resume: str | None = None) -> int:
             children.append(redis)
         cfg = prepare(cfg, redis_url)
         print(f"[run] {run_dir}: learner + {cfg.actor.replicas} actor(s)", flush=True)
-        start_children(cfg, run_dir, children, resume)
+        start_children(cfg, placement, children, resume)
         supervise(children, run_dir, cfg)
     except LaunchError as err:
         print(f"tidal run failed: {err}", file=sys.stderr)

@@ -1,0 +1,77 @@
+"""`tidal run` places each process: its GPUs through CUDA_VISIBLE_DEVICES, or CPU cores; a plan the
+machine cannot hold is refused in one line. Engine settings reach vLLM's arguments."""
+import re
+
+import pytest
+
+from conftest import ROOT
+from tidal.actor.engine import engine_args
+from tidal.cli import main
+from tidal.config import ConfigError, load_config
+from tidal.placement import PlacementError, Slot, place
+
+
+def cfg(*overrides):
+    return load_config(ROOT / "configs/tiny.yaml", list(overrides))
+
+
+def test_gpus_go_to_the_learner_first_then_each_actor():
+    c = cfg("actor.replicas=2", "actor.vllm.tensor_parallel_size=2")
+    plan = place(c.learner, c.actor, ["0", "1", "2", "3", "4", "5"], cores=[0, 1])
+    assert plan.learner == Slot(gpus=("0",))
+    assert [a.gpus for a in plan.actors] == [("1", "2"), ("3", "4")]
+    assert plan.actors[1].env() == {"CUDA_VISIBLE_DEVICES": "3,4"}
+
+
+def test_learner_ranks_get_a_gpu_each_and_uuids_pass_through():
+    c = cfg("learner.num_ranks=2", "actor.replicas=1")
+    plan = place(c.learner, c.actor, ["GPU-a", "GPU-b", "GPU-c"], cores=[0])
+    assert (plan.learner.gpus, plan.actors[0].gpus) == (("GPU-a", "GPU-b"), ("GPU-c",))
+
+
+def test_a_cpu_machine_pins_cores_and_leaves_cuda_alone():
+    c = cfg("actor.replicas=3")
+    plan = place(c.learner, c.actor, [], cores=[0, 1, 2])
+    assert plan.learner == Slot(cores="0") and [a.cores for a in plan.actors] == ["1", "2", "1"]
+    assert all(a.env() == {} for a in plan.actors)
+
+
+@pytest.mark.parametrize("overrides, gpus, says", [
+    (["actor.replicas=2"], ["0", "1"], "needs 3 GPUs (learner 1 + 2 actor(s) x 1) but 2 are visible"),
+    (["actor.vllm.tensor_parallel_size=4"], ["0", "1", "2", "3"], "needs 5 GPUs"),
+    (["actor.gpus_per_replica=1"], [], "actor.gpus_per_replica = 1 but this machine has no visible GPU"),
+])
+def test_an_impossible_plan_is_refused(overrides, gpus, says):
+    c = cfg(*overrides)
+    with pytest.raises(PlacementError, match=re.escape(says)):
+        place(c.learner, c.actor, gpus, cores=[0, 1])
+
+
+def test_tidal_run_refuses_it_in_one_line_before_starting_anything(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert main(["run", str(ROOT / "configs/tiny.yaml"), f"run_dir={tmp_path / 'run'}", "actor.replicas=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs 3 GPUs" in err[0]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["learner.gpus=3"], "learner.gpus"),
+    (["actor.gpus_per_replica=1", "actor.vllm.tensor_parallel_size=2"], "actor.gpus_per_replica"),
+    (["actor.vllm.gpu_memory_utilization=1.5"], "actor.vllm.gpu_memory_utilization"),
+    (["actor.vllm.engine_kwargs.enable_prefix_caching=true"], "actor.vllm.engine_kwargs"),
+])
+def test_bad_device_keys_are_named(overrides, key):
+    with pytest.raises(ConfigError, match=key):
+        cfg(*overrides)
+
+
+def test_engine_settings_reach_vllm_and_tidal_keeps_its_own():
+    c = cfg("actor.vllm.gpu_memory_utilization=0.5", "actor.vllm.tensor_parallel_size=2",
+            "actor.vllm.max_model_len=4096", "actor.vllm.engine_kwargs.enable_chunked_prefill=true", "actor.index=2")
+    args = engine_args(c.actor, "/m", "bfloat16")
+    assert {k: args[k] for k in ("gpu_memory_utilization", "tensor_parallel_size", "max_model_len",
+                                 "enable_chunked_prefill")} == {"gpu_memory_utilization": 0.5, "tensor_parallel_size": 2,
+                                                                "max_model_len": 4096, "enable_chunked_prefill": True}
+    assert (args["seed"], args["enable_prefix_caching"], args["logprobs_mode"]) == (2, False, "processed_logprobs")
+    assert "max_model_len" not in engine_args(cfg().actor, "/m", "float32")  # 0: the model's own
