@@ -44,6 +44,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture
+def fresh_accelerator():
+    """Accelerate keeps one process-wide state: a test that builds its own Accelerator (another mixed
+    precision) starts from none and leaves none behind, as a new process would."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 # ---- wire messages -------------------------------------------------------------------------------
 
 def prompt_group(i: int, n: int = 4, eval_version: int | None = None) -> PromptGroup:

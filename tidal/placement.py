@@ -63,8 +63,8 @@ def place(learner: LearnerConfig, actor: ActorConfig, gpus: list[str], cores: li
             f"{len(gpus)} are visible ({','.join(gpus)}): lower actor.replicas, actor.gpus_per_replica or "
             f"actor.vllm.tensor_parallel_size, or learner.num_ranks")
     actor_gpus = gpus[learner_gpus:]
-    return Placement(Slot(gpus=tuple(gpus[:learner_gpus])),
-                     tuple(Slot(gpus=tuple(actor_gpus[i * per_actor:(i + 1) * per_actor])) for i in range(actor.replicas)))
+    actors = (Slot(gpus=tuple(actor_gpus[i * per_actor:(i + 1) * per_actor])) for i in range(actor.replicas))
+    return Placement(Slot(gpus=tuple(gpus[:learner_gpus])), tuple(actors))
 
 
 def cpu_placement(num_actors: int, cores: list[int]) -> Placement:

@@ -70,8 +70,7 @@ def test_engine_settings_reach_vllm_and_tidal_keeps_its_own():
     c = cfg("actor.vllm.gpu_memory_utilization=0.5", "actor.vllm.tensor_parallel_size=2",
             "actor.vllm.max_model_len=4096", "actor.vllm.engine_kwargs.enable_chunked_prefill=true", "actor.index=2")
     args = engine_args(c.actor, "/m", "bfloat16")
-    assert {k: args[k] for k in ("gpu_memory_utilization", "tensor_parallel_size", "max_model_len",
-                                 "enable_chunked_prefill")} == {"gpu_memory_utilization": 0.5, "tensor_parallel_size": 2,
-                                                                "max_model_len": 4096, "enable_chunked_prefill": True}
+    keys = ("gpu_memory_utilization", "tensor_parallel_size", "max_model_len", "enable_chunked_prefill")
+    assert [args[k] for k in keys] == [0.5, 2, 4096, True]
     assert (args["seed"], args["enable_prefix_caching"], args["logprobs_mode"]) == (2, False, "processed_logprobs")
     assert "max_model_len" not in engine_args(cfg().actor, "/m", "float32")  # 0: the model's own

@@ -44,7 +44,7 @@ def moved_fraction(before, after, grads) -> float:
     return moved / has_grad
 
 
-def test_a_bf16_preset_keeps_fp32_master_weights_and_moves_every_weight(tiny_path, tmp_path):
+def test_a_bf16_preset_keeps_fp32_master_weights_and_moves_every_weight(tiny_path, tmp_path, fresh_accelerator):
     cfg = load_config(ROOT / "configs" / "math.yaml")
     assert (cfg.learner.param_dtype, cfg.learner.mixed_precision) == ("float32", "bf16")
     before, after, grads = one_step(tiny_path, tmp_path, "math.yaml")
@@ -53,13 +53,13 @@ def test_a_bf16_preset_keeps_fp32_master_weights_and_moves_every_weight(tiny_pat
     assert moved_fraction(before, after, grads) > 0.999
 
 
-def test_bf16_master_weights_lose_most_small_updates(tiny_path, tmp_path):
+def test_bf16_master_weights_lose_most_small_updates(tiny_path, tmp_path, fresh_accelerator):
     """Why: the same step with the weights themselves in bf16 (what the presets used to do)."""
     before, after, grads = one_step(tiny_path, tmp_path, "math.yaml", "learner.param_dtype=bfloat16")
     assert moved_fraction(before, after, grads) < 0.2
 
 
-def test_the_body_computes_in_bf16_and_the_lm_head_in_fp32(tiny_path, tmp_path):
+def test_the_body_computes_in_bf16_and_the_lm_head_in_fp32(tiny_path, tmp_path, fresh_accelerator):
     cfg = resolve(load_config(ROOT / "configs" / "math.yaml", [f"model.path={tiny_path}", f"run_dir={tmp_path}",
                                                                "learner.kernel_backend=torch"]))
     accelerator, trainer, _ = setup_trainer(cfg)
