@@ -21,7 +21,7 @@ async def serve(cfg: RunConfig) -> str:
     transport = actor_transport(cfg.broker, cfg.actor.id, cfg.name)
     engine = Engine(cfg.actor, cfg.model.path, cfg.model.dtype)
     await engine.set_version(0)
-    actor = Actor(cfg.actor, engine, transport, build_receiver(cfg.weights), {cfg.task.name: get_reward(cfg.task.name)})
+    actor = Actor(cfg.actor, engine, transport, build_receiver(cfg.weights), {cfg.task.name: get_reward(cfg.task)})
     loop = asyncio.get_running_loop()
 
     def on_signal(sig: signal.Signals) -> None:

@@ -44,12 +44,13 @@ class DispatchPlan:
 
 
 class Coordinator:
-    def __init__(self, plan: DispatchPlan, train: list[Prompt], val: list[Prompt], encode: Callable[[str], list[int]],
-                 transport: LearnerTransport, book: GroupBook, curriculum: CurriculumConfig | None = None):
+    def __init__(self, plan: DispatchPlan, train: list[Prompt], val: list[Prompt],
+                 encode: Callable[[Prompt], list[int]], transport: LearnerTransport, book: GroupBook,
+                 curriculum: CurriculumConfig | None = None):
         self.plan = plan
         self.train = train
         self.val = val
-        self.encode = encode  # text -> token ids
+        self.encode = encode  # prompt -> token ids (tidal.tasks.PromptEncoder)
         self.transport = transport
         self.book = book
         self.version = 0
@@ -160,7 +161,7 @@ class Coordinator:
         is_eval = eval_version is not None
         return PromptGroup(
             run_id=self.plan.run_id, group_id=group_id, prompt_id=prompt.prompt_id,
-            prompt_tokens=int32s(self.encode(prompt.text)), task=self.plan.task, payload=prompt.payload,
+            prompt_tokens=int32s(self.encode(prompt)), task=self.plan.task, payload=prompt.payload,
             n=self.plan.eval_n if is_eval else self.plan.n,
             sampling=self.plan.eval_sampling if is_eval else self.plan.sampling,
             min_version=min_version, eval_version=eval_version)

@@ -49,7 +49,7 @@ def build(cfg: RunConfig, checkpoint: Path | None = None, transport=None):
     from tidal.learner.loop import Learner, LearnerParts
     from tidal.learner.ranks import BatchBroadcast
     from tidal.learner.tracking import Tracker
-    from tidal.tasks import encode_prompt, get_task
+    from tidal.tasks import PromptEncoder, get_task
 
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -62,8 +62,8 @@ def build(cfg: RunConfig, checkpoint: Path | None = None, transport=None):
     plan.sampling.check()  # the interruption text's token count is known only now: does it fit max_tokens?
     ledger_offset = state["coordinator"]["ledger_offset"] if state else 0  # the ledger describes the live lineage
     book = GroupBook(Ledger(run_dir / "ledger.jsonl", truncate_to=ledger_offset))
-    coordinator = Coordinator(plan, split.train, split.val, partial(encode_prompt, tokenizer), transport, book,
-                              cfg.curriculum)
+    encode = PromptEncoder(tokenizer, cfg.task.chat_template, cfg.task.system_prompt)
+    coordinator = Coordinator(plan, split.train, split.val, encode, transport, book, cfg.curriculum)
     tracker = Tracker(cfg.tracking, run_dir, cfg.name, resume_run_id=state["mlflow_run_id"] if state else None)
     parts = LearnerParts(
         trainer=trainer, coordinator=coordinator, book=book, transport=transport, tracker=tracker,

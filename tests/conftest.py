@@ -140,6 +140,12 @@ def run_step(cfg: LearnerConfig, accelerator, groups=None, masks=None) -> tuple[
     return params, metrics
 
 
+# the tiny tokenizer knows only "0123456789+=": a chat template it can render; a system message "7"
+# and a user message "12+34" come out as "7+12+34="
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'system' %}+{% endif %}"
+                      "{% endfor %}{% if add_generation_prompt %}={% endif %}")
+
+
 # ---- the actor's engine, scripted (no vLLM) ------------------------------------------------------
 
 class ScriptedEngine:

@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _role(cfg, args) -> int:
+    from tidal.tasks import get_task
+
+    get_task(cfg.task.name)  # an unknown or incomplete task is one line, before any process starts
     if args.command == "run":
         from tidal.launcher import launch
 

@@ -98,16 +98,26 @@ class ModelConfig:
 class TaskConfig:
     """The task: prompts for the coordinator, the reward for the actors."""
 
-    name: str = "arithmetic"  # a module in tidal.tasks
+    # built-in (arithmetic, math), installed (entry-point group tidal.tasks) or an import path (my_pkg.my_task)
+    name: str = "arithmetic"
+    kwargs: dict[str, Any] = field(default_factory=dict)  # options of the task itself, e.g. {tolerance: 0.01}
     max_operand: int = 99  # arithmetic: operands are drawn from 0..max_operand
     num_val: int = 256  # held-out prompts for evaluation (never trained on); math: at most this many
     seed: int = 0  # split seed
-    data_path: str = ""  # math: training problems, a JSON Lines (.jsonl, .json) or Parquet file
-    val_path: str = ""  # math: held-out problems (num_val drawn by seed); empty = split num_val off data_path
-    prompt_field: str = "problem"  # math: the column holding the problem text
-    answer_field: str = "answer"  # math: the column holding the gold answer, e.g. "\\frac{1}{2}" or "12"
-    # math: the prompt text; {<prompt_field>} is replaced by the problem, {{ and }} are literal braces
+    # training prompts: a JSON Lines (.jsonl, .json) or Parquet file, a folder of them, or a Hub dataset id
+    data_path: str = ""
+    data_config: str = ""  # Hub datasets: the configuration (subset) name; empty = the default
+    data_split: str = "train"  # folders and Hub datasets: the split of data_path to train on
+    val_path: str = ""  # held-out prompts (num_val drawn by seed), read like data_path; empty = split off data_path
+    val_split: str = "test"  # folders and Hub datasets: the split of val_path
+    # the column holding each prompt: a string, or chat messages [{role, content}, ...] (TRL's conversational format)
+    prompt_field: str = "problem"
+    answer_field: str = "answer"  # the column holding the gold answer, e.g. "\\frac{1}{2}" or "12"
+    # string prompts: the text; {<prompt_field>} is replaced by the prompt, {{ and }} are literal braces
     prompt_template: str = "{problem}\nPut the final answer in \\boxed{{}}."
+    # apply the tokenizer's chat template (a string prompt becomes one user message; chat messages always get it)
+    chat_template: bool = False
+    system_prompt: str = ""  # with a chat template: a system message first, unless the prompt's messages have one
 
 
 @dataclass(frozen=True)

@@ -32,10 +32,11 @@ async def measure(cfg: RunConfig, batch_sizes: list[int], reps: int) -> list[Thr
 
     from tidal.actor.engine import Engine
     from tidal.broker.schema import SamplingParams
-    from tidal.tasks import encode_prompt, get_task
+    from tidal.tasks import PromptEncoder, get_task
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     prompts = get_task(cfg.task.name).load_prompts(cfg.task).train
+    encode = PromptEncoder(tokenizer, cfg.task.chat_template, cfg.task.system_prompt)
     params = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_tokens,
                             (tokenizer.eos_token_id,))
     engine = Engine(cfg.actor, cfg.model.path, cfg.model.dtype,
@@ -46,7 +47,7 @@ async def measure(cfg: RunConfig, batch_sizes: list[int], reps: int) -> list[Thr
         for b in [batch_sizes[0], *batch_sizes]:  # the first pass warms the engine up
             elapsed, samples, tokens = 0.0, 0, 0
             for _ in range(reps):
-                batch = [encode_prompt(tokenizer, prompts[(counter + i) % len(prompts)].text) for i in range(b)]
+                batch = [encode(prompts[(counter + i) % len(prompts)]) for i in range(b)]
                 counter += b
                 start = time.perf_counter()
                 groups = await asyncio.gather(*(engine.sample(ids, cfg.sampling.n, params, f"plan-{counter}-{i}")

@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from tidal.config import ModelConfig, TaskConfig, TinyModelConfig
+from tidal.config import ConfigError, ModelConfig, TaskConfig, TinyModelConfig
 
 PAD, EOS = "<pad>", "<eos>"
 
@@ -42,7 +42,10 @@ def cached_model_path(model: ModelConfig, task: TaskConfig) -> Path:
     """Where the warm-started tiny model for this config lives (built by `tidal prepare`)."""
     from tidal.tasks import get_task
 
-    alphabet = get_task(task.name).ALPHABET
+    alphabet = getattr(get_task(task.name), "ALPHABET", None)
+    if alphabet is None:
+        raise ConfigError(f"config key 'model.path' = '': task {task.name!r} has no ALPHABET to build the tiny "
+                          "model from; set model.path to a Hugging Face model")
     return Path(model.cache_dir).expanduser() / f"tiny-{task.name}-{cache_key(model.tiny, task, alphabet)}"
 
 

@@ -93,7 +93,8 @@ def test_bad_parquet_row_names_the_row(tmp_path):
     ({"val_path": "missing-val.parquet"}, FileNotFoundError, "'task.val_path' = 'missing-val.parquet'"),
     ({"data_path": ""}, ValueError, "'task.data_path' is empty"),
     ({"answer_field": "solution"}, ValueError, "no column 'solution' (config key task.answer_field)"),
-    ({"prompt_field": "question"}, ValueError, "needs exactly the placeholder {question}"),
+    ({"prompt_field": "question"}, ValueError, "no column 'question' (config key task.prompt_field)"),
+    ({"prompt_field": "answer"}, ValueError, "needs exactly the placeholder {answer}"),
     ({"prompt_template": "{problem} in \\boxed{}"}, ValueError, "found {}, {problem}"),
     ({"num_val": 12}, ValueError, "'task.num_val' = 12 leaves no training prompts"),
 ])

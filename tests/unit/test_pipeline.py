@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import ALPHABET, TINY, ScriptedEngine
+from conftest import ALPHABET, TINY, TINY_CHAT_TEMPLATE, ScriptedEngine
 from tidal.actor.loop import Actor
 from tidal.broker.inproc import InprocBroker
 from tidal.broker.schema import WireCodec
@@ -50,7 +50,7 @@ def start_actor(actor_side, cfg, engine: ScriptedEngine) -> tuple[threading.Thre
 
     def main():
         actor = Actor(cfg.actor, engine, actor_side(), build_receiver(cfg.weights),
-                      {cfg.task.name: get_reward(cfg.task.name)})
+                      {cfg.task.name: get_reward(cfg.task)})
         result["reason"] = asyncio.run(actor.run())
         result["stats"] = actor.stats
 
@@ -94,3 +94,57 @@ def test_coordinator_actor_and_learner_train_through_a_transport(tmp_path, tiny_
     assert [m["step"] for m in steps] == list(range(1, MAX_STEPS + 1))
     assert all(m["offpolicy/lag_max"] <= MAX_LAG for m in steps)
     assert actor["stats"]["groups"] >= len(trained)
+
+
+USER_TASK = '''
+"""A user's own task, outside tidal: chat prompts from a JSON Lines file, a reward that logs what it saw."""
+from pathlib import Path
+
+from tidal.tasks import Prompt, Split
+from tidal.tasks.data import load_rows
+
+
+def load_prompts(cfg):
+    rows = load_rows(cfg.data_path, "task.data_path", cfg.prompt_field, cfg.answer_field)
+    prompts = [Prompt(i, "", {"answer": r[cfg.answer_field]}, messages=tuple(r[cfg.prompt_field]))
+               for i, r in enumerate(rows)]
+    return Split(train=prompts[cfg.num_val:], val=prompts[:cfg.num_val])
+
+
+def build_reward(cfg):
+    log = Path(cfg.kwargs["log"])
+
+    def reward(text, payload):
+        with log.open("a") as f:
+            f.write(f"{text} {payload['answer']}\\n")
+        return 1.0 if text == payload["answer"] else 0.0
+    return reward
+'''
+
+
+def test_a_users_task_from_outside_the_package_with_chat_prompts(tmp_path, monkeypatch):
+    """task.name is an import path; its prompts are chat messages rendered by the tokenizer's chat
+    template; its reward is built from task.kwargs. The actor only ever sees the learner's tokens."""
+    (tmp_path / "user_tasks").mkdir()
+    (tmp_path / "user_tasks" / "sums.py").write_text(USER_TASK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [{"messages": [{"role": "user", "content": f"{a:02d}+{b:02d}"}], "answer": f"{a + b:03d}"}
+            for a in range(10, 20) for b in range(30, 34)]
+    (tmp_path / "sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model, tokenizer = build_tiny_model(TINY, ALPHABET, seed=0)
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    save_model(model, tokenizer, tmp_path / "model")
+    cfg = resolve(load_config("configs/tiny.yaml", [
+        f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}", "learner.max_steps=2",
+        "learner.groups_per_step=4", "sampling.n=4", "eval.every=0", "eval.n=2", "actor.heartbeat_s=0.2",
+        "task.name=user_tasks.sums", f"task.data_path={tmp_path / 'sums.jsonl'}", "task.prompt_field=messages",
+        "task.num_val=4", f"task.kwargs.log={tmp_path / 'rewards.log'}"]), actor=True)
+    learner_side, actor_side = transports("inproc", cfg)
+    learner = build(cfg, transport=learner_side)
+    thread, actor = start_actor(actor_side, cfg, ScriptedEngine(tokenizer, p_correct=0.5))
+    assert serve(learner, tmp_path / "run") == 0
+    thread.join(timeout=30)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["val_pass_rate_final"] is not None
+    seen = [line.split() for line in (tmp_path / "rewards.log").read_text().splitlines()]
+    assert len(seen) >= 2 * 4 * 4 and all(len(answer) == 3 for _, answer in seen)  # the user's answers, scored

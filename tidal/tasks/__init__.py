@@ -1,20 +1,37 @@
-"""Tasks: each module makes its prompts (for the learner's coordinator) and scores completions
-(for the actors). A task module exposes `load_prompts(cfg) -> Split`, `reward(text, payload)` and
-`ALPHABET`, the characters the tiny model's tokenizer is built from (tasks for real models raise on it).
+"""Tasks: each makes its prompts (for the learner's coordinator) and scores completions (for the
+actors). A task is a module with
+
+    load_prompts(cfg: TaskConfig) -> Split          training and held-out prompts
+    reward(text: str, payload: dict) -> float       1.0 for a pass; or build_reward(cfg) -> that function
+    ALPHABET (optional)                             characters the tiny model's tokenizer is built from
+
+`task.name` is a built-in task (arithmetic, math), one installed under the entry-point group
+`tidal.tasks`, or an import path (`my_pkg.my_task`); `task.kwargs` holds its own options. Prompts
+become token ids once, on the learner (`PromptEncoder`): actors receive tokens, so both sides see
+exactly the same prompt, chat template and system prompt included.
 """
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from types import ModuleType
+
+from tidal.config import ConfigError, TaskConfig
+
+BUILTIN = {"arithmetic": "tidal.tasks.arithmetic", "math": "tidal.tasks.math"}
+ENTRY_POINTS = "tidal.tasks"
+
+Reward = Callable[[str, dict[str, str]], float]
 
 
 @dataclass(frozen=True)
 class Prompt:
     prompt_id: int  # stable across runs (curriculum and eval key)
-    text: str
+    text: str  # the prompt as text; empty when it is chat messages
     payload: dict[str, str]  # what the reward needs, e.g. {"answer": "85"}
+    messages: tuple[dict[str, str], ...] | None = None  # chat messages [{role, content}, ...] instead of text
 
 
 @dataclass(frozen=True)
@@ -23,19 +40,64 @@ class Split:
     val: list[Prompt]  # held out: never trained on
 
 
-TASKS = ("arithmetic", "math")
-
-
 def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Prompt token ids exactly as actors and learner see them (no special tokens added)."""
+    """Raw text's token ids exactly as actors and learner see them (no special tokens added)."""
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+class PromptEncoder:
+    """Prompt -> token ids: the raw text, or chat messages through the tokenizer's chat template
+    (with `task.chat_template` a string prompt becomes one user message), a system prompt first."""
+
+    def __init__(self, tokenizer, chat_template: bool = False, system_prompt: str = ""):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.system_prompt = system_prompt
+        if chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ConfigError("config key 'task.chat_template' = True: the tokenizer at model.path has no chat "
+                              "template")
+
+    def __call__(self, prompt: Prompt) -> list[int]:
+        if prompt.messages is None and not self.chat_template:
+            return encode_prompt(self.tokenizer, prompt.text)
+        messages = list(prompt.messages or [{"role": "user", "content": prompt.text}])
+        if self.system_prompt and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError(f"prompt {prompt.prompt_id} holds chat messages but the tokenizer at model.path has "
+                              "no chat template")
+        # rendered, then tokenized without special tokens: the template writes them itself
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return encode_prompt(self.tokenizer, text)
+
+
+def installed_tasks() -> dict[str, str]:
+    """Task name -> module, built-in and installed (entry-point group tidal.tasks)."""
+    return BUILTIN | {ep.name: ep.value for ep in entry_points(group=ENTRY_POINTS)}
+
+
 def get_task(name: str) -> ModuleType:
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r} (config key task.name); known: {', '.join(TASKS)}")
-    return importlib.import_module(f"tidal.tasks.{name}")
+    """The task module `name` names; a ConfigError naming task.name when there is none or it is incomplete."""
+    known = installed_tasks()
+    module_name = known.get(name) or (name if "." in name else None)
+    if module_name is None:
+        raise ConfigError(f"config key 'task.name' = {name!r}: not a known task ({', '.join(sorted(known))}) nor "
+                          "an import path (my_pkg.my_task)")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        raise ConfigError(f"config key 'task.name' = {name!r}: cannot import {module_name} ({err}; is its folder "
+                          "on PYTHONPATH, or its package installed?)") from None
+    missing = [f for f in ("load_prompts",) if not callable(getattr(module, f, None))]
+    if not callable(getattr(module, "reward", None)) and not callable(getattr(module, "build_reward", None)):
+        missing.append("reward (or build_reward)")
+    if missing:
+        raise ConfigError(f"config key 'task.name' = {name!r}: {module_name} has no {' and no '.join(missing)}")
+    return module
 
 
-def get_reward(name: str) -> Callable[[str, dict[str, str]], float]:
-    return get_task(name).reward
+def get_reward(cfg: TaskConfig) -> Reward:
+    """The task's reward function, built from its config when the task asks (build_reward)."""
+    module = get_task(cfg.name)
+    build = getattr(module, "build_reward", None)
+    return build(cfg) if callable(build) else module.reward

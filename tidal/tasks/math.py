@@ -28,10 +28,10 @@ import threading
 import weakref
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 
 from tidal.config import ConfigError, TaskConfig
 from tidal.tasks import Prompt, Split
+from tidal.tasks.data import load_rows
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,6 @@ HELPER_CPU_LIMIT_S = 30
 # Only the completion's tail is checked: the final answer is there, and extraction regexes over a
 # runaway completion would cost more than sampling it did.
 MAX_COMPLETION_CHARS = 4000
-FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # file suffix -> datasets builder
 
 # Outcomes of one check; all but CORRECT score 0.
 CORRECT, WRONG, NO_ANSWER = "correct", "wrong", "no_answer"
@@ -64,15 +63,17 @@ def __getattr__(name: str):
 
 def load_prompts(cfg: TaskConfig) -> Split:
     """Rows of task.data_path; held out: num_val rows drawn by seed from task.val_path, else split off data_path."""
-    render = build_renderer(cfg.prompt_template, cfg.prompt_field)
     if cfg.num_val < 0:
         raise ValueError(f"config key 'task.num_val' = {cfg.num_val}: must be >= 0")
-    rows = read_rows(cfg.data_path, "task.data_path", cfg)
+    rows = read_rows(cfg, cfg.data_path, "task.data_path", cfg.data_split)
+    val_rows = read_rows(cfg, cfg.val_path, "task.val_path", cfg.val_split) if cfg.val_path else []
+    # the template is for string prompts; chat messages go through the tokenizer's chat template instead
+    strings = any(isinstance(r[cfg.prompt_field], str) for r in rows + val_rows)
+    render = build_renderer(cfg.prompt_template, cfg.prompt_field) if strings else None
     if cfg.val_path:
-        val_rows = read_rows(cfg.val_path, "task.val_path", cfg)
         # val ids follow the train file's, so the two files never share a prompt id
         train_ids, val_ids = range(len(rows)), _draw(len(val_rows), cfg.num_val, cfg.seed)
-        val = [_prompt(len(rows) + i, val_rows[i], render) for i in val_ids]
+        val = [_prompt(len(rows) + i, val_rows[i], cfg, render) for i in val_ids]
     else:
         if cfg.num_val >= len(rows):
             raise ValueError(f"config key 'task.num_val' = {cfg.num_val} leaves no training prompts "
@@ -80,8 +81,12 @@ def load_prompts(cfg: TaskConfig) -> Split:
         val_ids = _draw(len(rows), cfg.num_val, cfg.seed)
         held_out = set(val_ids)
         train_ids = [i for i in range(len(rows)) if i not in held_out]
-        val = [_prompt(i, rows[i], render) for i in val_ids]
-    return Split(train=[_prompt(i, rows[i], render) for i in train_ids], val=val)
+        val = [_prompt(i, rows[i], cfg, render) for i in val_ids]
+    return Split(train=[_prompt(i, rows[i], cfg, render) for i in train_ids], val=val)
+
+
+def read_rows(cfg: TaskConfig, source: str, key: str, split: str) -> list[dict]:
+    return load_rows(source, key, cfg.prompt_field, cfg.answer_field, split=split, config=cfg.data_config)
 
 
 def _draw(num_rows: int, num: int, seed: int) -> list[int]:
@@ -91,9 +96,12 @@ def _draw(num_rows: int, num: int, seed: int) -> list[int]:
     return sorted(order[:num])
 
 
-def _prompt(prompt_id: int, row: tuple[str, str], render: Callable[[str], str]) -> Prompt:
-    problem, answer = row
-    return Prompt(prompt_id=prompt_id, text=render(problem), payload={"answer": answer})
+def _prompt(prompt_id: int, row: dict, cfg: TaskConfig, render: Callable[[str], str] | None) -> Prompt:
+    """A string prompt goes through the template; chat messages are kept as they are."""
+    prompt, answer = row[cfg.prompt_field], {"answer": row[cfg.answer_field].strip()}
+    if isinstance(prompt, list):
+        return Prompt(prompt_id=prompt_id, text="", payload=answer, messages=tuple(prompt))
+    return Prompt(prompt_id=prompt_id, text=render(prompt), payload=answer)
 
 
 def build_renderer(template: str, field: str) -> Callable[[str], str]:
@@ -108,95 +116,6 @@ def build_renderer(template: str, field: str) -> Callable[[str], str]:
         raise ValueError(f"{key}: needs exactly the placeholder {{{field}}} (task.prompt_field), found {found} "
                          f"(literal braces are written {{{{ and }}}})")
     return lambda problem: template.format(**{field: problem})
-
-
-def read_rows(path_value: str, key: str, cfg: TaskConfig) -> list[tuple[str, str]]:
-    """(problem, answer) per row of a JSON Lines or Parquet file; a bad row raises naming file and line/row."""
-    if not path_value:
-        raise ValueError(f"config key '{key}' is empty: the math task reads problems from a JSON Lines "
-                         f"or Parquet file")
-    path = Path(path_value).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"config key '{key}' = {path_value!r}: no such file")
-    builder = FORMATS.get(path.suffix.lower())
-    if builder is None:
-        raise ValueError(f"config key '{key}' = {path_value!r}: expected a {', '.join(FORMATS)} file")
-    try:
-        data = _load(builder, path)
-    except Exception as err:  # datasets' errors rarely say where; the file itself can
-        located = _find_bad_json_row(path, cfg) if builder == "json" else None
-        reason = str(err).splitlines()[0] if str(err) else ""
-        raise ValueError(located or f"{path}: cannot be read as {builder} ({key}): "
-                                    f"{type(err).__name__}: {reason}") from None
-    for field, field_key in ((cfg.prompt_field, "task.prompt_field"), (cfg.answer_field, "task.answer_field")):
-        if field not in data.column_names:
-            raise ValueError(f"{path}: no column {field!r} (config key {field_key}); columns: "
-                             f"{', '.join(data.column_names)}")
-    if len(data) == 0:
-        raise ValueError(f"{path}: no rows ({key})")
-    rows = []
-    for index, row in enumerate(data.select_columns([cfg.prompt_field, cfg.answer_field])):
-        why = _bad_row(row, cfg)
-        if why:
-            # datasets may have coerced a JSON column's types; the file itself names the first bad line
-            located = _find_bad_json_row(path, cfg) if builder == "json" else None
-            raise ValueError(located or f"{path}: row {index} (counting from 0): {why}")
-        rows.append((row[cfg.prompt_field], row[cfg.answer_field].strip()))
-    return rows
-
-
-def _load(builder: str, path: Path):
-    """The file as a datasets.Dataset (cached by datasets like any local file)."""
-    import datasets
-
-    bars = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()  # one bar per split in the learner's log says nothing
-    try:
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
-    finally:
-        if bars:
-            datasets.enable_progress_bars()
-
-
-_MISSING = object()
-
-
-def _bad_row(row: dict, cfg: TaskConfig) -> str | None:
-    """Why a row cannot be used, or None."""
-    for field, key in ((cfg.prompt_field, "task.prompt_field"), (cfg.answer_field, "task.answer_field")):
-        value = row.get(field, _MISSING)
-        if value is _MISSING or value is None:
-            return f"{field!r} is missing or null (config key {key})"
-        if not isinstance(value, str):
-            return (f"{field!r} is {type(value).__name__} {repr(value)[:40]}, expected a string "
-                    f"(config key {key}; quote numbers in the file)")
-        if not value.strip():
-            return f"{field!r} is empty (config key {key})"
-    return None
-
-
-def _find_bad_json_row(path: Path, cfg: TaskConfig) -> str | None:
-    """'FILE:LINE: why' for the first bad line of a JSON Lines file; None if all are fine (or it is a JSON array)."""
-    with path.open("rb") as f:
-        for line_no, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                return f"{path}:{line_no}: not UTF-8"
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                if line_no == 1 and line.lstrip().startswith("["):
-                    return None  # a JSON array: no line per row to name
-                return f"{path}:{line_no}: not valid JSON ({err.msg})"
-            if not isinstance(row, dict):
-                return f"{path}:{line_no}: expected a JSON object, found {type(row).__name__}"
-            why = _bad_row(row, cfg)
-            if why:
-                return f"{path}:{line_no}: {why}"
-    return None
 
 
 # ---- reward --------------------------------------------------------------------------------

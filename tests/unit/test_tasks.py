@@ -1,0 +1,114 @@
+"""Tasks as plugins and prompts as users bring them: a task from an import path or the tidal.tasks
+entry points, its own options (task.kwargs), datasets from files, folders and Hub-style splits,
+string or chat-message prompts through the tokenizer's chat template, a system prompt."""
+import json
+
+import pytest
+
+from conftest import ALPHABET, ROOT, TINY, TINY_CHAT_TEMPLATE
+from tidal.cli import main
+from tidal.config import ConfigError, TaskConfig
+from tidal.tasks import Prompt, PromptEncoder, encode_prompt, get_reward, get_task, installed_tasks
+from tidal.tasks.data import load_rows
+from tidal.tiny import build_tiny_model
+
+PLUGIN = '''
+"""A task of a user's own: tidal's arithmetic prompts, an answer within task.kwargs.tolerance passes."""
+from tidal.tasks import arithmetic
+
+def load_prompts(cfg):
+    return arithmetic.load_prompts(cfg)
+
+def build_reward(cfg):
+    tolerance = int(cfg.kwargs.get("tolerance", 0))
+    def reward(text, payload):
+        return 1.0 if text.strip().isdigit() and abs(int(text) - int(payload["answer"])) <= tolerance else 0.0
+    return reward
+'''
+
+
+@pytest.fixture
+def tokenizer():
+    _, tok = build_tiny_model(TINY, ALPHABET, seed=0)
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    return tok
+
+
+@pytest.fixture(autouse=True)
+def datasets_cache(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+
+
+def test_chat_messages_and_string_prompts_through_the_chat_template(tokenizer):
+    plain = encode_prompt(tokenizer, "12+34=")
+    chat = Prompt(1, "", {"answer": "046"}, messages=({"role": "user", "content": "12+34"},))
+    assert PromptEncoder(tokenizer)(chat) == plain  # messages always get the template
+    assert PromptEncoder(tokenizer, chat_template=True)(Prompt(2, "12+34", {})) == plain
+    assert PromptEncoder(tokenizer)(Prompt(3, "12+34=", {})) == plain  # raw text: no template
+    with_system = PromptEncoder(tokenizer, chat_template=True, system_prompt="7")
+    assert with_system(chat) == encode_prompt(tokenizer, "7+12+34=")
+    own_system = Prompt(4, "", {}, messages=({"role": "system", "content": "9"}, {"role": "user", "content": "1+2"}))
+    assert with_system(own_system) == encode_prompt(tokenizer, "9+1+2=")  # the row's own system message wins
+
+
+def test_a_tokenizer_without_a_chat_template_is_a_named_error(tokenizer):
+    tokenizer.chat_template = None
+    with pytest.raises(ConfigError, match="task.chat_template"):
+        PromptEncoder(tokenizer, chat_template=True)
+
+
+def write_jsonl(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_a_conversational_dataset_in_a_hub_style_folder_with_splits(tmp_path):
+    """A folder laid out as a Hub dataset repository (data/<split>.jsonl) reads like one, split by split."""
+    train = [{"prompt": [{"role": "user", "content": f"{i}+1"}], "answer": str(i + 1)} for i in range(5)]
+    write_jsonl(tmp_path / "ds" / "data" / "train.jsonl", train)
+    write_jsonl(tmp_path / "ds" / "data" / "test.jsonl", train[:2])
+    rows = load_rows(str(tmp_path / "ds"), "task.data_path", "prompt", "answer", split="train")
+    assert [r["prompt"][0]["content"] for r in rows] == [f"{i}+1" for i in range(5)]
+    assert len(load_rows(str(tmp_path / "ds"), "task.val_path", "prompt", "answer", split="test")) == 2
+    split = get_task("math").load_prompts(TaskConfig(name="math", data_path=str(tmp_path / "ds"),
+                                                     val_path=str(tmp_path / "ds"), prompt_field="prompt", num_val=2))
+    assert split.val[0].messages == ({"role": "user", "content": "0+1"},) and split.val[0].text == ""
+
+
+@pytest.mark.parametrize("rows, says", [
+    ([{"prompt": [], "answer": "1"}], "holds no chat messages"),
+    ([{"prompt": [{"role": "user"}], "answer": "1"}], "message 0 is not"),
+])
+def test_bad_chat_rows_name_file_and_line(tmp_path, rows, says):
+    write_jsonl(tmp_path / "bad.jsonl", [{"prompt": [{"role": "user", "content": "1"}], "answer": "1"}, *rows])
+    with pytest.raises(ValueError, match=f"bad.jsonl:2: 'prompt' {says}"):
+        load_rows(str(tmp_path / "bad.jsonl"), "task.data_path", "prompt", "answer")
+
+
+def test_a_task_from_an_import_path_with_its_own_options(tmp_path, monkeypatch):
+    (tmp_path / "my_tasks").mkdir()
+    (tmp_path / "my_tasks" / "__init__.py").write_text("")
+    (tmp_path / "my_tasks" / "lenient.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = TaskConfig(name="my_tasks.lenient", kwargs={"tolerance": 1}, num_val=4)
+    assert len(get_task(cfg.name).load_prompts(cfg).val) == 4
+    reward = get_reward(cfg)
+    assert (reward("086", {"answer": "085"}), reward("087", {"answer": "085"})) == (1.0, 0.0)
+
+
+def test_built_in_tasks_are_entry_points_too():
+    assert {"arithmetic", "math"} <= set(installed_tasks())
+
+
+@pytest.mark.parametrize("name, says", [
+    ("nope", "'task.name' = 'nope': not a known task (arithmetic, math"),
+    ("no_such_pkg.task", "cannot import no_such_pkg.task"),
+    ("tidal.tiny", "tidal.tiny has no load_prompts and no reward (or build_reward)"),
+])
+def test_an_unknown_or_incomplete_task_is_one_line_and_exit_2(tmp_path, capsys, name, says):
+    assert main(["run", str(ROOT / "configs/tiny.yaml"), f"task.name={name}", f"run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0]
+    assert not (tmp_path / "run").exists()

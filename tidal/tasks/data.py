@@ -1,0 +1,146 @@
+"""Rows of a dataset for a task: a local JSON Lines or Parquet file, a local folder of them, or a
+Hugging Face Hub dataset id (`org/name`, at `task.data_config` / a split), read with `datasets`.
+
+The prompt column holds a string, or chat messages ([{"role": ..., "content": ...}, ...], the
+conversational format TRL datasets use); the answer column a string. A bad row is an error that
+names the file and line (JSON Lines), or the row.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # file suffix -> datasets builder
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name, as the Hub spells dataset ids
+_MISSING = object()
+
+
+def load_rows(source: str, key: str, prompt_field: str, answer_field: str, split: str = "train",
+              config: str = "") -> list[dict]:
+    """The rows of `source` (config key `key`) with both columns checked; raises ValueError naming the
+    key, the file and the line or row of the first bad one."""
+    if not source:
+        raise ValueError(f"config key '{key}' is empty: name a JSON Lines or Parquet file, a folder of them, "
+                         "or a Hub dataset id (org/name)")
+    try:
+        data, path, builder = _open(source, key, split, config)
+    except _Unreadable as err:  # datasets' errors rarely say where; a JSON Lines file itself can
+        located = _find_bad_json_row(err.path, prompt_field, answer_field) if err.path else None
+        raise ValueError(located or str(err)) from None
+    columns = {prompt_field: "task.prompt_field", answer_field: "task.answer_field"}
+    for field, field_key in columns.items():
+        if field not in data.column_names:
+            raise ValueError(f"{source}: no column {field!r} (config key {field_key}); columns: "
+                             f"{', '.join(data.column_names)}")
+    if len(data) == 0:
+        raise ValueError(f"{source}: no rows ({key})")
+    rows = []
+    for index, row in enumerate(data.select_columns(list(columns))):
+        why = bad_row(row, prompt_field, answer_field)
+        if why:
+            # datasets may have coerced a JSON column's types; the file itself names the first bad line
+            located = _find_bad_json_row(path, prompt_field, answer_field) if builder == "json" else None
+            raise ValueError(located or f"{source}: row {index} (counting from 0): {why}")
+        rows.append(row)
+    return rows
+
+
+class _Unreadable(ValueError):
+    def __init__(self, message: str, path: Path | None):
+        super().__init__(message)
+        self.path = path  # a JSON Lines file to search for the bad line, or None
+
+
+def _open(source: str, key: str, split: str, config: str):
+    """(datasets.Dataset, the local file or None, its builder or None)."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        builder = FORMATS.get(path.suffix.lower())
+        if builder is None:
+            raise ValueError(f"config key '{key}' = {source!r}: expected a {', '.join(FORMATS)} file")
+        data = _load(source, key, builder, path if builder == "json" else None,
+                     builder, data_files=str(path), split="train")
+        return data, path, builder
+    if path.is_dir() or HUB_ID.match(source):
+        # a folder is read as the Hub would serve it: data files named by split, or a loading script's config
+        data = _load(source, key, f"a dataset (split {split!r})", None, str(path) if path.is_dir() else source,
+                     name=config or None, split=split)
+        return data, None, None
+    raise FileNotFoundError(f"config key '{key}' = {source!r}: no such file or folder, and not a Hub dataset id "
+                            "(org/name)")
+
+
+def _load(source: str, key: str, kind: str, json_path: Path | None, *args, **kwargs):
+    import datasets
+
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # one bar per split in the learner's log says nothing
+    try:
+        return datasets.load_dataset(*args, **kwargs)
+    except Exception as err:
+        reason = str(err).splitlines()[0] if str(err) else ""
+        raise _Unreadable(f"{source}: cannot be read as {kind} ({key}): {type(err).__name__}: {reason}",
+                          json_path) from None
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def bad_row(row: dict, prompt_field: str, answer_field: str) -> str | None:
+    """Why a row cannot be used, or None."""
+    prompt = row.get(prompt_field, _MISSING)
+    if isinstance(prompt, list):
+        why = _bad_messages(prompt)
+        if why:
+            return f"{prompt_field!r} {why} (config key task.prompt_field)"
+    else:
+        why = _bad_string(prompt, prompt_field, "task.prompt_field")
+        if why:
+            return why
+    return _bad_string(row.get(answer_field, _MISSING), answer_field, "task.answer_field")
+
+
+def _bad_string(value, field: str, key: str) -> str | None:
+    if value is _MISSING or value is None:
+        return f"{field!r} is missing or null (config key {key})"
+    if not isinstance(value, str):
+        return (f"{field!r} is {type(value).__name__} {repr(value)[:40]}, expected a string "
+                f"(config key {key}; quote numbers in the file)")
+    if not value.strip():
+        return f"{field!r} is empty (config key {key})"
+    return None
+
+
+def _bad_messages(messages: list) -> str | None:
+    """Chat messages: a non-empty list of {"role": str, "content": str}."""
+    if not messages:
+        return "holds no chat messages"
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            return f"message {i} is not {{\"role\": str, \"content\": str}}: {repr(m)[:60]}"
+    return None
+
+
+def _find_bad_json_row(path: Path, prompt_field: str, answer_field: str) -> str | None:
+    """'FILE:LINE: why' for the first bad line of a JSON Lines file; None if all are fine (or it is a JSON array)."""
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return f"{path}:{line_no}: not UTF-8"
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                if line_no == 1 and line.lstrip().startswith("["):
+                    return None  # a JSON array: no line per row to name
+                return f"{path}:{line_no}: not valid JSON ({err.msg})"
+            if not isinstance(row, dict):
+                return f"{path}:{line_no}: expected a JSON object, found {type(row).__name__}"
+            why = bad_row(row, prompt_field, answer_field)
+            if why:
+                return f"{path}:{line_no}: {why}"
+    return None
