@@ -45,6 +45,7 @@ class LearnerParts:
     tracker: object  # tidal.learner.tracking.Tracker
     checkpointer: object  # tidal.learner.checkpoint.Checkpointer
     ranks: object = None  # tidal.learner.ranks.BatchBroadcast when the learner runs on several ranks
+    export: object = None  # tidal.learner.export.FinalExport: what happens to the final policy
 
 
 class Learner:
@@ -132,6 +133,8 @@ class Learner:
             elif group is not None:
                 self.transport.leave_pending(group)  # not trained: a longer resumed run still can
         self.save_checkpoint()
+        if self.parts.export is not None:
+            log.info("final policy exported to %s", self.parts.export(self.trainer.policy))
 
     # ---- helpers of the steps --------------------------------------------------------------------
 

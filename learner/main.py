@@ -44,6 +44,7 @@ def build(cfg: RunConfig, checkpoint: Path | None = None, transport=None):
     from tidal.learner.admission import Admission
     from tidal.learner.checkpoint import read_state
     from tidal.learner.coordinator import Coordinator
+    from tidal.learner.export import FinalExport
     from tidal.learner.groups import GroupBook
     from tidal.learner.ledger import Ledger
     from tidal.learner.loop import Learner, LearnerParts
@@ -52,7 +53,7 @@ def build(cfg: RunConfig, checkpoint: Path | None = None, transport=None):
     from tidal.tasks import PromptEncoder, get_task
 
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    write_config(cfg, run_dir)
     state = read_state(checkpoint) if checkpoint else None
     accelerator, trainer, checkpointer = setup_trainer(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -69,7 +70,9 @@ def build(cfg: RunConfig, checkpoint: Path | None = None, transport=None):
         trainer=trainer, coordinator=coordinator, book=book, transport=transport, tracker=tracker,
         admission=Admission(cfg.staleness, cfg.learner.zero_variance_filter, book, coordinator.on_rewards),
         publisher=build_publisher(cfg.weights, uuid.uuid4().hex[:12], cfg.name, cfg.run_dir, cfg.model.dtype),
-        checkpointer=checkpointer, ranks=BatchBroadcast(accelerator))
+        checkpointer=checkpointer, ranks=BatchBroadcast(accelerator),
+        export=FinalExport(cfg.model.path, run_dir / "model", cfg.model.dtype,
+                           tracker if cfg.tracking.log_model else None))
     learner = Learner(cfg.learner, cfg.eval, parts)
     if state is None:
         tracker.log_config(cfg)
@@ -108,6 +111,16 @@ def restore(learner, state: dict, cfg: RunConfig) -> None:
     count = learner.coordinator.resubmit_outstanding()
     log.info("re-dispatched %d prompt groups that were outstanding at the checkpoint", count)
     log.info("resumed at version %d from the checkpoint (MLflow run %s)", state["version"], state["mlflow_run_id"])
+
+
+def write_config(cfg: RunConfig, run_dir: Path) -> None:
+    """The resolved config in the run directory (what `tidal run` writes too), for resumes and `tidal export`."""
+    from tidal.config import to_yaml
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / "config.yaml.tmp"
+    tmp.write_text(to_yaml(cfg))
+    tmp.replace(run_dir / "config.yaml")  # atomic: actors may be reading it
 
 
 def write_endpoints(run_dir: Path, ports: dict[str, int]) -> None:

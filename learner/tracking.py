@@ -49,6 +49,9 @@ class Tracker:
         self._mlflow.log_text(to_yaml(cfg), f"config-resumed-at-{version}.yaml")
         self._mlflow.set_tag("tidal.resumed_at", str(version))
 
+    def log_artifacts(self, folder: Path, name: str) -> None:
+        self._mlflow.log_artifacts(str(folder), name)
+
     def last_step(self, metric: str = "learner/version") -> int | None:
         history = self._mlflow.tracking.MlflowClient().get_metric_history(self.run_id, metric)
         return max((m.step for m in history), default=None)

@@ -55,6 +55,17 @@ def fresh_accelerator():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
+@pytest.fixture(scope="session")
+def tiny_model_path() -> str:
+    """The warm-started tiny model of configs/tiny.yaml, built once if the cache lacks it (about 80 s)."""
+    from tidal.config import load_config
+    from tidal.learner.warmstart import build_tiny
+    from tidal.models import resolve_model_path
+
+    cfg = load_config(ROOT / "configs" / "tiny.yaml")
+    return resolve_model_path(cfg.model, cfg.task, build_tiny)
+
+
 # ---- wire messages -------------------------------------------------------------------------------
 
 def prompt_group(i: int, n: int = 4, eval_version: int | None = None) -> PromptGroup:

@@ -1,4 +1,4 @@
-"""`tidal` command line: run | learner | actor | prepare | fit | sweep | plan-batch | health.
+"""`tidal` command line: run | learner | actor | prepare | export | fit | sweep | plan-batch | health.
 
 Heavy imports are deferred so --help is instant."""
 from __future__ import annotations
@@ -25,6 +25,10 @@ def _parser() -> argparse.ArgumentParser:
             "--resume", nargs="?", const="required", choices=("required", "auto"),
             help="continue from the latest checkpoint in run_dir (same MLflow run, steps continue); "
                  "`--resume auto` starts fresh when there is none (for pods that restart)")
+    export = sub.add_parser("export", help="a run's checkpoint as a Hugging Face model folder (transformers, vLLM)")
+    export.add_argument("run_dir", help="the run's folder (runs/<name>-<time>)")
+    export.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
+    export.add_argument("--out", help="where the model folder goes (default: RUN_DIR/model-step-<N>)")
     health = sub.add_parser("health", help="exit 0 if FILE was touched within --max-age-s (liveness probes)")
     health.add_argument("file")
     health.add_argument("--max-age-s", type=float, default=120.0)
@@ -63,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         return _analysis(args)
     if args.command == "health":
         return _health(args.file, args.max_age_s)
+    if args.command == "export":
+        return _export(args)
     try:
         cfg = load_config(getattr(args, "config", None), args.overrides)
     except ConfigError as err:
@@ -114,6 +120,20 @@ def _health(path: str, max_age_s: float) -> int:
     if age > max_age_s:
         print(f"tidal health: {path} is {age:.0f} s old (> {max_age_s:.0f} s)", file=sys.stderr)
         return 1
+    return 0
+
+
+def _export(args) -> int:
+    from pathlib import Path
+
+    from tidal.learner.export import export_checkpoint
+
+    try:
+        out = export_checkpoint(Path(args.run_dir), args.step, Path(args.out) if args.out else None)
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        print(f"tidal export: {err}", file=sys.stderr)
+        return 2
+    print(out)
     return 0
 
 

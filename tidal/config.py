@@ -330,6 +330,7 @@ class CheckpointConfig:
 class TrackingConfig:
     uri: str = ""  # MLflow tracking URI; empty = sqlite:///<run_dir>/mlflow.db
     experiment: str = "tidal"  # MLflow experiment name
+    log_model: bool = False  # also log the final exported model folder (run_dir/model) to MLflow, as artifacts
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from tidal.config import BrokerType, RunConfig, resolve, to_yaml
+from tidal.config import BrokerType, RunConfig, resolve
 from tidal.placement import Placement, PlacementError, Slot, place, visible_gpus
 
 
@@ -45,13 +45,14 @@ class LaunchError(RuntimeError):
 def prepare(cfg: RunConfig, redis_url: str | None = None) -> RunConfig:
     """Resolve what the processes must agree on (building the tiny model if it is missing) and write
     it to the run directory's config.yaml, which every child reads."""
+    from tidal.learner.main import write_config
     from tidal.learner.warmstart import build_tiny
     from tidal.models import resolve_model_path
 
     progress = partial(print, "[prepare]", flush=True)
     cfg = resolve(cfg, model_path=resolve_model_path(cfg.model, cfg.task, partial(build_tiny, progress=progress)),
                   redis_url=redis_url)
-    (Path(cfg.run_dir) / "config.yaml").write_text(to_yaml(cfg))
+    write_config(cfg, Path(cfg.run_dir))
     return cfg
 
 

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from conftest import ALPHABET, TINY, TINY_CHAT_TEMPLATE, ScriptedEngine
 from tidal.actor.loop import Actor
@@ -17,6 +18,7 @@ from tidal.broker.schema import WireCodec
 from tidal.broker.weights import build_receiver
 from tidal.broker.zmq_transport import ZmqActorTransport, ZmqLearnerTransport
 from tidal.config import load_config, resolve
+from tidal.learner.export import export_checkpoint
 from tidal.learner.main import build, serve
 from tidal.tasks import get_reward
 from tidal.tiny import build_tiny_model, save_model
@@ -94,6 +96,13 @@ def test_coordinator_actor_and_learner_train_through_a_transport(tmp_path, tiny_
     assert [m["step"] for m in steps] == list(range(1, MAX_STEPS + 1))
     assert all(m["offpolicy/lag_max"] <= MAX_LAG for m in steps)
     assert actor["stats"]["groups"] >= len(trained)
+    # the final policy as a Hugging Face folder, and any checkpoint the same way
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")
+    assert all(torch.equal(exported.state_dict()[name], final[name].cpu()) for name in final)
+    again = export_checkpoint(tmp_path / "run", MAX_STEPS, tmp_path / "again")
+    assert (again / "tokenizer.json").is_file() and (again / "model.safetensors").is_file()
+    assert all(torch.equal(v, final[k].cpu()) for k, v in
+               AutoModelForCausalLM.from_pretrained(again).state_dict().items())
 
 
 USER_TASK = '''

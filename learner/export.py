@@ -1,0 +1,92 @@
+"""The trained policy as a Hugging Face model folder (config, tokenizer, safetensors with the
+model's own parameter names) that `from_pretrained` and vLLM load as they are.
+
+Every run exports its final policy to `<run_dir>/model`; `tidal export RUN_DIR [--step N]` exports
+any checkpoint. Checkpoints hold Accelerate state, where the policy's parameters sit under the
+learner's wrapper (`policy.`); the export takes them from there.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+CHECKPOINT_WEIGHTS = "model.safetensors"  # Accelerate's save_state: the prepared module's parameters
+PREFIX = "policy."  # PolicyLogprobs holds the policy as `self.policy`
+
+
+def export_model(policy, tokenizer_from: str, out: Path, dtype: str) -> Path:
+    """Write `policy` (in `dtype`, what it will be served in) and the tokenizer of `tokenizer_from`
+    to `out`, replacing any earlier export there only once the new one is complete."""
+    from transformers import AutoTokenizer
+
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    state = {k: v.detach().to(getattr(torch, dtype)).cpu() for k, v in policy.state_dict().items()}
+    policy.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+    config = json.loads((tmp / "config.json").read_text())
+    config.update({k: dtype for k in ("dtype", "torch_dtype") if k in config} or {"dtype": dtype})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+class FinalExport:
+    """What a run does with its final policy: a model folder in the run directory, and in MLflow
+    when tracking.log_model asks."""
+
+    def __init__(self, model_path: str, out: Path, dtype: str, tracker=None):
+        self.model_path, self.out, self.dtype, self.tracker = model_path, out, dtype, tracker
+
+    def __call__(self, policy) -> Path:
+        path = export_model(policy, self.model_path, self.out, self.dtype)
+        if self.tracker is not None:
+            self.tracker.log_artifacts(path, "model")
+        return path
+
+
+def load_checkpoint_policy(checkpoint: Path, model_path: str):
+    """The policy of a checkpoint, in fp32: the architecture from model_path, the weights from the checkpoint."""
+    from safetensors.torch import load_file
+
+    from tidal.learner.trainer import load_policy
+
+    weights = checkpoint / CHECKPOINT_WEIGHTS
+    if not weights.is_file():
+        raise FileNotFoundError(f"{checkpoint} has no {CHECKPOINT_WEIGHTS}: not a tidal checkpoint")
+    policy = load_policy(model_path, "float32")
+    state = {k.removeprefix(PREFIX): v for k, v in load_file(str(weights)).items() if k.startswith(PREFIX)}
+    missing, unexpected = policy.load_state_dict(state, strict=False)
+    tied = set(getattr(policy, "all_tied_weights_keys", None) or getattr(policy, "_tied_weights_keys", None) or ())
+    missing = [k for k in missing if k not in tied]  # a tied LM head is stored once, as the embedding
+    if missing or unexpected:
+        raise ValueError(f"{weights} does not match the model at {model_path}: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    policy.tie_weights()
+    return policy
+
+
+def export_checkpoint(run_dir: Path, step: int | None, out: Path | None) -> Path:
+    """`tidal export`: a run's checkpoint at `step` (default: the newest) as a model folder."""
+    from tidal.config import load_config
+    from tidal.learner.checkpoint import latest_checkpoint
+
+    run_dir = Path(run_dir)
+    cfg = load_config(run_dir / "config.yaml")
+    if step is None:
+        checkpoint = latest_checkpoint(run_dir / "checkpoints")
+        if checkpoint is None:
+            raise FileNotFoundError(f"{run_dir / 'checkpoints'} holds no finished checkpoint")
+    else:
+        checkpoint = run_dir / "checkpoints" / f"step-{step:06d}"
+        if not checkpoint.is_dir():
+            found = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
+            raise FileNotFoundError(f"--step {step}: no {checkpoint} (checkpoints: {', '.join(found) or 'none'})")
+    policy = load_checkpoint_policy(checkpoint, cfg.model.path)
+    return export_model(policy, cfg.model.path, out or run_dir / f"model-{checkpoint.name}", cfg.model.dtype)
