@@ -14,7 +14,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tidal", description="Asynchronous off-policy RL for LLMs.")
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="start a learner and actor processes and train")
-    run.add_argument("config", help="YAML preset, e.g. configs/tiny.yaml")
+    run.add_argument("config", help="a preset's name (tidal presets) or a YAML file, e.g. tiny or configs/tiny.yaml")
     run.add_argument("overrides", nargs="*", help="key=value overrides, e.g. learner.max_steps=50")
     for role in ("learner", "actor"):
         r = sub.add_parser(role, help=f"run one {role} process (what the launcher and Kubernetes pods start)")
@@ -29,6 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("run_dir", help="the run's folder (runs/<name>-<time>)")
     export.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
     export.add_argument("--out", help="where the model folder goes (default: RUN_DIR/model-step-<N>)")
+    sub.add_parser("presets", help="list the presets shipped with tidal (tidal run <name>)")
     health = sub.add_parser("health", help="exit 0 if FILE was touched within --max-age-s (liveness probes)")
     health.add_argument("file")
     health.add_argument("--max-age-s", type=float, default=120.0)
@@ -69,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         return _health(args.file, args.max_age_s)
     if args.command == "export":
         return _export(args)
+    if args.command == "presets":
+        return _presets()
     try:
         cfg = load_config(getattr(args, "config", None), args.overrides)
     except ConfigError as err:
@@ -120,6 +123,16 @@ def _health(path: str, max_age_s: float) -> int:
     if age > max_age_s:
         print(f"tidal health: {path} is {age:.0f} s old (> {max_age_s:.0f} s)", file=sys.stderr)
         return 1
+    return 0
+
+
+def _presets() -> int:
+    """Each shipped preset with the first line of its header comment."""
+    from tidal.config import presets
+
+    for name, path in presets().items():
+        first = next((line.lstrip("# ").strip() for line in path.read_text().splitlines() if line.startswith("#")), "")
+        print(f"{name:28} {first}")
     return 0
 
 

@@ -366,10 +366,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     try:
         merged = schema
         if path is not None:
-            path = Path(path)
-            if not path.is_file():
-                raise ConfigError(f"config file not found: {path}")
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+            merged = OmegaConf.merge(merged, OmegaConf.load(preset_path(path)))
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"override {bad[0]!r} is not key=value")
@@ -379,6 +376,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raise ConfigError(_one_line(err)) from None
     validate(cfg)
     return cfg
+
+
+def presets() -> dict[str, Path]:
+    """The presets shipped inside the package, by name: tiny, math, scalerl, loo/tiny-loo-sync, ..."""
+    from importlib.resources import files
+
+    root = Path(str(files("tidal.presets")))
+    return {str(p.relative_to(root).with_suffix("")): p for p in sorted(root.rglob("*.yaml"))}
+
+
+def preset_path(name_or_path: str | Path) -> Path:
+    """A YAML file, or the name of a shipped preset (`tiny` for tiny.yaml)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = presets()
+    name = str(name_or_path).removesuffix(".yaml")
+    if name in shipped:
+        return shipped[name]
+    raise ConfigError(f"config {str(name_or_path)!r}: no such file, and not a preset ({', '.join(shipped)})")
 
 
 def resolve(cfg: RunConfig, *, model_path: str | None = None, redis_url: str | None = None,

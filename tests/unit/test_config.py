@@ -121,3 +121,10 @@ def test_two_runs_get_different_weight_folders(tmp_path):
     a = resolve(load_config(TINY, [f"run_dir={tmp_path / 'a'}"]))
     b = resolve(load_config(TINY, [f"run_dir={tmp_path / 'b'}"]))
     assert a.weights.dir != b.weights.dir
+
+
+def test_presets_load_by_name_as_well_as_by_path():
+    assert load_config("tiny") == load_config(TINY)
+    assert load_config("loo/tiny-loo-sync").staleness.max_lag == 0
+    with pytest.raises(ConfigError, match="'nope': no such file, and not a preset"):
+        load_config("nope")
