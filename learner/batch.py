@@ -4,9 +4,11 @@ Every token gets its final loss weight before any micro-batching, from counts ov
 update batch on every rank, so the loss is a plain weighted sum over tokens: gradient
 accumulation over micro-batches and ranks equals one big batch.
 
-Micro-batches pad each row only to the longest row of its own micro-batch (rows sorted by
-length). Varlen packing without padding (flash-attn) is not implemented; the padding it would
-save is what `learner/packing_efficiency` measures.
+A micro-batch is either padded, each row only to the longest row of its own micro-batch (rows
+sorted by length), or packed: every row end to end in one sequence with position ids restarting
+at each row and no padding at all, which flash-attn runs as variable-length attention (and the
+other attention implementations as a block-diagonal mask). `learner/packing_efficiency` is the
+share of computed positions that hold a real token.
 """
 from __future__ import annotations
 
@@ -107,14 +109,16 @@ def assign_groups(groups: list[RolloutGroup], num_minibatches: int, world_size: 
     return plan
 
 
-def micro_batches(rows: list[Row], token_budget: int) -> list[list[Row]]:
-    """Length-bucketed micro-batches: sorted by length, each padded only to its own longest row,
-    with at most `token_budget` padded tokens (a single longer row gets a micro-batch of its own)."""
+def micro_batches(rows: list[Row], token_budget: int, packed: bool = False) -> list[list[Row]]:
+    """Length-bucketed micro-batches (sorted by length) of at most `token_budget` computed tokens:
+    padded, rows x the longest row; packed, the sum of the rows. A single longer row gets a
+    micro-batch of its own."""
     order = sorted(rows, key=lambda r: len(r.input_ids))
     batches, current = [], []
     for row in order:
-        longest = max(len(row.input_ids), *(len(r.input_ids) for r in current)) if current else len(row.input_ids)
-        if current and longest * (len(current) + 1) > token_budget:
+        lengths = [len(r.input_ids) for r in current] + [len(row.input_ids)]
+        cost = sum(lengths) if packed else max(lengths) * len(lengths)
+        if current and cost > token_budget:
             batches.append(current)
             current = []
         current.append(row)
@@ -125,9 +129,9 @@ def micro_batches(rows: list[Row], token_budget: int) -> list[list[Row]]:
 
 @dataclass
 class MicroBatch:
-    input_ids: torch.Tensor  # int64 [rows, max_len]
-    attention_mask: torch.Tensor  # int64 [rows, max_len]
-    predict_at: torch.Tensor  # int64 [tokens]; flat index into [rows * max_len] of the position predicting each token
+    input_ids: torch.Tensor  # int64 [rows, max_len] padded; [1, total_len] packed
+    attention_mask: torch.Tensor | None  # int64 [rows, max_len] padded; None packed (the position ids say it)
+    predict_at: torch.Tensor  # int64 [tokens]; flat index into input_ids of the position predicting each token
     targets: torch.Tensor  # int64 [tokens]
     behavior_logprobs: torch.Tensor  # float32 [tokens]
     advantages: torch.Tensor  # float32 [tokens]
@@ -137,27 +141,34 @@ class MicroBatch:
     sample_index: torch.Tensor  # int64 [tokens]; which row of this micro-batch
     num_real_tokens: int
     prox_logprobs: torch.Tensor | None = None  # float32 [tokens]; policy at step start, when computed
+    position_ids: torch.Tensor | None = None  # int64 [1, total_len] packed: restarting at 0 at every row
 
     def to(self, device) -> MicroBatch:
         moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()}
         return MicroBatch(**moved)
 
 
-def collate(rows: list[Row]) -> MicroBatch:
-    max_len = max(len(r.input_ids) for r in rows)
-    ids = np.zeros((len(rows), max_len), dtype=np.int64)
-    attn = np.zeros((len(rows), max_len), dtype=np.int64)
-    predict_at, sample_index = [], []
-    for i, r in enumerate(rows):
-        ids[i, :len(r.input_ids)] = r.input_ids
-        attn[i, :len(r.input_ids)] = 1
-        completion = np.arange(r.num_prompt_tokens, len(r.input_ids))
-        predict_at.append(i * max_len + completion - 1)  # position t-1 predicts token t
-        sample_index.append(np.full(len(completion), i))
+def collate(rows: list[Row], packed: bool = False) -> MicroBatch:
+    """Rows as tensors: padded to the longest row, or packed end to end into one sequence."""
+    lengths = [len(r.input_ids) for r in rows]
+    # where each row starts in input_ids, flattened
+    starts = np.cumsum([0, *lengths[:-1]]) if packed else np.arange(len(rows)) * max(lengths)
+    if packed:
+        ids = np.concatenate([r.input_ids for r in rows])[None]  # [1, total_len]
+        attn = None
+        positions = torch.from_numpy(np.concatenate([np.arange(n) for n in lengths])[None])
+    else:
+        ids = np.zeros((len(rows), max(lengths)), dtype=np.int64)
+        attn = np.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, :lengths[i]], attn[i, :lengths[i]] = r.input_ids, 1
+        positions = None
+    completion = [np.arange(r.num_prompt_tokens, len(r.input_ids)) for r in rows]
     cat = np.concatenate
     return MicroBatch(
-        input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(attn),
-        predict_at=torch.from_numpy(cat(predict_at)),
+        input_ids=torch.from_numpy(ids), attention_mask=None if attn is None else torch.from_numpy(attn),
+        position_ids=positions,
+        predict_at=torch.from_numpy(cat([start + c - 1 for start, c in zip(starts, completion)])),  # t-1 predicts t
         targets=torch.from_numpy(cat([r.input_ids[r.num_prompt_tokens:] for r in rows])),
         behavior_logprobs=torch.from_numpy(cat([r.behavior_logprobs for r in rows]).astype(np.float32)),
         advantages=torch.from_numpy(cat([np.full(len(r.behavior_logprobs), r.advantage, dtype=np.float32)
@@ -165,8 +176,8 @@ def collate(rows: list[Row]) -> MicroBatch:
         weights=torch.from_numpy(cat([r.token_weight for r in rows])),
         versions=torch.from_numpy(cat([r.versions for r in rows])),
         token_mask=torch.from_numpy(cat([r.token_mask for r in rows])),
-        sample_index=torch.from_numpy(cat(sample_index)),
-        num_real_tokens=int(attn.sum()),
+        sample_index=torch.from_numpy(cat([np.full(len(c), i) for i, c in enumerate(completion)])),
+        num_real_tokens=sum(lengths),
         prox_logprobs=None if any(r.prox_logprobs is None for r in rows)
         else torch.from_numpy(cat([r.prox_logprobs for r in rows]).astype(np.float32)),
     )

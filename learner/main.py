@@ -28,7 +28,7 @@ def setup_trainer(cfg: RunConfig):
     torch.set_num_threads(cfg.learner.torch_threads)
     torch.manual_seed(cfg.learner.seed)
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.learner.mixed_precision)
-    policy = load_policy(cfg.model.path, cfg.learner.param_dtype)
+    policy = load_policy(cfg.model.path, cfg.learner.param_dtype, cfg.learner.attention)
     trainer = Trainer(cfg.learner, policy, accelerator, cfg.sampling.temperature)
     checkpointer = Checkpointer(cfg.checkpoint, Path(cfg.run_dir) / "checkpoints", accelerator)
     return accelerator, trainer, checkpointer

@@ -31,12 +31,28 @@ from tidal.learner.batch import (
 from tidal.learner.loss import LossInputs, policy_loss
 
 
-def load_policy(model_path: str, param_dtype: str):
+def load_policy(model_path: str, param_dtype: str, attention: str = "sdpa"):
     """The policy with its parameters in `param_dtype` (the master weights the optimizer updates)."""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, param_dtype),
-                                                attn_implementation="sdpa")
+                                                attn_implementation=attention_implementation(attention))
+
+
+def attention_implementation(attention: str) -> str:
+    """learner.attention, with auto resolved: flash-attn's varlen kernels on CUDA where installed, else sdpa."""
+    if attention != "auto":
+        return attention
+    import importlib.util
+
+    return "flash_attention_2" if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") else "sdpa"
+
+
+def packs(packing: str, policy) -> bool:
+    """learner.packing, with auto resolved: pack exactly where the attention runs variable-length sequences."""
+    if packing != "auto":
+        return packing == "packed"
+    return getattr(policy.config, "_attn_implementation", "") == "flash_attention_2"
 
 
 class PolicyLogprobs(torch.nn.Module):
@@ -52,8 +68,11 @@ class PolicyLogprobs(torch.nn.Module):
         self.temperature = temperature
         self.backend = backend
 
-    def forward(self, input_ids, attention_mask, predict_at, targets) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.policy.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, L, D]
+    def forward(self, input_ids, attention_mask, predict_at, targets,
+                position_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
+        # packed rows come without an attention mask: the position ids restarting at 0 separate them
+        hidden = self.policy.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   use_cache=False).last_hidden_state  # [B, L, D]; a cache would hide packing
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, predict_at)  # [tokens, D]
         weight = self.policy.lm_head.weight  # [V, D], in the master dtype
         # The LM head in the weights' own dtype (fp32 master weights: fp32 logits), outside any autocast
@@ -85,6 +104,7 @@ class Trainer:
         accelerator.register_for_checkpointing(self.scheduler)
         self.model, self.optimizer = accelerator.prepare(module, optim)
         self.num_updates = cfg.loss.epochs_per_step * cfg.loss.minibatches_per_step
+        self.packed = packs(cfg.packing, model)
 
     @property
     def num_params(self) -> int:
@@ -145,9 +165,9 @@ class Trainer:
         # The unwrapped module runs no collectives, so ranks may run different numbers of micro-batches.
         module = self.accelerator.unwrap_model(self.model)
         with self.accelerator.autocast():  # the same compute dtype as the updates' forward passes
-            for rows_mb in (mb for rows in minibatches for mb in micro_batches(rows, self.cfg.micro_batch_tokens)):
-                mb = collate(rows_mb).to(self.accelerator.device)
-                logp, entropy = module(mb.input_ids, mb.attention_mask, mb.predict_at, mb.targets)
+            for rows_mb in (mb for rows in minibatches for mb in self._micro_batches(rows)):
+                mb = collate(rows_mb, self.packed).to(self.accelerator.device)
+                logp, entropy = module(mb.input_ids, mb.attention_mask, mb.predict_at, mb.targets, mb.position_ids)
                 stats.add_step_start(mb, logp, entropy)
                 stats.num_forward_only_tokens += mb.input_ids.numel()
                 per_row = logp.float().cpu().numpy()
@@ -157,13 +177,13 @@ class Trainer:
 
     def _update(self, rows: list[Row], stats: _StepStats) -> float:
         """Forward and backward over the micro-batches of one mini-batch, then one optimizer update."""
-        batches = micro_batches(rows, self.cfg.micro_batch_tokens)
+        batches = self._micro_batches(rows)
         for i, rows_mb in enumerate(batches):
-            mb = collate(rows_mb).to(self.accelerator.device)
+            mb = collate(rows_mb, self.packed).to(self.accelerator.device)
             # DDP all-reduces once, on the last micro-batch; the others accumulate gradients locally.
             sync = i == len(batches) - 1
             with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
-                logp, entropy = self.model(mb.input_ids, mb.attention_mask, mb.predict_at, mb.targets)
+                logp, entropy = self.model(mb.input_ids, mb.attention_mask, mb.predict_at, mb.targets, mb.position_ids)
                 loss, extra = policy_loss(self._loss_inputs(mb, logp), self.cfg.loss)
                 # The weights already average over every rank's tokens; DDP's mean over ranks would
                 # divide the summed gradient again, so scale it back up.
@@ -172,6 +192,9 @@ class Trainer:
                 stats.add_step_start(mb, logp.detach(), entropy.detach())
             stats.add_update(mb, float(loss.detach()), extra["clipped"])
         return self._optimizer_step()
+
+    def _micro_batches(self, rows: list[Row]) -> list[list[Row]]:
+        return micro_batches(rows, self.cfg.micro_batch_tokens, self.packed)
 
     def _loss_inputs(self, mb: MicroBatch, logp: torch.Tensor) -> LossInputs:
         prox = mb.prox_logprobs

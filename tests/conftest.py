@@ -44,6 +44,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="module")
+def accelerator():
+    """A plain CPU Accelerator (no mixed precision), shared by a module's tests."""
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=True)
+
+
 @pytest.fixture
 def fresh_accelerator():
     """Accelerate keeps one process-wide state: a test that builds its own Accelerator (another mixed

@@ -307,6 +307,11 @@ class LearnerConfig:
     param_dtype: str = "float32"  # float32 | bfloat16 | float16
     # forward/backward compute through Accelerate's autocast: no (param_dtype) | bf16 | fp16; the LM head stays fp32
     mixed_precision: str = "no"
+    # auto: flash_attention_2 on CUDA where flash-attn is installed, sdpa elsewhere
+    attention: str = "auto"  # auto | sdpa | flash_attention_2
+    # micro-batches packed end to end without padding (variable-length attention) or padded per micro-batch;
+    # auto: packed under flash_attention_2, padded otherwise
+    packing: str = "auto"  # auto | packed | padded
     torch_threads: int = 1  # intra-op threads of the learner
     rollout_timeout_s: float = 600.0  # no rollout for this long means the actors are gone: the learner fails
     health_file: str = ""  # touched while the loop makes progress, for liveness probes; empty = off
@@ -519,6 +524,10 @@ def check_learner(cfg: RunConfig) -> None:
     _require(lc.param_dtype in DTYPES, "learner.param_dtype", lc.param_dtype, f"expected one of {', '.join(DTYPES)}")
     _require(lc.mixed_precision in ("no", "bf16", "fp16"), "learner.mixed_precision", lc.mixed_precision,
              "expected no, bf16 or fp16")
+    _require(lc.attention in ("auto", "sdpa", "flash_attention_2"), "learner.attention", lc.attention,
+             "expected auto, sdpa or flash_attention_2")
+    _require(lc.packing in ("auto", "packed", "padded"), "learner.packing", lc.packing,
+             "expected auto, packed or padded")
     loss, optim = lc.loss, lc.optim
     for key in ("eps_max", "tis_cap", "prox_cap", "gspo_clip_high"):
         _require(getattr(loss, key) > 0, f"learner.loss.{key}", getattr(loss, key), "must be > 0")

@@ -197,13 +197,6 @@ def test_on_policy_losses_reduce_to_reinforce(loss_type, how):
 
 # ---- the trainer on the tiny model -----------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def accelerator():
-    from accelerate import Accelerator
-
-    return Accelerator(cpu=True)
-
-
 def with_behavior(groups, logprobs):
     """The same groups with behavior logprobs replaced (logprobs[group][sample] -> float32 [tokens])."""
     return [RolloutGroup(group_id=g.group_id, prompt_id=g.prompt_id, actor_id=g.actor_id, prompt_tokens=g.prompt_tokens,
