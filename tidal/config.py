@@ -190,6 +190,9 @@ class ActorConfig:
     # GPUs of each actor (`tidal run` sets CUDA_VISIBLE_DEVICES); -1 = actor.vllm.tensor_parallel_size where the
     # machine has GPUs, none where it has not; 0 = none
     gpus_per_replica: int = -1
+    # share the learner's GPUs instead of taking GPUs of their own (one machine, too few GPUs): give the engines
+    # a memory share that leaves the learner room (actor.vllm.gpu_memory_utilization)
+    colocate: bool = False
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
 

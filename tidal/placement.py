@@ -3,6 +3,7 @@ them, CPU cores (taskset, and vLLM's OpenMP binding) where it has not.
 
     GPUs:  learner ranks ─ one GPU each ─ the first learner.gpus devices
            actor i       ─ actor.gpus_per_replica devices each, after the learner's
+                           (actor.colocate: on the learner's own, sharing their memory)
     CPU:   learner on core 0, actors spread over the other cores (sharing when there are too few)
 
 A plan that needs more GPUs than are visible is refused before anything starts, in one line.
@@ -56,6 +57,8 @@ def place(learner: LearnerConfig, actor: ActorConfig, gpus: list[str], cores: li
         return cpu_placement(actor.replicas, cores)
     learner_gpus = learner.num_ranks if learner.gpus < 0 else learner.gpus
     per_actor = actor.vllm.tensor_parallel_size if actor.gpus_per_replica < 0 else actor.gpus_per_replica
+    if actor.colocate:
+        return colocated(gpus, learner_gpus, actor.replicas, per_actor)
     needed = learner_gpus + actor.replicas * per_actor
     if needed > len(gpus):
         raise PlacementError(
@@ -64,6 +67,17 @@ def place(learner: LearnerConfig, actor: ActorConfig, gpus: list[str], cores: li
             f"actor.vllm.tensor_parallel_size, or learner.num_ranks")
     actor_gpus = gpus[learner_gpus:]
     actors = (Slot(gpus=tuple(actor_gpus[i * per_actor:(i + 1) * per_actor])) for i in range(actor.replicas))
+    return Placement(Slot(gpus=tuple(gpus[:learner_gpus])), tuple(actors))
+
+
+def colocated(gpus: list[str], learner_gpus: int, replicas: int, per_actor: int) -> Placement:
+    """Actors on the learner's GPUs, round-robin (actor.colocate)."""
+    if max(learner_gpus, per_actor) > len(gpus):
+        raise PlacementError(f"actor.colocate: the learner needs {learner_gpus} and each actor {per_actor} GPUs "
+                             f"but {len(gpus)} are visible ({','.join(gpus)})")
+    shared = gpus[:max(learner_gpus, per_actor)]
+    actors = (Slot(gpus=tuple(shared[(i * per_actor + j) % len(shared)] for j in range(per_actor)))
+              for i in range(replicas))
     return Placement(Slot(gpus=tuple(gpus[:learner_gpus])), tuple(actors))
 
 

@@ -1,6 +1,6 @@
 """One training step of the tiny model on a fixed step batch, on every rank, for the multi-rank test.
 
-Run it under `torchrun --nproc-per-node N` (gloo on CPU): rank 0 writes the
+Run it under `torchrun --nproc-per-node N` (gloo on CPU; `--cuda`: NCCL, a GPU per rank): rank 0 writes the
 parameters after each case's step (`<case>.pt`) and the metrics (`<case>.json`) to OUT_DIR;
 every rank that refuses a step batch too small to share writes `too_few_groups_rank<r>.txt`.
 """
@@ -23,9 +23,10 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--cuda", action="store_true", help="one GPU per rank, NCCL (default: CPU, gloo)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=not args.cuda)
     for name, case in CASES.items():
         params, metrics = run_step(learner_config(*case), accelerator)
         if accelerator.is_main_process:

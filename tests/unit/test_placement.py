@@ -74,3 +74,9 @@ def test_engine_settings_reach_vllm_and_tidal_keeps_its_own():
     assert [args[k] for k in keys] == [0.5, 2, 4096, True]
     assert (args["seed"], args["enable_prefix_caching"], args["logprobs_mode"]) == (2, False, "processed_logprobs")
     assert "max_model_len" not in engine_args(cfg().actor, "/m", "float32")  # 0: the model's own
+
+
+def test_colocated_actors_share_the_learners_gpu():
+    c = cfg("actor.replicas=2", "actor.colocate=true")
+    plan = place(c.learner, c.actor, ["0"], cores=[0, 1])
+    assert plan.learner.gpus == ("0",) and [a.gpus for a in plan.actors] == [("0",), ("0",)]
