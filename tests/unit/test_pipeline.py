@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import ALPHABET, TINY, TINY_CHAT_TEMPLATE, ScriptedEngine
+from conftest import ALPHABET, ROOT, TINY, TINY_CHAT_TEMPLATE, ScriptedEngine
 from tidal.actor.loop import Actor
 from tidal.broker.inproc import InprocBroker
 from tidal.broker.schema import WireCodec
@@ -157,3 +157,31 @@ def test_a_users_task_from_outside_the_package_with_chat_prompts(tmp_path, monke
     assert summary["steps"] == 2 and summary["val_pass_rate_final"] is not None
     seen = [line.split() for line in (tmp_path / "rewards.log").read_text().splitlines()]
     assert len(seen) >= 2 * 4 * 4 and all(len(answer) == 3 for _, answer in seen)  # the user's answers, scored
+
+
+def readme_task() -> str:
+    """The custom reward the README shows, exactly as printed there."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("```python\n# my_tasks/countdown.py")
+    return text[start + len("```python\n"):text.index("```", start + 10)]
+
+
+def test_the_readme_reward_trains_end_to_end(tmp_path, tiny_model, monkeypatch):
+    model_path, tokenizer = tiny_model
+    (tmp_path / "my_tasks").mkdir()
+    (tmp_path / "my_tasks" / "countdown.py").write_text(readme_task())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [{"problem": f"{a:02d}+{b:02d}=", "answer": f"{a + b:03d}"} for a in range(20, 30) for b in range(5)]
+    (tmp_path / "cd.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = resolve(load_config("configs/tiny.yaml", [
+        f"run_dir={tmp_path / 'run'}", f"model.path={model_path}", "learner.max_steps=2", "learner.groups_per_step=4",
+        "sampling.n=4", "eval.every=0", "eval.n=2", "actor.heartbeat_s=0.2", "task.name=my_tasks.countdown",
+        f"task.data_path={tmp_path / 'cd.jsonl'}", "task.num_val=4", "task.kwargs.partial_credit=0.25"]), actor=True)
+    learner_side, actor_side = transports("inproc", cfg)
+    learner = build(cfg, transport=learner_side)
+    thread, actor = start_actor(actor_side, cfg, ScriptedEngine(tokenizer, p_correct=0.5))
+    assert serve(learner, tmp_path / "run") == 0
+    thread.join(timeout=30)
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rewards = {m["rollout/reward"] for m in steps if "rollout/reward" in m}
+    assert len(rewards) == 2 and all(0.25 < r < 1.0 for r in rewards)  # passes score 1, misses the partial credit
