@@ -88,11 +88,11 @@ def test_bad_chat_rows_name_file_and_line(tmp_path, rows, says):
 
 
 def test_a_task_from_an_import_path_with_its_own_options(tmp_path, monkeypatch):
-    (tmp_path / "my_tasks").mkdir()
-    (tmp_path / "my_tasks" / "__init__.py").write_text("")
-    (tmp_path / "my_tasks" / "lenient.py").write_text(PLUGIN)
+    (tmp_path / "lenient_tasks").mkdir()  # a package name no other test imports (sys.modules outlives a test)
+    (tmp_path / "lenient_tasks" / "__init__.py").write_text("")
+    (tmp_path / "lenient_tasks" / "lenient.py").write_text(PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = TaskConfig(name="my_tasks.lenient", kwargs={"tolerance": 1}, num_val=4)
+    cfg = TaskConfig(name="lenient_tasks.lenient", kwargs={"tolerance": 1}, num_val=4)
     assert len(get_task(cfg.name).load_prompts(cfg).val) == 4
     reward = get_reward(cfg)
     assert (reward("086", {"answer": "085"}), reward("087", {"answer": "085"})) == (1.0, 0.0)
