@@ -7,12 +7,30 @@ frames with a `WireError` that names the problem, and counts each rejection by r
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
+from typing import Annotated, Literal
 
 import msgspec
 import numpy as np
+from msgspec import Meta
 
 SCHEMA_VERSION = 2  # 2: eval groups carry eval_version; grants no longer carry weights
+
+
+# Bounds every decoded value must keep: a frame that breaks one is rejected at decode ("malformed",
+# naming the field), before any code sees it.
+MAX_DIMS = 8
+Dim = Annotated[int, Meta(ge=0, le=2**40)]  # an array dimension
+Count = Annotated[int, Meta(ge=0, le=2**62)]  # a count or byte offset
+Version = Annotated[int, Meta(ge=0, le=2**31 - 1)]  # a policy version: optimizer steps
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+Id = Annotated[str, Meta(min_length=1, max_length=256)]  # run and group ids
+ActorId = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$")]
+Text = Annotated[str, Meta(max_length=65_536)]
+Seconds = Annotated[float, Meta(ge=0, le=1e9)]  # NaN and inf fail these bounds too
+Info = Annotated[dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=1024)]], Meta(max_length=32)]
+ITEMSIZE = {"i4": 4, "f4": 4, "i8": 8, "f8": 8, "u1": 1, "f2": 2}
 
 
 class WireError(ValueError):
@@ -26,8 +44,8 @@ class WireError(ValueError):
 class Array(msgspec.Struct, frozen=True):
     """A numpy array as raw little-endian bytes."""
 
-    dtype: str
-    shape: tuple[int, ...]
+    dtype: Annotated[str, Meta(max_length=8)]
+    shape: Annotated[tuple[Dim, ...], Meta(max_length=MAX_DIMS)]
     data: bytes
 
     @classmethod
@@ -39,17 +57,17 @@ class Array(msgspec.Struct, frozen=True):
     @property
     def num_elements(self) -> int:
         """Elements the bytes hold (checked against the shape by `numpy`)."""
-        return len(self.data) // np.dtype("<" + self.dtype).itemsize
+        return len(self.data) // ITEMSIZE.get(self.dtype, 1)
 
     def numpy(self, expect: str, field: str) -> np.ndarray:
-        """Decode, checking the dtype is `expect` (e.g. 'i4') and the byte count fits the shape."""
+        """Decode, checking the dtype is `expect` (e.g. 'i4') and the byte count fits the shape
+        before anything is reshaped (dimensions are non-negative and few, by type)."""
         if self.dtype != expect:
             raise WireError("bad_dtype", f"{field}: dtype {self.dtype!r}, expected {expect!r}")
-        dt = np.dtype("<" + expect)
-        count = int(np.prod(self.shape)) if self.shape else 1
-        if count * dt.itemsize != len(self.data):
+        count = math.prod(self.shape)  # Python ints: no wrap-around
+        if count * ITEMSIZE[expect] != len(self.data):
             raise WireError("bad_length", f"{field}: {len(self.data)} bytes for shape {self.shape}")
-        return np.frombuffer(self.data, dtype=dt).reshape(self.shape)
+        return np.frombuffer(self.data, dtype=np.dtype("<" + expect)).reshape(self.shape)
 
 
 def int32s(values) -> Array:
@@ -61,7 +79,7 @@ def float32s(values) -> Array:
 
 
 class Message(msgspec.Struct, tag_field="kind", kw_only=True):
-    schema_version: int = SCHEMA_VERSION
+    schema_version: Annotated[int, Meta(ge=0, le=2**31)] = SCHEMA_VERSION
 
     def check(self) -> None:
         """Field-level invariants that types alone do not express."""
@@ -71,20 +89,20 @@ class InterruptParams(msgspec.Struct, frozen=True):
     """ScaleRL forced interruption: a sample still going at its thinking budget gets `tokens`
     appended and continues for at most `answer_tokens` more."""
 
-    tokens: tuple[int, ...]  # the interruption text, tokenized by the learner
-    text: str  # the same text, so the reward sees the completion as the model read it
-    min_think_tokens: int  # each sample's thinking budget is drawn uniformly from
-    max_think_tokens: int  # [min_think_tokens, max_think_tokens]
-    answer_tokens: int  # generation budget after the interruption
+    tokens: Annotated[tuple[TokenId, ...], Meta(max_length=4096)]  # the interruption text, tokenized by the learner
+    text: Text  # the same text, so the reward sees the completion as the model read it
+    min_think_tokens: Count  # each sample's thinking budget is drawn uniformly from
+    max_think_tokens: Count  # [min_think_tokens, max_think_tokens]
+    answer_tokens: Count  # generation budget after the interruption
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 16  # cap on every completion's length, interruption and answer included
-    stop_token_ids: tuple[int, ...] = ()
+    temperature: Annotated[float, Meta(gt=0, le=100)] = 1.0
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    max_tokens: Annotated[int, Meta(ge=1, le=2**24)] = 16  # cap on every completion's length, all included
+    stop_token_ids: Annotated[tuple[TokenId, ...], Meta(max_length=256)] = ()
     interrupt: InterruptParams | None = None  # None: no forced interruptions (eval groups by default)
-    overlong_buffer_tokens: int = 0  # DAPO's L_cache; 0: no overlong penalty on the reward
+    overlong_buffer_tokens: Count = 0  # DAPO's L_cache; 0: no overlong penalty on the reward
 
     def check(self) -> None:
         """Length-control settings that could not be honoured; reasons name the field and value."""
@@ -105,16 +123,17 @@ class SamplingParams(msgspec.Struct, frozen=True):
 
 
 class PromptGroup(Message, tag="prompt_group"):
-    run_id: str
-    group_id: str  # unique; the idempotency key
-    prompt_id: int
+    run_id: Id
+    group_id: Id  # unique; the idempotency key
+    prompt_id: Count
     prompt_tokens: Array  # int32 [prompt_len]
-    task: str  # a module in tidal.tasks
-    payload: dict[str, str]  # what the reward needs, e.g. {"answer": "85"}
-    n: int  # samples to generate
+    task: Annotated[str, Meta(max_length=256)]  # the task's name (task.name)
+    # what the reward needs, e.g. {"answer": "85"}
+    payload: Annotated[dict[Annotated[str, Meta(max_length=256)], Text], Meta(max_length=64)]
+    n: Annotated[int, Meta(ge=1, le=4096)]  # samples to generate
     sampling: SamplingParams
-    min_version: int  # start only once the actor runs weights of at least this version
-    eval_version: int | None = None  # set on eval groups: the policy version being evaluated (never trained on)
+    min_version: Version  # start only once the actor runs weights of at least this version
+    eval_version: Version | None = None  # set on eval groups: the policy version evaluated (never trained on)
 
     @property
     def is_eval(self) -> bool:
@@ -132,14 +151,15 @@ class PromptGroup(Message, tag="prompt_group"):
 class Sample(msgspec.Struct, kw_only=True):
     tokens: Array  # int32 [completion_len]
     logprobs: Array  # float32 [completion_len], behavior logprobs after temperature
-    version_spans: list[tuple[int, int, int]]  # (version, start, end) over completion tokens
+    # (version, start, end) over completion tokens
+    version_spans: Annotated[list[tuple[Version, Count, Count]], Meta(max_length=65_536)]
     reward: float  # what the learner trains on: the task reward plus any overlong penalty
     # stop: ended by a stop token, never interrupted. interrupted: interrupted, then ended by a stop
     # token. length: reached the completion's final budget without a stop token (a truncation).
-    finish_reason: str
+    finish_reason: Literal["stop", "length", "interrupted"]
     # [start, end) ranges of completion tokens the actor injected (interruption text): part of the
     # sequence the model read, never trained on; their behavior logprobs are 0.0
-    injected_spans: list[tuple[int, int]] = []
+    injected_spans: Annotated[list[tuple[Count, Count]], Meta(max_length=1024)] = []
     raw_reward: float | None = None  # the task's reward before length shaping; None: equal to `reward`
 
     @property
@@ -170,18 +190,15 @@ class Sample(msgspec.Struct, kw_only=True):
         return out
 
 
-FINISH_REASONS = ("stop", "length", "interrupted")
-
-
 class RolloutGroup(Message, tag="rollout_group"):
-    group_id: str
-    prompt_id: int
-    actor_id: str
+    group_id: Id
+    prompt_id: Count
+    actor_id: ActorId
     prompt_tokens: Array  # int32 [prompt_len]
-    samples: list[Sample]
-    eval_version: int | None = None  # copied from the PromptGroup: the policy version being evaluated
-    gen_seconds: float = 0.0  # wall time from the first request to the last sample
-    queue_seconds: float = 0.0  # wall time the group waited at the actor before starting
+    samples: Annotated[list[Sample], Meta(min_length=1, max_length=4096)]
+    eval_version: Version | None = None  # copied from the PromptGroup: the policy version being evaluated
+    gen_seconds: Seconds = 0.0  # wall time from the first request to the last sample
+    queue_seconds: Seconds = 0.0  # wall time the group waited at the actor before starting
 
     @property
     def is_eval(self) -> bool:
@@ -192,9 +209,9 @@ class RolloutGroup(Message, tag="rollout_group"):
         return self.prompt_tokens.num_elements
 
     def check(self) -> None:
-        self.prompt_tokens.numpy("i4", "prompt_tokens")
-        if not self.samples:
-            raise WireError("bad_value", "rollout group has no samples")
+        prompt = self.prompt_tokens.numpy("i4", "prompt_tokens")
+        if prompt.ndim != 1 or prompt.size == 0:
+            raise WireError("bad_shape", f"prompt_tokens shape {prompt.shape}")
         for i, s in enumerate(self.samples):
             tokens = s.tokens.numpy("i4", f"samples[{i}].tokens")
             logprobs = s.logprobs.numpy("f4", f"samples[{i}].logprobs")
@@ -207,8 +224,6 @@ class RolloutGroup(Message, tag="rollout_group"):
                 covered = end
             if covered != tokens.size:
                 raise WireError("bad_spans", f"samples[{i}]: spans cover {covered} of {tokens.size} tokens")
-            if s.finish_reason not in FINISH_REASONS:
-                raise WireError("bad_value", f"samples[{i}].finish_reason {s.finish_reason!r}")
             if not np.isfinite(s.reward) or not np.isfinite(s.task_reward) or not np.all(np.isfinite(logprobs)):
                 raise WireError("bad_value", f"samples[{i}]: non-finite reward or logprob")
             _check_injected_spans(s.injected_spans, tokens.size, f"samples[{i}]")
@@ -226,47 +241,51 @@ def _check_injected_spans(spans: list[tuple[int, int]], num_tokens: int, where: 
 
 
 class TensorSpec(msgspec.Struct, frozen=True):
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int  # byte offset of the data inside the file
-    nbytes: int
+    name: Annotated[str, Meta(max_length=1024)]
+    dtype: Annotated[str, Meta(max_length=16)]
+    shape: Annotated[tuple[Dim, ...], Meta(max_length=MAX_DIMS)]
+    offset: Count  # byte offset of the data inside the file
+    nbytes: Count
 
 
 class WeightUpdate(Message, tag="weight_update"):
-    version: int
-    transport: str  # "file"
-    location: str  # path of the safetensors file
-    manifest: list[TensorSpec]
-    checksum: str  # sha256 of the file's bytes
+    version: Version
+    transport: Annotated[str, Meta(max_length=32)]  # "file"
+    location: Annotated[str, Meta(max_length=4096)]  # path of the safetensors file
+    manifest: Annotated[list[TensorSpec], Meta(max_length=1_000_000)]
+    checksum: Annotated[str, Meta(max_length=128)]  # sha256 of the file's bytes
     # which learner process announced it: a resumed learner counts versions again from its
     # checkpoint, and actors that outlived the crash must load those over higher, abandoned ones
-    incarnation: str = ""
+    incarnation: Annotated[str, Meta(max_length=64)] = ""
 
 
 class Heartbeat(Message, tag="heartbeat"):
     """Sent at start (hello) and every actor.heartbeat_s seconds."""
 
-    actor_id: str
-    version: int  # the weight version the engine runs
-    engine: dict[str, str]  # engine info: model, device, vllm version, pid
-    outstanding: list[str]  # group ids accepted and not yet published
-    num_generated_tokens: int = 0
-    weight_swap_paused_s: float = 0.0  # how long the engine was paused by the latest weight swap
+    actor_id: ActorId
+    version: Version  # the weight version the engine runs
+    engine: Info  # engine info: model, device, vllm version, pid
+    outstanding: Annotated[list[Id], Meta(max_length=65_536)]  # group ids accepted and not yet published
+    num_generated_tokens: Count = 0
+    weight_swap_paused_s: Seconds = 0.0  # how long the engine was paused by the latest weight swap
     hello: bool = False
 
 
 class WorkRequest(Message, tag="work_request"):
-    actor_id: str
-    max_samples: int  # free generation slots; groups are granted while their n fit
+    actor_id: ActorId
+    max_samples: Annotated[int, Meta(ge=0, le=2**24)]  # free generation slots; groups are granted while their n fit
 
 
 class WorkGrant(Message, tag="work_grant"):
-    groups: list[PromptGroup]
+    groups: Annotated[list[PromptGroup], Meta(max_length=65_536)]
+
+    def check(self) -> None:
+        for group in self.groups:
+            group.check()
 
 
 class Shutdown(Message, tag="shutdown"):
-    reason: str
+    reason: Annotated[str, Meta(max_length=4096)]
 
 
 AnyMessage = PromptGroup | RolloutGroup | WeightUpdate | Heartbeat | WorkRequest | WorkGrant | Shutdown

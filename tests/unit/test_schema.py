@@ -113,19 +113,19 @@ def test_frames_without_length_control_fields_still_decode():
     assert not s.injected_mask().any()
 
 
-@pytest.mark.parametrize("bad", [
-    dict(injected=((2, 1),)),  # reversed
-    dict(injected=((1, 1),)),  # empty
-    dict(injected=((2, 4),)),  # past the completion's 3 tokens
-    dict(injected=((-1, 1),)),
-    dict(injected=((0, 2), (1, 3))),  # overlapping
-    dict(injected=((2, 3), (0, 1))),  # unsorted
+@pytest.mark.parametrize("bad, reason", [
+    (dict(injected=((2, 1),)), "bad_spans"),  # reversed
+    (dict(injected=((1, 1),)), "bad_spans"),  # empty
+    (dict(injected=((2, 4),)), "bad_spans"),  # past the completion's 3 tokens
+    (dict(injected=((-1, 1),)), "malformed"),  # out of the type's bounds: rejected by the decoder itself
+    (dict(injected=((0, 2), (1, 3))), "bad_spans"),  # overlapping
+    (dict(injected=((2, 3), (0, 1))), "bad_spans"),  # unsorted
 ])
-def test_bad_injected_spans_are_rejected(bad):
+def test_bad_injected_spans_are_rejected(bad, reason):
     codec = WireCodec(1 << 20)
     with pytest.raises(WireError, match="injected_spans") as err:
         codec.decode(codec.encode(interrupted(**bad)))
-    assert err.value.reason == "bad_spans"
+    assert err.value.reason == reason
 
 
 @pytest.mark.parametrize("bad", [dict(injected=(), finish="interrupted"), dict(raw_reward=float("inf"))])

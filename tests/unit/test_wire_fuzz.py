@@ -1,0 +1,116 @@
+"""Decoding never crashes: mutated frames of every message type, seeded, are either decoded into
+a message that passes its checks or rejected with a counted WireError, nothing else.
+
+Mutations come in two kinds: bytes (flips, truncation, insertion, splices of two frames) and
+structure (the frame decoded to plain msgpack values, one leaf replaced by a hostile value: huge
+or negative integers, NaN, deep nesting, wrong types, long strings, then encoded again)."""
+import random
+import time
+from collections import Counter
+
+import msgspec
+import numpy as np
+import pytest
+
+from conftest import prompt_group, rollout
+from tidal.broker.schema import (Array, Heartbeat, InterruptParams, Sample, SamplingParams, Shutdown, TensorSpec,
+                                 WeightUpdate, WireCodec, WireError, WorkGrant, WorkRequest, float32s, int32s)
+
+FRAMES_PER_KIND = 10_000
+
+
+def valid_messages() -> dict[str, object]:
+    interrupt = InterruptParams((3, 4), "==", 1, 2, 2)
+    group = prompt_group(1)
+    group.sampling = SamplingParams(0.9, 1.0, 8, (1,), interrupt, 2)
+    sample = Sample(tokens=int32s([3, 4, 5, 1]), logprobs=float32s([-0.1, 0.0, 0.0, -0.3]),
+                    version_spans=[(2, 0, 1), (3, 1, 4)], reward=1.0, finish_reason="interrupted",
+                    injected_spans=[(1, 3)], raw_reward=1.0)
+    two = rollout()
+    two.samples.append(sample)
+    return {
+        "prompt_group": group,
+        "rollout_group": two,
+        "weight_update": WeightUpdate(version=7, transport="file", location="/dev/shm/w/weights-v000007.safetensors",
+                                      manifest=[TensorSpec("a.weight", "F32", (4, 8), 64, 128)], checksum="ab" * 32,
+                                      incarnation="f00d"),
+        "heartbeat": Heartbeat(actor_id="actor-0", version=3, engine={"vllm": "0.32.0"}, outstanding=["r-1", "r-2"],
+                               num_generated_tokens=12, weight_swap_paused_s=0.01, hello=True),
+        "work_request": WorkRequest(actor_id="actor-0", max_samples=16),
+        "work_grant": WorkGrant(groups=[prompt_group(2), prompt_group(3, n=2)]),
+        "shutdown": Shutdown(reason="learner finished"),
+    }
+
+
+HOSTILE = [2**63, -2**63, 2**64 - 1, -1, 0, 2**31, float("nan"), float("inf"), -float("inf"), 1e308, "",
+           "x" * 5000, b"\x00" * 7, None, True, [], [[[[[[[[[[[]]]]]]]]]]], {}, {"kind": "shutdown"}, 3.5, [-1, -2],
+           [2**62, 4], list(range(70))]
+
+
+def leaves(value, path=()):
+    """(path, value) of every leaf of a msgpack tree."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from leaves(v, (*path, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from leaves(v, (*path, i))
+    yield path, value
+
+
+def replaced(tree, path, new):
+    if not path:
+        return new
+    head, *rest = path
+    copy = dict(tree) if isinstance(tree, dict) else list(tree)
+    copy[head] = replaced(tree[head], rest, new)
+    return copy
+
+
+def mutate(frame: bytes, rng: random.Random, others: list[bytes]) -> bytes:
+    kind = rng.choices(range(6), weights=(1, 1, 1, 1, 4, 2))[0]  # structural mutations reach the checks
+    data = bytearray(frame)
+    if kind == 0:  # flip bits
+        for _ in range(rng.randint(1, 4)):
+            i = rng.randrange(len(data))
+            data[i] ^= 1 << rng.randrange(8)
+        return bytes(data)
+    if kind == 1:  # truncate
+        return bytes(data[:rng.randrange(len(data))])
+    if kind == 2:  # insert random bytes
+        i = rng.randrange(len(data) + 1)
+        return bytes(data[:i] + bytes(rng.randrange(256) for _ in range(rng.randint(1, 8))) + data[i:])
+    if kind == 3:  # splice with another frame
+        other = rng.choice(others)
+        return bytes(data[:rng.randrange(len(data))] + other[rng.randrange(len(other)):])
+    tree = msgspec.msgpack.decode(frame)
+    path, _ = rng.choice(list(leaves(tree)))
+    if kind == 4:
+        return msgspec.msgpack.encode(replaced(tree, path, rng.choice(HOSTILE)))
+    # structure-aware: arrays whose shape lies about their bytes
+    shape = rng.choice([(-2, -2), (2**62, 4), tuple([1] * 65), (0,), (3, 0, 5), (2**31, 2**31)])
+    return msgspec.msgpack.encode(replaced(tree, path, {"dtype": "i4", "shape": list(shape), "data": b"\x01" * 16}))
+
+
+def test_every_mutated_frame_is_a_message_or_a_counted_wire_error():
+    codec = WireCodec(1 << 20)
+    frames = {kind: codec.encode(msg) for kind, msg in valid_messages().items()}
+    for kind, frame in frames.items():  # the originals decode and pass their checks
+        codec.decode(frame)
+    rng = random.Random(0)
+    crashes, outcomes, start = [], Counter(), time.monotonic()
+    for kind, frame in frames.items():
+        for _ in range(FRAMES_PER_KIND):
+            bad = mutate(frame, rng, list(frames.values()))
+            try:
+                codec.decode(bad)
+                outcomes["decoded"] += 1
+            except WireError as err:
+                outcomes[err.reason] += 1
+            except Exception as err:  # noqa: BLE001 (any other exception is the failure this test looks for)
+                crashes.append((kind, type(err).__name__, str(err)[:100], bad[:60]))
+    elapsed = time.monotonic() - start
+    print(f"\n{FRAMES_PER_KIND * len(frames)} mutated frames in {elapsed:.1f} s: {dict(outcomes)}; "
+          f"{len(crashes)} crashes")
+    assert crashes == [], Counter((k, t) for k, t, _, _ in crashes).most_common(10)
+    assert sum(codec.rejected.values()) == sum(v for k, v in outcomes.items() if k != "decoded")
