@@ -22,7 +22,7 @@ from tidal.broker.base import LearnerTransport
 from tidal.broker.schema import PromptGroup, SamplingParams, int32s
 from tidal.config import CurriculumConfig
 from tidal.learner.curriculum import Curriculum, CurriculumExhausted
-from tidal.learner.groups import GroupBook
+from tidal.learner.groups import GroupBook, Release, prompt_digest
 from tidal.tasks import Prompt
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,11 @@ class DispatchPlan:
     groups_per_step: int
     max_lag: int
     seed: int
+
+
+def release_of(group: PromptGroup, index: int) -> Release:
+    """The record a group's rollout is checked against."""
+    return Release(index, group.min_version, group.n, prompt_digest(group.prompt_tokens.data), group.eval_version)
 
 
 class Coordinator:
@@ -116,12 +121,12 @@ class Coordinator:
             self.version = new_version
         self.book.trained(new_version, group_ids)
 
-    def dispatch_eval(self, version: int) -> list[str]:
-        """Send every held-out prompt for evaluation at `version`; returns the group ids."""
+    def dispatch_eval(self, version: int) -> dict[str, Release]:
+        """Send every held-out prompt for evaluation at `version`; returns what went out, by group id."""
         groups = [self._group(p, f"{self.plan.run_id}-eval{version}-{i}", version, eval_version=version)
                   for i, p in enumerate(self.val)]
         self.transport.submit_prompts(groups)
-        return [g.group_id for g in groups]
+        return {g.group_id: release_of(g, i) for i, g in enumerate(groups)}
 
     # ---- the thread ------------------------------------------------------------------------------
 
@@ -135,7 +140,7 @@ class Coordinator:
                     if self._stop:
                         return
                     groups = [self._next_train_group() for _ in range(self.window - len(self.book.outstanding))]
-                    self.book.release({g.group_id: (index, g.min_version) for g, index in groups})
+                    self.book.release({g.group_id: release_of(g, index) for g, index in groups})
                 self.transport.submit_prompts([g for g, _ in groups])
         except BaseException as err:
             self._error = err
@@ -191,8 +196,8 @@ class Coordinator:
     def resubmit_outstanding(self) -> int:
         """After a restart on a transport that kept nothing (ZeroMQ): queue the outstanding groups again."""
         with self._cond:
-            groups = [self._group(self.train[index], group_id, min_version)
-                      for group_id, (index, min_version) in self.book.outstanding.items()]
+            groups = [self._group(self.train[r.index], group_id, r.min_version)
+                      for group_id, r in self.book.outstanding.items()]
         self.transport.submit_prompts(groups)
         return len(groups)
 

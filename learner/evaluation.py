@@ -12,22 +12,27 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tidal.broker.schema import RolloutGroup
+from tidal.learner.groups import Release
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Evaluations:
-    expected: dict[int, set[str]] = field(default_factory=dict)  # version -> group ids still to come
+    expected: dict[int, dict[str, Release]] = field(default_factory=dict)  # version -> groups still to come
     rewards: dict[int, list[float]] = field(default_factory=dict)
     results: dict[int, float] = field(default_factory=dict)  # version -> pass rate
     dispatched: set[str] = field(default_factory=set)  # every eval group id this learner sent out
     multi_version_samples: int = 0  # eval samples whose tokens came from two or more weight versions
 
-    def expect(self, version: int, group_ids: list[str]) -> None:
-        self.expected[version] = set(group_ids)
+    def expect(self, version: int, groups: dict[str, Release]) -> None:
+        self.expected[version] = dict(groups)
         self.rewards[version] = []
-        self.dispatched.update(group_ids)
+        self.dispatched.update(groups)
+
+    def release_of(self, group: RolloutGroup) -> Release | None:
+        """What went out for this eval group, while its evaluation still waits for it."""
+        return self.expected.get(group.eval_version, {}).get(group.group_id)
 
     def add(self, group: RolloutGroup) -> tuple[int, float] | None:
         """Returns (version, pass rate) when this group completes an evaluation."""
@@ -35,7 +40,7 @@ class Evaluations:
         pending = self.expected.get(group.eval_version)
         if pending is None or group.group_id not in pending:
             return None  # a duplicate or a leftover of an earlier run
-        pending.discard(group.group_id)
+        del pending[group.group_id]
         self.rewards[group.eval_version].extend(s.reward for s in group.samples)
         return None if pending else self._complete(group.eval_version)
 
@@ -43,7 +48,7 @@ class Evaluations:
         """An eval group the broker gave up on: the evaluation completes without it."""
         for version, pending in self.expected.items():
             if group_id in pending:
-                pending.discard(group_id)
+                del pending[group_id]
                 log.warning("eval group %s was dead-lettered; the eval at version %d is computed without it",
                             group_id, version)
                 if not pending and self.rewards[version]:
@@ -62,3 +67,42 @@ class Evaluations:
     def _complete(self, version: int) -> tuple[int, float]:
         self.results[version] = float(np.mean(self.rewards[version]))
         return version, self.results[version]
+
+
+class Evaluator:
+    """The evaluation flow of a run: dispatch held-out prompts at a version, check and collect what
+    comes back, log each completed pass rate on the compute axes."""
+
+    def __init__(self, coordinator, metrics_log, accounting, transport, validator=None):
+        self.coordinator, self.metrics_log, self.accounting = coordinator, metrics_log, accounting
+        self.transport, self.validator = transport, validator
+        self.evals = Evaluations()
+
+    def start(self, version: int) -> None:
+        if version not in self.evals.expected:
+            self.evals.expect(version, self.coordinator.dispatch_eval(version))
+
+    def on_group(self, group: RolloutGroup, version: int) -> None:
+        """An eval group arrived; one that does not mean what was sent out is left out of its evaluation."""
+        release = self.evals.release_of(group)
+        if release is not None and self.validator is not None and self.validator.check(group, release, version):
+            self.report(self.evals.drop(group.group_id))
+        else:
+            self.report(self.evals.add(group))
+
+    def dead_letter(self, group_id: str) -> bool:
+        """The broker gave up on a group: True when it was an eval group (its evaluation completes without it)."""
+        if not self.evals.owns(group_id):
+            return False
+        self.report(self.evals.drop(group_id))
+        return True
+
+    def waiting(self) -> bool:
+        return self.evals.waiting()
+
+    def report(self, done: tuple[int, float] | None) -> None:
+        if done is not None:
+            version, pass_rate = done
+            log.info("eval at version %d: val pass rate %.3f", version, pass_rate)
+            axis = self.accounting.compute_axis(len(self.transport.actors()))
+            self.metrics_log.log({"eval/pass_rate": pass_rate} | axis, step=version)

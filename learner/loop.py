@@ -19,17 +19,19 @@ import time
 from dataclasses import dataclass
 
 from tidal.broker.base import LearnerTransport
+from tidal.broker.schema import RolloutGroup
 from tidal.broker.weights import WeightPublisher
 from tidal.config import EvalConfig, LearnerConfig
 from tidal.learner.accounting import Accounting
 from tidal.learner.admission import Admission, StepBatch
 from tidal.learner.coordinator import Coordinator
 from tidal.learner.curriculum import CurriculumExhausted
-from tidal.learner.evaluation import Evaluations
-from tidal.learner.groups import GroupBook
+from tidal.learner.evaluation import Evaluator
+from tidal.learner.groups import DUPLICATE, NEW, GroupBook
 from tidal.learner.inbox import Inbox
 from tidal.learner.resume import MetricsLog, learner_state, restore_learner_state
 from tidal.learner.trainer import Trainer
+from tidal.learner.validation import Validator
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ class LearnerParts:
     publisher: WeightPublisher
     tracker: object  # tidal.learner.tracking.Tracker
     checkpointer: object  # tidal.learner.checkpoint.Checkpointer
+    validator: Validator | None = None  # None: rollouts are not checked against what was released
     ranks: object = None  # tidal.learner.ranks.BatchBroadcast when the learner runs on several ranks
     export: object = None  # tidal.learner.export.FinalExport: what happens to the final policy
 
@@ -54,9 +57,10 @@ class Learner:
         self.trainer, self.coordinator, self.book = parts.trainer, parts.coordinator, parts.book
         self.transport, self.checkpointer = parts.transport, parts.checkpointer
         self.version = 0
-        self.evals = Evaluations()
         self.accounting = Accounting(self.trainer.num_params, parts.ranks.world if parts.ranks else 1)
         self.metrics_log = MetricsLog(parts.tracker, self.checkpointer.periodic)
+        self.evaluator = Evaluator(self.coordinator, self.metrics_log, self.accounting, self.transport, parts.validator)
+        self.evals = self.evaluator.evals
         self.inbox = Inbox(self.transport, self.book.ledger, self.accounting, cfg.rollout_timeout_s, cfg.health_file,
                            on_dead_letter=self.on_dead_letter)
         self.resumed: dict | None = None  # the checkpoint state this learner continues from
@@ -78,11 +82,11 @@ class Learner:
         """Announce the starting weights, evaluate them (or finish a resumed run's evaluations), release prompts."""
         self.publish_weights()
         if self.resumed is None:
-            self.start_eval()
+            self.evaluator.start(self.version)
         else:
             self.metrics_log.heal(self.resumed.get("unlogged", []))
             for version in restore_learner_state(self.resumed["learner"], self.accounting, self.evals):
-                self.evals.expect(version, self.coordinator.dispatch_eval(version))  # lost with the old process
+                self.evaluator.start(version)  # lost with the old process
         self.coordinator.start()
 
     def collect_step_batch(self) -> StepBatch | None:
@@ -96,14 +100,10 @@ class Learner:
                 self.stop_early(str(err))
                 return None
             group = self.inbox.next(self.version)
-            if group is None:
-                continue
-            if group.is_eval:
-                self.report_eval(self.evals.add(group))
-            elif not self.book.claim(group.group_id):
-                batch.stats["duplicates"] += 1  # redelivered or re-dispatched: trained once already
-            else:
-                self.parts.admission.add(group, batch, self.version)
+            if group is not None and group.is_eval:
+                self.evaluator.on_group(group, self.version)
+            elif group is not None:
+                self.on_training_group(group, batch)
         return batch
 
     def train_step(self, batch: StepBatch) -> None:
@@ -114,7 +114,7 @@ class Learner:
         metrics["timing/weight_push_s"] = self.publish_weights()
         self.coordinator.on_step(self.version, [g.group_id for g in batch.groups])
         if self.eval_cfg.every and self.version % self.eval_cfg.every == 0 and self.version < self.cfg.max_steps:
-            self.start_eval()
+            self.evaluator.start(self.version)
         self.metrics_log.log(self.step_metrics(batch, metrics), step=self.version)
         if self.checkpointer.due(self.version):
             self.save_checkpoint()
@@ -124,12 +124,12 @@ class Learner:
     def end(self) -> None:
         """Stop releasing, evaluate the final weights, save the final checkpoint."""
         self.coordinator.stop()
-        self.start_eval()
+        self.evaluator.start(self.version)
         self.inbox.restart_clock()
-        while self.evals.waiting():
+        while self.evaluator.waiting():
             group = self.inbox.next(self.version, what="the final evaluation")
             if group is not None and group.is_eval:
-                self.report_eval(self.evals.add(group))
+                self.evaluator.on_group(group, self.version)
             elif group is not None:
                 self.transport.leave_pending(group)  # not trained: a longer resumed run still can
         self.save_checkpoint()
@@ -137,6 +137,21 @@ class Learner:
             log.info("final policy exported to %s", self.parts.export(self.trainer.policy))
 
     # ---- helpers of the steps --------------------------------------------------------------------
+
+    def on_training_group(self, group: RolloutGroup, batch: StepBatch) -> None:
+        """A released group's first copy, if it means what was sent out, goes to admission."""
+        verdict = self.book.claim(group.group_id)
+        if verdict == DUPLICATE:
+            batch.stats["duplicates"] += 1  # redelivered or re-dispatched: trained once already
+        if verdict != NEW:
+            return
+        validator = self.parts.validator
+        reason = validator and validator.check(group, self.book.outstanding[group.group_id], self.version)
+        if reason:
+            self.book.discard(group.group_id, f"invalid/{reason}")
+        else:
+            self.parts.admission.add(group, batch, self.version)
+
 
     def stop_early(self, why: str) -> None:
         log.warning("%s; ending the run at step %d of %d", why, self.version, self.cfg.max_steps)
@@ -150,22 +165,9 @@ class Learner:
         self.transport.publish_weights(self.parts.publisher.publish(named, self.version))
         return time.perf_counter() - start
 
-    def start_eval(self) -> None:
-        if self.version not in self.evals.expected:
-            self.evals.expect(self.version, self.coordinator.dispatch_eval(self.version))
-
-    def report_eval(self, done: tuple[int, float] | None) -> None:
-        if done is not None:
-            version, pass_rate = done
-            log.info("eval at version %d: val pass rate %.3f", version, pass_rate)
-            axis = self.accounting.compute_axis(len(self.transport.actors()))
-            self.metrics_log.log({"eval/pass_rate": pass_rate} | axis, step=version)
-
     def on_dead_letter(self, group_id: str) -> None:
         """The broker gave up on a group: an evaluation completes without it, a training group frees its slot."""
-        if self.evals.owns(group_id):
-            self.report_eval(self.evals.drop(group_id))
-        else:
+        if not self.evaluator.dead_letter(group_id):
             self.book.dead_letter(group_id)
 
     def step_metrics(self, batch: StepBatch, train: dict[str, float]) -> dict[str, float]:
@@ -175,6 +177,8 @@ class Learner:
             "curriculum/retired_prompts": float(self.coordinator.num_retired_prompts),
             "broker/duplicate_groups": float(self.book.counts["duplicates"]),
             "broker/dead_lettered_groups": float(self.book.counts["dead_lettered"]),
+            "learner/rejected_groups": float(sum(v for k, v in self.book.counts.items()
+                                                 if k.startswith(("rejected/", "discarded/invalid/")))),
             "learner/version": float(self.version),
         } | self.transport.metrics() | self.accounting.compute_axis(len(self.transport.actors()))
 

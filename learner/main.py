@@ -50,6 +50,7 @@ def build(cfg: RunConfig, checkpoint: Path | None = None, transport=None):
     from tidal.learner.loop import Learner, LearnerParts
     from tidal.learner.ranks import BatchBroadcast
     from tidal.learner.tracking import Tracker
+    from tidal.learner.validation import Validator
     from tidal.tasks import PromptEncoder, get_task
 
     run_dir = Path(cfg.run_dir)
@@ -71,6 +72,7 @@ def build(cfg: RunConfig, checkpoint: Path | None = None, transport=None):
         admission=Admission(cfg.staleness, cfg.learner.zero_variance_filter, book, coordinator.on_rewards),
         publisher=build_publisher(cfg.weights, uuid.uuid4().hex[:12], cfg.name, cfg.run_dir, cfg.model.dtype),
         checkpointer=checkpointer, ranks=BatchBroadcast(accelerator),
+        validator=Validator(trainer.policy.config.vocab_size, cfg.sampling.max_tokens, cfg.task.reward_range),
         export=FinalExport(cfg.model.path, run_dir / "model", cfg.model.dtype,
                            tracker if cfg.tracking.log_model else None))
     learner = Learner(cfg.learner, cfg.eval, parts)

@@ -118,6 +118,7 @@ class TaskConfig:
     # apply the tokenizer's chat template (a string prompt becomes one user message; chat messages always get it)
     chat_template: bool = False
     system_prompt: str = ""  # with a chat template: a system message first, unless the prompt's messages have one
+    reward_range: tuple[float, float] = (-10.0, 10.0)  # rollouts with a reward outside it are rejected, counted
 
 
 @dataclass(frozen=True)
@@ -546,6 +547,11 @@ def check_learner(cfg: RunConfig) -> None:
     _require(cfg.actor.index >= 0, "actor.index", cfg.actor.index, "must be >= 0")
 
 
+def check_task(cfg: RunConfig) -> None:
+    low, high = cfg.task.reward_range
+    _require(low < high, "task.reward_range", list(cfg.task.reward_range), "expected [low, high] with low < high")
+
+
 def check_devices(cfg: RunConfig) -> None:
     lc, ac, vc = cfg.learner, cfg.actor, cfg.actor.vllm
     _require(lc.gpus in (-1, 0, lc.num_ranks), "learner.gpus", lc.gpus,
@@ -580,6 +586,6 @@ def check_broker(cfg: RunConfig) -> None:
 
 
 def validate(cfg: RunConfig) -> None:
-    for check in (check_model, check_sampling, check_length_control, check_learner, check_devices, check_curriculum,
-                  check_broker):
+    for check in (check_model, check_task, check_sampling, check_length_control, check_learner, check_devices,
+                  check_curriculum, check_broker):
         check(cfg)

@@ -1,6 +1,11 @@
 """Evaluations: the version travels as a field; groups given up on complete an evaluation without them."""
 from conftest import rollout
 from tidal.learner.evaluation import Evaluations
+from tidal.learner.groups import Release
+
+
+def released(*ids: str, version: int) -> dict[str, Release]:
+    return {gid: Release(i, version, 1, "", eval_version=version) for i, gid in enumerate(ids)}
 
 
 def eval_group(group_id: str, version: int, reward: float):
@@ -11,8 +16,8 @@ def eval_group(group_id: str, version: int, reward: float):
 
 def test_a_pass_rate_per_version_from_the_eval_version_field():
     evals = Evaluations()
-    evals.expect(4, ["x", "y"])
-    evals.expect(6, ["z"])
+    evals.expect(4, released("x", "y", version=4))
+    evals.expect(6, released("z", version=6))
     assert evals.add(eval_group("x", 4, 1.0)) is None
     assert evals.add(eval_group("z", 6, 0.0)) == (6, 0.0)
     assert evals.add(eval_group("x", 4, 1.0)) is None  # a duplicate changes nothing
@@ -22,7 +27,7 @@ def test_a_pass_rate_per_version_from_the_eval_version_field():
 
 def test_a_dead_lettered_group_completes_its_evaluation_without_it():
     evals = Evaluations()
-    evals.expect(2, ["a", "b"])
+    evals.expect(2, released("a", "b", version=2))
     evals.add(eval_group("a", 2, 1.0))
     assert evals.owns("b") and not evals.owns("train-17")
     assert evals.drop("b") == (2, 1.0)
