@@ -15,7 +15,7 @@ def learner_transport(cfg: BrokerConfig, run: str, fresh: bool) -> LearnerTransp
         return RedisLearnerTransport(cfg.redis, codec, run, cfg.actor_timeout_s, fresh)
     from tidal.broker.zmq_transport import ZmqLearnerTransport
 
-    return ZmqLearnerTransport(cfg.zmq, codec, cfg.actor_timeout_s)
+    return ZmqLearnerTransport(cfg, codec)
 
 
 def actor_transport(cfg: BrokerConfig, actor_id: str, run: str) -> ActorTransport:
@@ -26,4 +26,4 @@ def actor_transport(cfg: BrokerConfig, actor_id: str, run: str) -> ActorTranspor
         return RedisActorTransport(cfg.redis, codec, actor_id, run)
     from tidal.broker.zmq_transport import ZmqActorTransport
 
-    return ZmqActorTransport(cfg.zmq, codec, actor_id)
+    return ZmqActorTransport(cfg, codec, actor_id)

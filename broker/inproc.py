@@ -115,8 +115,10 @@ class InprocLearnerTransport(LearnerTransport):
             log.warning("rejected a rollout frame: %s", err)
             return None
         with self.broker.lock:
-            self.broker.grants.returned(group.group_id)
-        return group
+            why = self.broker.grants.returned(group.group_id, group.actor_id)
+            if why is not None:
+                self.broker.grants.refused[why] += 1
+        return None if why is not None else group
 
     def publish_weights(self, update: WeightUpdate) -> None:
         self._announce(update)

@@ -4,13 +4,19 @@
     actor PUSH   ──RolloutGroup────────────────► learner PULL                            (rollout stream)
     learner PUB  ──WeightUpdate / Shutdown─────► actor SUB (conflated: the newest wins)
 
-Prompts are pulled, not pushed (see `GrantTable`): nothing sits in an actor's socket buffer that
-it did not ask for, and load balances itself across actors of different speeds. ZeroMQ
-acknowledges nothing, so the learner keeps every granted group until its rollout comes back.
+Prompts are pulled, not pushed (`GrantTable`): nothing sits in an actor's socket buffer that it
+did not ask for, and load balances itself across actors of different speeds. ZeroMQ acknowledges
+nothing, so the learner keeps every granted group until its rollout comes back.
 
 PUB/SUB drops what a subscriber was not yet connected for, so the learner repeats its newest
 announcement every ANNOUNCE_EVERY_S: a joining actor hears the current weights within about a
 second, from the same socket that brings every later version.
+
+Peers: with CURVE (`broker.zmq.curve`, on by default beyond loopback) every connection is
+encrypted and its key says which actor it is; a message claiming another actor's id is refused.
+A second connection under a live actor's id is refused by the ROUTER itself. Every buffer is
+bounded: frames by ZMQ_MAXMSGSIZE, control messages by broker.max_control_bytes and a rate per
+identity, received rollouts by count and bytes (past that the stream pushes back on the actors).
 """
 from __future__ import annotations
 
@@ -37,13 +43,16 @@ from tidal.broker.schema import (
     WorkGrant,
     WorkRequest,
 )
-from tidal.config import ZmqConfig
+from tidal.broker.zmq_keys import ActorKeys, secure_client, secure_server
+from tidal.config import BrokerConfig, curve_on
 
 log = logging.getLogger(__name__)
 
 LONG_POLL_S = 0.25  # how long a work request waits at the learner for prompts before an empty grant
 ANNOUNCE_EVERY_S = 1.0  # the newest announcement is repeated this often, for actors that joined since
 POLL_MS = 5  # the I/O thread's longest wait between socket checks
+CONTROL_RATE = 200.0  # control messages per second and identity, sustained (bursts up to twice that)
+MAX_IDENTITIES = 8192  # identities whose rate is tracked; the oldest is forgotten first
 
 
 def _bind(sock: zmq.Socket, host: str, port: int) -> int:
@@ -53,15 +62,36 @@ def _bind(sock: zmq.Socket, host: str, port: int) -> int:
     return sock.bind_to_random_port(f"tcp://{host}")
 
 
+class _RateLimit:
+    """A token bucket per identity: a peer flooding the control socket is throttled, not obeyed."""
+
+    def __init__(self, rate: float):
+        self.rate = rate
+        self.buckets: collections.OrderedDict[bytes, tuple[float, float]] = collections.OrderedDict()
+
+    def allow(self, identity: bytes) -> bool:
+        now = time.monotonic()
+        tokens, then = self.buckets.pop(identity, (2 * self.rate, now))
+        tokens = min(2 * self.rate, tokens + (now - then) * self.rate)
+        self.buckets[identity] = (tokens - 1, now)
+        while len(self.buckets) > MAX_IDENTITIES:
+            self.buckets.popitem(last=False)
+        return tokens >= 1
+
+
 class ZmqLearnerTransport(LearnerTransport):
     """Owns the learner's three sockets on one I/O thread; the public methods are thread-safe."""
 
-    def __init__(self, cfg: ZmqConfig, codec: WireCodec, actor_timeout_s: float = 10.0):
-        self._cfg = cfg
+    def __init__(self, cfg: BrokerConfig, codec: WireCodec):
+        self._cfg, self._zmq = cfg, cfg.zmq
         self._codec = codec
-        self._grants = GrantTable(actor_timeout_s)
+        self._control_codec = WireCodec(cfg.max_control_bytes)
+        self._control_codec.rejected = codec.rejected  # one count of rejected frames
+        self._grants = GrantTable(cfg.actor_timeout_s, cfg.max_actors)
+        self._rate = _RateLimit(CONTROL_RATE)
         self._parked: collections.deque[tuple[bytes, WorkRequest, float]] = collections.deque()
-        self._rollouts: queue.Queue[RolloutGroup] = queue.Queue()
+        self._rollouts: queue.Queue[tuple[RolloutGroup, int]] = queue.Queue()
+        self._queued_bytes = 0
         self._announcement: bytes | None = None  # the newest WeightUpdate or Shutdown, encoded
         self._announce_at = 0.0  # when the I/O thread sends it next
         self._lock = threading.Lock()
@@ -83,9 +113,12 @@ class ZmqLearnerTransport(LearnerTransport):
     def recv_rollout(self, timeout_s: float) -> RolloutGroup | None:
         self._raise_if_failed()
         try:
-            return self._rollouts.get(timeout=timeout_s)
+            group, nbytes = self._rollouts.get(timeout=timeout_s)
         except queue.Empty:
             return None
+        with self._lock:
+            self._queued_bytes -= nbytes
+        return group
 
     def publish_weights(self, update: WeightUpdate) -> None:
         self._announce(update)
@@ -110,7 +143,9 @@ class ZmqLearnerTransport(LearnerTransport):
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
-            return self._grants.metrics(self._codec.rejected)
+            out = self._grants.metrics(self._codec.rejected)
+            return out | {"broker/queued_rollouts": float(self._rollouts.qsize()),
+                          "broker/queued_rollout_bytes": float(self._queued_bytes)}
 
     def close(self) -> None:
         self._closed.set()
@@ -124,38 +159,53 @@ class ZmqLearnerTransport(LearnerTransport):
 
     def _run(self) -> None:
         ctx = zmq.Context()
+        keys = None
         try:
+            if curve_on(self._zmq):
+                keys = ActorKeys(ctx, self._zmq.keys_dir).begin()
             router, pull, pub = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
-            router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted actor reuses its id at once
-            pull.setsockopt(zmq.RCVHWM, self._cfg.rollout_hwm)
+            # no ROUTER_HANDOVER: a second connection under a live actor's id is refused, not handed the first's work
+            router.setsockopt(zmq.MAXMSGSIZE, self._cfg.max_control_bytes)
+            pull.setsockopt(zmq.MAXMSGSIZE, self._cfg.max_message_bytes)  # bigger frames drop the connection
+            pull.setsockopt(zmq.RCVHWM, self._zmq.rollout_hwm)
             for sock in (router, pull, pub):
                 sock.setsockopt(zmq.LINGER, 0)
-            self.ports = {"control": _bind(router, self._cfg.host, self._cfg.control_port),
-                          "rollout": _bind(pull, self._cfg.host, self._cfg.rollout_port),
-                          "weights": _bind(pub, self._cfg.host, self._cfg.weights_port)}
+                if keys is not None:
+                    secure_server(sock, self._zmq.keys_dir)
+            self.ports = {"control": _bind(router, self._zmq.host, self._zmq.control_port),
+                          "rollout": _bind(pull, self._zmq.host, self._zmq.rollout_port),
+                          "weights": _bind(pub, self._zmq.host, self._zmq.weights_port)}
             self._ready.set()
-            self._loop(router, pull, pub)
+            self._loop(router, pull, pub, authenticated=keys is not None)
         except BaseException as err:  # surfaces in the training thread via _raise_if_failed
             self._error = err
             log.exception("zmq learner I/O thread failed")
         finally:
             self._ready.set()
+            if keys is not None:
+                keys.stop()
             ctx.destroy(linger=0)
 
-    def _loop(self, router: zmq.Socket, pull: zmq.Socket, pub: zmq.Socket) -> None:
+    def _loop(self, router: zmq.Socket, pull: zmq.Socket, pub: zmq.Socket, authenticated: bool) -> None:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
-        poller.register(pull, zmq.POLLIN)
         while not self._closed.is_set():
+            # a full queue leaves rollouts in the socket: its high-water mark then pushes back on the actors
+            poller.register(pull, zmq.POLLIN if self._has_room() else 0)
             events = dict(poller.poll(timeout=POLL_MS))
             if pull in events:
-                self._drain_rollouts(pull)
+                self._drain_rollouts(pull, authenticated)
             if router in events:
-                self._drain_control(router)
+                self._drain_control(router, authenticated)
             self._repeat_announcement(pub)
             self._serve_parked(router)
             with self._lock:
                 self._grants.expire_silent_actors()
+
+    def _has_room(self) -> bool:
+        with self._lock:
+            return (self._rollouts.qsize() < self._cfg.max_queued_rollouts
+                    and self._queued_bytes < self._cfg.max_queued_bytes)
 
     def _repeat_announcement(self, pub: zmq.Socket) -> None:
         with self._lock:
@@ -165,8 +215,8 @@ class ZmqLearnerTransport(LearnerTransport):
         if frame is not None and due:
             pub.send(frame)
 
-    def _drain_rollouts(self, pull: zmq.Socket) -> None:
-        while True:
+    def _drain_rollouts(self, pull: zmq.Socket, authenticated: bool) -> None:
+        while self._has_room():
             try:
                 frame = pull.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -176,31 +226,61 @@ class ZmqLearnerTransport(LearnerTransport):
             except WireError as err:
                 log.warning("rejected a frame on the rollout stream: %s", err)
                 continue
+            if authenticated and frame.get("User-Id") != group.actor_id:
+                self._refuse("impersonation", f"rollout {group.group_id} claims {group.actor_id!r} "
+                             f"from the key of {frame.get('User-Id')!r}")
+                continue
             with self._lock:
-                self._grants.returned(group.group_id)
-            self._rollouts.put(group)
+                why = self._grants.returned(group.group_id, group.actor_id)
+                if why is None:
+                    self._queued_bytes += len(frame.buffer)
+            if why is not None:
+                self._refuse(why, f"rollout {group.group_id[:80]} from {group.actor_id}")
+                continue
+            self._rollouts.put((group, len(frame.buffer)))
 
-    def _drain_control(self, router: zmq.Socket) -> None:
+    def _drain_control(self, router: zmq.Socket, authenticated: bool) -> None:
         while True:
             try:
-                identity, frame = router.recv_multipart(zmq.NOBLOCK)
+                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            except ValueError:  # not [identity, frame]: a foreign peer
-                self._codec.rejected["malformed"] += 1
-                log.warning("rejected a control message with an unexpected number of frames")
+            if len(frames) != 2:  # not [identity, frame]: a foreign peer
+                self._refuse("malformed", "a control message with an unexpected number of frames")
+                continue
+            identity, frame = frames
+            if not self._rate.allow(identity.bytes):
+                self._refuse("rate_limited", f"control messages from {identity.bytes[:40]!r}", quiet=True)
                 continue
             try:
-                msg = self._codec.decode(frame, expect=(Heartbeat, WorkRequest))
+                msg = self._control_codec.decode(frame.buffer, expect=(Heartbeat, WorkRequest))
             except WireError as err:
-                log.warning("rejected a frame on the control socket from %r: %s", identity, err)
+                log.warning("rejected a frame on the control socket from %r: %s", identity.bytes[:40], err)
                 continue
-            with self._lock:
-                if isinstance(msg, Heartbeat):
-                    self._grants.on_heartbeat(msg)
-                else:
-                    self._grants.seen(msg.actor_id)
-                    self._parked.append((identity, msg, time.monotonic() + LONG_POLL_S))
+            if msg.actor_id.encode() != identity.bytes or (authenticated and frame.get("User-Id") != msg.actor_id):
+                self._refuse("impersonation", f"{type(msg).__name__} claims {msg.actor_id!r} from connection "
+                             f"{identity.bytes[:40]!r}")
+                continue
+            self._on_control(identity.bytes, msg)
+
+    def _on_control(self, identity: bytes, msg: Heartbeat | WorkRequest) -> None:
+        with self._lock:
+            if isinstance(msg, Heartbeat):
+                self._grants.on_heartbeat(msg)
+                return
+            live = msg.actor_id in self._grants.actors
+            self._grants.seen(msg.actor_id)
+        # an id that never introduced itself with a heartbeat gets an empty grant at once
+        self._parked.append((identity, msg, time.monotonic() + (LONG_POLL_S if live else 0.0)))
+        if not live:
+            self._refuse("unknown_actor", f"work request from {msg.actor_id!r}, which sent no heartbeat", quiet=True)
+
+    def _refuse(self, reason: str, what: str, quiet: bool = False) -> None:
+        with self._lock:
+            self._grants.refused[reason] += 1
+            count = self._grants.refused[reason]
+        if not quiet or str(count).rstrip("0") == "1":  # quiet ones at the 1st, 10th, 100th ...
+            log.warning("refused %s: %s (#%d)", what, reason, count)
 
     def _serve_parked(self, router: zmq.Socket) -> None:
         """Grant parked requests in arrival order; answer empty ones whose long poll ran out."""
@@ -220,8 +300,9 @@ class ZmqLearnerTransport(LearnerTransport):
 class ZmqActorTransport(ActorTransport):
     """Actor side, on the actor's asyncio loop."""
 
-    def __init__(self, cfg: ZmqConfig, codec: WireCodec, actor_id: str):
-        if not (cfg.control_port and cfg.rollout_port and cfg.weights_port):
+    def __init__(self, cfg: BrokerConfig, codec: WireCodec, actor_id: str):
+        z = cfg.zmq
+        if not (z.control_port and z.rollout_port and z.weights_port):
             raise ValueError("broker.zmq.control_port, rollout_port and weights_port must be set for an actor "
                              "(the launcher fills them in; on a cluster set them in the config)")
         self._codec = codec
@@ -229,14 +310,16 @@ class ZmqActorTransport(ActorTransport):
         self._dealer = self._ctx.socket(zmq.DEALER)
         self._dealer.setsockopt(zmq.IDENTITY, actor_id.encode())
         self._push = self._ctx.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.SNDHWM, cfg.rollout_hwm)
+        self._push.setsockopt(zmq.SNDHWM, z.rollout_hwm)
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.CONFLATE, 1)  # only the newest announcement matters
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        for sock, port in ((self._dealer, cfg.control_port), (self._push, cfg.rollout_port),
-                           (self._sub, cfg.weights_port)):
+        for sock, port in ((self._dealer, z.control_port), (self._push, z.rollout_port), (self._sub, z.weights_port)):
             sock.setsockopt(zmq.LINGER, 2000)
-            sock.connect(f"tcp://{cfg.host}:{port}")
+            sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
+            if curve_on(z):
+                secure_client(sock, z.keys_dir, actor_id)
+            sock.connect(f"tcp://{z.host}:{port}")
         self._request_open = False
         self._actor_id = actor_id
 

@@ -83,8 +83,8 @@ def prompt_group(i: int, n: int = 4, eval_version: int | None = None) -> PromptG
 
 
 def rollout(tokens=(3, 4, 1), logprobs=(-0.5, -1.0, -0.1), spans=((0, 0, 1), (1, 1, 3)), reward=1.0,
-            group_id="g1") -> RolloutGroup:
-    return RolloutGroup(group_id=group_id, prompt_id=7, actor_id="actor-0", prompt_tokens=int32s([5, 6]),
+            group_id="g1", actor_id="actor-0") -> RolloutGroup:
+    return RolloutGroup(group_id=group_id, prompt_id=7, actor_id=actor_id, prompt_tokens=int32s([5, 6]),
                         samples=[Sample(tokens=int32s(tokens), logprobs=float32s(logprobs),
                                         version_spans=[tuple(s) for s in spans], reward=reward, finish_reason="stop")])
 

@@ -30,6 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
     export.add_argument("--out", help="where the model folder goes (default: RUN_DIR/model-step-<N>)")
     sub.add_parser("presets", help="list the presets shipped with tidal (tidal run <name>)")
+    keys = sub.add_parser("keys", help="make CURVE keys for the ZeroMQ transport (broker.zmq.keys_dir)")
+    keys.add_argument("dir", help="the keys folder (existing keys are kept)")
+    keys.add_argument("--actors", required=True, help="actor ids, comma-separated, e.g. actor-0,actor-1")
     health = sub.add_parser("health", help="exit 0 if FILE was touched within --max-age-s (liveness probes)")
     health.add_argument("file")
     health.add_argument("--max-age-s", type=float, default=120.0)
@@ -72,6 +75,13 @@ def main(argv: list[str] | None = None) -> int:
         return _export(args)
     if args.command == "presets":
         return _presets()
+    if args.command == "keys":
+        from tidal.broker.zmq_keys import generate
+
+        folder = generate(args.dir, [a for a in args.actors.split(",") if a])
+        print(f"{folder}: give the learner {folder}/learner.key_secret and actors/*.key; each actor learner.key "
+              "and its own actors/<id>.key_secret")
+        return 0
     try:
         cfg = load_config(getattr(args, "config", None), args.overrides)
     except ConfigError as err:

@@ -205,7 +205,11 @@ class ZmqConfig:
     control_port: int = 0  # ROUTER: hello, heartbeats, work requests, prompt grants
     rollout_port: int = 0  # PULL: rollout groups from actors
     weights_port: int = 0  # PUB: weight announcements
-    rollout_hwm: int = 1024  # high-water mark (messages) of the rollout stream
+    rollout_hwm: int = 64  # high-water mark (messages) of the rollout stream, each side
+    # CURVE encryption and authentication (each actor's id bound to its key): auto = on when broker.zmq.host is
+    # not a loopback address | on | off
+    curve: str = "auto"
+    keys_dir: str = ""  # CURVE keys, made by `tidal keys DIR --actors ...`; required when CURVE is on
 
 
 @dataclass(frozen=True)
@@ -232,6 +236,10 @@ class BrokerConfig:
 
     type: BrokerType = BrokerType.zmq  # zmq (embedded, no server) | redis (durable, multi-node)
     max_message_bytes: int = 64 * 1024 * 1024  # frames above this are rejected and counted
+    max_control_bytes: int = 4 * 1024 * 1024  # hellos, heartbeats and work requests above this are refused
+    max_queued_rollouts: int = 4096  # rollouts received and not yet taken by the learner, at most
+    max_queued_bytes: int = 512 * 1024 * 1024  # and at most this many bytes of them (then the stream pushes back)
+    max_actors: int = 1024  # live actor ids at once; hellos beyond are refused
     actor_timeout_s: float = 10.0  # an actor silent this long counts as gone (zmq: its groups are re-dispatched)
     zmq: ZmqConfig = field(default_factory=ZmqConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
@@ -576,6 +584,13 @@ def check_curriculum(cfg: RunConfig) -> None:
 
 
 def check_broker(cfg: RunConfig) -> None:
+    z = cfg.broker.zmq
+    _require(z.curve in ("auto", "on", "off"), "broker.zmq.curve", z.curve, "expected auto, on or off")
+    _require(not curve_on(z) or bool(z.keys_dir), "broker.zmq.keys_dir", z.keys_dir,
+             f"CURVE is on (broker.zmq.curve = {z.curve}, host {z.host}): name the keys folder "
+             "(make one with `tidal keys DIR --actors actor-0,actor-1`)")
+    for key in ("max_message_bytes", "max_control_bytes", "max_queued_rollouts", "max_queued_bytes", "max_actors"):
+        _require(getattr(cfg.broker, key) >= 1, f"broker.{key}", getattr(cfg.broker, key), "must be >= 1")
     r = cfg.broker.redis
     _require(r.url.startswith(("redis://", "rediss://", "unix://")), "broker.redis.url", redact_url(r.url),
              "expected redis://, rediss:// (TLS) or unix://")
@@ -583,6 +598,14 @@ def check_broker(cfg: RunConfig) -> None:
              "a CA bundle verifies TLS: use a rediss:// URL")
     _require(r.max_deliveries >= 1, "broker.redis.max_deliveries", r.max_deliveries, "must be >= 1")
     _require(r.claim_idle_ms >= 1, "broker.redis.claim_idle_ms", r.claim_idle_ms, "must be >= 1")
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def curve_on(cfg: ZmqConfig) -> bool:
+    """CURVE is on when asked, and by default whenever the learner binds beyond loopback."""
+    return cfg.curve == "on" or (cfg.curve == "auto" and cfg.host not in LOOPBACK and not cfg.host.startswith("127."))
 
 
 def validate(cfg: RunConfig) -> None:

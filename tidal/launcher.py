@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from tidal.config import BrokerType, RunConfig, resolve
+from tidal.broker.zmq_keys import generate
+from tidal.config import BrokerType, RunConfig, curve_on, resolve
 from tidal.placement import Placement, PlacementError, Slot, place, visible_gpus
 
 
@@ -309,6 +310,8 @@ def launch(cfg: RunConfig, resume: str | None = None) -> int:
             redis, redis_url = start_redis(cfg, run_dir)
             children.append(redis)
         cfg = prepare(cfg, redis_url)
+        if cfg.broker.type is BrokerType.zmq and curve_on(cfg.broker.zmq):  # keys for this machine's actors
+            generate(cfg.broker.zmq.keys_dir, [f"actor-{i}" for i in range(cfg.actor.replicas)])
         print(f"[run] {run_dir}: learner + {cfg.actor.replicas} actor(s)", flush=True)
         start_children(cfg, placement, children, resume)
         supervise(children, run_dir, cfg)

@@ -39,11 +39,12 @@ def transports(kind: str, cfg):
     if kind == "inproc":
         broker = InprocBroker(codec)
         return broker.learner(), lambda: broker.actor(cfg.actor.id)
-    learner_side = ZmqLearnerTransport(cfg.broker.zmq, codec)
+    learner_side = ZmqLearnerTransport(cfg.broker, codec)
     ports = learner_side.ports
     zmq_cfg = replace(cfg.broker.zmq, control_port=ports["control"], rollout_port=ports["rollout"],
                       weights_port=ports["weights"])
-    return learner_side, lambda: ZmqActorTransport(zmq_cfg, WireCodec(cfg.broker.max_message_bytes), cfg.actor.id)
+    actor_cfg = replace(cfg.broker, zmq=zmq_cfg)
+    return learner_side, lambda: ZmqActorTransport(actor_cfg, WireCodec(cfg.broker.max_message_bytes), cfg.actor.id)
 
 
 def start_actor(actor_side, cfg, engine: ScriptedEngine) -> tuple[threading.Thread, dict]:

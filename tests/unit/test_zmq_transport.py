@@ -1,65 +1,89 @@
-"""ZeroMQ transport over real sockets: prompt grants, weight announcements, rollouts, bad frames."""
+"""ZeroMQ transport over real sockets: prompt grants, weight announcements, rollouts, bad frames,
+and peers that are not who they say: never introduced, a second connection under a live id,
+rollouts for groups granted to someone else, floods, oversized frames, and CURVE keys."""
 import asyncio
+import time
 
 import pytest
 import zmq
 
 from conftest import prompt_group as prompt
 from conftest import rollout
-from tidal.broker.schema import RolloutGroup, Shutdown, WeightUpdate, WireCodec
+from tidal.broker.schema import Heartbeat, RolloutGroup, Shutdown, WeightUpdate, WireCodec, WorkRequest
+from tidal.broker.zmq_keys import generate
 from tidal.broker.zmq_transport import ZmqActorTransport, ZmqLearnerTransport
-from tidal.config import ZmqConfig
+from tidal.config import BrokerConfig, ZmqConfig
+
+
+def hello(actor_id: str) -> Heartbeat:
+    return Heartbeat(actor_id=actor_id, version=0, engine={}, outstanding=[], hello=True)
 
 
 @pytest.fixture
 def learner_side():
-    transport = ZmqLearnerTransport(ZmqConfig(), WireCodec(4096))
+    transport = ZmqLearnerTransport(BrokerConfig(max_message_bytes=4096), WireCodec(4096))
     yield transport
     transport.close()
 
 
-def actor_config(learner: ZmqLearnerTransport) -> ZmqConfig:
+def actor_config(learner: ZmqLearnerTransport, **zmq) -> BrokerConfig:
     p = learner.ports
-    return ZmqConfig(control_port=p["control"], rollout_port=p["rollout"], weights_port=p["weights"])
+    return BrokerConfig(zmq=ZmqConfig(control_port=p["control"], rollout_port=p["rollout"], weights_port=p["weights"],
+                                      **zmq))
 
 
-def test_bad_frames_on_the_rollout_stream_are_counted_and_the_stream_goes_on(learner_side):
+def actor(learner, actor_id: str, **zmq) -> ZmqActorTransport:
+    return ZmqActorTransport(actor_config(learner, **zmq), WireCodec(1 << 20), actor_id)
+
+
+def test_bad_frames_on_the_rollout_stream_are_dropped_and_the_stream_goes_on(learner_side):
+    learner_side.submit_prompts([prompt(0)])
+
+    async def granted():
+        t = actor(learner_side, "actor-0")
+        await t.heartbeat(hello("actor-0"))
+        [group] = await t.request_work(4, timeout_s=5)
+        return t, group
+
+    t, group = asyncio.run(granted())
     ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.connect(f"tcp://127.0.0.1:{learner_side.ports['rollout']}")
-    codec = WireCodec(1 << 20)
-    push.send(b"not msgpack at all")
-    push.send(b"x" * 5000)  # above the learner's 4096-byte limit
-    push.send(codec.encode(rollout()))
+    junk, oversized = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
+    for sock in (junk, oversized):
+        sock.connect(f"tcp://127.0.0.1:{learner_side.ports['rollout']}")
+    junk.send(b"not msgpack at all")
+    oversized.send(b"x" * 5000)  # above ZMQ_MAXMSGSIZE (4096): the socket drops it, nothing is buffered
+    asyncio.run(t.send_rollout(rollout(group_id=group.group_id)))
     got = learner_side.recv_rollout(timeout_s=5)
-    assert isinstance(got, RolloutGroup) and got.group_id == "g1"
+    assert isinstance(got, RolloutGroup) and got.group_id == "r-0"
+    time.sleep(0.2)
     m = learner_side.metrics()
-    assert m["broker/rejected_frames"] == 2
-    assert m["broker/rejected/malformed"] == 1 and m["broker/rejected/oversized"] == 1
+    assert m["broker/rejected/malformed"] == 1 and m["broker/queued_rollouts"] == 0
     ctx.destroy(linger=0)
+    t.close()
 
 
 def test_actor_gets_whole_groups_that_fit_and_hears_weights(learner_side):
     learner_side.submit_prompts([prompt(i) for i in range(5)])
     update = WeightUpdate(version=3, transport="file", location="/w", manifest=[], checksum="c")
 
-    async def actor():
-        t = ZmqActorTransport(actor_config(learner_side), WireCodec(1 << 20), "actor-7")
+    async def scenario():
+        t = actor(learner_side, "actor-7")
+        await t.heartbeat(hello("actor-7"))
         first = await t.request_work(max_samples=10, timeout_s=5)  # 10 slots: two groups of 4
         learner_side.publish_weights(update)
         second = await t.request_work(max_samples=100, timeout_s=5)
         heard = await asyncio.wait_for(t.next_announcement(), 5)
-        await t.send_rollout(rollout())
+        await t.send_rollout(rollout(group_id="r-0", actor_id="actor-7"))
         learner_side.shutdown_actors("done")
         stop = await asyncio.wait_for(t.next_announcement(), 5)
         t.close()
         return first, second, heard, stop
 
-    first, second, heard, stop = asyncio.run(actor())
+    first, second, heard, stop = asyncio.run(scenario())
     assert [g.group_id for g in first] == ["r-0", "r-1"]
     assert [g.group_id for g in second] == ["r-2", "r-3", "r-4"]
     assert heard.version == 3 and isinstance(stop, Shutdown)
-    assert learner_side.recv_rollout(timeout_s=5).group_id == "g1"
+    assert learner_side.recv_rollout(timeout_s=5).group_id == "r-0"
 
 
 def test_an_actor_that_joins_late_hears_the_current_weights_first(learner_side):
@@ -67,7 +91,7 @@ def test_an_actor_that_joins_late_hears_the_current_weights_first(learner_side):
 
     async def late_actor():
         await asyncio.sleep(0.3)  # long after the announcement went out
-        t = ZmqActorTransport(actor_config(learner_side), WireCodec(1 << 20), "late")
+        t = actor(learner_side, "late")
         heard = await asyncio.wait_for(t.next_announcement(), 5)
         t.close()
         return heard
@@ -76,21 +100,15 @@ def test_an_actor_that_joins_late_hears_the_current_weights_first(learner_side):
 
 
 def test_groups_of_a_silent_or_restarted_actor_are_dispatched_again():
-    from tidal.broker.schema import Heartbeat
-
-    side = ZmqLearnerTransport(ZmqConfig(), WireCodec(1 << 20), actor_timeout_s=0.5)
+    side = ZmqLearnerTransport(BrokerConfig(actor_timeout_s=0.5), WireCodec(1 << 20))
     side.submit_prompts([prompt(i) for i in range(3)])
 
     async def scenario():
-        def actor(actor_id):
-            return ZmqActorTransport(actor_config(side), WireCodec(1 << 20), actor_id)
-
-        hello = lambda a: Heartbeat(actor_id=a, version=0, engine={}, outstanding=[], hello=True)  # noqa: E731
-        a = actor("a")
+        a = actor(side, "a")
         await a.heartbeat(hello("a"))
         held = await a.request_work(4, timeout_s=5)  # r-0, then silence
         a.close()
-        b = actor("b")
+        b = actor(side, "b")
         await b.heartbeat(hello("b"))
         taken = await b.request_work(8, timeout_s=5)  # r-1, r-2 (r-0 is still a's)
         for _ in range(5):  # a is past the actor timeout; b keeps beating
@@ -98,7 +116,7 @@ def test_groups_of_a_silent_or_restarted_actor_are_dispatched_again():
             await b.heartbeat(Heartbeat(actor_id="b", version=0, engine={}, outstanding=[]))
         again = await b.request_work(8, timeout_s=5)
         b.close()
-        b2 = actor("b")  # b restarts under the same id: its groups go back at once
+        b2 = actor(side, "b")  # b restarts under the same id: its groups go back at once
         await b2.heartbeat(hello("b"))
         back = await b2.request_work(12, timeout_s=5)
         b2.close()
@@ -112,3 +130,123 @@ def test_groups_of_a_silent_or_restarted_actor_are_dispatched_again():
     assert sorted(g.group_id for g in back) == ["r-0", "r-1", "r-2"]
     assert side.metrics()["broker/redispatched_groups"] == 1 + 3
     assert [j.actor_id for j in side.take_joins()] == ["a", "b", "b"]
+
+
+# ---- peers that are not who they say --------------------------------------------------------------
+
+def raw_dealer(ctx, learner, identity: bytes) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{learner.ports['control']}")
+    return sock
+
+
+def test_a_peer_that_never_introduced_itself_is_granted_nothing(learner_side):
+    learner_side.submit_prompts([prompt(i) for i in range(3)])
+    codec, ctx = WireCodec(1 << 20), zmq.Context()
+    stranger = raw_dealer(ctx, learner_side, b"stranger")
+    stranger.send(codec.encode(WorkRequest(actor_id="stranger", max_samples=100)))
+    assert stranger.poll(5000) and codec.decode(stranger.recv()).groups == []
+    liar = raw_dealer(ctx, learner_side, b"liar")  # claims another id than its connection's
+    liar.send(codec.encode(hello("actor-0")))
+    liar.send(codec.encode(WorkRequest(actor_id="actor-0", max_samples=100)))
+    assert not liar.poll(700)
+    m = learner_side.metrics()
+    assert m["broker/rejected/unknown_actor"] == 1 and m["broker/rejected/impersonation"] == 2
+    assert m["broker/pending_prompt_groups"] == 3 and m["broker/live_actors"] == 0
+    ctx.destroy(linger=0)
+
+
+def test_a_second_connection_under_a_live_actors_id_gets_none_of_its_work(learner_side):
+    learner_side.submit_prompts([prompt(i) for i in range(4)])
+    codec, ctx = WireCodec(1 << 20), zmq.Context()
+    first = raw_dealer(ctx, learner_side, b"actor-0")
+    first.send(codec.encode(hello("actor-0")))
+    time.sleep(0.3)
+    second = raw_dealer(ctx, learner_side, b"actor-0")  # refused by the ROUTER while the first is connected
+    second.send(codec.encode(WorkRequest(actor_id="actor-0", max_samples=100)))
+    assert not second.poll(1000)
+    first.send(codec.encode(WorkRequest(actor_id="actor-0", max_samples=100)))
+    assert first.poll(5000) and len(codec.decode(first.recv()).groups) == 4
+    ctx.destroy(linger=0)
+
+
+def test_rollouts_are_taken_only_from_the_actor_the_group_was_granted_to(learner_side):
+    learner_side.submit_prompts([prompt(0)])
+
+    async def scenario():
+        a, b = actor(learner_side, "a"), actor(learner_side, "b")
+        await a.heartbeat(hello("a"))
+        await b.heartbeat(hello("b"))
+        [group] = await a.request_work(4, timeout_s=5)
+        await b.send_rollout(rollout(group_id=group.group_id, actor_id="b"))  # granted to a, not b
+        await b.send_rollout(rollout(group_id="r-999", actor_id="b"))  # granted to nobody
+        await asyncio.sleep(0.3)  # two connections deliver in no set order: b's first, on purpose
+        await a.send_rollout(rollout(group_id=group.group_id, actor_id="a"))
+        await asyncio.sleep(0.3)
+        a.close()
+        b.close()
+
+    asyncio.run(scenario())
+    got = learner_side.recv_rollout(timeout_s=5)
+    assert (got.group_id, got.actor_id) == ("r-0", "a") and learner_side.recv_rollout(timeout_s=0.3) is None
+    m = learner_side.metrics()
+    assert m["broker/rejected/wrong_actor"] == 1 and m["broker/rejected/ungranted"] == 1
+
+
+def test_the_received_rollouts_are_bounded_and_push_back(tmp_path):
+    side = ZmqLearnerTransport(BrokerConfig(max_queued_rollouts=20, zmq=ZmqConfig(rollout_hwm=4)), WireCodec(1 << 20))
+    side.submit_prompts([prompt(i, n=1) for i in range(200)])
+
+    async def flood():
+        t = actor(side, "a", rollout_hwm=4)
+        await t.heartbeat(hello("a"))
+        groups = await t.request_work(200, timeout_s=5)
+        sent = 0
+        big = (3,) * 65_536  # 256 KiB of tokens a frame, as in a flood that once grew the learner past 1 GiB
+        for g in groups:  # the learner takes none: the sender blocks once every buffer is full
+            try:
+                frame = rollout(tokens=big, logprobs=(-0.1,) * len(big), spans=((0, 0, len(big)),), group_id=g.group_id,
+                                actor_id="a")
+                await asyncio.wait_for(t.send_rollout(frame), 0.5)
+                sent += 1
+            except TimeoutError:
+                break
+        t.close()
+        return len(groups), sent
+
+    granted, sent = asyncio.run(flood())
+    m = side.metrics()
+    side.close()
+    assert granted == 200 and m["broker/queued_rollouts"] == 20 and sent < 120  # the rest waits in socket buffers
+    assert m["broker/queued_rollout_bytes"] <= 20 * 600_000  # 512 KiB frames
+
+
+def test_curve_binds_each_actor_to_its_key(tmp_path):
+    keys = generate(tmp_path / "keys", ["actor-0", "actor-1"])
+    side = ZmqLearnerTransport(BrokerConfig(zmq=ZmqConfig(curve="on", keys_dir=str(keys))), WireCodec(1 << 20))
+    side.submit_prompts([prompt(i) for i in range(2)])
+    curve = dict(curve="on", keys_dir=str(keys))
+
+    async def scenario():
+        honest = actor(side, "actor-0", **curve)
+        await honest.heartbeat(hello("actor-0"))
+        [group] = await honest.request_work(4, timeout_s=5)
+        # actor-1's key, claiming actor-0's rollout: refused, the key says who it is
+        impostor = ZmqActorTransport(actor_config(side, **curve), WireCodec(1 << 20), "actor-1")
+        await impostor.send_rollout(rollout(group_id=group.group_id, actor_id="actor-0"))
+        await honest.send_rollout(rollout(group_id=group.group_id, actor_id="actor-0"))
+        keyless = actor(side, "actor-1")  # no keys at all: the handshake fails, nothing arrives
+        await keyless.heartbeat(hello("actor-1"))
+        nothing = await keyless.request_work(4, timeout_s=1)
+        for t in (honest, impostor, keyless):
+            t.close()
+        return nothing
+
+    assert asyncio.run(scenario()) == []
+    got = side.recv_rollout(timeout_s=5)
+    assert got.actor_id == "actor-0" and side.recv_rollout(timeout_s=0.3) is None
+    m = side.metrics()
+    side.close()
+    assert m["broker/rejected/impersonation"] == 1 and m["broker/live_actors"] == 1
