@@ -7,13 +7,15 @@
     <prefix>:<run>:dead        entries delivered more than `max_deliveries` times, and bad frames
 
 Acknowledgement rules, so that a crash anywhere loses nothing:
-- An actor publishes a rollout and XACKs its prompt in one MULTI/EXEC. A restarted actor
-  (same id) first re-reads its own pending prompts; prompts pending at a silent actor for
-  `claim_idle_ms` are taken over with XAUTOCLAIM. A working actor renews its claim on the
-  prompts it holds with every heartbeat, so long generations are not stolen.
-- The learner XACKs rollouts only in `commit()`, which it calls after the checkpoint that
-  covers them. A restarted learner re-reads its pending rollouts: what it trained after its
-  last checkpoint is trained again, once, by the resumed model.
+- Actors never acknowledge (their ACL user may not). An actor publishes a rollout; its prompt
+  stays pending at it, and it renews its claim on every prompt it holds with each heartbeat, so
+  long generations are not stolen. A restarted actor (same id) first re-reads its own pending
+  prompts; prompts pending at a silent actor for `claim_idle_ms` are taken over with XAUTOCLAIM.
+- The learner takes a rollout only if its group's prompt entry is pending at the actor that sent
+  it (`PromptReceipts`), and XACKs both only in `commit()`, after the checkpoint that covers
+  them. A restarted learner re-reads its pending rollouts: what it trained after its last
+  checkpoint is trained again, once, by the resumed model.
+- The learner moves prompts delivered more than `max_deliveries` times to the dead stream.
 - Trimming (XTRIM MINID) never passes the oldest pending entry or the group's read position.
 - Every call goes through `Reconnect`: while Redis is away (restart, failover) calls retry
   with backoff; after `reconnect_timeout_s` the error is raised, naming the URL.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections import deque
 
@@ -156,6 +159,70 @@ def peek_group_id(frame: bytes) -> str:
 
 # ---- learner side -----------------------------------------------------------------------------
 
+class PromptReceipts:
+    """Which prompt entry stands for which group id, so that the learner takes a rollout only from
+    the actor its prompt was delivered to, acknowledges prompts itself, and dead-letters prompts
+    delivered too often. Thread-safe (the coordinator adds, the training thread checks)."""
+
+    def __init__(self, r, link: Reconnect, keys: StreamKeys, max_deliveries: int):
+        self.r, self.link, self.keys, self.max_deliveries = r, link, keys, max_deliveries
+        self.entry_of: dict[str, bytes] = {}  # group id -> its newest prompt entry, until acknowledged
+        self.lock = threading.Lock()
+
+    def index(self) -> None:
+        """A restarted learner: the prompts still in the stream (trimming keeps every pending one)."""
+        cursor = "-"
+        while True:
+            entries = self.link.call(self.r.xrange, self.keys.prompts, cursor, "+", count=1000)
+            self.added([(peek_group_id(fields.get(b"m", b"")), entry_id) for entry_id, fields in entries])
+            if len(entries) < 1000:
+                return
+            cursor = b"(" + entries[-1][0]
+
+    def added(self, pairs: list[tuple[str, bytes]]) -> None:
+        """New prompt entries; an older entry of the same group is stale and acknowledged now."""
+        with self.lock:
+            stale = [self.entry_of[gid] for gid, _ in pairs if gid in self.entry_of]
+            self.entry_of.update((gid, entry) for gid, entry in pairs if gid)
+        if stale:
+            self.link.call(self.r.xack, self.keys.prompts, ACTORS, *stale)
+
+    def check(self, group: RolloutGroup) -> tuple[str | None, bytes | None]:
+        """(why the rollout is refused, or None; its prompt entry)."""
+        with self.lock:
+            entry = self.entry_of.get(group.group_id)
+        if entry is None:
+            return "ungranted", None
+        info = self.link.call(self.r.xpending_range, self.keys.prompts, ACTORS, min=entry, max=entry, count=1)
+        if not info:
+            return "ungranted", None  # acknowledged already: a copy of a rollout taken before
+        if info[0]["consumer"].decode() != group.actor_id:
+            return "wrong_actor", None
+        return None, entry
+
+    def acknowledge(self, entries: list[bytes]) -> None:
+        if not entries:
+            return
+        with self.lock:
+            done = set(entries)
+            self.entry_of = {gid: e for gid, e in self.entry_of.items() if e not in done}
+        for i in range(0, len(entries), 1000):
+            self.link.call(self.r.xack, self.keys.prompts, ACTORS, *entries[i:i + 1000])
+
+    def overdelivered(self) -> list[tuple[bytes, str, int]]:
+        """(entry, group id, deliveries) of prompts delivered more than max_deliveries times."""
+        try:
+            info = self.link.call(self.r.xpending_range, self.keys.prompts, ACTORS, min="-", max="+", count=1000)
+        except ResponseError as err:
+            if is_nogroup(err):
+                return []
+            raise
+        over = [(p["message_id"], p["times_delivered"]) for p in info if p["times_delivered"] > self.max_deliveries]
+        with self.lock:
+            by_entry = {e: gid for gid, e in self.entry_of.items()}
+        return [(entry, by_entry.get(entry, ""), times) for entry, times in over]
+
+
 class RedisLearnerTransport(LearnerTransport):
     def __init__(self, cfg: RedisConfig, codec: WireCodec, run: str, actor_timeout_s: float, fresh: bool):
         self.cfg, self.codec = cfg, codec
@@ -167,9 +234,12 @@ class RedisLearnerTransport(LearnerTransport):
         if fresh:  # a new run under this name: leftovers of an earlier one must not be consumed
             self.link.call(self.r.delete, *self.keys.all())
         self._ensure_groups()
-        self._buffer: deque[tuple[str, RolloutGroup]] = deque()
-        self._seen: set[bytes] = set()  # rollout entry ids read by this process
-        self._to_ack: list[bytes] = []  # entries handed out by recv_rollout, not yet committed
+        self.receipts = PromptReceipts(self.r, self.link, self.keys, cfg.max_deliveries)
+        if not fresh:
+            self.receipts.index()
+        self._buffer: deque[tuple[bytes, RolloutGroup, bytes]] = deque()
+        self._seen: set[bytes] = set()  # rollout entry ids read by this process and not yet acknowledged
+        self._to_ack: list[tuple[bytes, bytes]] = []  # (rollout entry, prompt entry) handed out, not committed
         self._last_entry: dict[str, bytes] = {}  # group id -> its entry, for leave_pending
         self._pending_cursor: bytes | None = b"0"  # re-read our own pending entries first
         last = self.link.call(self.r.xrevrange, self.keys.heartbeats, "+", "-", count=1)
@@ -200,8 +270,9 @@ class RedisLearnerTransport(LearnerTransport):
             pipe = self.r.pipeline(transaction=False)
             for frame in frames:
                 pipe.xadd(self.keys.prompts, {"m": frame})
-            pipe.execute()
-        self.link.call(send)
+            return pipe.execute()
+        entries = self.link.call(send)
+        self.receipts.added([(g.group_id, e if isinstance(e, bytes) else e.encode()) for g, e in zip(groups, entries)])
 
     def publish_weights(self, update: WeightUpdate) -> None:
         self._latest_version = update.version
@@ -221,15 +292,14 @@ class RedisLearnerTransport(LearnerTransport):
             if remaining <= 0:
                 return None
             self._read(block_ms=max(1, min(int(remaining * 1000), self.cfg.block_ms)))
-        entry_id, group = self._buffer.popleft()
-        self._to_ack.append(entry_id)
+        entry_id, group, prompt_entry = self._buffer.popleft()
+        self._to_ack.append((entry_id, prompt_entry))
         self._last_entry[group.group_id] = entry_id
         return group
 
     def leave_pending(self, group: RolloutGroup) -> None:
         entry_id = self._last_entry.pop(group.group_id, None)
-        if entry_id in self._to_ack:
-            self._to_ack.remove(entry_id)
+        self._to_ack = [pair for pair in self._to_ack if pair[0] != entry_id]
 
     def _read(self, block_ms: int) -> None:
         cursor = self._pending_cursor
@@ -280,22 +350,37 @@ class RedisLearnerTransport(LearnerTransport):
             log.warning("rejected rollout entry %s: %s", entry_id.decode(), err)
             self._dead_letter(entry_id, frame, err.reason)
             return
-        self._buffer.append((entry_id, group))
+        why, prompt_entry = self.receipts.check(group)
+        if why is not None:  # never delivered to that actor: dropped, counted, and no slot freed
+            self.codec.rejected[why] += 1
+            log.warning("refused rollout entry %s (group %s from %s): %s", entry_id.decode(), group.group_id[:80],
+                        group.actor_id, why)
+            self.link.call(self.r.xack, self.keys.rollouts, LEARNER, entry_id)
+            self._seen.discard(entry_id)
+            return
+        self._buffer.append((entry_id, group, prompt_entry))
 
     def _dead_letter(self, entry_id: bytes, frame: bytes, reason: str, deliveries: int = 0) -> None:
+        self._move_dead(self.keys.rollouts, LEARNER, entry_id, frame, "rollouts", reason, peek_group_id(frame),
+                        deliveries)
+
+    def _move_dead(self, key: str, group: str, entry_id: bytes, frame: bytes, stream: str, reason: str,
+                   group_id: str, deliveries: int) -> None:
         def move():
             pipe = self.r.pipeline(transaction=True)
-            pipe.xadd(self.keys.dead, dead_letter_fields(frame, "rollouts", reason, peek_group_id(frame),
-                                                         deliveries), maxlen=DEAD_KEPT)
-            pipe.xack(self.keys.rollouts, LEARNER, entry_id)
+            pipe.xadd(self.keys.dead, dead_letter_fields(frame, stream, reason, group_id, deliveries), maxlen=DEAD_KEPT)
+            pipe.xack(key, group, entry_id)
             pipe.execute()
         self.link.call(move)
 
     def commit(self) -> None:
-        acks, self._to_ack = self._to_ack, []
+        pairs, self._to_ack = self._to_ack, []
         self._last_entry.clear()
+        acks = [entry for entry, _ in pairs]
         for i in range(0, len(acks), 1000):
             self.link.call(self.r.xack, self.keys.rollouts, LEARNER, *acks[i:i + 1000])
+        self._seen.difference_update(acks)  # acknowledged entries never come back: forget them
+        self.receipts.acknowledge([prompt for _, prompt in pairs])
         self._trim(self.keys.prompts, ACTORS)
         self._trim(self.keys.rollouts, LEARNER)
 
@@ -347,6 +432,13 @@ class RedisLearnerTransport(LearnerTransport):
         return joins
 
     def take_dead_letters(self) -> list[str]:
+        for entry, group_id, times in self.receipts.overdelivered():
+            log.warning("prompt group %s delivered %d times (> broker.redis.max_deliveries %d): dead-lettered",
+                        group_id or entry.decode(), times, self.cfg.max_deliveries)
+            frame = self.link.call(self.r.xrange, self.keys.prompts, entry, entry)
+            self._move_dead(self.keys.prompts, ACTORS, entry, frame[0][1].get(b"m", b"") if frame else b"",
+                            "prompts", "max_deliveries", group_id, times)
+            self.receipts.acknowledge([entry])
         reply = self.link.call(self.r.xread, {self.keys.dead: self._dead_cursor}, count=1000)
         ids = []
         for entry_id, fields in (reply[0][1] if reply else []):
@@ -411,10 +503,7 @@ class RedisActorTransport(ActorTransport):
         for entry_id, fields, deliveries in entries:
             group = await self._decode_prompt(entry_id, fields, deliveries)
             if group is not None and group.group_id in self._entries:
-                # ours already (our own idle entry claimed back, or a copy from a retried XADD)
-                if self._entries[group.group_id] != entry_id:
-                    await self.link.acall(self.r.xack, self.keys.prompts, ACTORS, entry_id)
-                continue
+                continue  # ours already (our own idle entry claimed back, or a copy the learner retires)
             if group is not None:
                 self._entries[group.group_id] = entry_id
                 self._largest_n = max(self._largest_n or 1, group.n)
@@ -478,40 +567,23 @@ class RedisActorTransport(ActorTransport):
         return [(entry_id, fields, times.get(entry_id, 1)) for entry_id, fields in entries]
 
     async def _decode_prompt(self, entry_id: bytes, fields: dict | None, deliveries: int) -> PromptGroup | None:
+        """The group, or None for an entry to leave alone: unreadable, or delivered too often (the
+        learner dead-letters those; an actor acknowledges nothing)."""
         frame = (fields or {}).get(b"m", b"")
         try:
             group = self.codec.decode(frame, expect=PromptGroup)
         except WireError as err:
             log.warning("rejected prompt entry %s: %s", entry_id.decode(), err)
-            await self._dead_letter(entry_id, frame, err.reason, "", deliveries)
             return None
         if deliveries > self.cfg.max_deliveries:
-            log.warning("prompt group %s delivered %d times (> broker.redis.max_deliveries %d): dead-lettered",
-                        group.group_id, deliveries, self.cfg.max_deliveries)
-            await self._dead_letter(entry_id, frame, "max_deliveries", group.group_id, deliveries)
+            log.warning("prompt group %s delivered %d times (> broker.redis.max_deliveries %d): left to the "
+                        "learner's dead letters", group.group_id, deliveries, self.cfg.max_deliveries)
             return None
         return group
 
-    async def _dead_letter(self, entry_id: bytes, frame: bytes, reason: str, group_id: str, deliveries: int) -> None:
-        async def move():
-            pipe = self.r.pipeline(transaction=True)
-            pipe.xadd(self.keys.dead, dead_letter_fields(frame, "prompts", reason, group_id, deliveries),
-                      maxlen=DEAD_KEPT)
-            pipe.xack(self.keys.prompts, ACTORS, entry_id)
-            await pipe.execute()
-        await self.link.acall(move)
-
     async def send_rollout(self, group: RolloutGroup) -> None:
-        frame = self.codec.encode(group)
-        entry_id = self._entries.pop(group.group_id, None)
-
-        async def publish():
-            pipe = self.r.pipeline(transaction=True)
-            pipe.xadd(self.keys.rollouts, {"m": frame})
-            if entry_id is not None:
-                pipe.xack(self.keys.prompts, ACTORS, entry_id)
-            await pipe.execute()
-        await self.link.acall(publish)
+        """The prompt stays pending at this actor (claim renewed by heartbeats) until the learner acknowledges it."""
+        await self.link.acall(self.r.xadd, self.keys.rollouts, {"m": self.codec.encode(group)})
 
     async def next_announcement(self) -> WeightUpdate | Shutdown:
         if self._weights_cursor is None:
@@ -545,13 +617,18 @@ class RedisActorTransport(ActorTransport):
     async def heartbeat(self, beat: Heartbeat) -> None:
         await self.link.acall(self.r.xadd, self.keys.heartbeats, {"m": self.codec.encode(beat)},
                               maxlen=HEARTBEATS_KEPT, approximate=True)
-        held = [self._entries[g] for g in beat.outstanding if g in self._entries]
+        held = list(self._entries.values())  # in the works, or sent and not yet acknowledged by the learner
         if held:  # renew the claim: resets the idle time others use to decide we are gone
             try:
-                await self.link.acall(self.r.xclaim, self.keys.prompts, ACTORS, self.actor_id, 0, held, justid=True)
+                still = await self.link.acall(self.r.xclaim, self.keys.prompts, ACTORS, self.actor_id, 0, held,
+                                              justid=True)
             except ResponseError as err:
                 if not is_nogroup(err):
                     raise
+                return
+            kept = {e if isinstance(e, bytes) else e.encode() for e in still}
+            # acknowledged by the learner: no longer ours to renew
+            self._entries = {gid: e for gid, e in self._entries.items() if e in kept or gid in beat.outstanding}
 
     def close(self) -> None:
         try:

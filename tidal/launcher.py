@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -101,7 +102,9 @@ def _spawn(name: str, role: str, args: list[str], run_dir: Path, slot: Slot, res
 
 def start_redis(cfg: RunConfig, run_dir: Path) -> tuple[Child, str]:
     """A local redis-server for this run: AOF on with fsync per write, data in run_dir/redis,
-    so `--resume` finds the streams where the crashed run left them. Returns it and its URL."""
+    so `--resume` finds the streams where the crashed run left them, and a password of its own,
+    generated, in a 0600 config file and in the environment of this launcher's children (never in
+    config.yaml or on a command line). Returns it and its URL."""
     server = shutil.which("redis-server")
     if server is None:
         raise LaunchError("broker.redis.embedded is true but redis-server is not installed "
@@ -111,7 +114,12 @@ def start_redis(cfg: RunConfig, run_dir: Path) -> tuple[Child, str]:
     data.mkdir(exist_ok=True)
     log_path = run_dir / "logs" / "redis.log"
     (run_dir / "logs").mkdir(exist_ok=True)
-    cmd = [server, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data), "--appendonly", "yes",
+    password = secrets.token_urlsafe(32)
+    conf = data / "redis.conf"
+    conf.touch(mode=0o600)
+    conf.write_text(f"requirepass {password}\n")
+    os.environ[cfg.broker.redis.password_env] = password  # the children inherit it
+    cmd = [server, str(conf), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data), "--appendonly", "yes",
            "--appendfsync", "always", "--save", "", "--logfile", str(log_path)]
     child = Child("redis-server", "redis", subprocess.Popen(cmd, start_new_session=True), log_path, cmd)
     deadline = time.monotonic() + 30

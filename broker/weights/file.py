@@ -103,13 +103,17 @@ class FileReceiver(WeightReceiver):
         self.cfg = cfg
 
     async def apply(self, update: WeightUpdate, engine) -> float:
-        path = await asyncio.to_thread(verify_weight_file, update)
+        path = await asyncio.to_thread(verify_weight_file, update, self.cfg.dir)
         return await engine.swap_weights(update.version, TRANSPORT, str(path))
 
 
-def verify_weight_file(update: WeightUpdate) -> Path:
-    """Check that the announced file is there, complete and unchanged; returns its path."""
-    path = Path(update.location)
+def verify_weight_file(update: WeightUpdate, weights_dir: str) -> Path:
+    """Check that the announced file lies inside weights_dir (symbolic links resolved) and is there,
+    complete and unchanged; returns its path."""
+    path, root = Path(update.location).resolve(), Path(weights_dir).resolve()
+    if not path.is_relative_to(root):
+        raise ValueError(f"weight file {update.location!r} (version {update.version}) is outside weights.dir "
+                         f"{str(root)!r}: refused")
     if not path.is_file():
         raise FileNotFoundError(f"weight file for version {update.version} is missing: {path}")
     expected = max((t.offset + t.nbytes for t in update.manifest), default=0)

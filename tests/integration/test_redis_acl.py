@@ -22,39 +22,46 @@ def redis_version() -> tuple[int, ...]:
     return tuple(int(x) for x in found.groups()) if found else ()
 
 
-# the commands broker/redis_transport.py sends, in the forms it sends them
+# the commands broker/redis_transport.py sends, in the forms it sends them, on the keys of run `tiny`
 ACTOR_MAY = ["XREADGROUP GROUP actors tidal-actor-0 COUNT 1 STREAMS tidal:tiny:prompts >",
-             "XACK tidal:tiny:prompts actors 0-1", "XAUTOCLAIM tidal:tiny:prompts actors tidal-actor-0 60000 0-0",
+             "XAUTOCLAIM tidal:tiny:prompts actors tidal-actor-0 60000 0-0",
              "XCLAIM tidal:tiny:prompts actors tidal-actor-0 0 0-1 JUSTID", "XPENDING tidal:tiny:prompts actors - + 10",
              "XADD tidal:tiny:rollouts * m 1", "XADD tidal:tiny:heartbeats MAXLEN ~ 1000 * m 1",
-             "XADD tidal:tiny:dead MAXLEN 1000 * m 1",
              "XREAD COUNT 1 BLOCK 10 STREAMS tidal:tiny:weights $", "XREVRANGE tidal:tiny:weights + - COUNT 1",
-             "PING", "MULTI", "EXEC", "HELLO 3", "CLIENT SETNAME tidal-actor-0"]
-ACTOR_MAY_NOT = ["XADD tidal:tiny:prompts * g 1", "XADD tidal:tiny:weights * v 1",
+             "PING", "HELLO 3", "CLIENT SETNAME tidal-actor-0"]
+ACTOR_MAY_NOT = ["XACK tidal:tiny:prompts actors 0-1",  # only the learner acknowledges, once it checked the rollout
+                 "XADD tidal:tiny:dead MAXLEN 1000 * m 1",  # dead letters are the learner's
+                 "XADD tidal:tiny:prompts * g 1", "XADD tidal:tiny:weights * v 1",
                  "XREAD STREAMS tidal:tiny:rollouts 0-0", "XREADGROUP GROUP learner l STREAMS tidal:tiny:rollouts >",
                  "XGROUP CREATE tidal:tiny:prompts actors $", "XDEL tidal:tiny:prompts 0-1",
                  "XTRIM tidal:tiny:rollouts MAXLEN 0", "DEL tidal:tiny:prompts", "XADD other:tiny:rollouts * g 1",
-                 "GET tidal:tiny:prompts", "KEYS *", "FLUSHALL", "CONFIG GET *"]
+                 "XADD tidal:other:rollouts * g 1", "GET tidal:tiny:prompts", "KEYS *", "FLUSHALL", "CONFIG GET *",
+                 "MULTI"]
 LEARNER_MAY = ["XGROUP CREATE tidal:tiny:prompts actors $ MKSTREAM", "XADD tidal:tiny:prompts * g 1",
                "XREADGROUP GROUP learner l STREAMS tidal:tiny:rollouts >", "XADD tidal:tiny:weights * v 1",
                "XINFO GROUPS tidal:tiny:prompts", "XAUTOCLAIM tidal:tiny:rollouts learner l 1000 0-0",
                "XTRIM tidal:tiny:prompts MINID 0-1", "XREAD COUNT 10 STREAMS tidal:tiny:heartbeats 0-0",
-               "DEL tidal:tiny:rollouts", "PING"]
-LEARNER_MAY_NOT = ["GET other", "XADD other:tiny:prompts * g 1", "FLUSHALL", "FLUSHDB", "CONFIG SET appendfsync no",
-                   "SHUTDOWN", "ACL SETUSER someone on"]
+               "XACK tidal:tiny:prompts actors 0-1", "XACK tidal:tiny:rollouts learner 0-1",
+               "XPENDING tidal:tiny:prompts actors - + 10", "XRANGE tidal:tiny:prompts - + COUNT 10",
+               "XADD tidal:tiny:dead MAXLEN 1000 * m 1", "DEL tidal:tiny:rollouts", "MULTI", "EXEC", "PING"]
+LEARNER_MAY_NOT = ["GET other", "XADD other:tiny:prompts * g 1", "XADD tidal:other:prompts * g 1",
+                   "DEL tidal:other:rollouts", "FLUSHALL", "FLUSHDB", "SWAPDB 0 1", "KEYS *", "SCAN 0",
+                   "CONFIG SET appendfsync no", "SHUTDOWN", "ACL SETUSER someone on", "DEBUG SLEEP 0",
+                   "SET tidal:tiny:prompts x", "EVAL return 1 0"]
 
 
-@pytest.mark.skipif(redis_version() < (7, 0), reason="needs redis-server >= 7 (ACL selectors, ACL DRYRUN)")
 def test_redis_acl_gives_each_role_only_its_commands(tmp_path):
     import redis
 
     script = K8S / "base" / "redis-users.sh"
-    short = subprocess.run(["sh", str(script), str(tmp_path / "x.acl")], capture_output=True, text=True,
+    run_config = ROOT / "configs" / "tiny.yaml"  # name: tiny, the default prefix tidal
+    short = subprocess.run(["sh", str(script), str(tmp_path / "x.acl"), str(run_config)], capture_output=True,
+                           text=True,
                            env={"PATH": "/usr/bin:/bin", "LEARNER_PASSWORD": "short", "ACTOR_PASSWORD": "x" * 20})
     assert short.returncode == 1 and "learner password" in short.stderr
     passwords = {"learner": secrets.token_hex(16), "actor": secrets.token_hex(16)}
     acl = tmp_path / "users.acl"
-    subprocess.run(["sh", str(script), str(acl)], check=True, env={
+    subprocess.run(["sh", str(script), str(acl), str(run_config)], check=True, env={
         "PATH": "/usr/bin:/bin", "LEARNER_PASSWORD": passwords["learner"], "ACTOR_PASSWORD": passwords["actor"]})
     text = acl.read_text()
     assert not [pw for pw in passwords.values() if pw in text], "the ACL file must hold hashes only"

@@ -1,6 +1,7 @@
 """Redis Streams transport against a real redis-server: acknowledgement, redelivery, takeover,
 dead letters, trimming, reconnection and credentials."""
 import asyncio
+import os
 import time
 
 import pytest
@@ -25,10 +26,8 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def reply_for(group) -> RolloutGroup:
-    r = rollout()
-    r.group_id = group.group_id
-    return r
+def reply_for(group, actor_id: str) -> RolloutGroup:
+    return rollout(group_id=group.group_id, actor_id=actor_id)
 
 
 async def work(cfg, actor_id, max_samples=100, reply=True, timeout_s=2.0):
@@ -37,7 +36,7 @@ async def work(cfg, actor_id, max_samples=100, reply=True, timeout_s=2.0):
     groups = await t.request_work(max_samples, timeout_s=timeout_s)
     if reply:
         for g in groups:
-            await t.send_rollout(reply_for(g))
+            await t.send_rollout(reply_for(g, actor_id))
     await t.r.aclose()
     return [g.group_id for g in groups]
 
@@ -58,10 +57,11 @@ def test_round_trip_acknowledges_prompt_and_rollout(redis_server):
     assert run(work(cfg, "a0", max_samples=8)) == ["r-0", "r-1"]  # two groups of 4 fit in 8 slots
     assert drain(side, 2) == ["r-0", "r-1"]
     m = side.metrics()
-    assert m["broker/prompt_pending"] == 0 and m["broker/prompt_lag"] == 1
+    assert m["broker/prompt_pending"] == 2 and m["broker/prompt_lag"] == 1  # actors acknowledge nothing
     assert m["broker/rollout_pending"] == 2  # handled, not yet covered by a checkpoint
-    side.commit()
-    assert side.metrics()["broker/rollout_pending"] == 0
+    side.commit()  # the learner acknowledges rollout and prompt once a checkpoint covers them
+    m = side.metrics()
+    assert m["broker/rollout_pending"] == 0 and m["broker/prompt_pending"] == 0
 
 
 def test_restarted_actor_takes_back_its_own_prompts(redis_server):
@@ -146,14 +146,21 @@ def test_trimming_keeps_unacknowledged_entries(redis_server):
 def test_bad_rollout_frames_are_rejected_counted_and_dead_lettered(redis_server):
     cfg = config(redis_server)
     side = learner(cfg)
+    side.submit_prompts([prompt(0)])
+    assert run(work(cfg, "a0", max_samples=4, reply=False)) == ["r-0"]
     r = redis.Redis.from_url(cfg.url)
+    codec = WireCodec(1 << 20)
     r.xadd("tidal:t:rollouts", {"m": b"not msgpack"})
     r.xadd("tidal:t:rollouts", {"other": b"field"})
-    r.xadd("tidal:t:rollouts", {"m": WireCodec(1 << 20).encode(rollout())})
-    assert drain(side, 1) == ["g1"]
-    assert side.metrics()["broker/rejected_frames"] == 2
-    assert r.xlen("tidal:t:dead") == 2
-    assert side.metrics()["broker/rollout_pending"] == 1  # only the good one waits for a commit
+    r.xadd("tidal:t:rollouts", {"m": codec.encode(rollout(group_id="r-0", actor_id="a1"))})  # not a1's prompt
+    r.xadd("tidal:t:rollouts", {"m": codec.encode(rollout(group_id="r-77", actor_id="a0"))})  # never released
+    r.xadd("tidal:t:rollouts", {"m": codec.encode(rollout(group_id="r-0", actor_id="a0"))})
+    assert drain(side, 1) == ["r-0"] and drain(side, 1, timeout_s=0.5) == []
+    m = side.metrics()
+    assert m["broker/rejected_frames"] == 4
+    assert m["broker/rejected/wrong_actor"] == 1 and m["broker/rejected/ungranted"] == 1
+    assert r.xlen("tidal:t:dead") == 2  # the unreadable ones; refused ones free no slot
+    assert m["broker/rollout_pending"] == 1  # only the good one waits for a commit
 
 
 def test_weights_latest_and_next(redis_server):
@@ -241,3 +248,24 @@ def test_a_group_left_pending_is_not_acknowledged_by_the_next_commit(redis_serve
     assert side.metrics()["broker/rollout_pending"] == 1
     side.close()
     assert drain(learner(cfg, fresh=False), 1) == [second.group_id]  # a resumed learner still gets it
+
+
+def test_the_embedded_redis_server_has_a_password_of_its_own(tmp_path, monkeypatch):
+    """`broker.redis.embedded` servers refuse a client without the password, which reaches the run's
+    processes through the environment only (never config.yaml, never a command line)."""
+    from tidal.config import load_config
+    from tidal.launcher import start_redis, stop_children
+
+    require_redis_server()
+    monkeypatch.delenv("TIDAL_REDIS_PASSWORD", raising=False)
+    cfg = load_config("configs/tiny.yaml", ["broker.type=redis", "broker.redis.embedded=true"])
+    child, url = start_redis(cfg, tmp_path)
+    try:
+        password = os.environ["TIDAL_REDIS_PASSWORD"]
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(url).ping()
+        assert redis.Redis.from_url(url, password=password).ping()
+        assert password not in " ".join(child.args) and len(password) >= 32
+        assert oct((tmp_path / "redis" / "redis.conf").stat().st_mode & 0o777) == "0o600"
+    finally:
+        stop_children([child])
