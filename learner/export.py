@@ -2,8 +2,7 @@
 model's own parameter names) that `from_pretrained` and vLLM load as they are.
 
 Every run exports its final policy to `<run_dir>/model`; `tidal export RUN_DIR [--step N]` exports
-any checkpoint. Checkpoints hold Accelerate state, where the policy's parameters sit under the
-learner's wrapper (`policy.`); the export takes them from there.
+any checkpoint (verified against its manifest first).
 """
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ from pathlib import Path
 
 import torch
 
-CHECKPOINT_WEIGHTS = "model.safetensors"  # Accelerate's save_state: the prepared module's parameters
-PREFIX = "policy."  # PolicyLogprobs holds the policy as `self.policy`
+CHECKPOINT_WEIGHTS = "model.safetensors"  # the policy's parameters in a checkpoint (tidal.learner.checkpoint)
 
 
 def export_model(policy, tokenizer_from: str, out: Path, dtype: str) -> Path:
@@ -55,14 +53,15 @@ def load_checkpoint_policy(checkpoint: Path, model_path: str):
     """The policy of a checkpoint, in fp32: the architecture from model_path, the weights from the checkpoint."""
     from safetensors.torch import load_file
 
+    from tidal.learner.checkpoint import verify
     from tidal.learner.trainer import load_policy
 
     weights = checkpoint / CHECKPOINT_WEIGHTS
     if not weights.is_file():
         raise FileNotFoundError(f"{checkpoint} has no {CHECKPOINT_WEIGHTS}: not a tidal checkpoint")
+    verify(checkpoint)
     policy = load_policy(model_path, "float32")
-    state = {k.removeprefix(PREFIX): v for k, v in load_file(str(weights)).items() if k.startswith(PREFIX)}
-    missing, unexpected = policy.load_state_dict(state, strict=False)
+    missing, unexpected = policy.load_state_dict(load_file(str(weights)), strict=False)
     tied = set(getattr(policy, "all_tied_weights_keys", None) or getattr(policy, "_tied_weights_keys", None) or ())
     missing = [k for k in missing if k not in tied]  # a tied LM head is stored once, as the embedding
     if missing or unexpected:
@@ -75,12 +74,12 @@ def load_checkpoint_policy(checkpoint: Path, model_path: str):
 def export_checkpoint(run_dir: Path, step: int | None, out: Path | None) -> Path:
     """`tidal export`: a run's checkpoint at `step` (default: the newest) as a model folder."""
     from tidal.config import load_config
-    from tidal.learner.checkpoint import latest_checkpoint
+    from tidal.learner.checkpoint import latest_valid
 
     run_dir = Path(run_dir)
     cfg = load_config(run_dir / "config.yaml")
     if step is None:
-        checkpoint = latest_checkpoint(run_dir / "checkpoints")
+        checkpoint = latest_valid(run_dir / "checkpoints")
         if checkpoint is None:
             raise FileNotFoundError(f"{run_dir / 'checkpoints'} holds no finished checkpoint")
     else:

@@ -30,7 +30,7 @@ def setup_trainer(cfg: RunConfig):
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.learner.mixed_precision)
     policy = load_policy(cfg.model.path, cfg.learner.param_dtype, cfg.learner.attention)
     trainer = Trainer(cfg.learner, policy, accelerator, cfg.sampling.temperature)
-    checkpointer = Checkpointer(cfg.checkpoint, Path(cfg.run_dir) / "checkpoints", accelerator)
+    checkpointer = Checkpointer(cfg.checkpoint, Path(cfg.run_dir) / "checkpoints", accelerator, trainer)
     return accelerator, trainer, checkpointer
 
 
@@ -138,11 +138,11 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 def find_checkpoint(run_dir: Path, resume: str | None) -> Path | None:
     """The checkpoint to continue from: None for a fresh start; raises when one is required and missing."""
-    from tidal.learner.checkpoint import latest_checkpoint
+    from tidal.learner.checkpoint import latest_valid
 
     if resume is None:
         return None
-    found = latest_checkpoint(run_dir / "checkpoints")
+    found = latest_valid(run_dir / "checkpoints")
     if found is None and resume == "required":
         raise FileNotFoundError(f"--resume: no finished checkpoint in {run_dir / 'checkpoints'} "
                                 "(set run_dir to the run to continue, or use --resume auto)")

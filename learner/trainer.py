@@ -101,10 +101,28 @@ class Trainer:
         # per step, which would make warmup depend on the number of ranks.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optim, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
-        accelerator.register_for_checkpointing(self.scheduler)
         self.model, self.optimizer = accelerator.prepare(module, optim)
         self.num_updates = cfg.loss.epochs_per_step * cfg.loss.minibatches_per_step
         self.packed = packs(cfg.packing, model)
+
+    def checkpoint_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+        """Everything needed to continue training, as tensors (model, optimizer) and JSON (the rest)."""
+        from tidal.broker.weights.file import unshared
+
+        optim = self.optimizer.state_dict()
+        tensors = {f"{pid}.{name}": t for pid, state in optim["state"].items() for name, t in state.items()}
+        # tied entries (lm_head = embed_tokens) become copies: safetensors refuses shared storage
+        return ({"model": unshared(self.policy.state_dict()), "optimizer": tensors},
+                {"param_groups": optim["param_groups"], "scheduler": self.scheduler.state_dict()})
+
+    def load_checkpoint_state(self, tensors: dict[str, dict[str, torch.Tensor]], meta: dict) -> None:
+        self.policy.load_state_dict(tensors["model"])
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in tensors["optimizer"].items():
+            pid, name = key.split(".", 1)  # written by checkpoint_state: "<param index>.<state name>"
+            state.setdefault(int(pid), {})[name] = value
+        self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        self.scheduler.load_state_dict(meta["scheduler"])
 
     @property
     def num_params(self) -> int:

@@ -28,7 +28,7 @@ def default_dir(run_name: str, run_dir: str | Path) -> str:
     return f"/dev/shm/tidal-{run_name}-{run_dir.name}-{run_key}"
 
 
-def _unshared(named_tensors: dict, dtype=None) -> dict:
+def unshared(named_tensors: dict, dtype=None) -> dict:
     """Contiguous CPU tensors in `dtype` (None: as they are), tied ones (lm_head = embed_tokens)
     copied: safetensors refuses shared storage, and the engine must receive every name it serves
     (on vLLM's CPU backend a tied LM head is repacked on its own and keeps stale values if only the
@@ -81,7 +81,7 @@ class FilePublisher(WeightPublisher):
         import torch
 
         dtype = getattr(torch, self.dtype) if self.dtype else None
-        save_file(_unshared(named_tensors, dtype), str(tmp), metadata={"version": str(version)})
+        save_file(unshared(named_tensors, dtype), str(tmp), metadata={"version": str(version)})
         os.replace(tmp, path)  # atomic: readers see the whole file or none
         self._prune(version)
         return WeightUpdate(version=version, transport=TRANSPORT, location=str(path),

@@ -34,7 +34,7 @@ def exported(tmp_path_factory, tiny_model_path):
     trainer = Trainer(cfg.learner, load_policy(cfg.model.path, "float32"), accelerator, temperature=1.0)
     groups, masks = step_batch(4)
     trainer.step(groups, masks, version=2)  # the checkpoint differs from the model it started from
-    Checkpointer(cfg.checkpoint, run_dir / "checkpoints", accelerator).save(1, {})
+    Checkpointer(cfg.checkpoint, run_dir / "checkpoints", accelerator, trainer).save(1, {})
     folder = export_checkpoint(run_dir, 1, run_dir / "exported")
     return folder, load_checkpoint_policy(run_dir / "checkpoints" / "step-000001", cfg.model.path)
 
