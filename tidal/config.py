@@ -383,7 +383,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     try:
         merged = schema
         if path is not None:
-            merged = OmegaConf.merge(merged, OmegaConf.load(preset_path(path)))
+            merged = OmegaConf.merge(merged, read_yaml(preset_path(path)))
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"override {bad[0]!r} is not key=value")
@@ -393,6 +393,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raise ConfigError(_one_line(err)) from None
     validate(cfg)
     return cfg
+
+
+def read_yaml(path: Path):
+    """A YAML file as OmegaConf nodes; a syntax error is one line naming the file and the line."""
+    import yaml
+
+    try:
+        return OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{where}: not valid YAML ({problem})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file (UTF-8)") from None
 
 
 def presets() -> dict[str, Path]:

@@ -26,6 +26,7 @@ from pathlib import Path
 from tidal.broker.zmq_keys import generate
 from tidal.config import BrokerType, RunConfig, curve_on, resolve
 from tidal.placement import Placement, PlacementError, Slot, place, visible_gpus
+from tidal.preflight import preflight
 
 
 @dataclass
@@ -303,6 +304,7 @@ def launch(cfg: RunConfig, resume: str | None = None) -> int:
     if resume and not cfg.run_dir:
         print("tidal run: --resume needs run_dir=<the run's folder>", file=sys.stderr)
         return 2
+    preflight(cfg)  # a bad dataset, model or tokenizer stops here, before anything is created
     try:
         placement = place(cfg.learner, cfg.actor, visible_gpus(), sorted(os.sched_getaffinity(0)))
     except PlacementError as err:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 
-from tidal.config import TaskConfig
+from tidal.config import ConfigError, TaskConfig
 from tidal.tasks import Prompt, Split
 
 # The characters the task needs; the tiny model's tokenizer is built from these.
@@ -14,7 +14,7 @@ def load_prompts(cfg: TaskConfig) -> Split:
     """All pairs a+b with a, b in 0..max_operand, shuffled once by cfg.seed; the first num_val are held out."""
     pairs = [(a, b) for a in range(cfg.max_operand + 1) for b in range(cfg.max_operand + 1)]
     if cfg.num_val >= len(pairs):
-        raise ValueError(f"task.num_val = {cfg.num_val} leaves no training prompts "
+        raise ConfigError(f"task.num_val = {cfg.num_val} leaves no training prompts "
                          f"({len(pairs)} pairs with task.max_operand = {cfg.max_operand})")
     random.Random(cfg.seed).shuffle(pairs)
     width = len(str(cfg.max_operand))

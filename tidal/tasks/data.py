@@ -8,8 +8,11 @@ names the file and line (JSON Lines), or the row.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
+
+from tidal.config import ConfigError
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # file suffix -> datasets builder
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name, as the Hub spells dataset ids
@@ -21,32 +24,32 @@ def load_rows(source: str, key: str, prompt_field: str, answer_field: str, split
     """The rows of `source` (config key `key`) with both columns checked; raises ValueError naming the
     key, the file and the line or row of the first bad one."""
     if not source:
-        raise ValueError(f"config key '{key}' is empty: name a JSON Lines or Parquet file, a folder of them, "
+        raise ConfigError(f"config key '{key}' is empty: name a JSON Lines or Parquet file, a folder of them, "
                          "or a Hub dataset id (org/name)")
     try:
         data, path, builder = _open(source, key, split, config)
     except _Unreadable as err:  # datasets' errors rarely say where; a JSON Lines file itself can
         located = _find_bad_json_row(err.path, prompt_field, answer_field) if err.path else None
-        raise ValueError(located or str(err)) from None
+        raise ConfigError(located or str(err)) from None
     columns = {prompt_field: "task.prompt_field", answer_field: "task.answer_field"}
     for field, field_key in columns.items():
         if field not in data.column_names:
-            raise ValueError(f"{source}: no column {field!r} (config key {field_key}); columns: "
+            raise ConfigError(f"{source}: no column {field!r} (config key {field_key}); columns: "
                              f"{', '.join(data.column_names)}")
     if len(data) == 0:
-        raise ValueError(f"{source}: no rows ({key})")
+        raise ConfigError(f"{source}: no rows ({key})")
     rows = []
     for index, row in enumerate(data.select_columns(list(columns))):
         why = bad_row(row, prompt_field, answer_field)
         if why:
             # datasets may have coerced a JSON column's types; the file itself names the first bad line
             located = _find_bad_json_row(path, prompt_field, answer_field) if builder == "json" else None
-            raise ValueError(located or f"{source}: row {index} (counting from 0): {why}")
+            raise ConfigError(located or f"{source}: row {index} (counting from 0): {why}")
         rows.append(row)
     return rows
 
 
-class _Unreadable(ValueError):
+class _Unreadable(ConfigError):
     def __init__(self, message: str, path: Path | None):
         super().__init__(message)
         self.path = path  # a JSON Lines file to search for the bad line, or None
@@ -55,10 +58,12 @@ class _Unreadable(ValueError):
 def _open(source: str, key: str, split: str, config: str):
     """(datasets.Dataset, the local file or None, its builder or None)."""
     path = Path(source).expanduser()
+    if path.is_file() and path.stat().st_size == 0:
+        raise ConfigError(f"{path}: the file is empty ({key})")
     if path.is_file():
         builder = FORMATS.get(path.suffix.lower())
         if builder is None:
-            raise ValueError(f"config key '{key}' = {source!r}: expected a {', '.join(FORMATS)} file")
+            raise ConfigError(f"config key '{key}' = {source!r}: expected a {', '.join(FORMATS)} file")
         data = _load(source, key, builder, path if builder == "json" else None,
                      builder, data_files=str(path), split="train")
         return data, path, builder
@@ -76,6 +81,8 @@ def _load(source: str, key: str, kind: str, json_path: Path | None, *args, **kwa
 
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # one bar per split in the learner's log says nothing
+    quiet = logging.getLogger("datasets")
+    level, quiet.level = quiet.level, logging.CRITICAL  # its own error log (a traceback) says less than ours
     try:
         return datasets.load_dataset(*args, **kwargs)
     except Exception as err:
@@ -83,6 +90,7 @@ def _load(source: str, key: str, kind: str, json_path: Path | None, *args, **kwa
         raise _Unreadable(f"{source}: cannot be read as {kind} ({key}): {type(err).__name__}: {reason}",
                           json_path) from None
     finally:
+        quiet.setLevel(level)
         if bars:
             datasets.enable_progress_bars()
 

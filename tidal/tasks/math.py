@@ -64,7 +64,7 @@ def __getattr__(name: str):
 def load_prompts(cfg: TaskConfig) -> Split:
     """Rows of task.data_path; held out: num_val rows drawn by seed from task.val_path, else split off data_path."""
     if cfg.num_val < 0:
-        raise ValueError(f"config key 'task.num_val' = {cfg.num_val}: must be >= 0")
+        raise ConfigError(f"config key 'task.num_val' = {cfg.num_val}: must be >= 0")
     rows = read_rows(cfg, cfg.data_path, "task.data_path", cfg.data_split)
     val_rows = read_rows(cfg, cfg.val_path, "task.val_path", cfg.val_split) if cfg.val_path else []
     # the template is for string prompts; chat messages go through the tokenizer's chat template instead
@@ -76,7 +76,7 @@ def load_prompts(cfg: TaskConfig) -> Split:
         val = [_prompt(len(rows) + i, val_rows[i], cfg, render) for i in val_ids]
     else:
         if cfg.num_val >= len(rows):
-            raise ValueError(f"config key 'task.num_val' = {cfg.num_val} leaves no training prompts "
+            raise ConfigError(f"config key 'task.num_val' = {cfg.num_val} leaves no training prompts "
                              f"({len(rows)} rows in {cfg.data_path}; or set task.val_path)")
         val_ids = _draw(len(rows), cfg.num_val, cfg.seed)
         held_out = set(val_ids)
@@ -110,10 +110,10 @@ def build_renderer(template: str, field: str) -> Callable[[str], str]:
     try:
         names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
     except ValueError as err:
-        raise ValueError(f"{key}: {err} (literal braces are written {{{{ and }}}})") from None
+        raise ConfigError(f"{key}: {err} (literal braces are written {{{{ and }}}})") from None
     if names != {field}:
         found = ", ".join(f"{{{n}}}" for n in sorted(names)) or "none"
-        raise ValueError(f"{key}: needs exactly the placeholder {{{field}}} (task.prompt_field), found {found} "
+        raise ConfigError(f"{key}: needs exactly the placeholder {{{field}}} (task.prompt_field), found {found} "
                          f"(literal braces are written {{{{ and }}}})")
     return lambda problem: template.format(**{field: problem})
 
