@@ -160,3 +160,26 @@ def test_impossible_length_control_is_rejected(sampling, words):
     with pytest.raises(WireError, match=words) as err:
         codec.decode(codec.encode(prompt_group(sampling)))
     assert err.value.reason == "bad_value"
+
+
+@pytest.mark.parametrize("shape", [(-2, -2), (2**62, 4), (1,) * 65, (2**40, 2**40)])
+def test_arrays_that_lie_about_their_shape_are_wire_errors(shape):
+    """Once a plain ValueError in the decoder that killed the learner's I/O thread."""
+    codec = WireCodec(1 << 20)
+    frame = msgspec.msgpack.decode(codec.encode(rollout()))
+    frame["prompt_tokens"]["shape"] = list(shape)
+    with pytest.raises(WireError):
+        codec.decode(msgspec.msgpack.encode(frame))
+
+
+@pytest.mark.parametrize("change", [
+    lambda f: f["prompt_tokens"].update(shape=[1, 2]),  # a 2-D prompt
+    lambda f: f["samples"][0].update(version_spans=[[2**63 - 1, 0, 3]]),  # a version no learner reaches
+    lambda f: f.update(actor_id="x" * 1_000_000),  # a 1 MB id
+])
+def test_values_no_rollout_can_hold_are_wire_errors(change):
+    codec = WireCodec(1 << 22)
+    frame = msgspec.msgpack.decode(codec.encode(rollout(tokens=(3, 4), logprobs=(-0.5, -1.0), spans=((0, 0, 2),))))
+    change(frame)
+    with pytest.raises(WireError):
+        codec.decode(msgspec.msgpack.encode(frame))

@@ -1,6 +1,7 @@
 """Poison that decodes cleanly never reaches the loss: rollouts are checked against what was
 released (ids, prompt, sample count, versions) and for sense (token ids, logprobs, rewards); a bad
 one is rejected and counted, and the run goes on."""
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +11,7 @@ from tidal.broker.schema import RolloutGroup, Sample, SamplingParams, WireCodec,
 from tidal.config import EvalConfig, LearnerConfig, StalenessConfig
 from tidal.learner.admission import Admission, StepBatch
 from tidal.learner.coordinator import Coordinator, DispatchPlan, release_of
-from tidal.learner.groups import GroupBook
+from tidal.learner.groups import GroupBook, Release
 from tidal.learner.ledger import Ledger, read_ledger
 from tidal.learner.loop import Learner, LearnerParts
 from tidal.learner.validation import Validator
@@ -99,3 +100,16 @@ def test_forged_eval_groups_change_no_evaluation(learner):
                                        version=VERSION, prompt=(2, 3, 4)), VERSION)
     assert learner.parts.validator.rejected["logprob"] == 1
     assert learner.evals.results == {} and not learner.evaluator.waiting()  # done, and no pass rate from poison
+
+
+def test_the_book_grows_with_what_is_in_flight_not_with_the_run(tmp_path):
+    book, sizes = GroupBook(Ledger(tmp_path / "ledger.jsonl"), remember=100), []
+    for step in range(200):
+        ids = [f"r-{step}-{i}" for i in range(10)]
+        with book.cond:
+            book.release({gid: Release(i, step, 2, "d") for i, gid in enumerate(ids)})
+        assert all(book.claim(gid) == "new" for gid in ids)
+        book.trained(step + 1, ids)
+        sizes.append(len(json.dumps(book.state_dict())))
+    assert sizes[50] == sizes[-1] and len(list(book.consumed)) == 100
+    assert book.claim("r-199-0") == "duplicate" and book.claim("r-0-0") == "unreleased"  # remembered, forgotten

@@ -4,6 +4,7 @@ rollouts for groups granted to someone else, floods, oversized frames, and CURVE
 import asyncio
 import time
 
+import msgspec
 import pytest
 import zmq
 
@@ -250,3 +251,20 @@ def test_curve_binds_each_actor_to_its_key(tmp_path):
     m = side.metrics()
     side.close()
     assert m["broker/rejected/impersonation"] == 1 and m["broker/live_actors"] == 1
+
+
+def test_oversized_hellos_and_heartbeats_are_refused_and_hold_nothing():
+    learner_side = ZmqLearnerTransport(BrokerConfig(max_control_bytes=65_536), WireCodec(1 << 20))
+    codec, ctx = WireCodec(1 << 24), zmq.Context()
+    big = raw_dealer(ctx, learner_side, b"big")
+    big.send(codec.encode(Heartbeat(actor_id="big", version=0, engine={}, outstanding=[f"r-{i}" for i in range(100_000)],
+                                    hello=True)))  # about 1 MB: above broker.max_control_bytes, dropped by the socket
+    huge_id = raw_dealer(ctx, learner_side, b"y" * 200)
+    huge_id.send(msgspec.msgpack.encode({"kind": "heartbeat", "schema_version": 2, "actor_id": "y" * 200, "version": 0,
+                                         "engine": {}, "outstanding": [], "hello": True}))
+    time.sleep(0.5)
+    m = learner_side.metrics()
+    assert m["broker/live_actors"] == 0 and learner_side.take_joins() == []
+    assert m["broker/rejected/malformed"] == 1  # the long id; the big heartbeat never got past the socket
+    ctx.destroy(linger=0)
+    learner_side.close()
