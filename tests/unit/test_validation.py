@@ -111,5 +111,5 @@ def test_the_book_grows_with_what_is_in_flight_not_with_the_run(tmp_path):
         assert all(book.claim(gid) == "new" for gid in ids)
         book.trained(step + 1, ids)
         sizes.append(len(json.dumps(book.state_dict())))
-    assert sizes[50] == sizes[-1] and len(list(book.consumed)) == 100
+    assert sizes[-1] < 1.2 * sizes[50] and len(list(book.consumed)) == 100  # ids only get a digit longer
     assert book.claim("r-199-0") == "duplicate" and book.claim("r-0-0") == "unreleased"  # remembered, forgotten

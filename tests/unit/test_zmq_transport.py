@@ -257,8 +257,8 @@ def test_oversized_hellos_and_heartbeats_are_refused_and_hold_nothing():
     learner_side = ZmqLearnerTransport(BrokerConfig(max_control_bytes=65_536), WireCodec(1 << 20))
     codec, ctx = WireCodec(1 << 24), zmq.Context()
     big = raw_dealer(ctx, learner_side, b"big")
-    big.send(codec.encode(Heartbeat(actor_id="big", version=0, engine={}, outstanding=[f"r-{i}" for i in range(100_000)],
-                                    hello=True)))  # about 1 MB: above broker.max_control_bytes, dropped by the socket
+    many = [f"r-{i}" for i in range(100_000)]  # about 1 MB: above broker.max_control_bytes, dropped by the socket
+    big.send(codec.encode(Heartbeat(actor_id="big", version=0, engine={}, outstanding=many, hello=True)))
     huge_id = raw_dealer(ctx, learner_side, b"y" * 200)
     huge_id.send(msgspec.msgpack.encode({"kind": "heartbeat", "schema_version": 2, "actor_id": "y" * 200, "version": 0,
                                          "engine": {}, "outstanding": [], "hello": True}))
