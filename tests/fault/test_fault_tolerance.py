@@ -119,13 +119,15 @@ def kill_actor_and_add_one(run_dir: Path, proc: subprocess.Popen, extra_id: str)
     already up are frozen (SIGSTOP): the starting one has to produce the next steps. A frozen
     actor is also a silent one whose work the others take over, and when it thaws its late
     rollouts are duplicates the learner must drop."""
-    wait_for("an actor to join", lambda: any(e["event"] == "actor_joined" for e in ledger(run_dir)), proc)
+    # the first actor is frozen once a step has used its rollouts: freezing an engine in the middle of its
+    # very first request has left the other engine on the same core hung as well, here
+    wait_for("an actor to join and train", lambda: steps_done(run_dir) >= 1, proc)
     first = next(e["actor"] for e in ledger(run_dir) if e["event"] == "actor_joined")
     victim = "actor-1" if first == "actor-0" else "actor-0"
     frozen = [actor_pid(run_dir, first)]
     os.killpg(frozen[0], signal.SIGSTOP)
     try:
-        wait_for(f"{victim} to join and train", lambda: joins(run_dir, victim) and steps_done(run_dir) >= 3, proc)
+        wait_until_it_trains(run_dir, proc, f"{victim} to join", lambda: joins(run_dir, victim))
         os.kill(actor_pid(run_dir, victim), signal.SIGKILL)
         killed_at = time.time()
         wait_until_it_trains(run_dir, proc, f"{victim} to come back", lambda: len(joins(run_dir, victim)) >= 2)
