@@ -168,14 +168,14 @@ def check_finished_run(run_dir: Path, proc, out: str, victim: str, killed_at: fl
 
 def test_zmq_killed_actor_is_restarted_its_groups_redispatched_and_a_new_actor_is_used(tmp_path):
     run_dir = tmp_path / "zmq"
-    proc = start_run(run_dir, ["actor.replicas=2", "learner.max_steps=60", "eval.every=0",
+    proc = start_run(run_dir, ["actor.replicas=2", "learner.max_steps=40", "eval.every=0",
                                "broker.actor_timeout_s=4", "actor.restart_backoff_s=0.5"])
     victim, extra, killed_at = kill_actor_and_add_one(run_dir, proc, "actor-extra")
     try:
         out = finish(proc)
     finally:
         stop(extra)
-    restart_s, summary, tallies = check_finished_run(run_dir, proc, out, victim, killed_at, steps=60)
+    restart_s, summary, tallies = check_finished_run(run_dir, proc, out, victim, killed_at, steps=40)
     print(f"\nzmq: {victim} back (restarted, weights loaded, hello) {restart_s:.1f} s after SIGKILL; "
           f"groups by actor {summary['groups_by_actor']}; ledger {tallies}")
 
@@ -185,7 +185,7 @@ def test_redis_killed_actor_and_redis_restart_lose_nothing(tmp_path):
     (tmp_path / "redis").mkdir()
     server = RedisServer(tmp_path / "redis").start()
     run_dir = tmp_path / "run"
-    proc = start_run(run_dir, ["actor.replicas=2", "learner.max_steps=80", "eval.every=0", "broker.type=redis",
+    proc = start_run(run_dir, ["actor.replicas=2", "learner.max_steps=50", "eval.every=0", "broker.type=redis",
                                f"broker.redis.url={server.url}", "broker.redis.claim_idle_ms=4000",
                                "actor.restart_backoff_s=0.5"])
     try:
@@ -200,7 +200,7 @@ def test_redis_killed_actor_and_redis_restart_lose_nothing(tmp_path):
         stop(extra)
     finally:
         server.stop()
-    restart_s, summary, tallies = check_finished_run(run_dir, proc, out, victim, killed_at, steps=80)
+    restart_s, summary, tallies = check_finished_run(run_dir, proc, out, victim, killed_at, steps=50)
     print(f"\nredis: {victim} back {restart_s:.1f} s after SIGKILL; "
           f"training went on {resumed_at - back_at:.1f} s after "
           f"redis-server was back; groups by actor {summary['groups_by_actor']}; ledger {tallies}")
