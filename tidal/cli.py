@@ -1,6 +1,9 @@
-"""`tidal` command line: run | learner | actor | prepare | export | fit | sweep | plan-batch | health.
+"""`tidal` command line: run | learner | actor | config | prepare | export | fit | sweep | plan-batch |
+presets | keys | health.
 
-Heavy imports are deferred so --help is instant."""
+Every role takes its config the same way: presets or YAML files, layered in order, then key=value
+overrides (`tidal run tiny-scalerl my-overlay.yaml learner.max_steps=50`). Heavy imports are
+deferred so --help is instant."""
 from __future__ import annotations
 
 import argparse
@@ -9,22 +12,48 @@ import sys
 
 from tidal.config import ConfigError, load_config
 
+LAYERS_HELP = ("presets (tidal presets) or YAML files, layered in order, then key=value overrides, "
+               "e.g. tiny-scalerl my-overlay.yaml learner.max_steps=50")
+
+
+def _layered(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+    """CONFIG... [key=value ...]: the positional every config-taking command shares."""
+    p.add_argument("layers", nargs="*", metavar="CONFIG|key=value",
+                   help=LAYERS_HELP + (" (key=v1,v2,... becomes an axis of the grid)" if sweep else ""))
+    # what pods and scripts written for earlier releases pass; the same as a leading positional
+    p.add_argument("--config", action="append", default=[], help=argparse.SUPPRESS)
+
+
+def _split(args) -> tuple[list[str], list[str]]:
+    """The configs and the overrides of a `layers` positional: an item with `=` is an override."""
+    items = [*args.config, *args.layers]
+    configs = [i for i in items if "=" not in i]
+    if not configs:
+        raise ConfigError(f"tidal {args.command} needs a config: a preset's name (tidal presets) or a YAML file")
+    return configs, [i for i in items if "=" in i]
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tidal", description="Asynchronous off-policy RL for LLMs.")
+    p.add_argument("--version", action="version", version=f"tidal {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="start a learner and actor processes and train")
-    run.add_argument("config", help="a preset's name (tidal presets) or a YAML file, e.g. tiny or configs/tiny.yaml")
-    run.add_argument("overrides", nargs="*", help="key=value overrides, e.g. learner.max_steps=50")
-    for role in ("learner", "actor"):
-        r = sub.add_parser(role, help=f"run one {role} process (what the launcher and Kubernetes pods start)")
-        r.add_argument("--config", required=True, help="YAML config (a preset or a run's resolved config.yaml)")
-        r.add_argument("overrides", nargs="*", help="key=value overrides")
+    roles = {"run": "start a learner and actor processes and train",
+             "learner": "run the learner process (what the launcher and Kubernetes pods start)",
+             "actor": "run one actor process; start more at any time to scale out",
+             "prepare": "build (or find in the cache) the warm-started tiny model"}
+    for name, text in roles.items():
+        _layered(sub.add_parser(name, help=text))
     for name in ("run", "learner"):
         sub.choices[name].add_argument(
             "--resume", nargs="?", const="required", choices=("required", "auto"),
             help="continue from the latest checkpoint in run_dir (same MLflow run, steps continue); "
                  "`--resume auto` starts fresh when there is none (for pods that restart)")
+    config = sub.add_parser("config", help="show, check or explain a config without starting anything")
+    what = config.add_subparsers(dest="action", required=True)
+    _layered(what.add_parser("show", help="print the resolved config as YAML"))
+    _layered(what.add_parser("check", help="load the config, the task's data, the model path and its tokenizer"))
+    explain = what.add_parser("explain", help="a key's type, default and meaning (a section: its keys)")
+    explain.add_argument("key", nargs="?", default="", help="e.g. staleness.max_lag, learner.loss or nothing")
     export = sub.add_parser("export", help="a run's checkpoint as a Hugging Face model folder (transformers, vLLM)")
     export.add_argument("run_dir", help="the run's folder (runs/<name>-<time>)")
     export.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
@@ -36,25 +65,20 @@ def _parser() -> argparse.ArgumentParser:
     health = sub.add_parser("health", help="exit 0 if FILE was touched within --max-age-s (liveness probes)")
     health.add_argument("file")
     health.add_argument("--max-age-s", type=float, default=120.0)
-    prep = sub.add_parser("prepare", help="build (or find in the cache) the warm-started tiny model")
-    prep.add_argument("config")
-    prep.add_argument("overrides", nargs="*")
     fit = sub.add_parser("fit", help="fit ScaleRL sigmoids to eval curves (MLflow runs or a CSV) and extrapolate")
     fit.add_argument("--csv", help="a CSV with columns compute,pass_rate")
-    fit.add_argument("--tracking-uri", help="MLflow tracking URI holding the runs")
+    fit.add_argument("--tracking-uri", help="MLflow tracking URI holding the runs (default: MLFLOW_TRACKING_URI)")
     fit.add_argument("--runs", nargs="*", default=[], help="MLflow run ids")
     fit.add_argument("--compute-metric", default="compute/flops", help="x axis: compute/flops, compute/samples, ...")
     fit.add_argument("--predict", type=float, help="print the predicted pass rate at this compute")
     fit.add_argument("--fit-fraction", type=float, help="fit only points up to this fraction of the compute")
     fit.add_argument("--out", default="fit.png", help="where the plot goes")
     sweep = sub.add_parser("sweep", help="run a grid of configs (key=v1,v2,...) sequentially, then fit them")
-    sweep.add_argument("config")
-    sweep.add_argument("overrides", nargs="+", help="key=v1,v2,... to sweep; key=value to fix")
+    _layered(sweep, sweep=True)
     sweep.add_argument("--out", help="sweep folder (default runs/sweep-<time>)")
     sweep.add_argument("--compute-metric", default="compute/flops")
     plan = sub.add_parser("plan-batch", help="measure throughput per batch size and recommend one")
-    plan.add_argument("config")
-    plan.add_argument("overrides", nargs="*")
+    _layered(plan)
     plan.add_argument("--batch-sizes", default="4,8,16,32", help="prompt groups per step to measure")
     plan.add_argument("--reps", type=int, default=3)
     plan.add_argument("--target", type=float, default=0.6, help="target val pass rate for samples-to-target")
@@ -64,30 +88,42 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.command in ("fit", "sweep"):
-        return _analysis(args)
-    if args.command == "health":
-        return _health(args.file, args.max_age_s)
-    if args.command == "export":
-        return _export(args)
-    if args.command == "presets":
-        return _presets()
-    if args.command == "keys":
-        from tidal.broker.zmq_keys import generate
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
 
-        folder = generate(args.dir, [a for a in args.actors.split(",") if a])
-        print(f"{folder}: give the learner {folder}/learner.key_secret and actors/*.key; each actor learner.key "
-              "and its own actors/<id>.key_secret")
-        return 0
     try:
-        cfg = load_config(getattr(args, "config", None), args.overrides)
-    except ConfigError as err:
-        print(f"tidal: {err}", file=sys.stderr)
-        return 2
+        return version("tidal")
+    except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
+        return "unknown"
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The arguments, with configs and overrides allowed on both sides of flags
+    (`tidal learner run.yaml --resume auto run_dir=/data`), which argparse alone does not do."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and (not hasattr(args, "layers") or any(e.startswith("-") for e in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.layers = [*args.layers, *extra]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    simple = {"health": lambda: _health(args.file, args.max_age_s), "export": lambda: _export(args),
+              "presets": _presets, "keys": lambda: _keys(args.dir, args.actors), "fit": lambda: _analysis(args),
+              "sweep": lambda: _analysis(args)}
+    if args.command in simple:
+        return simple[args.command]()
     try:
+        if args.command == "config" and args.action == "explain":
+            from tidal.config import explain
+
+            print(explain(args.key))
+            return 0
+        cfg = load_config(*_split(args))
         return _role(cfg, args)
     except (ConfigError, FileNotFoundError) as err:  # e.g. a preset whose model.path is still empty
         print(f"tidal {args.command}: {err}", file=sys.stderr)
@@ -97,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
 def _role(cfg, args) -> int:
     from tidal.tasks import get_task
 
+    if args.command == "config":
+        return _config(cfg, args.action)
     get_task(cfg.task.name)  # an unknown or incomplete task is one line, before any process starts
     if args.command == "run":
         from tidal.launcher import launch
@@ -118,6 +156,31 @@ def _role(cfg, args) -> int:
     if args.command == "plan-batch":
         return _plan_batch(cfg, args)
     print(cfg.model.path)
+    return 0
+
+
+def _config(cfg, action: str) -> int:
+    """show: the resolved YAML (what a run's config.yaml would hold, before the launcher fills in
+    the model path and run_dir); check: everything `tidal run` checks before it starts anything."""
+    if action == "show":
+        from tidal.config import to_yaml
+
+        print(to_yaml(cfg), end="")
+        return 0
+    from tidal.preflight import preflight
+
+    for line in preflight(cfg):
+        print(line)
+    print("config ok")
+    return 0
+
+
+def _keys(folder: str, actors: str) -> int:
+    from tidal.broker.zmq_keys import generate
+
+    out = generate(folder, [a for a in actors.split(",") if a])
+    print(f"{out}: give the learner {out}/learner.key_secret and actors/*.key; each actor learner.key "
+          "and its own actors/<id>.key_secret")
     return 0
 
 
@@ -170,7 +233,8 @@ def _analysis(args) -> int:
         if args.command == "sweep":
             from tidal.sweep import sweep
 
-            return sweep(args.config, args.overrides, Path(args.out) if args.out else None, args.compute_metric)
+            configs, overrides = _split(args)
+            return sweep(configs, overrides, Path(args.out) if args.out else None, args.compute_metric)
         from tidal.scaling_report import fit_csv, report
 
         if args.csv:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 
@@ -377,22 +377,40 @@ def _one_line(err: OmegaConfBaseException) -> str:
     return f"config key '{key}': {reason}" if key else f"config: {reason}"
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Schema <- YAML preset <- key=value overrides, validated; raises ConfigError naming the key."""
-    schema = OmegaConf.structured(RunConfig)
+def load_config(path: str | Path | list | tuple | None = None,
+                overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Schema <- YAML presets or files, in order (each after the `base` it names) <- key=value
+    overrides, validated; raises ConfigError naming the key or the file."""
+    paths = [] if path is None else [path] if isinstance(path, (str, Path)) else list(path)
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"override {bad[0]!r} is not key=value")
     try:
-        merged = schema
-        if path is not None:
-            merged = OmegaConf.merge(merged, read_yaml(preset_path(path)))
-        bad = [o for o in overrides if "=" not in o]
-        if bad:
-            raise ConfigError(f"override {bad[0]!r} is not key=value")
+        merged = OmegaConf.structured(RunConfig)
+        for layer in paths:
+            merged = OmegaConf.merge(merged, *layers_of(preset_path(layer)))
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
         cfg: RunConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise ConfigError(_one_line(err)) from None
     validate(cfg)
     return cfg
+
+
+def layers_of(path: Path, seen: tuple[Path, ...] = ()) -> list:
+    """A YAML file's layers: those of the config its `base` key names (a preset's name, or a file
+    relative to this one), then its own keys. An overlay holds only what it changes."""
+    if path.resolve() in seen:
+        chain = " -> ".join(str(p) for p in (*seen, path.resolve()))
+        raise ConfigError(f"config {path}: `base` goes round in a circle ({chain})")
+    node = read_yaml(path)
+    base = node.pop("base", None) if isinstance(node, DictConfig) else None
+    if base is None:
+        return [node]
+    if not isinstance(base, str):
+        raise ConfigError(f"config {path}: `base` must name one config, got {base!r}")
+    nearby = path.parent / base
+    return [*layers_of(nearby if nearby.is_file() else preset_path(base), (*seen, path.resolve())), node]
 
 
 def read_yaml(path: Path):
@@ -627,3 +645,50 @@ def validate(cfg: RunConfig) -> None:
     for check in (check_model, check_task, check_sampling, check_length_control, check_learner, check_devices,
                   check_curriculum, check_broker):
         check(cfg)
+
+
+# ---- asking the schema: `tidal config explain KEY` --------------------------------------------
+
+def field_help(cls: type) -> dict[str, str]:
+    """Each field's help, from the schema's own source: the comment lines just above the field and
+    the comment on its line (one source for the code, the docs and `tidal config explain`)."""
+    import inspect
+    import re
+
+    helps, above = {}, []
+    for line in inspect.getsource(cls).splitlines()[1:]:
+        text = line.strip()
+        if text.startswith("#"):
+            above.append(text.lstrip("#").strip())
+            continue
+        found = re.match(r"^(\w+): [^=#]+?(?: = .*?)?(?:\s{2}#\s*(.*))?$", text)
+        if found and not text.startswith(("def ", "@", '"""')):
+            helps[found.group(1)] = " ".join([*above, found.group(2) or ""]).strip()
+        above = []
+    return helps
+
+
+def explain(key: str) -> str:
+    """What a config key is: its type, default and help; for a section, its keys."""
+    import dataclasses
+    import typing
+
+    cls, default, parts = RunConfig, RunConfig(), [p for p in key.split(".") if p]
+    for i, part in enumerate(parts):
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            known = ", ".join(f.name for f in dataclasses.fields(cls))
+            raise ConfigError(f"config key '{'.'.join(parts[:i + 1])}' does not exist; "
+                              f"{'.'.join(parts[:i]) or 'the top level'} has: {known}")
+        value, hint = getattr(default, part), hints[part]
+        if dataclasses.is_dataclass(hint) and i < len(parts) - 1:
+            cls, default = hint, value
+            continue
+        if dataclasses.is_dataclass(hint):
+            doc = (hint.__doc__ or "").strip().splitlines()[0] if hint.__doc__ else ""
+            rows = [f"  {f.name}: {field_help(hint).get(f.name, '')}" for f in dataclasses.fields(hint)]
+            return "\n".join([f"{key}: {doc}", *rows])
+        shown = value.value if isinstance(value, enum.Enum) else value
+        kind = getattr(hint, "__name__", str(hint).replace("typing.", ""))
+        return f"{key} ({kind}, default {shown!r}): {field_help(cls).get(part, '(no help)')}"
+    return "the whole run: " + ", ".join(f.name for f in dataclasses.fields(RunConfig))

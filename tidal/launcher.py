@@ -66,7 +66,7 @@ def start_children(cfg: RunConfig, placement: Placement, children: list[Child], 
     (run_dir / "logs").mkdir(exist_ok=True)
     (run_dir / "endpoints.json").unlink(missing_ok=True)
     config = str(run_dir / "config.yaml")
-    learner_args = ["learner", "--config", config, *(["--resume", resume] if resume else [])]
+    learner_args = ["learner", config, *(["--resume", resume] if resume else [])]
     children.append(_spawn("learner", "learner", learner_args, run_dir, placement.learner,
                            ranks=cfg.learner.num_ranks))
     ports = wait_for_endpoints(run_dir, children[-1])
@@ -74,7 +74,7 @@ def start_children(cfg: RunConfig, placement: Placement, children: list[Child], 
         overrides = [f"actor.index={i}", *actor_endpoint_overrides(ports)]
         if slot.gpus is None and not cfg.actor.cpu_cores:
             overrides.append(f"actor.cpu_cores={slot.cores}")  # vLLM's CPU engine binds its threads there
-        children.append(_spawn(f"actor-{i}", "actor", ["actor", "--config", config, *overrides], run_dir,
+        children.append(_spawn(f"actor-{i}", "actor", ["actor", config, *overrides], run_dir,
                                Slot(gpus=slot.gpus)))
 
 

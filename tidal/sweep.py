@@ -1,4 +1,4 @@
-"""`tidal sweep CONFIG key=v1,v2 [key=value ...]`: run a grid sequentially, then fit it.
+"""`tidal sweep CONFIG... key=v1,v2 [key=value ...]`: run a grid sequentially, then fit it.
 
 Every run of the grid logs to one MLflow store (`<out>/mlflow.db`, one experiment), so the
 runs sit side by side; afterwards their eval curves are fitted with the ScaleRL sigmoid
@@ -28,7 +28,7 @@ def split_grid(overrides: list[str]) -> tuple[list[str], list[tuple[str, list[st
     return fixed, axes
 
 
-def run_grid(config: str, overrides: list[str], out: Path) -> dict[str, str]:
+def run_grid(config: list[str], overrides: list[str], out: Path) -> dict[str, str]:
     """Runs every point of the grid; returns label -> MLflow run id."""
     from tidal.launcher import launch
 
@@ -50,7 +50,7 @@ def run_grid(config: str, overrides: list[str], out: Path) -> dict[str, str]:
     return runs
 
 
-def sweep(config: str, overrides: list[str], out: Path | None, compute_metric: str) -> int:
+def sweep(config: list[str], overrides: list[str], out: Path | None, compute_metric: str) -> int:
     from tidal.scaling_report import report
 
     out = out or Path(f"runs/sweep-{time.strftime('%Y%m%d-%H%M%S')}")

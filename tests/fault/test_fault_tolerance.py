@@ -76,7 +76,7 @@ def start_extra_actor(run_dir: Path, actor_id: str) -> subprocess.Popen:
     ports = json.loads((run_dir / "endpoints.json").read_text())
     overrides = [f"broker.zmq.{name}_port={port}" for name, port in ports.items()]
     log = open(run_dir / "logs" / f"{actor_id}.log", "w")
-    return subprocess.Popen([sys.executable, "-m", "tidal", "actor", "--config", str(run_dir / "config.yaml"),
+    return subprocess.Popen([sys.executable, "-m", "tidal", "actor", str(run_dir / "config.yaml"),
                              f"actor.id={actor_id}", "actor.cpu_cores=1", *overrides],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -128,3 +128,87 @@ def test_presets_load_by_name_as_well_as_by_path():
     assert load_config("loo/tiny-loo-sync").staleness.max_lag == 0
     with pytest.raises(ConfigError, match="'nope': no such file, and not a preset"):
         load_config("nope")
+
+
+# ---- layering and asking: base keys, several configs, `tidal config`, `tidal --version` ----------
+
+def test_layers_apply_in_order_and_an_overlay_names_its_base(tmp_path):
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text("base: tiny-scalerl\nstaleness:\n  max_lag: 2\n")
+    second = tmp_path / "second.yaml"
+    second.write_text("base: overlay.yaml\nsampling:\n  n: 4\n")  # a file next to this one
+    cfg = load_config([second, ROOT / "loo/tiny-loo-tis.yaml"], ["staleness.max_lag=3"])
+    assert (cfg.staleness.max_lag, cfg.sampling.n, cfg.learner.loss.type) == (3, 8, LossType.tis)
+    assert load_config(second).sampling.n == 4 and load_config(second).staleness.max_lag == 2
+
+
+def test_a_base_that_goes_round_is_one_line(tmp_path):
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match="goes round in a circle"):
+        load_config(tmp_path / "a.yaml")
+
+
+def test_config_show_prints_what_loads_again(tmp_path, capsys):
+    from tidal.cli import main
+
+    assert main(["config", "show", "tiny-scalerl", "staleness.max_lag=3", "loo/tiny-loo-tis"]) == 0
+    shown = tmp_path / "shown.yaml"
+    shown.write_text(capsys.readouterr().out)
+    cfg = load_config(shown)
+    assert cfg == load_config(["tiny-scalerl", "loo/tiny-loo-tis"], ["staleness.max_lag=3"])
+
+
+def test_config_check_reads_the_task_and_starts_nothing(tmp_path, capsys):
+    from tidal.cli import main
+
+    assert main(["config", "check", "tiny", f"run_dir={tmp_path / 'run'}"]) == 0
+    out = capsys.readouterr().out
+    assert "training prompts" in out and out.rstrip().endswith("config ok") and not (tmp_path / "run").exists()
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": 3\n')
+    assert main(["config", "check", "tiny", "task.name=math", f"task.data_path={data}"]) == 2
+    assert "rows.jsonl" in capsys.readouterr().err
+
+
+def test_config_explain_reads_the_schemas_comments(capsys):
+    from tidal.cli import main
+
+    assert main(["config", "explain", "staleness.max_lag"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("staleness.max_lag (int, default 8):") and "synchronous" in out
+    assert main(["config", "explain", "learner.loss"]) == 0
+    assert "eps_max: cispo" in capsys.readouterr().out
+    assert main(["config", "explain", "staleness.max_lags"]) == 2
+    assert "max_lag" in capsys.readouterr().err  # the error lists what the section has
+
+
+def test_every_field_has_help():
+    import typing
+
+    from tidal.config import RunConfig, field_help
+
+    hints = {}
+
+    def walk_hints(cls, prefix=""):
+        for name, hint in typing.get_type_hints(cls).items():
+            if dataclasses.is_dataclass(hint):
+                walk_hints(hint, f"{prefix}{name}.")
+            else:
+                hints[f"{prefix}{name}"] = field_help(cls).get(name, "")
+
+    walk_hints(RunConfig)
+    missing = sorted(k for k, text in hints.items() if not text)
+    assert not missing, f"fields without a comment in the schema: {missing}"
+
+
+def test_version_and_flags_between_configs(capsys):
+    from tidal.cli import main, parse
+
+    with pytest.raises(SystemExit) as code:
+        main(["--version"])
+    assert code.value.code == 0 and capsys.readouterr().out.startswith("tidal ")
+    args = parse(["learner", "run.yaml", "--resume", "auto", "run_dir=/data", "overlay.yaml"])
+    assert (args.layers, args.resume) == (["run.yaml", "run_dir=/data", "overlay.yaml"], "auto")
+    assert main(["run", "learner.max_steps=3"]) == 2  # no config at all
+    assert "needs a config" in capsys.readouterr().err

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import dataclasses
 import re
 import secrets
 import shutil
@@ -17,7 +16,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tidal.config import ActorConfig, LearnerConfig, load_config
+from tidal.cli import _split, parse
+from tidal.config import load_config
 from tidal.tiny import cached_model_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,8 +30,6 @@ SECRET_ENV = K8S / "base" / "redis.env"
 SECRET_NAME = re.compile(r"pass|secret|token|auth|credential|api_?key", re.IGNORECASE)
 # ids that are not bare "gpu": conftest skips items with a "gpu" keyword on machines without CUDA
 for_each_overlay = pytest.mark.parametrize("overlay", OVERLAYS, ids=[f"overlays/{o}" for o in OVERLAYS])
-# Being added elsewhere (the manifests already use them): checked as soon as they exist.
-PENDING_KEYS = {"learner.health_file": LearnerConfig, "actor.health_file": ActorConfig}
 
 
 # ---- rendering -----------------------------------------------------------------------------
@@ -233,13 +231,6 @@ def test_scaling_actors_changes_only_the_replica_count(tree, rendered):
     assert after[("StatefulSet", "tidal-actor")]["spec"]["replicas"] == 3
 
 
-def schema_has(key: str) -> bool:
-    """False only for a pending key that the config schema does not have yet."""
-    if key not in PENDING_KEYS:
-        return True
-    return key.rsplit(".", 1)[1] in {f.name for f in dataclasses.fields(PENDING_KEYS[key])}
-
-
 def cli_subparser(name: str) -> argparse.ArgumentParser | None:
     from tidal.cli import _parser
 
@@ -263,13 +254,10 @@ def test_pods_run_the_launchers_commands_on_the_mounted_config(rendered, overlay
     objects = rendered[overlay]
     spec, container = role_container(objects, role)
     args = container["args"]
-    assert container["command"] == ["tidal"] and args[:3] == [role, "--config", RUN_CONFIG]
-    parser = cli_subparser(role)
-    if role == "learner" and "--resume" not in parser._option_string_actions:
-        args = [a for a in args if a not in ("--resume", "auto")]  # the flag is being added
-    parsed = parser.parse_args(args[1:])
-    overrides = [o.replace("$(POD_NAME)", "tidal-actor-2").replace("$(POD_INDEX)", "2") for o in parsed.overrides]
-    overrides = [o for o in overrides if schema_has(o.split("=", 1)[0])]
+    assert container["command"] == ["tidal"] and args[:2] == [role, RUN_CONFIG]
+    configs, overrides = _split(parse(args))
+    assert configs == [RUN_CONFIG]
+    overrides = [o.replace("$(POD_NAME)", "tidal-actor-2").replace("$(POD_INDEX)", "2") for o in overrides]
     cfg = load_config(run_config_of(objects, spec, container, tmp_path), overrides)
     assert cfg.broker.type.value == "redis" and cfg.broker.redis.username == role
     secrets_env = {e["name"] for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})}
@@ -279,12 +267,10 @@ def test_pods_run_the_launchers_commands_on_the_mounted_config(rendered, overlay
         assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
     # the probes read the file this process touches
     assert f"{role}.health_file=/tmp/tidal-health" in container["args"]
-    health = cli_subparser("health")  # the command is being added
     for probe in ("startupProbe", "livenessProbe"):
         command = container[probe]["exec"]["command"]
         assert command[:3] == ["tidal", "health", "/tmp/tidal-health"]
-        if health is not None:
-            health.parse_args(command[2:])
+        cli_subparser("health").parse_args(command[2:])
 
 
 @for_each_overlay
