@@ -73,22 +73,27 @@ class Evaluator:
     """The evaluation flow of a run: dispatch held-out prompts at a version, check and collect what
     comes back, log each completed pass rate on the compute axes."""
 
-    def __init__(self, coordinator, metrics_log, accounting, transport, validator=None):
+    def __init__(self, coordinator, metrics_log, accounting, transport, validator=None, diagnostics=None):
         self.coordinator, self.metrics_log, self.accounting = coordinator, metrics_log, accounting
-        self.transport, self.validator = transport, validator
+        self.transport, self.validator, self.diagnostics = transport, validator, diagnostics
         self.evals = Evaluations()
 
     def start(self, version: int) -> None:
         if version not in self.evals.expected:
-            self.evals.expect(version, self.coordinator.dispatch_eval(version))
+            groups = self.coordinator.dispatch_eval(version)
+            self.evals.expect(version, groups)
+            if self.diagnostics is not None:
+                self.diagnostics.expect_eval(version, list(groups), max((r.n for r in groups.values()), default=1))
 
     def on_group(self, group: RolloutGroup, version: int) -> None:
         """An eval group arrived; one that does not mean what was sent out is left out of its evaluation."""
         release = self.evals.release_of(group)
         if release is not None and self.validator is not None and self.validator.check(group, release, version):
             self.report(self.evals.drop(group.group_id))
-        else:
-            self.report(self.evals.add(group))
+            return
+        if release is not None and self.diagnostics is not None:
+            self.diagnostics.on_eval_group(group, version)
+        self.report(self.evals.add(group))
 
     def dead_letter(self, group_id: str) -> bool:
         """The broker gave up on a group: True when it was an eval group (its evaluation completes without it)."""
@@ -106,3 +111,5 @@ class Evaluator:
             log.info("eval at version %d: val pass rate %.3f", version, pass_rate)
             axis = self.accounting.compute_axis(len(self.transport.actors()))
             self.metrics_log.log({"eval/pass_rate": pass_rate} | axis, step=version)
+            if self.diagnostics is not None:
+                self.diagnostics.eval_done(version)

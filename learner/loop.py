@@ -7,7 +7,7 @@
           ▼
         train_step: trainer.step (advantages → micro-batches → fused logprobs → loss → AdamW; v → v+1)
           ▼
-        publish_weights (channel + announcement) → coordinator.on_step → eval? → log → checkpoint (+ commit)
+        publish_weights (channel + announcement) → coordinator.on_step → eval? → log → checkpoint (+ commit, figures)
 
 `run` is the loop; each named step is a method below. A resumed learner starts from a
 checkpoint's version, and its metrics reach MLflow exactly once (`MetricsLog`).
@@ -49,6 +49,7 @@ class LearnerParts:
     validator: Validator | None = None  # None: rollouts are not checked against what was released
     ranks: object = None  # tidal.learner.ranks.BatchBroadcast when the learner runs on several ranks
     export: object = None  # tidal.learner.export.FinalExport: what happens to the final policy
+    diagnostics: object = None  # tidal.learner.diagnostics.Diagnostics: completion tables and figures
 
 
 class Learner:
@@ -59,7 +60,8 @@ class Learner:
         self.version = 0
         self.accounting = Accounting(self.trainer.num_params, parts.ranks.world if parts.ranks else 1)
         self.metrics_log = MetricsLog(parts.tracker, self.checkpointer.periodic)
-        self.evaluator = Evaluator(self.coordinator, self.metrics_log, self.accounting, self.transport, parts.validator)
+        self.evaluator = Evaluator(self.coordinator, self.metrics_log, self.accounting, self.transport, parts.validator,
+                                   parts.diagnostics)
         self.evals = self.evaluator.evals
         self.inbox = Inbox(self.transport, self.book.ledger, self.accounting, cfg.rollout_timeout_s, cfg.health_file,
                            on_dead_letter=self.on_dead_letter)
@@ -110,6 +112,8 @@ class Learner:
         if self.parts.ranks is not None:
             self.parts.ranks.send(batch.groups, batch.token_masks)  # the other learner ranks train their share
         metrics = self.trainer.step(batch.groups, batch.token_masks, self.version)
+        if self.parts.diagnostics is not None:
+            self.parts.diagnostics.on_step(batch.groups, self.trainer.last_tokens)
         self.version += 1
         metrics["timing/weight_push_s"] = self.publish_weights()
         self.coordinator.on_step(self.version, [g.group_id for g in batch.groups])
@@ -189,6 +193,8 @@ class Learner:
             "learner": learner_state(self.accounting, self.evals), "unlogged": self.metrics_log.unlogged})
         self.transport.commit()
         self.metrics_log.flush()
+        if self.parts.diagnostics is not None:
+            self.parts.diagnostics.draw(self.version)  # from what MLflow now holds
 
     def restore(self, state: dict) -> None:
         """Continue from a checkpoint's tidal state (model and optimizer are restored by the caller)."""

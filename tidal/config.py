@@ -345,8 +345,14 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class TrackingConfig:
-    uri: str = ""  # MLflow tracking URI; empty = sqlite:///<run_dir>/mlflow.db
-    experiment: str = "tidal"  # MLflow experiment name
+    # MLflow tracking URI; empty = $MLFLOW_TRACKING_URI, else sqlite:///<run_dir>/mlflow.db
+    uri: str = ""
+    experiment: str = ""  # MLflow experiment name; empty = $MLFLOW_EXPERIMENT_NAME, else "tidal"
+    parent_run_id: str = ""  # the MLflow run this run is a child of (tidal sweep sets it)
+    # CPU, memory, disk, network and (where nvidia-ml-py finds GPUs) GPU metrics every this many
+    # seconds, as system/* metrics of the learner's run; 0 = none
+    system_metrics_interval_s: float = 10.0
+    eval_completions: int = 64  # sample completions logged as a table at every evaluation; 0 = none
     log_model: bool = False  # also log the final exported model folder (run_dir/model) to MLflow, as artifacts
 
 
@@ -633,6 +639,13 @@ def check_broker(cfg: RunConfig) -> None:
     _require(r.claim_idle_ms >= 1, "broker.redis.claim_idle_ms", r.claim_idle_ms, "must be >= 1")
 
 
+def check_tracking(cfg: RunConfig) -> None:
+    t = cfg.tracking
+    _require(t.system_metrics_interval_s >= 0, "tracking.system_metrics_interval_s", t.system_metrics_interval_s,
+             "must be >= 0 (0 = no system metrics)")
+    _require(t.eval_completions >= 0, "tracking.eval_completions", t.eval_completions, "must be >= 0 (0 = no table)")
+
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -643,7 +656,7 @@ def curve_on(cfg: ZmqConfig) -> bool:
 
 def validate(cfg: RunConfig) -> None:
     for check in (check_model, check_task, check_sampling, check_length_control, check_learner, check_devices,
-                  check_curriculum, check_broker):
+                  check_curriculum, check_broker, check_tracking):
         check(cfg)
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from tidal.broker.zmq_keys import generate
 from tidal.config import BrokerType, RunConfig, curve_on, resolve
+from tidal.learner.tracking import log_final_logs
 from tidal.placement import Placement, PlacementError, Slot, place, visible_gpus
 from tidal.preflight import preflight
 
@@ -333,5 +334,7 @@ def launch(cfg: RunConfig, resume: str | None = None) -> int:
         return 130
     finally:
         stop_children(children)
+        if children:
+            log_final_logs(Path(cfg.run_dir))
     print_summary(run_dir, time.monotonic() - start)
     return 0

@@ -28,10 +28,10 @@ def print_predictions(fits: dict, power: dict, points: dict, predict: float | No
         print(f"{name}: {last}{at}")
 
 
-def report(uri: str, runs: dict[str, str], compute_metric: str, png: Path, experiment: str,
+def report(uri: str, runs: dict[str, str], compute_metric: str, png: Path, run_id: str | None = None,
            fit_fraction: float | None = None, predict: float | None = None) -> int:
-    import mlflow
-
+    """Fit the runs' curves, print and draw them, and log the fit: into `run_id` (a sweep's parent
+    run), else into a new run beside the first fitted run, linked to every run it fitted."""
     raw = scaling.points_from_mlflow(uri, list(runs.values()), compute_metric=compute_metric)
     points = dict(zip(runs, raw.values()))  # one entry per run id, in order: label them as the caller does
     fits, power = fit_points(points, fit_fraction)
@@ -43,15 +43,36 @@ def report(uri: str, runs: dict[str, str], compute_metric: str, png: Path, exper
     print_predictions(fits, power, points, predict)
     scaling.plot_fits(points, fits, png, power=power, title=f"pass rate vs {compute_metric}")
     print(f"plot: {png}")
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_experiment(experiment)
-    with mlflow.start_run(run_name="scaling-fit"):
-        mlflow.log_artifact(str(png))
-        mlflow.log_text(table, "fit_table.txt")
-        for name, fit in fits.items():
-            safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
-            mlflow.log_metrics({f"fit/{safe}/A": fit.A, f"fit/{safe}/B": fit.B, f"fit/{safe}/C_mid": fit.C_mid})
+    log_fit(uri, runs, fits, table, png, run_id, {"compute_metric": compute_metric, "fit_fraction": fit_fraction,
+                                                  "predict": predict})
     return 0
+
+
+def log_fit(uri: str, runs: dict[str, str], fits: dict, table: str, png: Path, run_id: str | None,
+            params: dict) -> None:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    created = run_id is None
+    if created:
+        first = client.get_run(next(iter(runs.values())))
+        run_id = client.create_run(first.info.experiment_id, run_name="scaling-fit",
+                                   tags={"tidal.fitted_runs": ",".join(runs.values())}).info.run_id
+        for key, value in {**params, **{f"run.{_safe(label)}": rid for label, rid in runs.items()}}.items():
+            client.log_param(run_id, key, "" if value is None else value)
+    for fitted in runs.values():
+        client.set_tag(fitted, "tidal.fit_run_id", run_id)  # each fitted run points at its fit
+    client.log_artifact(run_id, str(png))
+    client.log_text(run_id, table, "fit_table.txt")
+    for name, fit in fits.items():
+        for key, value in (("A", fit.A), ("B", fit.B), ("C_mid", fit.C_mid)):
+            client.log_metric(run_id, f"fit/{_safe(name)}/{key}", value)
+    if created:
+        client.set_terminated(run_id)
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
 
 
 def fit_csv(path: str, predict: float | None, fit_fraction: float | None, png: Path) -> int:

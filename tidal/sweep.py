@@ -1,13 +1,15 @@
 """`tidal sweep CONFIG... key=v1,v2 [key=value ...]`: run a grid sequentially, then fit it.
 
-Every run of the grid logs to one MLflow store (`<out>/mlflow.db`, one experiment), so the
-runs sit side by side; afterwards their eval curves are fitted with the ScaleRL sigmoid
-(`tidal.scaling`), and the table and the plot are printed, written and logged to MLflow.
+The sweep is one MLflow parent run with a child run per grid point, in the configured store
+(`tracking.uri`, $MLFLOW_TRACKING_URI, else `<out>/mlflow.db`); afterwards the children's eval
+curves are fitted with the ScaleRL sigmoid (`tidal.scaling`), and the table and the plot are
+printed, written to `<out>` and logged on the parent run.
 """
 from __future__ import annotations
 
 import itertools
 import json
+import os
 import time
 from pathlib import Path
 
@@ -28,20 +30,26 @@ def split_grid(overrides: list[str]) -> tuple[list[str], list[tuple[str, list[st
     return fixed, axes
 
 
-def run_grid(config: list[str], overrides: list[str], out: Path) -> dict[str, str]:
-    """Runs every point of the grid; returns label -> MLflow run id."""
+def sweep_store(config: list[str], fixed: list[str], out: Path) -> tuple[str, str]:
+    """The MLflow store and experiment of a sweep: the config's or the environment's, else its own sqlite file."""
+    tracking = load_config(config, fixed).tracking
+    uri = tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(out / 'mlflow.db').resolve()}"
+    return uri, tracking.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or f"sweep-{out.name}"
+
+
+def run_grid(config: list[str], overrides: list[str], out: Path, uri: str, experiment: str,
+             parent_run_id: str) -> dict[str, str]:
+    """Runs every point of the grid as a child of the parent run; returns label -> MLflow run id."""
     from tidal.launcher import launch
 
     fixed, axes = split_grid(overrides)
-    out.mkdir(parents=True, exist_ok=True)
-    uri = f"sqlite:///{(out / 'mlflow.db').resolve()}"
     runs = {}
     for values in itertools.product(*(vals for _, vals in axes)):
         combo = [f"{key}={v}" for (key, _), v in zip(axes, values)]
         label = ",".join(combo)
         run_dir = out / label.replace("=", "-").replace(",", "_")
         cfg = load_config(config, [*fixed, *combo, f"run_dir={run_dir}", f"tracking.uri={uri}", f"name={run_dir.name}",
-                                   f"tracking.experiment=sweep-{out.name}"])
+                                   f"tracking.experiment={experiment}", f"tracking.parent_run_id={parent_run_id}"])
         print(f"[sweep] {label}", flush=True)
         if launch(cfg) != 0:
             raise RuntimeError(f"sweep run {label} failed; see {run_dir}/logs")
@@ -51,9 +59,30 @@ def run_grid(config: list[str], overrides: list[str], out: Path) -> dict[str, st
 
 
 def sweep(config: list[str], overrides: list[str], out: Path | None, compute_metric: str) -> int:
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from tidal.learner.tracking import use_store
     from tidal.scaling_report import report
 
     out = out or Path(f"runs/sweep-{time.strftime('%Y%m%d-%H%M%S')}")
-    runs = run_grid(config, overrides, out)
-    uri = f"sqlite:///{(out / 'mlflow.db').resolve()}"
-    return report(uri, runs, compute_metric, out / "fit.png", experiment=f"sweep-{out.name}")
+    out.mkdir(parents=True, exist_ok=True)
+    fixed, axes = split_grid(overrides)
+    uri, experiment = sweep_store(config, fixed, out)
+    use_store(uri, experiment, out / "artifacts")
+    client = MlflowClient(uri)
+    # created through the client, not made the active run: the runs of the grid start their own
+    parent = client.create_run(mlflow.get_experiment_by_name(experiment).experiment_id, run_name=out.name,
+                               tags={"tidal.sweep": "parent"}).info.run_id
+    for key, value in {"configs": " ".join(map(str, config)), "fixed": " ".join(fixed),
+                       "compute_metric": compute_metric, **{f"grid.{k}": ",".join(v) for k, v in axes}}.items():
+        client.log_param(parent, key, value)
+    try:
+        runs = run_grid(config, overrides, out, uri, experiment, parent)
+        client.log_dict(parent, runs, "runs.json")
+        code = report(uri, runs, compute_metric, out / "fit.png", run_id=parent)
+    except BaseException:
+        client.set_terminated(parent, status="FAILED")
+        raise
+    client.set_terminated(parent)
+    return code

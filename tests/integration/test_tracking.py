@@ -1,0 +1,155 @@
+"""What a run shows besides scalars: completion tables at evaluations, figures at checkpoints,
+drawn from bounded samples; logged into a real MLflow store (sqlite in a temporary folder)."""
+import json
+
+import numpy as np
+import pytest
+
+from conftest import ALPHABET, CASES, STEP_VERSION, learner_config, sample, step_batch
+from tidal.broker.schema import RolloutGroup, int32s
+from tidal.config import TrackingConfig
+from tidal.learner.diagnostics import Diagnostics, TokenSample
+
+FIGURES = {"pass_rate.png", "token_lag.png", "logprob_mismatch.png", "rewards_lengths.png"}
+
+
+@pytest.fixture
+def tracker(tmp_path):
+    from tidal.learner.tracking import Tracker
+
+    t = Tracker(TrackingConfig(uri=f"sqlite:///{tmp_path}/mlflow.db", system_metrics_interval_s=0), tmp_path, "t")
+    yield t
+    t.finish({})
+
+
+def decode(ids) -> str:
+    return "".join(ALPHABET[int(i) % len(ALPHABET)] for i in ids)
+
+
+def eval_group(i: int, version: int, reward: float) -> RolloutGroup:
+    return RolloutGroup(group_id=f"eval{version}-{i}", prompt_id=i, actor_id="actor-1", prompt_tokens=int32s([1, 10]),
+                        samples=[sample([(version, 2), (version + 1, 1)], reward), sample([(version, 3)], 0.0)],
+                        eval_version=version)
+
+
+def test_eval_table_shows_the_first_dispatched_groups_with_their_versions(tracker, tmp_path):
+    import mlflow
+
+    diagnostics = Diagnostics(tracker, decode, tmp_path, completions_per_eval=4, max_lag=2)
+    diagnostics.expect_eval(10, [f"eval10-{i}" for i in range(5)], n=2)  # 4 rows = the first 2 groups
+    for i in (4, 1, 0, 3):  # arrival order is not dispatch order
+        diagnostics.on_eval_group(eval_group(i, 10, reward=1.0), arrived_at=12)
+    diagnostics.eval_done(10)
+    table = mlflow.load_table("eval/completions-step-000010.json", run_ids=[tracker.run_id])
+    assert sorted(table["group_id"]) == ["eval10-0", "eval10-0", "eval10-1", "eval10-1"]
+    assert set(table.columns) >= {"prompt", "completion", "reward", "versions", "lag", "actor", "finish_reason"}
+    first = table[table["tokens"] == 3].iloc[0]
+    assert (first["prompt"], first["versions"], first["lag"], first["actor"]) == ("1+", "10..11", 2, "actor-1")
+
+
+def test_figures_are_drawn_from_the_stream_and_logged(tracker, tmp_path, accelerator):
+    from mlflow.tracking import MlflowClient
+
+    from conftest import TINY
+    from tidal.learner.trainer import Trainer
+    from tidal.tiny import build_tiny_model
+
+    cfg = learner_config(*CASES["cispo_prompt_mean"])
+    model, _ = build_tiny_model(TINY, ALPHABET, seed=0)
+    trainer = Trainer(cfg, model, accelerator, temperature=1.0)
+    groups, masks = step_batch(cfg.groups_per_step)
+    trainer.step(groups, masks, STEP_VERSION)
+    tokens = trainer.last_tokens
+    assert int(tokens.lag_counts.sum()) == sum(int(m.sum()) for g in masks for m in g)  # every trained token
+    assert tokens.behavior.size == tokens.learner.size > 0
+    diagnostics = Diagnostics(tracker, decode, tmp_path, completions_per_eval=0, max_lag=2)
+    diagnostics.on_step(groups, tokens)
+    for step, rate in ((0, 0.1), (5, 0.3), (10, 0.5), (15, 0.6), (20, 0.65)):
+        tracker.log_metrics({"eval/pass_rate": rate, "compute/flops": 1e9 * step}, step=step)
+    paths = diagnostics.draw(20)
+    assert {p.name for p in paths} == FIGURES
+    logged = MlflowClient(tracker.uri).list_artifacts(tracker.run_id, "figures/step-000020")
+    assert {a.path.rsplit("/", 1)[1] for a in logged} == FIGURES
+
+
+def test_a_figure_with_nothing_to_show_is_left_out(tracker, tmp_path):
+    diagnostics = Diagnostics(tracker, decode, tmp_path, completions_per_eval=8, max_lag=0)
+    assert diagnostics.draw(1) == []
+    diagnostics.on_step([], TokenSample(np.array([5, 1]), np.zeros(0), np.zeros(0)))
+    assert [p.name for p in diagnostics.draw(2)] == ["token_lag.png"]
+
+
+def test_tracking_honours_the_environment_when_the_config_is_empty(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from tidal.learner.tracking import Tracker
+
+    uri = f"sqlite:///{tmp_path}/team.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "team-experiment")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    t = Tracker(TrackingConfig(system_metrics_interval_s=0), run_dir, "from-env")
+    t.log_metrics({"x": 1.0}, step=1)
+    t.finish({})
+    run = MlflowClient(uri).get_run(t.run_id)
+    assert MlflowClient(uri).get_experiment(run.info.experiment_id).name == "team-experiment"
+    assert not (run_dir / "mlflow.db").exists()
+    assert json.loads((run_dir / "summary.json").read_text())["mlflow_uri"] == uri
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME")
+    local = Tracker(TrackingConfig(system_metrics_interval_s=0), run_dir, "local")
+    local.finish({})
+    assert local.uri == f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+
+
+def logged_run(cfg) -> int:
+    """A run's MLflow side without engines (what tidal.launcher.launch leaves in the store): the
+    real Tracker logs the config and a ScaleRL-shaped eval curve that rises more slowly with lag."""
+    from pathlib import Path
+
+    from tidal.learner.tracking import Tracker
+
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True)
+    tracker = Tracker(cfg.tracking, run_dir, cfg.name)
+    tracker.log_config(cfg)
+    for step in range(0, 80, 5):
+        flops = 1e9 * step
+        rate = 0.1 + 0.6 / (1 + (3e10 * (1 + cfg.staleness.max_lag / 8) / max(flops, 1.0)) ** 1.5)
+        tracker.log_metrics({"eval/pass_rate": rate, "compute/flops": flops}, step=step)
+    tracker.finish({})
+    return 0
+
+
+def test_a_sweep_is_one_parent_run_with_a_child_per_point_and_the_fit(tmp_path, monkeypatch, capsys):
+    from mlflow.tracking import MlflowClient
+
+    import tidal.launcher
+    from tidal.cli import main
+
+    monkeypatch.setattr(tidal.launcher, "launch", logged_run)
+    out = tmp_path / "sweep"
+    assert main(["sweep", "tiny", "staleness.max_lag=0,4", "tracking.system_metrics_interval_s=0",
+                 "--out", str(out)]) == 0
+    client = MlflowClient(f"sqlite:///{(out / 'mlflow.db').resolve()}")
+    runs = json.loads((out / "runs.json").read_text())
+    children = [client.get_run(r) for r in runs.values()]
+    parent_id = children[0].data.tags["mlflow.parentRunId"]
+    assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parent_id}
+    assert {c.data.tags["tidal.fit_run_id"] for c in children} == {parent_id}
+    parent = client.get_run(parent_id)
+    assert parent.data.params["grid.staleness.max_lag"] == "0,4" and parent.info.status == "FINISHED"
+    assert {"fit.png", "fit_table.txt", "runs.json"} <= {a.path for a in client.list_artifacts(parent_id)}
+    assert {"fit/staleness.max_lag_0/A", "fit/staleness.max_lag_4/B"} <= set(parent.data.metrics)
+
+    # `tidal fit --runs` on the same runs: a new run beside them, linked both ways
+    assert main(["fit", "--tracking-uri", client.tracking_uri, "--runs", *runs.values(),
+                 "--out", str(tmp_path / "fit.png")]) == 0
+    assert "shared A" in capsys.readouterr().out
+    fit_id = client.get_run(next(iter(runs.values()))).data.tags["tidal.fit_run_id"]
+    fit = client.get_run(fit_id)
+    assert fit_id != parent_id and fit.info.experiment_id == children[0].info.experiment_id
+    assert fit.data.tags["tidal.fitted_runs"] == ",".join(runs.values())
+    assert {fit.data.params[f"run.{r}"] for r in runs.values()} == set(runs.values())
+    assert fit.data.params["compute_metric"] == "compute/flops"
