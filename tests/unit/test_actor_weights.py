@@ -20,3 +20,18 @@ def test_a_resumed_learners_lower_versions_replace_an_abandoned_lineage():
     actor.note_announcement(update(12, "old"))
     actor.note_announcement(update(10, "new"))
     assert actor.latest.incarnation == "new" and actor.swap_wanted.is_set()
+
+
+def test_the_rotary_reload_warning_is_filtered_and_no_other(caplog):
+    import logging
+
+    from tidal.actor.worker_ext import RELOAD_LOGGER, quiet_harmless_reload_warnings
+
+    quiet_harmless_reload_warnings()
+    quiet_harmless_reload_warnings()  # once per reload: the filter is added once
+    logger = logging.getLogger(RELOAD_LOGGER)
+    assert len(logger.filters) == 1
+    with caplog.at_level(logging.WARNING, logger=RELOAD_LOGGER):
+        logger.warning("%s: Failed to load weights", "RotaryEmbedding")
+        logger.warning("%s: Failed to load weights", "QKVParallelLinear")
+    assert [r.getMessage() for r in caplog.records] == ["QKVParallelLinear: Failed to load weights"]
