@@ -1,4 +1,4 @@
-"""Fused LM-head logprob and entropy kernels (DESIGN.md §7).
+"""Fused LM-head logprob and entropy kernels (docs/architecture.md, "The kernels").
 
 `logprobs(hidden, weight, targets, temperature)` returns the per-token log-probability of
 the target and the entropy of softmax(hidden @ weight.T / temperature), both in fp32 and

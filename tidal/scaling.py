@@ -1,4 +1,4 @@
-"""Compute-performance curve fits for `tidal fit` (DESIGN.md §8).
+"""Compute-performance curve fits for `tidal fit` and `tidal sweep` (docs/architecture.md, "Scaling analysis").
 
 Fits ScaleRL's sigmoid `R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B)` to eval pass rates
 against compute: grid over the asymptote A and the midpoint C_mid, B per grid cell, keep the

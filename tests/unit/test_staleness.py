@@ -173,8 +173,8 @@ def test_discarded_groups_still_feed_the_curriculum(tmp_path):
 
 # ---- the step's metrics --------------------------------------------------------------------------
 
-# DESIGN §6 "Logged each step", item by item, and the metric that carries it.
-DESIGN_METRICS = {
+# The quantities a step must log, item by item, and the metric that carries it.
+STEP_METRICS = {
     "reward": ["rollout/reward"], "pass rate": ["rollout/pass_rate"], "advantage std": ["learner/advantage_std"],
     "rho mean/max": ["offpolicy/rho_mean", "offpolicy/rho_max"], "clipped fraction": ["offpolicy/clipped_frac"],
     "effective sample size": ["offpolicy/ess"], "lag mean/max": ["offpolicy/lag_mean", "offpolicy/lag_max"],
@@ -196,12 +196,12 @@ def trainer_metrics() -> dict[str, float]:
                       "timing/train_step_s": 1.0, "learner/tokens_per_s": 7.0, "timing/weight_push_s": 0.01}
 
 
-def test_step_metrics_cover_the_design_list_with_the_batch_numbers(tmp_path):
+def test_step_metrics_cover_the_list_with_the_batch_numbers(tmp_path):
     learner = build_learner(tmp_path, OnViolation.mask_tokens, curriculum=CurriculumConfig(min_samples=2))
     solved = [sample([(10, 2)], 1.0), sample([(10, 4)], 1.0, "length")]  # zero variance, retires prompt 0
     batch = admit_all(learner, [group(MIXED, "a", prompt_id=2), group(solved, "b", prompt_id=0)])
     metrics = learner.step_metrics(batch, trainer_metrics())
-    missing = {item: [k for k in keys if k not in metrics] for item, keys in DESIGN_METRICS.items()}
+    missing = {item: [k for k in keys if k not in metrics] for item, keys in STEP_METRICS.items()}
     assert {item: keys for item, keys in missing.items() if keys} == {}
     # 4 samples: rewards 1, 0, 1, 1; one truncated; 3 + 4 + 2 + 4 = 13 completion tokens; prompts of 3 tokens
     assert metrics["rollout/reward"] == pytest.approx(0.75)
