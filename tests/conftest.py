@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import time
 from pathlib import Path
 
 if shutil.which("nvidia-smi") is None:
@@ -42,6 +44,58 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(TIERS[tier])
         if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+SESSION_MARK = "TIDAL_TEST_SESSION"  # inherited by every process the tests start, orphaned or not
+os.environ[SESSION_MARK] = str(os.getpid())
+
+
+@pytest.fixture(autouse=True)
+def no_orphaned_processes(request):
+    """Tests that start real processes must leave none behind: a vLLM engine orphaned by a killed
+    actor would keep a core busy and slow every later test. After each such test, processes of this
+    session that are no longer its descendants get 15 s to exit, then are killed and named."""
+    if not {"integration", "fault"} & set(request.node.keywords):
+        yield
+        return
+    import psutil
+
+    yield
+    me = psutil.Process()
+
+    def orphans() -> list[psutil.Process]:
+        ours = {p.pid for p in me.children(recursive=True)} | {me.pid}
+        found = []
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                if proc.pid not in ours and proc.environ().get(SESSION_MARK) == os.environ[SESSION_MARK]:
+                    found.append(proc)
+            except psutil.Error:  # gone, or not ours to read
+                continue
+        return found
+
+    deadline = time.monotonic() + 15
+    while (left := orphans()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for proc in left:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    assert not left, "processes left running after the test: " + "; ".join(
+        f"{p.pid} {' '.join(p.info['cmdline'] or [])[:120]}" for p in left)
+
+
+@pytest.fixture(autouse=True)
+def mlflow_environment():
+    """MLflow's set_tracking_uri and set_experiment also write MLFLOW_TRACKING_URI and
+    MLFLOW_EXPERIMENT_ID into the environment, which tidal honours: without this, a test that
+    logged to a temporary store would send every later test's runs (and their subprocesses') there."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")}
+    yield
+    for key in [k for k in os.environ if k.startswith("MLFLOW_")]:
+        del os.environ[key]
+    os.environ.update(saved)
 
 
 @pytest.fixture(scope="module")
@@ -324,3 +378,18 @@ def redis_server(tmp_path):
     server = RedisServer(tmp_path).start()
     yield server
     server.stop()
+
+
+def wait_until_group_is_gone(pgid: int, timeout_s: float = 15.0) -> bool:
+    """SIGKILLed processes linger a moment until they are reaped."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True).stdout.split():
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def child_pids(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RedisServer, require_redis_server
+from conftest import RedisServer, child_pids, require_redis_server, wait_until_group_is_gone
 
 ROOT = Path(__file__).parents[2]
 TINY = str(ROOT / "configs/tiny.yaml")
@@ -39,15 +39,26 @@ def steps_done(run_dir: Path) -> int:
     return max((e["step"] for e in ledger(run_dir) if e["event"] == "trained"), default=0)
 
 
-def wait_for(what: str, predicate, proc: subprocess.Popen, timeout_s: float = 300) -> float:
+def wait_for(what: str, predicate, proc: subprocess.Popen, run_dir: Path, timeout_s: float = 300) -> float:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if proc.poll() is not None:
             out = proc.stdout.read()
-            pytest.fail(f"the run ended (code {proc.returncode}) before {what}:\n{out[-3000:]}")
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            pytest.fail(f"the run ended (code {proc.returncode}) before {what}:\n{out[-3000:]}{log_tails(run_dir)}")
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGTERM)
+            out, _ = proc.communicate(timeout=60)
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}:\n{out[-3000:]}{log_tails(run_dir)}")
         time.sleep(0.2)
     return time.time()
+
+
+def log_tails(run_dir: Path, lines: int = 25) -> str:
+    """The end of every log of the run, so that a failure explains itself."""
+    tails = []
+    for log in sorted((run_dir / "logs").glob("*.log")):
+        tails.append(f"\n--- {log.name} ---\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:]))
+    return "".join(tails)
 
 
 def finish(proc: subprocess.Popen, timeout_s: float = 420) -> str:
@@ -121,7 +132,7 @@ def kill_actor_and_add_one(run_dir: Path, proc: subprocess.Popen, extra_id: str)
     rollouts are duplicates the learner must drop."""
     # the first actor is frozen once a step has used its rollouts: freezing an engine in the middle of its
     # very first request has left the other engine on the same core hung as well, here
-    wait_for("an actor to join and train", lambda: steps_done(run_dir) >= 1, proc)
+    wait_for("an actor to join and train", lambda: steps_done(run_dir) >= 1, proc, run_dir)
     first = next(e["actor"] for e in ledger(run_dir) if e["event"] == "actor_joined")
     victim = "actor-1" if first == "actor-0" else "actor-0"
     frozen = [actor_pid(run_dir, first)]
@@ -142,9 +153,9 @@ def kill_actor_and_add_one(run_dir: Path, proc: subprocess.Popen, extra_id: str)
 
 
 def wait_until_it_trains(run_dir: Path, proc: subprocess.Popen, what: str, joined) -> None:
-    wait_for(what, joined, proc)
+    wait_for(what, joined, proc, run_dir)
     step = steps_done(run_dir)
-    wait_for(f"training after {what}", lambda: steps_done(run_dir) >= step + 2, proc)
+    wait_for(f"training after {what}", lambda: steps_done(run_dir) >= step + 2, proc, run_dir)
 
 
 def check_restarted_actor(run_dir: Path, victim: str, killed_at: float, out: str) -> float:
@@ -195,7 +206,8 @@ def test_redis_killed_actor_and_redis_restart_lose_nothing(tmp_path):
         time.sleep(1.0)  # Redis is away for a moment; everyone retries
         server.start()
         back_at = time.time()
-        resumed_at = wait_for("training after the Redis restart", lambda: steps_done(run_dir) > step_before + 1, proc)
+        resumed_at = wait_for("training after the Redis restart", lambda: steps_done(run_dir) > step_before + 1,
+                              proc, run_dir)
         out = finish(proc)
         stop(extra)
     finally:
@@ -214,19 +226,23 @@ def test_killed_learner_resumes_with_the_same_mlflow_run_and_no_step_twice(tmp_p
     overrides = ["learner.max_steps=40", "eval.every=10", "checkpoint.every=1", "broker.type=redis",
                  "broker.redis.embedded=true"]
     proc = start_run(run_dir, overrides)
-    wait_for("step 12", lambda: steps_done(run_dir) >= 12, proc)
+    wait_for("step 12", lambda: steps_done(run_dir) >= 12, proc, run_dir)
     learner_pid = int(subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "tidal learner"], capture_output=True,
                                      text=True).stdout.split()[0])
+    launched = child_pids(proc.pid)
     os.kill(learner_pid, signal.SIGKILL)
     killed_at = time.time()
     out = finish(proc, timeout_s=120)
     assert proc.returncode == 1 and "learner exited with code -9" in out, out[-3000:]
+    # nothing of the killed run lingers to compete with the resumed one (each child leads its own group)
+    lingering = [pid for pid in launched if not wait_until_group_is_gone(pid)]
+    assert not lingering, f"process groups {lingering} of the killed run still alive{log_tails(run_dir)}"
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
 
     resumed = start_run(run_dir, overrides, resume=True)
     first_step_at = wait_for("the first step after the resume",
                              lambda: any(e["event"] == "trained" and e["time"] > killed_at for e in ledger(run_dir)),
-                             resumed)
+                             resumed, run_dir)
     out = finish(resumed)
     assert resumed.returncode == 0, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
