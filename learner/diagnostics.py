@@ -144,7 +144,7 @@ class Diagnostics:
         c, r = np.asarray(compute, dtype=float), np.asarray(rate, dtype=float)
         by_compute.scatter(c[c > 0], r[c > 0], s=16, label="measured")
         try:
-            fit = scaling.fit_sigmoid(c, r, n_bootstrap=0)  # the curve only; `tidal fit` gives intervals
+            fit = scaling.fit_sigmoid(c, r, intervals=False)  # the curve only; `tidal fit` gives intervals
             grid = np.geomspace(c[c > 0].min(), 4 * c.max(), 200)
             by_compute.plot(grid, fit.predict(grid), "-", label=f"sigmoid A={fit.A:.2f} B={fit.B:.2f}")
         except (scaling.ScalingFitError, ValueError) as err:  # too few or flat points so far

@@ -7,25 +7,32 @@ from pathlib import Path
 from tidal import scaling
 
 
-def fit_points(points: dict, fit_fraction: float | None) -> tuple[dict, dict]:
-    """Sigmoid and power-law fits per curve (on the first fit_fraction of compute, if given)."""
-    fits, power = {}, {}
+def fit_points(points: dict, fit_fraction: float | None) -> tuple[dict, dict, dict]:
+    """Sigmoid and power-law fits per curve, and the points they saw (the first fit_fraction of
+    each curve's compute, if given)."""
+    fits, power, seen = {}, {}, {}
     for name, (compute, pass_rate) in points.items():
         if fit_fraction is not None:
             keep = compute <= fit_fraction * compute.max()
             compute, pass_rate = compute[keep], pass_rate[keep]
+        seen[name] = (compute, pass_rate)
         fits[name] = scaling.fit_sigmoid(compute, pass_rate)
         power[name] = scaling.fit_power_law(compute[compute > 0], pass_rate[compute > 0])
-    return fits, power
+    return fits, power, seen
 
 
 def print_predictions(fits: dict, power: dict, points: dict, predict: float | None) -> None:
     for name, fit in fits.items():
         compute, pass_rate = points[name]
-        last = f"final point: measured {pass_rate[-1]:.3f}, sigmoid {fit.predict(compute[-1]):.3f}, " \
+        last = f"final point: measured {pass_rate[-1]:.3f}, sigmoid {_with_interval(fit, compute[-1])}, " \
                f"power law {power[name].predict(compute[-1]):.3f}"
-        at = f"; predicted pass rate at compute {predict:g}: {fit.predict(predict):.4f}" if predict else ""
+        at = f"; predicted pass rate at compute {predict:g}: {_with_interval(fit, predict)}" if predict else ""
         print(f"{name}: {last}{at}")
+
+
+def _with_interval(fit, compute: float) -> str:
+    lo, hi = fit.predict_interval(compute)
+    return f"{float(fit.predict(compute)):.3f} [90%: {lo[0]:.3f}, {hi[0]:.3f}]"
 
 
 def report(uri: str, runs: dict[str, str], compute_metric: str, png: Path, run_id: str | None = None,
@@ -34,11 +41,11 @@ def report(uri: str, runs: dict[str, str], compute_metric: str, png: Path, run_i
     run), else into a new run beside the first fitted run, linked to every run it fitted."""
     raw = scaling.points_from_mlflow(uri, list(runs.values()), compute_metric=compute_metric)
     points = dict(zip(runs, raw.values()))  # one entry per run id, in order: label them as the caller does
-    fits, power = fit_points(points, fit_fraction)
+    fits, power, seen = fit_points(points, fit_fraction)
     table = scaling.fit_table(fits, power)
     if len(points) >= 2:
-        common = scaling.fit_common_A(points)
-        table += "\n\nshared A (compare B across runs):\n" + scaling.fit_table(common, None)
+        common = scaling.fit_common_A(seen)
+        table += "\n\nshared A (compare B across runs):\n" + scaling.fit_table(common, None, notes=False)
     print(table)
     print_predictions(fits, power, points, predict)
     scaling.plot_fits(points, fits, png, power=power, title=f"pass rate vs {compute_metric}")
@@ -77,7 +84,7 @@ def _safe(name: str) -> str:
 
 def fit_csv(path: str, predict: float | None, fit_fraction: float | None, png: Path) -> int:
     points = {Path(path).stem: scaling.read_csv(path)}
-    fits, power = fit_points(points, fit_fraction)
+    fits, power, _ = fit_points(points, fit_fraction)
     print(scaling.fit_table(fits, power))
     print_predictions(fits, power, points, predict)
     scaling.plot_fits(points, fits, png, power=power, title=Path(path).name)
