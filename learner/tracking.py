@@ -19,6 +19,7 @@ from tidal.config import RunConfig, TrackingConfig, flatten, to_yaml
 
 log = logging.getLogger(__name__)
 DEFAULT_EXPERIMENT = "tidal"
+EXPERIMENT_KIND = "mlflow.experimentKind"
 
 
 def tracking_uri(cfg: TrackingConfig, run_dir: Path) -> str:
@@ -38,7 +39,9 @@ def use_store(uri: str, experiment: str, artifacts: Path | None) -> None:
     mlflow.set_tracking_uri(uri)
     if artifacts is not None and uri.startswith("sqlite:") and mlflow.get_experiment_by_name(experiment) is None:
         mlflow.create_experiment(experiment, artifact_location=artifacts.resolve().as_uri())
-    mlflow.set_experiment(experiment)
+    found = mlflow.set_experiment(experiment)
+    if EXPERIMENT_KIND not in found.tags:  # the UI then opens on runs and charts, not on GenAI traces
+        mlflow.MlflowClient().set_experiment_tag(found.experiment_id, EXPERIMENT_KIND, "custom_model_development")
 
 
 def package_version(*names: str) -> str:

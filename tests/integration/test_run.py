@@ -96,6 +96,8 @@ def assert_mlflow_shows_the_run(summary):
     run = client.get_run(summary["mlflow_run_id"])
     run_id = run.info.run_id
     assert run.info.status == "FINISHED"
+    experiment = client.get_experiment(run.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI opens on runs
     assert run.data.params["staleness.max_lag"] == "2"
     tags = run.data.tags
     assert (tags["tidal.task"], tags["tidal.broker"], tags["tidal.max_lag"]) == ("arithmetic", "zmq", "2")
