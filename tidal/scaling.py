@@ -279,7 +279,8 @@ def fit_sigmoid(compute, pass_rate, *, R0: float | None = None, min_compute: flo
     fit = SigmoidFit(A=A, B=B, C_mid=C_mid, R0=R0_, sse=sse, n_points=int((obs.c > 0).sum()),
                      compute_max=float(obs.c.max()))
     if intervals:
-        fit.region = fine.region(obs.level(min(sse, fine.best_sse)))
+        # never narrower than the best grid cell: a curve fitted exactly (noiseless data) still has a region
+        fit.region = fine.region(max(obs.level(min(sse, fine.best_sse)), fine.best_sse))
         fit.intervals = {name: (float(fit.region[:, i].min()), float(fit.region[:, i].max()))
                          for i, name in ((0, "A"), (2, "B"), (3, "C_mid"))}
     return fit

@@ -35,6 +35,9 @@ def test_noiseless_fit_is_near_exact():
     assert fit.B == pytest.approx(1.92, rel=0.05)
     assert fit.C_mid == pytest.approx(2542, rel=0.05)
     assert fit.sse < 1e-4
+    exact = scaling.fit_sigmoid(COMPUTE, clean)  # no noise at all: the region is the best grid cell, not empty
+    lo, hi = exact.intervals["A"]
+    assert lo <= exact.A <= hi and hi - lo < 0.01
 
 
 def test_round_trip_on_half_the_compute_predicts_the_end():
