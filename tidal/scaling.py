@@ -279,8 +279,9 @@ def fit_sigmoid(compute, pass_rate, *, R0: float | None = None, min_compute: flo
     fit = SigmoidFit(A=A, B=B, C_mid=C_mid, R0=R0_, sse=sse, n_points=int((obs.c > 0).sum()),
                      compute_max=float(obs.c.max()))
     if intervals:
-        # never narrower than the best grid cell: a curve fitted exactly (noiseless data) still has a region
-        fit.region = fine.region(max(obs.level(min(sse, fine.best_sse)), fine.best_sse))
+        # the fit itself is in its region, and so is the best grid cell (noiseless points leave nothing else)
+        level = max(obs.level(min(sse, fine.best_sse)), fine.best_sse)
+        fit.region = np.vstack([fine.region(level), [[A, R0_, B, C_mid]]])
         fit.intervals = {name: (float(fit.region[:, i].min()), float(fit.region[:, i].max()))
                          for i, name in ((0, "A"), (2, "B"), (3, "C_mid"))}
     return fit
