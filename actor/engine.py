@@ -7,6 +7,7 @@ update_weight_version, per-output weight_versions spans).
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
 from dataclasses import dataclass, field
@@ -91,7 +92,12 @@ class Engine:
                 "model": str(self._llm.model_config.model), "dtype": str(self._llm.model_config.dtype)}
 
     def shutdown(self) -> None:
-        self._llm.shutdown()
+        llm, self._llm = self._llm, None
+        llm.shutdown()
+        # Collected now, not at interpreter exit: vLLM's __del__ shuts down again, and at exit it
+        # finds its module's globals gone and prints a TypeError traceback into every actor's log.
+        del llm
+        gc.collect()
 
 
 def engine_args(cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int | None = None) -> dict:
