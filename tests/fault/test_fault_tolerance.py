@@ -223,10 +223,10 @@ def test_killed_learner_resumes_with_the_same_mlflow_run_and_no_step_twice(tmp_p
 
     require_redis_server()
     run_dir = tmp_path / "resume"
-    overrides = ["learner.max_steps=40", "eval.every=10", "checkpoint.every=1", "broker.type=redis",
+    overrides = ["learner.max_steps=24", "eval.every=8", "checkpoint.every=1", "broker.type=redis",
                  "broker.redis.embedded=true"]
     proc = start_run(run_dir, overrides)
-    wait_for("step 12", lambda: steps_done(run_dir) >= 12, proc, run_dir)
+    wait_for("step 8", lambda: steps_done(run_dir) >= 8, proc, run_dir)
     learner_pid = int(subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "tidal learner"], capture_output=True,
                                      text=True).stdout.split()[0])
     launched = child_pids(proc.pid)
@@ -250,11 +250,11 @@ def test_killed_learner_resumes_with_the_same_mlflow_run_and_no_step_twice(tmp_p
     runs = client.search_runs([client.get_experiment_by_name("tidal").experiment_id])
     assert [r.info.run_id for r in runs] == [summary["mlflow_run_id"]]  # one run, continued
     steps = [m.step for m in client.get_metric_history(summary["mlflow_run_id"], "learner/version")]
-    assert sorted(steps) == list(range(1, 41)), f"gaps or duplicates in steps: {sorted(Counter(steps).items())}"
+    assert sorted(steps) == list(range(1, 25)), f"gaps or duplicates in steps: {sorted(Counter(steps).items())}"
     evals = [m.step for m in client.get_metric_history(summary["mlflow_run_id"], "eval/pass_rate")]
     assert len(evals) == len(set(evals))
     trained_steps = [e["step"] for e in ledger(run_dir) if e["event"] == "trained"]
-    assert trained_steps == list(range(1, 41))
+    assert trained_steps == list(range(1, 25))
     tallies = reconcile(run_dir)
     print(f"\nresume: killed after {checkpoints[-1]}; first step of the resumed learner "
           f"{first_step_at - killed_at:.1f} s after the kill (includes restarting every process); ledger {tallies}")

@@ -49,13 +49,16 @@ def send_junk(run_dir: Path) -> None:
     ctx.destroy(linger=1000)
 
 
+ASYNC_STEPS = 20
+
+
 def test_async_run_with_two_actors(tmp_path):
     max_lag = 2
     out, steps, summary = run_tidal(
         tmp_path / "async",
         # evaluating every other step keeps the engines busy when weights arrive, so updates land
         # while requests are in flight (the tiny task's completions are only a few tokens long)
-        ["actor.replicas=2", f"staleness.max_lag={max_lag}", "learner.max_steps=30", "eval.every=2",
+        ["actor.replicas=2", f"staleness.max_lag={max_lag}", f"learner.max_steps={ASYNC_STEPS}", "eval.every=2",
          "broker.max_message_bytes=1048576"],
         during=send_junk)
     # an in-flight update happened: some completion was produced by two or more weight versions
@@ -71,7 +74,7 @@ def test_async_run_with_two_actors(tmp_path):
     assert max(fresh) < 1e-3
     # the junk frames were rejected, counted, and the run went on to the end
     assert summary["rejected_frames"] == 1  # the malformed one; the oversized one never passed ZMQ_MAXMSGSIZE
-    assert summary["steps"] == 30
+    assert summary["steps"] == ASYNC_STEPS
     assert "val pass rate:" in out and summary["mlflow_run_id"] in out
     assert_mlflow_shows_the_run(summary)
     # the harmless per-layer reload warning is filtered in the workers, and weights did reload
@@ -80,7 +83,7 @@ def test_async_run_with_two_actors(tmp_path):
 
 
 def test_synchronous_run_has_no_lag_and_learns(tmp_path):
-    out, steps, summary = run_tidal(tmp_path / "sync", ["staleness.max_lag=0", "learner.max_steps=30", "eval.every=0"])
+    out, steps, summary = run_tidal(tmp_path / "sync", ["staleness.max_lag=0", "learner.max_steps=16", "eval.every=0"])
     assert max(m["offpolicy/lag_max"] for m in steps) == 0
     assert sum(m["rollout/multi_version_samples"] for m in steps) == 0
     assert summary["val_pass_rate_final"] > summary["val_pass_rate_initial"] + 0.05
@@ -106,20 +109,22 @@ def assert_mlflow_shows_the_run(summary):
     contexts = {t.value for d in run.inputs.dataset_inputs for t in d.tags if t.key == "mlflow.data.context"}
     assert contexts == {"training", "eval"}
     history = client.get_metric_history(run_id, "rollout/reward")
-    assert [m.step for m in history] == list(range(1, 31))
+    assert [m.step for m in history] == list(range(1, ASYNC_STEPS + 1))
     evals = client.get_metric_history(run_id, "eval/pass_rate")
-    assert {m.step for m in evals} == set(range(0, 31, 2))
+    assert {m.step for m in evals} == set(range(0, ASYNC_STEPS + 1, 2))
 
     def listed(path=None):
         return {a.path for a in client.list_artifacts(run_id, path)}
 
     assert {"config.yaml", "summary.json", "ledger.jsonl", "metrics.jsonl", "logs", "eval", "figures"} <= listed()
     assert {"logs/learner.log", "logs/actor-0.log", "logs/actor-1.log"} <= listed("logs")
-    assert listed("eval") == {f"eval/completions-step-{v:06d}.json" for v in range(0, 31, 2)}
-    assert listed("figures/step-000030") == {f"figures/step-000030/{name}.png" for name in
+    assert listed("eval") == {f"eval/completions-step-{v:06d}.json" for v in range(0, ASYNC_STEPS + 1, 2)}
+    last = f"figures/step-{ASYNC_STEPS:06d}"
+    assert listed(last) == {f"{last}/{name}.png" for name in
                                              ("pass_rate", "token_lag", "logprob_mismatch", "rewards_lengths")}
     mlflow.set_tracking_uri(summary["mlflow_uri"])  # load_table searches through the fluent API's store
-    table = client.load_table(run.info.experiment_id, "eval/completions-step-000030.json", run_ids=[run_id])
+    table = client.load_table(run.info.experiment_id, f"eval/completions-step-{ASYNC_STEPS:06d}.json",
+                              run_ids=[run_id])
     assert len(table) >= 8 and table["completion"].str.len().max() > 0
     assert set(table["reward"]) <= {0.0, 1.0} and (table["lag"] >= 0).all()
 
