@@ -77,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     _layered(sweep, sweep=True)
     sweep.add_argument("--out", help="sweep folder (default runs/sweep-<time>)")
     sweep.add_argument("--compute-metric", default="compute/flops")
+    sweep.add_argument("--fit-fraction", type=float,
+                       help="fit each run on this first fraction of its compute and predict the rest")
     plan = sub.add_parser("plan-batch", help="measure throughput per batch size and recommend one")
     _layered(plan)
     plan.add_argument("--batch-sizes", default="4,8,16,32", help="prompt groups per step to measure")
@@ -235,7 +237,8 @@ def _analysis(args) -> int:
             from tidal.sweep import sweep
 
             configs, overrides = _split(args)
-            return sweep(configs, overrides, Path(args.out) if args.out else None, args.compute_metric)
+            return sweep(configs, overrides, Path(args.out) if args.out else None, args.compute_metric,
+                         args.fit_fraction)
         from tidal.scaling_report import fit_csv, report
 
         if args.csv:

@@ -24,8 +24,9 @@ def fit_points(points: dict, fit_fraction: float | None) -> tuple[dict, dict, di
 def print_predictions(fits: dict, power: dict, points: dict, predict: float | None) -> None:
     for name, fit in fits.items():
         compute, pass_rate = points[name]
-        last = f"final point: measured {pass_rate[-1]:.3f}, sigmoid {_with_interval(fit, compute[-1])}, " \
-               f"power law {power[name].predict(compute[-1]):.3f}"
+        off = float(fit.predict(compute[-1])) - pass_rate[-1]
+        last = f"final point: measured {pass_rate[-1]:.3f}, sigmoid {_with_interval(fit, compute[-1])} " \
+               f"(off by {off:+.3f}), power law {power[name].predict(compute[-1]):.3f}"
         at = f"; predicted pass rate at compute {predict:g}: {_with_interval(fit, predict)}" if predict else ""
         print(f"{name}: {last}{at}")
 

@@ -58,7 +58,8 @@ def run_grid(config: list[str], overrides: list[str], out: Path, uri: str, exper
     return runs
 
 
-def sweep(config: list[str], overrides: list[str], out: Path | None, compute_metric: str) -> int:
+def sweep(config: list[str], overrides: list[str], out: Path | None, compute_metric: str,
+          fit_fraction: float | None = None) -> int:
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -74,13 +75,14 @@ def sweep(config: list[str], overrides: list[str], out: Path | None, compute_met
     # created through the client, not made the active run: the runs of the grid start their own
     parent = client.create_run(mlflow.get_experiment_by_name(experiment).experiment_id, run_name=out.name,
                                tags={"tidal.sweep": "parent"}).info.run_id
-    for key, value in {"configs": " ".join(map(str, config)), "fixed": " ".join(fixed),
-                       "compute_metric": compute_metric, **{f"grid.{k}": ",".join(v) for k, v in axes}}.items():
+    params = {"configs": " ".join(map(str, config)), "fixed": " ".join(fixed), "compute_metric": compute_metric,
+              "fit_fraction": fit_fraction or "", **{f"grid.{k}": ",".join(v) for k, v in axes}}
+    for key, value in params.items():
         client.log_param(parent, key, value)
     try:
         runs = run_grid(config, overrides, out, uri, experiment, parent)
         client.log_dict(parent, runs, "runs.json")
-        code = report(uri, runs, compute_metric, out / "fit.png", run_id=parent)
+        code = report(uri, runs, compute_metric, out / "fit.png", run_id=parent, fit_fraction=fit_fraction)
     except BaseException:
         client.set_terminated(parent, status="FAILED")
         raise
