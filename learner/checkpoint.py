@@ -17,7 +17,6 @@ file cannot run code.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 
 from tidal.config import CheckpointConfig
+from tidal.files import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def verify(path: Path) -> None:
         if not file.is_file() or file.stat().st_size != size:
             raise DamagedCheckpoint(f"{path.name}/{name}: missing or {file.stat().st_size if file.is_file() else 0} "
                                     f"bytes, the manifest says {size}")
-        if _sha256(file) != digest:
+        if sha256_file(file) != digest:
             raise DamagedCheckpoint(f"{path.name}/{name}: contents differ from the manifest")
 
 
@@ -68,14 +68,6 @@ def latest_valid(directory: Path) -> Path | None:
         except DamagedCheckpoint as err:
             log.warning("checkpoint %s is damaged (%s); trying the one before", path.name, err)
     return None
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _fsync(path: Path) -> None:
@@ -135,7 +127,7 @@ class Checkpointer:
         files = sorted(p for p in tmp.iterdir() if p.is_file())
         for file in files:
             _fsync(file)
-        _write_json(tmp / MANIFEST, {p.name: [p.stat().st_size, _sha256(p)] for p in files})
+        _write_json(tmp / MANIFEST, {p.name: [p.stat().st_size, sha256_file(p)] for p in files})
         _fsync(tmp / MANIFEST)
         _fsync(tmp)
         if final.exists():  # saved again at this version (the final save): swap, the old one last to go

@@ -17,6 +17,7 @@ from pathlib import Path
 from tidal.broker.schema import TensorSpec, WeightUpdate
 from tidal.broker.weights.base import WeightPublisher, WeightReceiver
 from tidal.config import WeightsConfig
+from tidal.files import sha256_file
 
 TRANSPORT = "file"
 
@@ -40,14 +41,6 @@ def unshared(named_tensors: dict, dtype=None) -> dict:
         out[name] = t.clone() if key in seen else t
         seen.add(key)
     return out
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def read_manifest(path: Path) -> list[TensorSpec]:
@@ -85,7 +78,7 @@ class FilePublisher(WeightPublisher):
         os.replace(tmp, path)  # atomic: readers see the whole file or none
         self._prune(version)
         return WeightUpdate(version=version, transport=TRANSPORT, location=str(path),
-                            manifest=read_manifest(path), checksum=_sha256(path), incarnation=self.incarnation)
+                            manifest=read_manifest(path), checksum=sha256_file(path), incarnation=self.incarnation)
 
     def _prune(self, version: int) -> None:
         for old in self.directory.glob("weights-v*.safetensors"):
@@ -119,7 +112,7 @@ def verify_weight_file(update: WeightUpdate, weights_dir: str) -> Path:
     expected = max((t.offset + t.nbytes for t in update.manifest), default=0)
     if path.stat().st_size != expected:
         raise ValueError(f"weight file {path} is {path.stat().st_size} bytes, manifest says {expected}")
-    if _sha256(path) != update.checksum:
+    if sha256_file(path) != update.checksum:
         raise ValueError(f"weight file {path} does not match the announced sha256 (version {update.version})")
     return path
 
