@@ -2,10 +2,11 @@
 package (function-level ones too), so a layering mistake fails here rather than in review.
 
     tidal.kernels                      imports nothing of tidal
-    tidal.broker                       the wire and the channels: only tidal.config
+    tidal.broker                       the wire and the channels: only tidal.config and tidal.files
     tidal.actor  ─┐  never each other  broker, config, tasks, health, models (+ tiny)
     tidal.learner ┘                    broker, kernels, config, tasks, health, models, tiny
     tidal.config                       nothing of tidal but the weight channel's folder rule
+    tidal.files                        nothing of tidal (file helpers for anyone)
 """
 import ast
 from pathlib import Path
@@ -13,14 +14,15 @@ from pathlib import Path
 from conftest import ROOT
 
 PACKAGES = {"actor": "actor", "learner": "learner", "broker": "broker", "kernels": "kernels", "tidal": None}
-SHARED = {"config", "tasks", "health"}
+SHARED = {"config", "tasks", "health", "files"}
 ALLOWED = {
     "kernels": set(),
-    "broker": {"config"},
+    "broker": {"config", "files"},
     "actor": {"broker", "models", "tiny"} | SHARED,
     "learner": {"broker", "kernels", "models", "tiny"} | SHARED,
     "config": {"broker.weights"},  # resolve() records the channel's default folder; see tidal.config.resolve
     "tasks": {"config"},
+    "files": set(),
 }
 
 

@@ -8,8 +8,9 @@ import torch
 
 from conftest import ALPHABET, TINY, ScriptedEngine
 from tidal.broker.weights import build_publisher, build_receiver
-from tidal.broker.weights.file import _sha256, read_manifest
+from tidal.broker.weights.file import read_manifest
 from tidal.config import WeightsConfig
+from tidal.files import sha256_file
 from tidal.tiny import build_tiny_model
 
 
@@ -33,7 +34,7 @@ def forged(update, location):
     """The same announcement with another location, checksum and manifest matching that file."""
     import msgspec
 
-    return msgspec.structs.replace(update, location=str(location), checksum=_sha256(location),
+    return msgspec.structs.replace(update, location=str(location), checksum=sha256_file(location),
                                    manifest=read_manifest(location))
 
 
