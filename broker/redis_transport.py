@@ -180,12 +180,20 @@ class PromptReceipts:
             cursor = b"(" + entries[-1][0]
 
     def added(self, pairs: list[tuple[str, bytes]]) -> None:
-        """New prompt entries; an older entry of the same group is stale and acknowledged now."""
+        """New prompt entries; an older entry of the same group is stale: acknowledged and deleted now.
+        Deleted too because one that no actor had read yet cannot be acknowledged, and an actor that
+        read it later would work on a group whose rollout the learner refuses (it waits for the new entry)."""
         with self.lock:
             stale = [self.entry_of[gid] for gid, _ in pairs if gid in self.entry_of]
             self.entry_of.update((gid, entry) for gid, entry in pairs if gid)
-        if stale:
-            self.link.call(self.r.xack, self.keys.prompts, ACTORS, *stale)
+        for i in range(0, len(stale), 1000):
+            self.link.call(self._retire, stale[i:i + 1000])
+
+    def _retire(self, entries: list[bytes]) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xack(self.keys.prompts, ACTORS, *entries)
+        pipe.xdel(self.keys.prompts, *entries)
+        pipe.execute()
 
     def check(self, group: RolloutGroup) -> tuple[str | None, bytes | None]:
         """(why the rollout is refused, or None; its prompt entry)."""
@@ -502,8 +510,9 @@ class RedisActorTransport(ActorTransport):
         groups = []
         for entry_id, fields, deliveries in entries:
             group = await self._decode_prompt(entry_id, fields, deliveries)
-            if group is not None and group.group_id in self._entries:
-                continue  # ours already (our own idle entry claimed back, or a copy the learner retires)
+            if group is not None and self._entries.get(group.group_id) == entry_id:
+                continue  # ours already: our own idle entry claimed back
+            # a group we hold under another entry is one the learner sent again: the new entry is the one it takes
             if group is not None:
                 self._entries[group.group_id] = entry_id
                 self._largest_n = max(self._largest_n or 1, group.n)

@@ -39,7 +39,7 @@ keys="${prefix:-tidal}:$name"
 umask 077
 cat >"$out.tmp" <<EOF2
 user default off resetpass resetkeys resetchannels -@all
-user learner on #$(sha "$LEARNER_PASSWORD") resetkeys resetchannels -@all +ping +hello +client|setname +multi +exec +discard ~$keys:* +xadd +xgroup|create +xreadgroup +xack +xpending +xinfo|groups +xtrim +xread +xrange +xrevrange +xclaim +xautoclaim +xlen +del
+user learner on #$(sha "$LEARNER_PASSWORD") resetkeys resetchannels -@all +ping +hello +client|setname +multi +exec +discard ~$keys:* +xadd +xgroup|create +xreadgroup +xack +xdel +xpending +xinfo|groups +xtrim +xread +xrange +xrevrange +xclaim +xautoclaim +xlen +del
 user actor on #$(sha "$ACTOR_PASSWORD") resetkeys resetchannels -@all +ping +hello +client|setname (%RW~$keys:prompts +xreadgroup +xautoclaim +xclaim +xpending) (%W~$keys:rollouts %W~$keys:heartbeats +xadd) (%R~$keys:weights +xread +xrevrange)
 EOF2
 mv "$out.tmp" "$out"

@@ -42,6 +42,7 @@ LEARNER_MAY = ["XGROUP CREATE tidal:tiny:prompts actors $ MKSTREAM", "XADD tidal
                "XINFO GROUPS tidal:tiny:prompts", "XAUTOCLAIM tidal:tiny:rollouts learner l 1000 0-0",
                "XTRIM tidal:tiny:prompts MINID 0-1", "XREAD COUNT 10 STREAMS tidal:tiny:heartbeats 0-0",
                "XACK tidal:tiny:prompts actors 0-1", "XACK tidal:tiny:rollouts learner 0-1",
+               "XDEL tidal:tiny:prompts 0-1",  # a prompt it sent again replaces the old entry
                "XPENDING tidal:tiny:prompts actors - + 10", "XRANGE tidal:tiny:prompts - + COUNT 10",
                "XADD tidal:tiny:dead MAXLEN 1000 * m 1", "DEL tidal:tiny:rollouts", "MULTI", "EXEC", "PING"]
 LEARNER_MAY_NOT = ["GET other", "XADD other:tiny:prompts * g 1", "XADD tidal:other:prompts * g 1",

@@ -269,3 +269,38 @@ def test_the_embedded_redis_server_has_a_password_of_its_own(tmp_path, monkeypat
         assert oct((tmp_path / "redis" / "redis.conf").stat().st_mode & 0o777) == "0o600"
     finally:
         stop_children([child])
+
+
+def test_groups_a_restarted_learner_sends_again_replace_entries_no_actor_had_read(redis_server):
+    """The learner dies with prompts in the stream that no actor has read yet, and the restarted one
+    sends its outstanding groups again: the old entries are gone (acknowledged and deleted), so a
+    restarted actor works on each group once, under the entry the learner waits for."""
+    cfg = config(redis_server)
+    side = learner(cfg)
+    side.submit_prompts([prompt(i) for i in range(4)])
+    assert run(work(cfg, "a0", max_samples=8, reply=False)) == ["r-0", "r-1"]  # dies holding two; two unread
+    side.close()
+    again = learner(cfg, fresh=False)
+    again.submit_prompts([prompt(i) for i in range(4)])  # outstanding at its checkpoint: sent again
+    assert again.r.xlen(again.keys.prompts) == 4  # the old entries are gone, read or not
+    assert sorted(run(work(cfg, "a0", max_samples=100))) == ["r-0", "r-1", "r-2", "r-3"]
+    assert sorted(drain(again, 4)) == ["r-0", "r-1", "r-2", "r-3"]
+    assert again.metrics()["broker/rejected_frames"] == 0
+
+
+def test_an_actor_holding_a_group_takes_the_entry_the_learner_sent_again(redis_server):
+    cfg = config(redis_server)
+    side = learner(cfg)
+    side.submit_prompts([prompt(0)])
+
+    async def scenario():
+        actor = RedisActorTransport(cfg, WireCodec(1 << 20), "a0", "t")
+        first = await actor.request_work(4, timeout_s=2)  # held, not answered yet
+        side.submit_prompts([prompt(0)])  # the learner sends it again (as a restarted one would)
+        again = await actor.request_work(4, timeout_s=2)
+        await actor.send_rollout(reply_for(again[0], "a0"))
+        await actor.r.aclose()
+        return [g.group_id for g in first], [g.group_id for g in again]
+
+    assert run(scenario()) == (["r-0"], ["r-0"])  # not skipped as "ours already"
+    assert drain(side, 1) == ["r-0"]
