@@ -33,7 +33,9 @@ def run_at(config: list[str], batch: int, reference: int, budget_groups: int, ev
     cmd = [sys.executable, "-m", "tidal", "run", *config, f"run_dir={run_dir}", f"learner.groups_per_step={batch}",
            f"learner.optim.lr={lr:.6g}", f"learner.max_steps={steps}", f"eval.every={max(steps // evals, 1)}",
            "checkpoint.every=0"]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"plan_check: the run at B={batch} failed:\n{(done.stdout + done.stderr)[-3000:]}")
     return run_dir
 
 
@@ -65,6 +67,7 @@ def main() -> int:
     parser.add_argument("--budget-groups", type=int, default=960, help="prompt groups each run may use")
     parser.add_argument("--evals", type=int, default=12, help="evaluations per run")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", help="keep the runs in this folder (default: a temporary one)")
     args = parser.parse_args()
     batches = sorted({int(b) for b in args.batch_sizes.split(",")} | {args.reference})
     try:
@@ -75,10 +78,11 @@ def main() -> int:
         return 2
     throughput = asyncio.run(measure(cfg, batches, args.reps))
     with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(args.out or tmp)
         measured = {}
         for batch in [args.reference, *[b for b in batches if b != args.reference]]:
             run_dir = run_at(args.config, batch, args.reference, args.budget_groups, args.evals,
-                             Path(tmp) / f"b{batch}", cfg.learner.optim.lr)
+                             folder / f"b{batch}", cfg.learner.optim.lr)
             measured[batch] = time_to_target(run_dir, args.target)
             if batch == args.reference:
                 if not measured[batch]["reached"]:
