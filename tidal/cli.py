@@ -72,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("--compute-metric", default="compute/flops", help="x axis: compute/flops, compute/samples, ...")
     fit.add_argument("--predict", type=float, help="print the predicted pass rate at this compute")
     fit.add_argument("--fit-fraction", type=float, help="fit only points up to this fraction of the compute")
+    fit.add_argument("--skip-fraction", type=float,
+                     help="leave out points below this fraction of the compute (the early transient)")
     fit.add_argument("--out", default="fit.png", help="where the plot goes")
     sweep = sub.add_parser("sweep", help="run a grid of configs (key=v1,v2,...) sequentially, then fit them")
     _layered(sweep, sweep=True)
@@ -79,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--compute-metric", default="compute/flops")
     sweep.add_argument("--fit-fraction", type=float,
                        help="fit each run on this first fraction of its compute and predict the rest")
+    sweep.add_argument("--skip-fraction", type=float,
+                       help="leave out points below this fraction of each run's compute (the early transient)")
     plan = sub.add_parser("plan-batch", help="measure throughput per batch size and recommend one")
     _layered(plan)
     plan.add_argument("--batch-sizes", default="4,8,16,32", help="prompt groups per step to measure")
@@ -233,22 +237,22 @@ def _analysis(args) -> int:
     from tidal.scaling import ScalingFitError
 
     try:
+        from tidal.scaling_report import Window, fit_csv, report
+
+        window = Window(args.fit_fraction, args.skip_fraction)
         if args.command == "sweep":
             from tidal.sweep import sweep
 
             configs, overrides = _split(args)
-            return sweep(configs, overrides, Path(args.out) if args.out else None, args.compute_metric,
-                         args.fit_fraction)
-        from tidal.scaling_report import fit_csv, report
-
+            return sweep(configs, overrides, Path(args.out) if args.out else None, args.compute_metric, window)
         if args.csv:
-            return fit_csv(args.csv, args.predict, args.fit_fraction, Path(args.out))
+            return fit_csv(args.csv, args.predict, window, Path(args.out))
         uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         if not (uri and args.runs):
             raise ValueError("tidal fit needs --csv FILE, or --runs RUN_ID ... (and --tracking-uri URI or "
                              "MLFLOW_TRACKING_URI)")
-        return report(uri, {r: r for r in args.runs}, args.compute_metric, Path(args.out),
-                      fit_fraction=args.fit_fraction, predict=args.predict)
+        return report(uri, {r: r for r in args.runs}, args.compute_metric, Path(args.out), window=window,
+                      predict=args.predict)
     except (ScalingFitError, ConfigError, ValueError, FileNotFoundError) as err:
         print(f"tidal {args.command}: {err}", file=sys.stderr)
         return 2

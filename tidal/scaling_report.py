@@ -2,22 +2,44 @@
 draw the curves, log both to MLflow, and predict the pass rate at a given compute."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from tidal import scaling
 
 
-def fit_points(points: dict, fit_fraction: float | None) -> tuple[dict, dict, dict]:
-    """Sigmoid and power-law fits per curve, and the points they saw (the first fit_fraction of
-    each curve's compute, if given)."""
+@dataclass(frozen=True)
+class Window:
+    """The part of each curve a fit sees, as fractions of the run's final compute: points below
+    `skip` are left out (the early transient; the step-0 evaluation still counts), points above
+    `fit` are held out and predicted."""
+
+    fit: float | None = None
+    skip: float | None = None
+
+    def __post_init__(self):
+        for name, value in (("--fit-fraction", self.fit), ("--skip-fraction", self.skip)):
+            if value is not None and not 0 < value < 1:
+                raise ValueError(f"{name}={value} must be between 0 and 1")
+        if self.fit is not None and self.skip is not None and self.skip >= self.fit:
+            raise ValueError(f"--skip-fraction={self.skip} leaves nothing below --fit-fraction={self.fit}")
+
+    def params(self) -> dict:
+        return {"fit_fraction": self.fit or "", "skip_fraction": self.skip or ""}
+
+
+def fit_points(points: dict, window: Window) -> tuple[dict, dict, dict]:
+    """Sigmoid and power-law fits per curve, and the points they saw."""
     fits, power, seen = {}, {}, {}
     for name, (compute, pass_rate) in points.items():
-        if fit_fraction is not None:
-            keep = compute <= fit_fraction * compute.max()
+        final = compute.max()
+        if window.fit is not None:
+            keep = compute <= window.fit * final
             compute, pass_rate = compute[keep], pass_rate[keep]
         seen[name] = (compute, pass_rate)
-        fits[name] = scaling.fit_sigmoid(compute, pass_rate)
-        power[name] = scaling.fit_power_law(compute[compute > 0], pass_rate[compute > 0])
+        fits[name] = scaling.fit_sigmoid(compute, pass_rate, min_compute=window.skip and window.skip * final)
+        late = compute >= (window.skip or 0) * final
+        power[name] = scaling.fit_power_law(compute[late & (compute > 0)], pass_rate[late & (compute > 0)])
     return fits, power, seen
 
 
@@ -37,22 +59,23 @@ def _with_interval(fit, compute: float) -> str:
 
 
 def report(uri: str, runs: dict[str, str], compute_metric: str, png: Path, run_id: str | None = None,
-           fit_fraction: float | None = None, predict: float | None = None) -> int:
+           window: Window = Window(), predict: float | None = None) -> int:
     """Fit the runs' curves, print and draw them, and log the fit: into `run_id` (a sweep's parent
     run), else into a new run beside the first fitted run, linked to every run it fitted."""
     raw = scaling.points_from_mlflow(uri, list(runs.values()), compute_metric=compute_metric)
     points = dict(zip(runs, raw.values()))  # one entry per run id, in order: label them as the caller does
-    fits, power, seen = fit_points(points, fit_fraction)
+    fits, power, seen = fit_points(points, window)
     table = scaling.fit_table(fits, power)
     if len(points) >= 2:
-        common = scaling.fit_common_A(seen)
+        common = scaling.fit_common_A(seen, min_compute=window.skip and window.skip * min(
+            c.max() for c, _ in points.values()))
         table += "\n\nshared A (compare B across runs):\n" + scaling.fit_table(common, None, notes=False)
     print(table)
     print_predictions(fits, power, points, predict)
     scaling.plot_fits(points, fits, png, power=power, title=f"pass rate vs {compute_metric}")
     print(f"plot: {png}")
-    log_fit(uri, runs, fits, table, png, run_id, {"compute_metric": compute_metric, "fit_fraction": fit_fraction,
-                                                  "predict": predict})
+    log_fit(uri, runs, fits, table, png, run_id, {"compute_metric": compute_metric, "predict": predict,
+                                                  **window.params()})
     return 0
 
 
@@ -83,9 +106,9 @@ def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
 
 
-def fit_csv(path: str, predict: float | None, fit_fraction: float | None, png: Path) -> int:
+def fit_csv(path: str, predict: float | None, window: Window, png: Path) -> int:
     points = {Path(path).stem: scaling.read_csv(path)}
-    fits, power, _ = fit_points(points, fit_fraction)
+    fits, power, _ = fit_points(points, window)
     print(scaling.fit_table(fits, power))
     print_predictions(fits, power, points, predict)
     scaling.plot_fits(points, fits, png, power=power, title=Path(path).name)

@@ -58,14 +58,14 @@ def run_grid(config: list[str], overrides: list[str], out: Path, uri: str, exper
     return runs
 
 
-def sweep(config: list[str], overrides: list[str], out: Path | None, compute_metric: str,
-          fit_fraction: float | None = None) -> int:
+def sweep(config: list[str], overrides: list[str], out: Path | None, compute_metric: str, window=None) -> int:
     import mlflow
     from mlflow.tracking import MlflowClient
 
     from tidal.learner.tracking import use_store
-    from tidal.scaling_report import report
+    from tidal.scaling_report import Window, report
 
+    window = window or Window()
     out = out or Path(f"runs/sweep-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     fixed, axes = split_grid(overrides)
@@ -76,13 +76,13 @@ def sweep(config: list[str], overrides: list[str], out: Path | None, compute_met
     parent = client.create_run(mlflow.get_experiment_by_name(experiment).experiment_id, run_name=out.name,
                                tags={"tidal.sweep": "parent"}).info.run_id
     params = {"configs": " ".join(map(str, config)), "fixed": " ".join(fixed), "compute_metric": compute_metric,
-              "fit_fraction": fit_fraction or "", **{f"grid.{k}": ",".join(v) for k, v in axes}}
+              **window.params(), **{f"grid.{k}": ",".join(v) for k, v in axes}}
     for key, value in params.items():
         client.log_param(parent, key, value)
     try:
         runs = run_grid(config, overrides, out, uri, experiment, parent)
         client.log_dict(parent, runs, "runs.json")
-        code = report(uri, runs, compute_metric, out / "fit.png", run_id=parent, fit_fraction=fit_fraction)
+        code = report(uri, runs, compute_metric, out / "fit.png", run_id=parent, window=window)
     except BaseException:
         client.set_terminated(parent, status="FAILED")
         raise

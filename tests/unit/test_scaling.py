@@ -238,3 +238,22 @@ def test_tidal_fit_prints_the_interval_of_its_prediction_and_the_note(tmp_path, 
     line = next(line for line in out.splitlines() if "predicted pass rate at compute 16000" in line)
     lo, hi = (float(v) for v in line.split("[90%: ")[-1].rstrip("]").split(", "))
     assert lo <= clean[-1] <= hi
+
+
+def test_the_fit_window_skips_the_early_transient_and_holds_out_the_rest(tmp_path, capsys):
+    from tidal.cli import main
+    from tidal.scaling_report import Window, fit_points
+
+    clean, noisy = noisy_curve(3)
+    compute = np.concatenate([[0.0], COMPUTE])
+    points = {"run": (compute, np.concatenate([[0.3], noisy]))}
+    fits, _, seen = fit_points(points, Window(fit=0.5, skip=0.2))
+    window = (COMPUTE >= 0.2 * COMPUTE[-1]) & (COMPUTE <= 0.5 * COMPUTE[-1])
+    assert fits["run"].n_points == int(window.sum())
+    assert seen["run"][0].max() <= 0.5 * COMPUTE[-1]
+    path = tmp_path / "curve.csv"
+    path.write_text("compute,pass_rate\n1,0.3\n2,0.4\n3,0.5\n4,0.55\n5,0.6\n")
+    for flags, words in ((["--skip-fraction", "1.5"], "--skip-fraction=1.5 must be between 0 and 1"),
+                         (["--skip-fraction", "0.6", "--fit-fraction", "0.5"], "leaves nothing below")):
+        assert main(["fit", "--csv", str(path), *flags, "--out", str(tmp_path / "f.png")]) == 2
+        assert words in capsys.readouterr().err
