@@ -4,6 +4,7 @@ Each run reconciles the learner's ledger: every training group the coordinator r
 trained on exactly once, discarded once at arrival, dead-lettered, or is still outstanding at
 the end; no group was trained twice. Recovery times are printed (run with -s to see them).
 """
+import contextlib
 import json
 import os
 import signal
@@ -152,7 +153,8 @@ def kill_actor_and_add_one(run_dir: Path, proc: subprocess.Popen, extra_id: str)
         wait_until_it_trains(run_dir, proc, "the new actor to join", lambda: joins(run_dir, extra_id))
     finally:
         for pid in frozen:
-            os.kill(pid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):  # gone already: the run failed, say that instead
+                os.kill(pid, signal.SIGCONT)
     return victim, extra, killed_at
 
 
