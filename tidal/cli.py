@@ -89,7 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--reps", type=int, default=3)
     plan.add_argument("--target", type=float, default=0.6, help="target val pass rate for samples-to-target")
     plan.add_argument("--tracking-uri", help="MLflow store of earlier runs (for samples-to-target)")
-    plan.add_argument("--runs", nargs="*", default=[], help="MLflow run ids at one or more batch sizes")
+    plan.add_argument("--runs", nargs="*", default=[],
+                      help="MLflow run ids at one or more batch sizes (samples-to-target, learner time)")
     plan.add_argument("--out", default="plan-batch.png")
     return p
 
@@ -262,12 +263,12 @@ def _plan_batch(cfg, args) -> int:
     import asyncio
     from pathlib import Path
 
-    from tidal.plan_batch import measure, plan, plot_plan, print_plan, samples_to_target
+    from tidal.plan_batch import measure, plan, plot_plan, print_plan, run_evidence
 
     sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
     throughput = asyncio.run(measure(cfg, sizes, args.reps))
-    s_measured = samples_to_target(args.tracking_uri, args.runs, args.target) if args.runs else {}
-    rows, note = plan(throughput, s_measured)
+    evidence = run_evidence(args.tracking_uri, args.runs, args.target) if args.runs else []
+    rows, note = plan(throughput, evidence, overlap=cfg.staleness.max_lag > 0)
     print_plan(rows, note)
     plot_plan(rows, Path(args.out))
     print(f"plot: {args.out}")

@@ -1,16 +1,19 @@
 """`tidal plan-batch CONFIG`: which batch size reaches a target pass rate soonest.
 
-Time-to-target is T(B) = S(B) / Theta(B): S(B) samples needed to reach the target at batch
-size B, Theta(B) the actors' generation throughput (samples/s) at that batch size. Theta is
-measured here, on the config's real engine and model; S comes from runs at several batch
-sizes, or, when runs at only one batch size exist (or none), from the assumption that with
-square-root learning-rate scaling the samples needed do not depend on B (stated in the
-output). A larger batch B' pays only when Theta(B')/Theta(B) > S(B')/S(B).
+Time-to-target is T(B) = S(B) x (seconds per sample at B): S(B) samples needed to reach the
+target at batch size B; a sample costs 1/Theta(B) of generation (Theta, the actors' samples/s, is
+measured here on the config's real engine and model) and L(B) of learner time (read from earlier
+runs' `timing/train_step_s`). With staleness.max_lag > 0 the two overlap, so a sample costs
+max(1/Theta, L); at max_lag 0 they add up. S(B) comes from earlier runs: a power law S ~ B^g fitted
+to runs at two or more batch sizes, or, from runs at one batch size, the assumption that with
+square-root learning-rate scaling S does not depend on B (stated in the output). A larger batch
+B' pays only when its time per sample falls by more than its samples-to-target grow.
 """
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,68 +64,123 @@ async def measure(cfg: RunConfig, batch_sizes: list[int], reps: int) -> list[Thr
     return results[1:]
 
 
-def samples_to_target(uri: str, run_ids: list[str], target: float) -> dict[int, float]:
-    """groups_per_step -> samples consumed when the eval pass rate first reached `target`."""
+@dataclass
+class RunEvidence:
+    """What one earlier run says: samples to the target (None if never reached) and learner cost."""
+    batch_groups: int
+    samples_to_target: float | None
+    learner_s_per_sample: float
+
+
+def run_evidence(uri: str, run_ids: list[str], target: float) -> list[RunEvidence]:
+    """Samples consumed when eval/pass_rate first reached `target`, and learner seconds per sample."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
-    out: dict[int, float] = {}
+    out = []
     for run_id in run_ids:
         run = client.get_run(run_id)
         b = int(run.data.params["learner.groups_per_step"])
-        evals = sorted(client.get_metric_history(run_id, "eval/pass_rate"), key=lambda m: m.step)
-        samples = {m.step: m.value for m in client.get_metric_history(run_id, "compute/samples")}
-        hit = next((m for m in evals if m.value >= target and m.step in samples), None)
+        history = {name: sorted(client.get_metric_history(run_id, name), key=lambda m: m.step)
+                   for name in ("eval/pass_rate", "compute/samples", "timing/train_step_s", "learner/num_samples")}
+        samples = {m.step: m.value for m in history["compute/samples"]}
+        hit = next((m for m in history["eval/pass_rate"] if m.value >= target and m.step in samples), None)
         if hit is None:
-            print(f"run {run_id} (B={b}) never reached pass rate {target}; ignored")
-            continue
-        out[b] = min(out.get(b, float("inf")), samples[hit.step])
+            print(f"run {run_id} (B={b}) never reached pass rate {target}")
+        step_s = sum(m.value for m in history["timing/train_step_s"])
+        trained = sum(m.value for m in history["learner/num_samples"])
+        out.append(RunEvidence(b, samples[hit.step] if hit else None, step_s / trained if trained else 0.0))
     return out
 
 
-def plan(throughput: list[Throughput], s_measured: dict[int, float]) -> tuple[list[tuple], str]:
-    """Rows (B, samples/s, tokens/s, S, T) and the note on where S came from."""
-    if len(s_measured) >= 2:
-        bs = np.array(sorted(s_measured))
-        s_of = lambda b: float(np.interp(b, bs, [s_measured[x] for x in bs]))  # noqa: E731
-        note = f"S(B) interpolated from runs at B = {list(map(int, bs))}"
-    else:
-        base = next(iter(s_measured.values()), 1.0)
-        s_of = lambda b: base  # noqa: E731
-        note = ("ASSUMPTION: with square-root learning-rate scaling, samples-to-target S(B) does not depend on B "
-                + (f"(S = {base:.0f} samples, from the one batch size run)" if s_measured else
-                   "(no runs given: T(B) is in units of S, so only throughput decides)"))
-    rows = [(t.batch_groups, t.samples_per_s, t.tokens_per_s, s_of(t.batch_groups),
-             s_of(t.batch_groups) / t.samples_per_s) for t in throughput]
-    return rows, note
+@dataclass
+class PlanRow:
+    batch_groups: int
+    samples_per_s: float  # generation, measured
+    tokens_per_s: float
+    learner_s_per_sample: float
+    samples_to_target: float
+    time_to_target_s: float
 
 
-def print_plan(rows: list[tuple], note: str) -> int:
-    print(f"{'B (groups)':>10} {'samples/s':>10} {'tokens/s':>10} {'S(B)':>10} {'T(B)=S/Theta':>13}")
-    for b, sps, tps, s, t in rows:
-        print(f"{b:>10} {sps:>10.1f} {tps:>10.0f} {s:>10.0f} {t:>13.3f}")
+def _samples_model(evidence: list[RunEvidence]) -> tuple[Callable[[int], float], str]:
+    """S(B) from the runs that reached the target: a power law in B, a constant, or units of S."""
+    reached: dict[int, float] = {}
+    for e in evidence:
+        if e.samples_to_target is not None:
+            reached[e.batch_groups] = min(reached.get(e.batch_groups, float("inf")), e.samples_to_target)
+    if len(reached) >= 2:
+        bs = sorted(reached)
+        slope, intercept = np.polyfit(np.log(bs), np.log([reached[b] for b in bs]), 1)
+        return (lambda b: float(np.exp(intercept + slope * np.log(b))),
+                f"S(B) = {np.exp(intercept):.0f} x B^{slope:.2f}, fitted to runs at B = {bs}")
+    if reached:
+        (b0, s0), = reached.items()
+        return (lambda b: s0, "ASSUMPTION: with square-root learning-rate scaling, samples-to-target S(B) does not "
+                f"depend on B (S = {s0:.0f} samples, from the one batch size run, B = {b0})")
+    return (lambda b: 1.0, "ASSUMPTION: no run reached the target (or none given): T(B) is in units of S, "
+            "so only time per sample decides")
+
+
+def _learner_model(evidence: list[RunEvidence]) -> tuple[Callable[[int], float], str]:
+    """L(B), learner seconds per sample, interpolated between the runs' batch sizes (flat outside)."""
+    by_batch: dict[int, list[float]] = {}
+    for e in evidence:
+        by_batch.setdefault(e.batch_groups, []).append(e.learner_s_per_sample)
+    if not by_batch:
+        return (lambda b: 0.0), "learner time not counted (no runs given)"
+    bs = sorted(by_batch)
+    ls = [float(np.mean(by_batch[b])) for b in bs]
+    return (lambda b: float(np.interp(b, bs, ls))), f"learner s/sample from runs at B = {bs}"
+
+
+def plan(throughput: list[Throughput], evidence: list[RunEvidence], overlap: bool) -> tuple[list[PlanRow], str]:
+    """One row per measured batch size and a note on where S(B) and L(B) came from.
+
+    overlap: generation and learning run at the same time (staleness.max_lag > 0)."""
+    s_of, s_note = _samples_model(evidence)
+    l_of, l_note = _learner_model(evidence)
+    rows = []
+    for t in throughput:
+        gen, learn = 1.0 / t.samples_per_s, l_of(t.batch_groups)
+        per_sample = max(gen, learn) if overlap else gen + learn
+        s = s_of(t.batch_groups)
+        rows.append(PlanRow(t.batch_groups, t.samples_per_s, t.tokens_per_s, learn, s, s * per_sample))
+    combine = "max(1/Theta, L): generation and learning overlap" if overlap else "1/Theta + L: max_lag 0, no overlap"
+    return rows, f"{s_note}; {l_note}; seconds per sample = {combine}"
+
+
+def print_plan(rows: list[PlanRow], note: str) -> int:
+    print(f"{'B (groups)':>10} {'gen samp/s':>10} {'tokens/s':>10} {'L ms/samp':>10} {'S(B)':>10} {'T(B) s':>10}")
+    for r in rows:
+        print(f"{r.batch_groups:>10} {r.samples_per_s:>10.1f} {r.tokens_per_s:>10.0f} "
+              f"{1e3 * r.learner_s_per_sample:>10.3f} {r.samples_to_target:>10.0f} {r.time_to_target_s:>10.3f}")
     print(note)
-    for (b, sps, _, s, _), (b2, sps2, _, s2, _) in zip(rows, rows[1:]):
-        pays = sps2 / sps > s2 / s
-        print(f"B'={b2} vs B={b}: Theta(B')/Theta(B) = {sps2 / sps:.2f} {'>' if pays else '<='} "
-              f"S(B')/S(B) = {s2 / s:.2f} -> the larger batch {'pays' if pays else 'does not pay'}")
-    best = min(rows, key=lambda r: r[4])
-    print(f"recommendation: B = {best[0]} groups per step (lowest time-to-target; scale lr by sqrt(B / B_ref))")
-    return best[0]
+    for r, r2 in zip(rows, rows[1:]):
+        speedup = (r.time_to_target_s / r.samples_to_target) / (r2.time_to_target_s / r2.samples_to_target)
+        growth = r2.samples_to_target / r.samples_to_target
+        verdict = "> S(B')/S(B) = {:.2f} -> the larger batch pays" if speedup > growth else \
+            "<= S(B')/S(B) = {:.2f} -> the larger batch does not pay"
+        print(f"B'={r2.batch_groups} vs B={r.batch_groups}: time per sample falls {speedup:.2f}x "
+              + verdict.format(growth))
+    best = min(rows, key=lambda r: r.time_to_target_s)
+    print(f"recommendation: B = {best.batch_groups} groups per step "
+          "(lowest time-to-target; scale lr by sqrt(B / B_ref))")
+    return best.batch_groups
 
 
-def plot_plan(rows: list[tuple], png: Path) -> None:
+def plot_plan(rows: list[PlanRow], png: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bs = [r[0] for r in rows]
+    bs = [r.batch_groups for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.plot(bs, [r[1] for r in rows], "o-")
-    ax1.set(xscale="log", xlabel="batch (groups per step)", ylabel="samples/s", title="measured throughput Theta(B)")
-    ax2.plot(bs, [r[4] for r in rows], "o-")
-    ax2.set(xscale="log", xlabel="batch (groups per step)", ylabel="T(B) = S(B)/Theta(B)", title="time to target")
+    ax1.plot(bs, [r.samples_per_s for r in rows], "o-")
+    ax1.set(xscale="log", xlabel="batch (groups per step)", ylabel="samples/s", title="measured generation Theta(B)")
+    ax2.plot(bs, [r.time_to_target_s for r in rows], "o-")
+    ax2.set(xscale="log", xlabel="batch (groups per step)", ylabel="T(B) (s)", title="predicted time to target")
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)

@@ -1,29 +1,44 @@
 """Batch-size planner arithmetic and the sweep grid, without engines."""
 import pytest
 
-from tidal.plan_batch import Throughput, plan, print_plan
+from tidal.plan_batch import RunEvidence, Throughput, plan, print_plan
 from tidal.sweep import split_grid
 
 
-def test_time_to_target_uses_measured_samples_and_the_decision_rule(capsys):
+def test_samples_to_target_follow_a_power_law_fitted_to_the_runs(capsys):
     throughput = [Throughput(8, 100.0, 500.0), Throughput(16, 180.0, 900.0), Throughput(32, 200.0, 1000.0)]
-    # S(B): 10k samples at B=8, 12k at B=16, 20k at B=32
-    rows, note = plan(throughput, {8: 10_000.0, 16: 12_000.0, 32: 20_000.0})
-    times = {b: t for b, _, _, _, t in rows}
-    assert times == pytest.approx({8: 100.0, 16: 12_000 / 180, 32: 100.0})
-    assert "interpolated" in note
+    # S(B) = 1000 x B^0.5: 2828 at B=8 and 4000 at B=16 measured; 5657 at B=32 extrapolated
+    evidence = [RunEvidence(8, 1000 * 8 ** 0.5, 0.0), RunEvidence(16, 4000.0, 0.0)]
+    rows, note = plan(throughput, evidence, overlap=True)
+    assert [r.samples_to_target for r in rows] == pytest.approx([1000 * 8 ** 0.5, 4000.0, 1000 * 32 ** 0.5])
+    assert [r.time_to_target_s for r in rows] == pytest.approx([28.28, 4000 / 180, 5657 / 200], rel=1e-3)
+    assert "B^0.50" in note
     best = print_plan(rows, note)
     out = capsys.readouterr().out
     assert best == 16
-    # 16 vs 8: throughput ratio 1.8 > samples ratio 1.2 -> pays; 32 vs 16: 1.11 < 1.67 -> does not
-    assert "B'=16 vs B=8: Theta(B')/Theta(B) = 1.80 > S(B')/S(B) = 1.20 -> the larger batch pays" in out
-    assert "B'=32 vs B=16: Theta(B')/Theta(B) = 1.11 <= S(B')/S(B) = 1.67 -> the larger batch does not pay" in out
+    # 16 vs 8: time per sample falls 1.8x > samples grow 1.41x -> pays; 32 vs 16: 1.11x <= 1.41x -> does not
+    assert "B'=16 vs B=8: time per sample falls 1.80x > S(B')/S(B) = 1.41 -> the larger batch pays" in out
+    assert "B'=32 vs B=16: time per sample falls 1.11x <= S(B')/S(B) = 1.41 -> the larger batch does not pay" in out
+
+
+def test_learner_time_adds_without_overlap_and_bounds_with_it():
+    throughput = [Throughput(8, 100.0, 1.0), Throughput(32, 400.0, 1.0)]
+    # the learner needs 5 ms a sample at either batch; generation 10 ms at B=8, 2.5 ms at B=32
+    evidence = [RunEvidence(8, 1000.0, 0.005), RunEvidence(32, 1000.0, 0.005)]
+    sync, _ = plan(throughput, evidence, overlap=False)
+    overlapped, note = plan(throughput, evidence, overlap=True)
+    assert [r.time_to_target_s for r in sync] == pytest.approx([15.0, 7.5])
+    assert [r.time_to_target_s for r in overlapped] == pytest.approx([10.0, 5.0])  # the learner bounds B=32
+    assert "overlap" in note
 
 
 def test_one_batch_size_falls_back_to_the_sqrt_lr_assumption_and_says_so():
-    rows, note = plan([Throughput(8, 100.0, 1.0), Throughput(16, 150.0, 1.0)], {8: 9_000.0})
+    evidence = [RunEvidence(8, 9_000.0, 0.001), RunEvidence(16, None, 0.001)]  # B=16 never reached the target
+    rows, note = plan([Throughput(8, 100.0, 1.0), Throughput(16, 150.0, 1.0)], evidence, overlap=True)
     assert note.startswith("ASSUMPTION")
-    assert [r[3] for r in rows] == [9_000.0, 9_000.0]
+    assert [r.samples_to_target for r in rows] == [9_000.0, 9_000.0]
+    rows, note = plan([Throughput(8, 100.0, 1.0)], [], overlap=True)
+    assert "units of S" in note and "learner time not counted" in note
 
 
 def test_sweep_grid_splits_axes_from_fixed_overrides():
