@@ -15,11 +15,11 @@ import argparse
 import asyncio
 import json
 import math
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from runs import history, learner_s_per_sample, tidal_run, time_to_target
 from tidal.config import ConfigError, load_config, resolve
 from tidal.learner.warmstart import build_tiny
 from tidal.models import resolve_model_path
@@ -31,35 +31,10 @@ def run_at(config: list[str], batch: int, base_batch: int, budget_groups: int, e
     """One run at `batch` groups per step, lr scaled from the config's batch, `budget_groups` in all."""
     steps = max(budget_groups // batch, 1)
     lr = base_lr * math.sqrt(batch / base_batch)
-    cmd = [sys.executable, "-m", "tidal", "run", *config, f"run_dir={run_dir}", f"learner.groups_per_step={batch}",
-           f"learner.optim.lr={lr:.6g}", f"learner.max_steps={steps}", f"eval.every={max(steps // evals, 1)}",
-           "checkpoint.every=0"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"plan_check: the run at B={batch} failed:\n{(done.stdout + done.stderr)[-3000:]}")
-    return run_dir
-
-
-def time_to_target(run_dir: Path, target: float) -> dict:
-    """Samples and seconds (from the end of the step-0 evaluation) until eval/pass_rate >= target."""
-    from mlflow.tracking import MlflowClient
-
-    summary = json.loads((run_dir / "summary.json").read_text())
-    client = MlflowClient(summary["mlflow_uri"])
-    run = summary["mlflow_run_id"]
-    history = {name: {m.step: m.value for m in client.get_metric_history(run, name)}
-               for name in ("eval/pass_rate", "compute/wall_s", "compute/samples", "timing/train_step_s",
-                            "learner/num_samples")}
-    evals = sorted(history["eval/pass_rate"].items())
-    start = history["compute/wall_s"].get(0, 0.0)
-    hit = next(((step, rate) for step, rate in evals if step > 0 and rate >= target), None)
-    out = {"final_pass_rate": evals[-1][1], "steps": evals[-1][0], "reached": hit is not None,
-           "learner_s_per_sample": sum(history["timing/train_step_s"].values())
-           / max(sum(history["learner/num_samples"].values()), 1.0)}
-    if hit is not None:
-        out |= {"samples_to_target": history["compute/samples"][hit[0]],
-                "time_to_target_s": history["compute/wall_s"][hit[0]] - start, "step_at_target": hit[0]}
-    return out
+    overrides = [f"learner.groups_per_step={batch}", f"learner.optim.lr={lr:.6g}", f"learner.max_steps={steps}",
+                 f"eval.every={max(steps // evals, 1)}"]
+    return tidal_run([c for c in config if "=" not in c], [c for c in config if "=" in c] + overrides, run_dir,
+                     f"plan_check (B={batch})")
 
 
 def main() -> int:
@@ -89,9 +64,10 @@ def main() -> int:
         for batch in [*references, *[b for b in batches if b not in references]]:
             run_dir = run_at(args.config, batch, cfg.learner.groups_per_step, args.budget_groups, args.evals,
                              folder / f"b{batch}", cfg.learner.optim.lr)
-            measured[batch] = time_to_target(run_dir, args.target)
+            hist = history(run_dir)
+            measured[batch] = {**time_to_target(hist, args.target), "learner_s_per_sample": learner_s_per_sample(hist)}
             if batch == references[-1]:
-                evidence = [RunEvidence(b, measured[b].get("samples_to_target"), measured[b]["learner_s_per_sample"])
+                evidence = [RunEvidence(b, measured[b]["samples_to_target"], measured[b]["learner_s_per_sample"])
                             for b in references]
                 rows, note = plan(throughput, evidence, overlap=cfg.staleness.max_lag > 0)
                 predicted = {row.batch_groups: row.time_to_target_s for row in rows}
@@ -101,7 +77,7 @@ def main() -> int:
                           "gen_samples_per_s": round(t.samples_per_s, 1),
                           "predicted_time_to_target_s": round(predicted[t.batch_groups], 1),
                           **measured[t.batch_groups]}))
-    reached = {b: m["time_to_target_s"] for b, m in measured.items() if m["reached"]}
+    reached = {b: m["time_to_target_s"] for b, m in measured.items() if m["time_to_target_s"] is not None}
     fastest = min(reached, key=reached.get) if reached else None
     print(json.dumps({"target": args.target, "planner_pick": pick, "measured_fastest": fastest,
                       "pick_was_fastest": pick == fastest, "planner_note": note}))

@@ -1,0 +1,49 @@
+"""What the bench scripts share: a tidal run in its own processes, and its metrics read back."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+METRICS = ("eval/pass_rate", "compute/wall_s", "compute/samples", "timing/train_step_s", "learner/num_samples")
+
+
+def tidal_run(config: list[str], overrides: list[str], run_dir: Path, label: str) -> Path:
+    """`tidal run CONFIG... run_dir=RUN_DIR OVERRIDES...` (learner and actors, pinned as the launcher
+    pins them); exits the script with the run's log tail when it fails."""
+    cmd = [sys.executable, "-m", "tidal", "run", *config, f"run_dir={run_dir}", "checkpoint.every=0", *overrides]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{label}: the run in {run_dir} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+    return run_dir
+
+
+def history(run_dir: Path, names: tuple[str, ...] = METRICS) -> dict[str, dict[int, float]]:
+    """metric -> {step: value} of the run's MLflow record."""
+    from mlflow.tracking import MlflowClient
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    client = MlflowClient(summary["mlflow_uri"])
+    return {name: {m.step: m.value for m in client.get_metric_history(summary["mlflow_run_id"], name)}
+            for name in names}
+
+
+def time_to_target(hist: dict[str, dict[int, float]], target: float) -> dict:
+    """Samples and seconds until eval/pass_rate first reached `target` (None when it never did). Seconds
+    count from the end of the step-0 evaluation, so start-up is left out; the learner's steps and the
+    evaluations on the way are in."""
+    evals = sorted(hist["eval/pass_rate"].items())
+    start = hist["compute/wall_s"].get(0, 0.0)
+    hit = next(((step, rate) for step, rate in evals if step > 0 and rate >= target), None)
+    return {"final_pass_rate": round(evals[-1][1], 4), "steps": evals[-1][0],
+            "samples": hist["compute/samples"].get(evals[-1][0]),
+            "wall_s": round(hist["compute/wall_s"].get(evals[-1][0], 0.0) - start, 2),
+            "samples_to_target": hist["compute/samples"][hit[0]] if hit else None,
+            "time_to_target_s": round(hist["compute/wall_s"][hit[0]] - start, 2) if hit else None,
+            "step_at_target": hit[0] if hit else None}
+
+
+def learner_s_per_sample(hist: dict[str, dict[int, float]]) -> float:
+    """The learner's step time per trained sample over the run."""
+    return sum(hist["timing/train_step_s"].values()) / max(sum(hist["learner/num_samples"].values()), 1.0)
