@@ -2,7 +2,7 @@
 size on the real engine, runs the config at the reference batches (samples-to-target and learner
 time per sample, as `tidal plan-batch --runs` reads them), lets the planner predict every batch's
 time-to-target and pick one, then runs every other batch (learning rate scaled by the square root
-of the ratio to the config's batch, the same sample budget) and measures.
+of the ratio to the config's batch, warmup kept to the same samples, one sample budget) and measures.
 
     python bench/plan_check.py tiny --batch-sizes 4,8,16,32 --references 8,16 --target 0.7
 
@@ -26,13 +26,15 @@ from tidal.models import resolve_model_path
 from tidal.plan_batch import RunEvidence, measure, plan
 
 
-def run_at(config: list[str], batch: int, base_batch: int, budget_groups: int, evals: int, run_dir: Path,
-           base_lr: float) -> Path:
-    """One run at `batch` groups per step, lr scaled from the config's batch, `budget_groups` in all."""
+def run_at(config: list[str], batch: int, cfg, budget_groups: int, evals: int, run_dir: Path) -> Path:
+    """One run at `batch` groups per step, `budget_groups` in all: lr scaled from the config's batch by the
+    square root of the ratio, the warmup kept to the same number of samples."""
+    base_batch, optim = cfg.learner.groups_per_step, cfg.learner.optim
     steps = max(budget_groups // batch, 1)
-    lr = base_lr * math.sqrt(batch / base_batch)
+    lr = optim.lr * math.sqrt(batch / base_batch)
+    warmup = round(optim.warmup_steps * base_batch / batch)
     overrides = [f"learner.groups_per_step={batch}", f"learner.optim.lr={lr:.6g}", f"learner.max_steps={steps}",
-                 f"eval.every={max(steps // evals, 1)}"]
+                 f"learner.optim.warmup_steps={warmup}", f"eval.every={max(steps // evals, 1)}"]
     return tidal_run([c for c in config if "=" not in c], [c for c in config if "=" in c] + overrides, run_dir,
                      f"plan_check (B={batch})")
 
@@ -62,8 +64,7 @@ def main() -> int:
         folder = Path(args.out or tmp)
         measured = {}
         for batch in [*references, *[b for b in batches if b not in references]]:
-            run_dir = run_at(args.config, batch, cfg.learner.groups_per_step, args.budget_groups, args.evals,
-                             folder / f"b{batch}", cfg.learner.optim.lr)
+            run_dir = run_at(args.config, batch, cfg, args.budget_groups, args.evals, folder / f"b{batch}")
             hist = history(run_dir)
             measured[batch] = {**time_to_target(hist, args.target), "learner_s_per_sample": learner_s_per_sample(hist)}
             if batch == references[-1]:
