@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,9 +21,11 @@ import torch
 from tidal.config import ModelConfig, TaskConfig, WarmStartConfig
 from tidal.kernels import logprobs as fused_logprobs
 from tidal.tasks import Prompt, encode_prompt, get_task
-from tidal.tiny import build_tiny_model, save_model
+from tidal.tiny import build_tiny_model, max_positions, save_model
 
 log = logging.getLogger(__name__)
+
+Slip = Callable[[str, random.Random], str]  # the teacher's answer -> the answer it gives when sloppy
 
 
 def build_tiny(model: ModelConfig, task: TaskConfig, path: Path, progress=print) -> None:
@@ -30,44 +33,67 @@ def build_tiny(model: ModelConfig, task: TaskConfig, path: Path, progress=print)
     task_mod = get_task(task.name)
     progress(f"building the warm-started tiny model at {path}")
     split = task_mod.load_prompts(task)
-    net, tokenizer = build_tiny_model(model.tiny, task_mod.ALPHABET, model.tiny.warmstart.seed)
-    warm_start(net, tokenizer, split.train, split.val, task_mod.reward, model.tiny.warmstart, progress)
+    net, tokenizer = build_tiny_model(model.tiny, task_mod.ALPHABET, model.tiny.warmstart.seed,
+                                      max_positions(task_mod))
+    slip = getattr(task_mod, "teacher_slip", None) or stray_suffix(task_mod.ALPHABET)
+    warm_start(net, tokenizer, split.train, split.val, task_mod.reward, slip, model.tiny.warmstart, progress)
     save_model(net, tokenizer, path)
 
 
-def warm_start(net, tokenizer, train: list[Prompt], val: list[Prompt], reward, cfg: WarmStartConfig, progress) -> float:
+def warm_start(net, tokenizer, train: list[Prompt], val: list[Prompt], reward, slip: Slip, cfg: WarmStartConfig,
+               progress) -> float:
+    """SFT on `train` (a `cfg.format_noise` share of answers with the teacher's slip) until greedy decoding
+    passes cfg.target_greedy_pass_rate of `val`; returns that greedy pass rate."""
     rng = random.Random(cfg.seed)
+    # room for the longest answer, its <eos> and a slip's characters (at least the 6 tokens used before)
+    max_new = max(6, max(len(encode_prompt(tokenizer, p.payload["answer"])) for p in val) + 2)
     optim = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.99))
     start, greedy = time.monotonic(), 0.0
     for step in range(1, cfg.max_steps + 1):
-        batch = [with_stray_suffix(p, rng) if rng.random() < cfg.format_noise else p
-                 for p in (rng.choice(train) for _ in range(cfg.batch_size))]
+        batch = [Prompt(p.prompt_id, p.text, {**p.payload, "answer": slip(p.payload["answer"], rng)})
+                 if rng.random() < cfg.format_noise else p for p in (rng.choice(train) for _ in range(cfg.batch_size))]
         loss = sft_loss(net, tokenizer, batch)
         loss.backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
         if step % cfg.check_every == 0:
-            greedy = pass_rate(net, tokenizer, val, reward, temperature=0.0)
+            greedy = pass_rate(net, tokenizer, val, reward, temperature=0.0, max_new_tokens=max_new)
             progress(f"warm start step {step}: loss {loss.item():.3f}, greedy val pass rate {greedy:.3f} "
                      f"({time.monotonic() - start:.0f} s)")
             if greedy >= cfg.target_greedy_pass_rate:
                 break
-    sampled = pass_rate(net, tokenizer, val, reward, temperature=1.0)
+    sampled = pass_rate(net, tokenizer, val, reward, temperature=1.0, max_new_tokens=max_new)
     progress(f"warm start done: greedy val pass rate {greedy:.3f}, sampled (temperature 1.0) {sampled:.3f}")
     return greedy
 
 
-def with_stray_suffix(p: Prompt, rng: random.Random) -> Prompt:
-    """The same example with one or two stray characters after the right answer (a format slip)."""
-    alphabet = "0123456789+="
-    stray = "".join(rng.choice(alphabet) for _ in range(rng.choice((1, 2))))
-    return Prompt(p.prompt_id, p.text, {**p.payload, "answer": p.payload["answer"] + stray})
+def stray_suffix(alphabet: str) -> Slip:
+    """The default slip (a task may define its own, `teacher_slip`): one or two stray characters of the
+    task's alphabet after the right answer."""
+    def slip(answer: str, rng: random.Random) -> str:
+        return answer + "".join(rng.choice(alphabet) for _ in range(rng.choice((1, 2))))
+    return slip
 
 
-def sft_loss(net, tokenizer, batch: list[Prompt]) -> torch.Tensor:
-    """Mean token NLL of answer + <eos> given the prompt (prompt tokens are not trained)."""
-    seqs = [(encode_prompt(tokenizer, p.text), encode_prompt(tokenizer, p.payload["answer"]) + [tokenizer.eos_token_id])
-            for p in batch]
+def sft_loss(net, tokenizer, batch: list[Prompt], chunk_tokens: int = 4096) -> torch.Tensor:
+    """Mean token NLL of answer + <eos> given the prompt (prompt tokens are not trained).
+
+    Sequences are padded only to the longest of their chunk: sorted by length and cut into chunks of
+    at most `chunk_tokens` padded tokens, so a few long answers do not pad every short one."""
+    seqs = sorted(((encode_prompt(tokenizer, p.text),
+                    encode_prompt(tokenizer, p.payload["answer"]) + [tokenizer.eos_token_id]) for p in batch),
+                  key=lambda s: len(s[0]) + len(s[1]))
+    chunks, start = [], 0
+    for end in range(1, len(seqs) + 1):
+        if end == len(seqs) or (end + 1 - start) * sum(map(len, seqs[end])) > chunk_tokens:
+            chunks.append(seqs[start:end])
+            start = end
+    total = sum(_answer_logprobs(net, tokenizer, chunk).sum() for chunk in chunks)
+    return -total / sum(len(answer) for _, answer in seqs)
+
+
+def _answer_logprobs(net, tokenizer, seqs: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+    """Log-probabilities of every answer token of `seqs` (prompt, answer), padded to the longest."""
     max_len = max(len(a) + len(b) for a, b in seqs)
     ids = torch.full((len(seqs), max_len), tokenizer.pad_token_id, dtype=torch.long)
     attn = torch.zeros_like(ids)
@@ -80,8 +106,7 @@ def sft_loss(net, tokenizer, batch: list[Prompt]) -> torch.Tensor:
         targets += answer
     hidden = net.model(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, L, D]
     hidden = hidden.reshape(-1, hidden.shape[-1])[torch.tensor(predict_at)]  # [tokens, D]
-    logp, _ = fused_logprobs(hidden, net.lm_head.weight, torch.tensor(targets))
-    return -logp.mean()
+    return fused_logprobs(hidden, net.lm_head.weight, torch.tensor(targets))[0]
 
 
 @torch.no_grad()
@@ -93,12 +118,15 @@ def pass_rate(net, tokenizer, prompts: list[Prompt], reward, temperature: float,
     total = 0.0
     for group in by_len.values():
         ids = torch.tensor([encode_prompt(tokenizer, p.text) for p in group])
-        out = ids
+        out, step_ids, cache = ids, ids, None
         for _ in range(max_new_tokens):
-            logits = net(input_ids=out).logits[:, -1].float()  # [B, V]
-            token = (logits.argmax(-1, keepdim=True) if temperature == 0
-                     else torch.multinomial((logits / temperature).softmax(-1), 1))
-            out = torch.cat([out, token], dim=1)
+            result = net(input_ids=step_ids, past_key_values=cache, use_cache=True)
+            logits, cache = result.logits[:, -1].float(), result.past_key_values  # [B, V]
+            step_ids = (logits.argmax(-1, keepdim=True) if temperature == 0
+                        else torch.multinomial((logits / temperature).softmax(-1), 1))
+            out = torch.cat([out, step_ids], dim=1)
+            if (out[:, ids.shape[1]:] == tokenizer.eos_token_id).any(dim=1).all():
+                break  # every row has ended
         for p, row in zip(group, out[:, ids.shape[1]:].tolist()):
             row = row[:row.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in row else row
             total += reward(tokenizer.decode(row, skip_special_tokens=True), p.payload)

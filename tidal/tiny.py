@@ -28,12 +28,22 @@ def build_tokenizer(alphabet: str):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS)
 
 
-def cache_key(tiny: TinyModelConfig, task: TaskConfig, alphabet: str) -> str:
+DEFAULT_POSITIONS = 64
+
+
+def max_positions(task_module) -> int:
+    """The tiny model's context length: the task's MAX_POSITIONS, or 64 (prompt and answer of a short task)."""
+    return int(getattr(task_module, "MAX_POSITIONS", DEFAULT_POSITIONS))
+
+
+def cache_key(tiny: TinyModelConfig, task: TaskConfig, alphabet: str, positions: int = DEFAULT_POSITIONS) -> str:
     """Hash of every input that shapes the warm-started model (architecture, SFT, task split)."""
     # only the task fields that shape the tiny task's prompts: keys added for other tasks must
-    # not invalidate (and rebuild) every cached model
+    # not invalidate (and rebuild) every cached model; for the same reason the context length
+    # enters the hash only where it differs from the one every earlier model was built with
     shaping = {k: getattr(task, k) for k in ("name", "max_operand", "num_val", "seed")}
-    blob = json.dumps({"tiny": asdict(tiny), "task": shaping, "alphabet": alphabet, "format": 2},
+    extra = {"positions": positions} if positions != DEFAULT_POSITIONS else {}
+    blob = json.dumps({"tiny": asdict(tiny), "task": shaping, "alphabet": alphabet, "format": 2, **extra},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -42,14 +52,16 @@ def cached_model_path(model: ModelConfig, task: TaskConfig) -> Path:
     """Where the warm-started tiny model for this config lives (built by `tidal prepare`)."""
     from tidal.tasks import get_task
 
-    alphabet = getattr(get_task(task.name), "ALPHABET", None)
+    module = get_task(task.name)
+    alphabet = getattr(module, "ALPHABET", None)
     if alphabet is None:
         raise ConfigError(f"config key 'model.path' = '': task {task.name!r} has no ALPHABET to build the tiny "
                           "model from; set model.path to a Hugging Face model")
-    return Path(model.cache_dir).expanduser() / f"tiny-{task.name}-{cache_key(model.tiny, task, alphabet)}"
+    key = cache_key(model.tiny, task, alphabet, max_positions(module))
+    return Path(model.cache_dir).expanduser() / f"tiny-{task.name}-{key}"
 
 
-def build_tiny_model(tiny: TinyModelConfig, alphabet: str, seed: int):
+def build_tiny_model(tiny: TinyModelConfig, alphabet: str, seed: int, positions: int = DEFAULT_POSITIONS):
     """A freshly initialised Qwen2ForCausalLM (fp32, tied embeddings) and its tokenizer."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -63,7 +75,7 @@ def build_tiny_model(tiny: TinyModelConfig, alphabet: str, seed: int):
         num_attention_heads=tiny.num_heads,
         num_key_value_heads=tiny.num_kv_heads,
         head_dim=tiny.hidden_size // tiny.num_heads,
-        max_position_embeddings=64,
+        max_position_embeddings=positions,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,

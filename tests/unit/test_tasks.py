@@ -99,11 +99,30 @@ def test_a_task_from_an_import_path_with_its_own_options(tmp_path, monkeypatch):
 
 
 def test_built_in_tasks_are_entry_points_too():
-    assert {"arithmetic", "math"} <= set(installed_tasks())
+    assert {"arithmetic", "count", "math"} <= set(installed_tasks())
+
+
+def test_the_count_task_has_long_tailed_completions_in_one_batch():
+    from tidal.tasks import count
+
+    split = count.load_prompts(TaskConfig(name="count", max_operand=99, num_val=128))
+    prompts = split.train + split.val
+    assert len({p.prompt_id for p in prompts}) == len(prompts) and len(split.val) == 128
+    lengths = sorted(len(p.payload["answer"]) for p in prompts)
+    median = lengths[len(lengths) // 2]
+    assert lengths[0] == 5 and lengths[-1] == 95  # 2 to 32 two-digit numbers
+    assert median <= 20 and lengths[int(0.95 * len(lengths))] >= 3 * median  # a long tail past a short median
+    first = next(p for p in prompts if p.text == "37>40:")
+    assert first.payload["answer"] == "37 38 39 40"
+    assert (count.reward(" 37 38 39 40\n", first.payload), count.reward("37 38 39 40 41", first.payload)) == (1.0, 0.0)
+    slipped = count.teacher_slip("97 98 99", __import__("random").Random(0))
+    assert slipped.startswith("97 98 99 00")  # the sloppy teacher counts on past the end
+    with pytest.raises(ConfigError, match="task.max_operand"):
+        count.load_prompts(TaskConfig(name="count", max_operand=120))
 
 
 @pytest.mark.parametrize("name, says", [
-    ("nope", "'task.name' = 'nope': not a known task (arithmetic, math"),
+    ("nope", "'task.name' = 'nope': not a known task (arithmetic, count, math"),
     ("no_such_pkg.task", "cannot import no_such_pkg.task"),
     ("tidal.tiny", "tidal.tiny has no load_prompts and no reward (or build_reward)"),
 ])
@@ -112,3 +131,30 @@ def test_an_unknown_or_incomplete_task_is_one_line_and_exit_2(tmp_path, capsys, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_the_warm_start_loss_is_the_same_however_a_batch_is_chunked():
+    import random
+
+    import torch
+
+    from tidal.config import TinyModelConfig
+    from tidal.learner.warmstart import pass_rate, sft_loss
+    from tidal.tasks import count
+
+    split = count.load_prompts(TaskConfig(name="count", max_operand=99, num_val=16))
+    net, tok = build_tiny_model(TinyModelConfig(num_layers=1), count.ALPHABET, seed=0, positions=count.MAX_POSITIONS)
+    batch = random.Random(0).sample(split.train, 12)
+    whole = sft_loss(net, tok, batch, chunk_tokens=10**6)
+    chunked = sft_loss(net, tok, batch, chunk_tokens=64)  # one or two sequences a chunk
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
+    # the warm start's cached greedy decoding writes what transformers' own generate does
+    from tidal.tasks import Prompt, encode_prompt
+
+    expected = []
+    for p in split.val[:4]:
+        ids = torch.tensor([encode_prompt(tok, p.text)])
+        out = net.generate(ids, max_new_tokens=20, do_sample=False)[0, ids.shape[1]:].tolist()
+        out = out[:out.index(tok.eos_token_id)] if tok.eos_token_id in out else out
+        expected.append(Prompt(p.prompt_id, p.text, {"answer": tok.decode(out, skip_special_tokens=True)}))
+    assert pass_rate(net, tok, expected, count.reward, temperature=0.0, max_new_tokens=20) == 1.0

@@ -4,8 +4,10 @@ actors). A task is a module with
     load_prompts(cfg: TaskConfig) -> Split          training and held-out prompts
     reward(text: str, payload: dict) -> float       1.0 for a pass; or build_reward(cfg) -> that function
     ALPHABET (optional)                             characters the tiny model's tokenizer is built from
+    MAX_POSITIONS (optional)                        the tiny model's context length (default 64)
+    teacher_slip(answer, rng) -> str (optional)     the tiny model's warm-start teacher when sloppy
 
-`task.name` is a built-in task (arithmetic, math), one installed under the entry-point group
+`task.name` is a built-in task (arithmetic, count, math), one installed under the entry-point group
 `tidal.tasks`, or an import path (`my_pkg.my_task`); `task.kwargs` holds its own options. Prompts
 become token ids once, on the learner (`PromptEncoder`): actors receive tokens, so both sides see
 exactly the same prompt, chat template and system prompt included.
@@ -20,7 +22,7 @@ from types import ModuleType
 
 from tidal.config import ConfigError, TaskConfig
 
-BUILTIN = {"arithmetic": "tidal.tasks.arithmetic", "math": "tidal.tasks.math"}
+BUILTIN = {"arithmetic": "tidal.tasks.arithmetic", "count": "tidal.tasks.count", "math": "tidal.tasks.math"}
 ENTRY_POINTS = "tidal.tasks"
 
 Reward = Callable[[str, dict[str, str]], float]
