@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install demo test test-unit clean
+.PHONY: install demo test test-unit bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,6 +24,10 @@ test: $(STAMP)
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
+
+# does asynchrony pay? the demo and the long task at staleness bounds 0-8, 3 seeds each (about two hours on 2 cores)
+bench: $(STAMP)
+	$(BIN)/python bench/async.py --out runs/bench-async
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
