@@ -37,11 +37,11 @@ def test_the_wheel_runs_presets_by_name_from_any_folder(tmp_path, tiny_model_pat
     assert where.returncode == 0, where.stderr[-2000:]
     assert Path(where.stdout.strip()).is_relative_to(site)  # the wheel's copy, not this checkout
     listed = tidal("presets")
-    assert listed.returncode == 0 and {"tiny", "math", "scalerl", "loo/tiny-loo-sync"} <= {
+    assert listed.returncode == 0 and {"tiny", "long", "math", "scalerl", "loo/tiny-loo-sync"} <= {
         line.split()[0] for line in listed.stdout.splitlines()}
     assert tidal("run", "tiny", "--help").returncode == 0
     prepared = tidal("prepare", "tiny")  # the preset by name, its model found in the cache
     assert prepared.returncode == 0, prepared.stderr[-2000:]
     assert prepared.stdout.strip().splitlines()[-1] == tiny_model_path
     missing = tidal("prepare", "no-such-preset")
-    assert missing.returncode == 2 and "not a preset (loo/tiny-loo-group-norm" in missing.stderr
+    assert missing.returncode == 2 and "not a preset (long, loo/tiny-loo-group-norm" in missing.stderr
