@@ -19,17 +19,18 @@ import sys
 import tempfile
 from pathlib import Path
 
-from runs import history, learner_s_per_sample, tidal_run, time_to_target
-from tidal.config import ConfigError, load_config, resolve
+from runs import history, mlflow_run, tidal_run, time_to_target
+from tidal.config import ConfigError, LearnerConfig, load_config, resolve
 from tidal.learner.warmstart import build_tiny
 from tidal.models import resolve_model_path
-from tidal.plan_batch import RunEvidence, measure, plan
+from tidal.plan_batch import measure, plan, run_evidence
 
 
-def run_at(config: list[str], batch: int, cfg, budget_groups: int, evals: int, run_dir: Path) -> Path:
+def run_at(config: list[str], batch: int, learner: LearnerConfig, budget_groups: int, evals: int,
+           run_dir: Path) -> Path:
     """One run at `batch` groups per step, `budget_groups` in all: lr scaled from the config's batch by the
     square root of the ratio, the warmup kept to the same number of samples."""
-    base_batch, optim = cfg.learner.groups_per_step, cfg.learner.optim
+    base_batch, optim = learner.groups_per_step, learner.optim
     steps = max(budget_groups // batch, 1)
     lr = optim.lr * math.sqrt(batch / base_batch)
     warmup = round(optim.warmup_steps * base_batch / batch)
@@ -62,17 +63,16 @@ def main() -> int:
     throughput = asyncio.run(measure(cfg, batches, args.reps))
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.out or tmp)
-        measured = {}
+        measured, evidence = {}, {}
         for batch in [*references, *[b for b in batches if b not in references]]:
-            run_dir = run_at(args.config, batch, cfg, args.budget_groups, args.evals, folder / f"b{batch}")
-            hist = history(run_dir)
-            measured[batch] = {**time_to_target(hist, args.target), "learner_s_per_sample": learner_s_per_sample(hist)}
-            if batch == references[-1]:
-                evidence = [RunEvidence(b, measured[b]["samples_to_target"], measured[b]["learner_s_per_sample"])
-                            for b in references]
-                rows, note = plan(throughput, evidence, overlap=cfg.staleness.max_lag > 0)
-                predicted = {row.batch_groups: row.time_to_target_s for row in rows}
-                pick = min(predicted, key=predicted.get)
+            run_dir = run_at(args.config, batch, cfg.learner, args.budget_groups, args.evals, folder / f"b{batch}")
+            uri, run_id = mlflow_run(run_dir)
+            evidence[batch], = run_evidence(uri, [run_id], args.target)  # what `tidal plan-batch --runs` reads
+            measured[batch] = {**time_to_target(history(run_dir), args.target),
+                               "learner_s_per_sample": evidence[batch].learner_s_per_sample}
+    rows, note = plan(throughput, [evidence[b] for b in references], overlap=cfg.staleness.max_lag > 0)
+    predicted = {row.batch_groups: row.time_to_target_s for row in rows}
+    pick = min(predicted, key=predicted.get)
     for t in throughput:
         print(json.dumps({"batch": t.batch_groups, "reference": t.batch_groups in references,
                           "gen_samples_per_s": round(t.samples_per_s, 1),

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-METRICS = ("eval/pass_rate", "compute/wall_s", "compute/samples", "timing/train_step_s", "learner/num_samples")
+METRICS = ("eval/pass_rate", "compute/wall_s", "compute/samples")
 
 
 def tidal_run(config: list[str], overrides: list[str], run_dir: Path, label: str) -> Path:
@@ -19,14 +19,19 @@ def tidal_run(config: list[str], overrides: list[str], run_dir: Path, label: str
     return run_dir
 
 
+def mlflow_run(run_dir: Path) -> tuple[str, str]:
+    """The tracking URI and MLflow run id a finished run wrote into its summary."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return summary["mlflow_uri"], summary["mlflow_run_id"]
+
+
 def history(run_dir: Path, names: tuple[str, ...] = METRICS) -> dict[str, dict[int, float]]:
     """metric -> {step: value} of the run's MLflow record."""
     from mlflow.tracking import MlflowClient
 
-    summary = json.loads((run_dir / "summary.json").read_text())
-    client = MlflowClient(summary["mlflow_uri"])
-    return {name: {m.step: m.value for m in client.get_metric_history(summary["mlflow_run_id"], name)}
-            for name in names}
+    uri, run_id = mlflow_run(run_dir)
+    client = MlflowClient(uri)
+    return {name: {m.step: m.value for m in client.get_metric_history(run_id, name)} for name in names}
 
 
 def time_to_target(hist: dict[str, dict[int, float]], target: float) -> dict:
@@ -43,7 +48,3 @@ def time_to_target(hist: dict[str, dict[int, float]], target: float) -> dict:
             "time_to_target_s": round(hist["compute/wall_s"][hit[0]] - start, 2) if hit else None,
             "step_at_target": hit[0] if hit else None}
 
-
-def learner_s_per_sample(hist: dict[str, dict[int, float]]) -> float:
-    """The learner's step time per trained sample over the run."""
-    return sum(hist["timing/train_step_s"].values()) / max(sum(hist["learner/num_samples"].values()), 1.0)
