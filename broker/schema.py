@@ -39,6 +39,7 @@ class WireError(ValueError):
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
+        self.detail = detail
 
 
 class Array(msgspec.Struct, frozen=True):
@@ -68,6 +69,17 @@ class Array(msgspec.Struct, frozen=True):
         if count * ITEMSIZE[expect] != len(self.data):
             raise WireError("bad_length", f"{field}: {len(self.data)} bytes for shape {self.shape}")
         return np.frombuffer(self.data, dtype=np.dtype("<" + expect)).reshape(self.shape)
+
+    def vector_length(self, expect: str, field: str, reason: str = "bad_length") -> int:
+        """The checks of `numpy` for a 1-D array, without building one (rollouts carry thousands of
+        them); `reason` is the error when it is not 1-D. Returns its length."""
+        if self.dtype != expect:
+            raise WireError("bad_dtype", f"{field}: dtype {self.dtype!r}, expected {expect!r}")
+        if len(self.shape) != 1:
+            raise WireError(reason, f"{field}: shape {self.shape}, expected one dimension")
+        if self.shape[0] * ITEMSIZE[expect] != len(self.data):
+            raise WireError("bad_length", f"{field}: {len(self.data)} bytes for shape {self.shape}")
+        return self.shape[0]
 
 
 def int32s(values) -> Array:
@@ -182,6 +194,27 @@ class Sample(msgspec.Struct, kw_only=True):
         """True when a weight update landed while this sample was being generated."""
         return len({version for version, _, _ in self.version_spans}) > 1
 
+    def check(self) -> None:
+        """Shapes, dtypes and spans; errors name fields within the sample (the group adds which one).
+        Finiteness is the group's check, over all its samples at once."""
+        size = self.tokens.vector_length("i4", "tokens")
+        if self.logprobs.vector_length("f4", "logprobs") != size:
+            raise WireError("bad_length", f"{self.tokens.shape} tokens, {self.logprobs.shape} logprobs")
+        covered = 0
+        for version, start, end in self.version_spans:
+            if start != covered or end < start or version < 0:
+                raise WireError("bad_spans", f"version_spans {self.version_spans}")
+            covered = end
+        if covered != size:
+            raise WireError("bad_spans", f"spans cover {covered} of {size} tokens")
+        previous_end = 0  # injected spans: sorted, disjoint, non-empty and inside the completion
+        for start, end in self.injected_spans:
+            if not previous_end <= start < end <= size:
+                raise WireError("bad_spans", f"injected_spans {self.injected_spans} (completion of {size} tokens)")
+            previous_end = end
+        if self.finish_reason == "interrupted" and not self.injected_spans:
+            raise WireError("bad_value", "finish_reason 'interrupted' without injected_spans")
+
     def versions(self) -> np.ndarray:
         """int64 [completion_len]: the weight version that produced each token."""
         out = np.empty(self.num_tokens, dtype=np.int64)
@@ -209,35 +242,20 @@ class RolloutGroup(Message, tag="rollout_group"):
         return self.prompt_tokens.num_elements
 
     def check(self) -> None:
-        prompt = self.prompt_tokens.numpy("i4", "prompt_tokens")
-        if prompt.ndim != 1 or prompt.size == 0:
-            raise WireError("bad_shape", f"prompt_tokens shape {prompt.shape}")
+        if self.prompt_tokens.vector_length("i4", "prompt_tokens", reason="bad_shape") == 0:
+            raise WireError("bad_shape", f"prompt_tokens shape {self.prompt_tokens.shape}")
         for i, s in enumerate(self.samples):
-            tokens = s.tokens.numpy("i4", f"samples[{i}].tokens")
-            logprobs = s.logprobs.numpy("f4", f"samples[{i}].logprobs")
-            if tokens.ndim != 1 or logprobs.shape != tokens.shape:
-                raise WireError("bad_length", f"samples[{i}]: {tokens.shape} tokens, {logprobs.shape} logprobs")
-            covered = 0
-            for version, start, end in s.version_spans:
-                if start != covered or end < start or version < 0:
-                    raise WireError("bad_spans", f"samples[{i}].version_spans {s.version_spans}")
-                covered = end
-            if covered != tokens.size:
-                raise WireError("bad_spans", f"samples[{i}]: spans cover {covered} of {tokens.size} tokens")
-            if not np.isfinite(s.reward) or not np.isfinite(s.task_reward) or not np.all(np.isfinite(logprobs)):
-                raise WireError("bad_value", f"samples[{i}]: non-finite reward or logprob")
-            _check_injected_spans(s.injected_spans, tokens.size, f"samples[{i}]")
-            if s.finish_reason == "interrupted" and not s.injected_spans:
-                raise WireError("bad_value", f"samples[{i}]: finish_reason 'interrupted' without injected_spans")
-
-
-def _check_injected_spans(spans: list[tuple[int, int]], num_tokens: int, where: str) -> None:
-    """Injected spans are sorted, disjoint, non-empty and inside the completion."""
-    previous_end = 0
-    for start, end in spans:
-        if not previous_end <= start < end <= num_tokens:
-            raise WireError("bad_spans", f"{where}.injected_spans {spans} (completion of {num_tokens} tokens)")
-        previous_end = end
+            try:
+                s.check()
+            except WireError as err:
+                raise WireError(err.reason, f"samples[{i}]: {err.detail}") from None
+        # one pass over every logprob of the group: per sample it cost more than the rest of the check
+        finite = np.isfinite(np.frombuffer(b"".join(s.logprobs.data for s in self.samples), dtype="<f4")).all()
+        if not finite or not all(math.isfinite(s.reward) and math.isfinite(s.task_reward) for s in self.samples):
+            bad = next(i for i, s in enumerate(self.samples) if not (
+                math.isfinite(s.reward) and math.isfinite(s.task_reward)
+                and np.isfinite(s.logprobs.numpy("f4", "logprobs")).all()))
+            raise WireError("bad_value", f"samples[{bad}]: non-finite reward or logprob")
 
 
 class TensorSpec(msgspec.Struct, frozen=True):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import queue
 import threading
 import time
@@ -50,7 +51,9 @@ log = logging.getLogger(__name__)
 
 LONG_POLL_S = 0.25  # how long a work request waits at the learner for prompts before an empty grant
 ANNOUNCE_EVERY_S = 1.0  # the newest announcement is repeated this often, for actors that joined since
-POLL_MS = 5  # the I/O thread's longest wait between socket checks
+# the I/O thread's longest wait: for long-poll deadlines, repeated announcements and silent actors.
+# New prompts and announcements wake it at once (`_wake`), so this bounds no grant's latency.
+POLL_MS = 50
 CONTROL_RATE = 200.0  # control messages per second and identity, sustained (bursts up to twice that)
 MAX_IDENTITIES = 8192  # identities whose rate is tracked; the oldest is forgotten first
 
@@ -99,6 +102,9 @@ class ZmqLearnerTransport(LearnerTransport):
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self.ports: dict[str, int] = {}
+        self._waker_r, self._waker_w = os.pipe()  # other threads wake the I/O thread's poll through it
+        os.set_blocking(self._waker_w, False)
+        os.set_blocking(self._waker_r, False)
         self._thread = threading.Thread(target=self._run, name="zmq-learner-io", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -109,6 +115,7 @@ class ZmqLearnerTransport(LearnerTransport):
     def submit_prompts(self, groups: list[PromptGroup]) -> None:
         with self._lock:
             self._grants.submit(groups)
+        self._wake()  # an actor's parked request may be waiting for exactly these
 
     def recv_rollout(self, timeout_s: float) -> RolloutGroup | None:
         self._raise_if_failed()
@@ -132,6 +139,7 @@ class ZmqLearnerTransport(LearnerTransport):
         frame = self._codec.encode(msg)
         with self._lock:
             self._announcement, self._announce_at = frame, 0.0  # sent at the I/O thread's next turn
+        self._wake()
 
     def actors(self) -> dict[str, ActorInfo]:
         with self._lock:
@@ -149,7 +157,17 @@ class ZmqLearnerTransport(LearnerTransport):
 
     def close(self) -> None:
         self._closed.set()
+        self._wake()
         self._thread.join(timeout=5)
+        for fd in (self._waker_r, self._waker_w):
+            os.close(fd)
+        self._waker_r = self._waker_w = -1
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._waker_w, b"\0")
+        except (BlockingIOError, OSError):  # full: a wake-up is pending anyway; closed: nothing to wake
+            pass
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -189,10 +207,13 @@ class ZmqLearnerTransport(LearnerTransport):
     def _loop(self, router: zmq.Socket, pull: zmq.Socket, pub: zmq.Socket, authenticated: bool) -> None:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
+        poller.register(self._waker_r, zmq.POLLIN)
         while not self._closed.is_set():
             # a full queue leaves rollouts in the socket: its high-water mark then pushes back on the actors
             poller.register(pull, zmq.POLLIN if self._has_room() else 0)
             events = dict(poller.poll(timeout=POLL_MS))
+            if self._waker_r in events:
+                os.read(self._waker_r, 4096)
             if pull in events:
                 self._drain_rollouts(pull, authenticated)
             if router in events:
