@@ -55,6 +55,11 @@ class LearnerTransport(abc.ABC):
     def submit_prompts(self, groups: list[PromptGroup]) -> None:
         """Queue prompt groups for the actors (never blocks; admission control bounds them)."""
 
+    def resubmit_prompts(self, groups: list[PromptGroup]) -> None:
+        """A learner resumed from a checkpoint queues again the groups outstanding at it. Whatever an
+        earlier learner process queued and this one does not is withdrawn, where the transport kept it."""
+        self.submit_prompts(groups)
+
     @abc.abstractmethod
     def recv_rollout(self, timeout_s: float) -> RolloutGroup | None:
         """The next valid rollout group, or None after timeout_s. Bad frames are counted, not raised."""

@@ -14,7 +14,8 @@ Acknowledgement rules, so that a crash anywhere loses nothing:
 - The learner takes a rollout only if its group's prompt entry is pending at the actor that sent
   it (`PromptReceipts`), and XACKs both only in `commit()`, after the checkpoint that covers
   them. A restarted learner re-reads its pending rollouts: what it trained after its last
-  checkpoint is trained again, once, by the resumed model.
+  checkpoint is trained again, once, by the resumed model. It sends again the groups outstanding
+  at the checkpoint and withdraws (XACK + XDEL) every other prompt an earlier process left.
 - The learner moves prompts delivered more than `max_deliveries` times to the dead stream.
 - Trimming (XTRIM MINID) never passes the oldest pending entry or the group's read position.
 - Every call goes through `Reconnect`: while Redis is away (restart, failover) calls retry
@@ -186,8 +187,18 @@ class PromptReceipts:
         with self.lock:
             stale = [self.entry_of[gid] for gid, _ in pairs if gid in self.entry_of]
             self.entry_of.update((gid, entry) for gid, entry in pairs if gid)
-        for i in range(0, len(stale), 1000):
-            self.link.call(self._retire, stale[i:i + 1000])
+        self._retire_all(stale)
+
+    def withdraw(self, entries: list[bytes]) -> None:
+        """Entries whose rollout no learner will take: forgotten, acknowledged and deleted, read or not."""
+        with self.lock:
+            gone = set(entries)
+            self.entry_of = {gid: e for gid, e in self.entry_of.items() if e not in gone}
+        self._retire_all(entries)
+
+    def _retire_all(self, entries: list[bytes]) -> None:
+        for i in range(0, len(entries), 1000):
+            self.link.call(self._retire, entries[i:i + 1000])
 
     def _retire(self, entries: list[bytes]) -> None:
         pipe = self.r.pipeline(transaction=False)
@@ -281,6 +292,23 @@ class RedisLearnerTransport(LearnerTransport):
             return pipe.execute()
         entries = self.link.call(send)
         self.receipts.added([(g.group_id, e if isinstance(e, bytes) else e.encode()) for g, e in zip(groups, entries)])
+
+    def resubmit_prompts(self, groups: list[PromptGroup]) -> None:
+        """Also withdraws (acknowledges and deletes, read or not) every entry an earlier learner process
+        left for any other group. Most are groups it released after the checkpoint, whose min_version is
+        its version then (8 when this learner resumes at 7); this learner refuses their rollouts and
+        releases their ids again later, as new entries. Left in the stream, a restarted actor takes them
+        back, or reads them before the groups sent again, and they fill its slots waiting for a version
+        this learner reaches only with rollouts of the groups sent again, which nobody then asks for.
+        (Evaluations under way at the checkpoint go out again from Learner.begin.)"""
+        resent = {g.group_id for g in groups}
+        with self.receipts.lock:
+            earlier = [entry for gid, entry in self.receipts.entry_of.items() if gid not in resent]
+        self.submit_prompts(groups)
+        self.receipts.withdraw(earlier)
+        if earlier:
+            log.info("withdrew %d prompt entries an earlier learner process left for groups not sent again",
+                     len(earlier))
 
     def publish_weights(self, update: WeightUpdate) -> None:
         self._latest_version = update.version

@@ -194,10 +194,11 @@ class Coordinator:
             self._order = self._shuffled(self.epoch)
 
     def resubmit_outstanding(self) -> int:
-        """After a restart on a transport that kept nothing (ZeroMQ): queue the outstanding groups again."""
+        """After a restart: queue the groups outstanding at the checkpoint again, and only those (the
+        transport withdraws what the dead process released after the checkpoint)."""
         with self._cond:
             groups = [self._group(self.train[r.index], group_id, r.min_version)
                       for group_id, r in self.book.outstanding.items()]
-        self.transport.submit_prompts(groups)
+        self.transport.resubmit_prompts(groups)
         return len(groups)
 

@@ -112,7 +112,8 @@ def restore(learner, state: dict, cfg: RunConfig) -> None:
     learner.parts.tracker.log_resumed_config(cfg, state["version"])
     # On ZeroMQ what was in flight died with the old processes. On Redis it is usually still
     # queued, but groups released just before the crash may never have reached it: send them all
-    # again, and the learner keeps whichever copy comes first.
+    # again, and the learner keeps whichever copy comes first. What the dead process released after
+    # the checkpoint is withdrawn: it asks for versions this learner has yet to reach again.
     count = learner.coordinator.resubmit_outstanding()
     log.info("re-dispatched %d prompt groups that were outstanding at the checkpoint", count)
     log.info("resumed at version %d from the checkpoint (MLflow run %s)", state["version"], state["mlflow_run_id"])

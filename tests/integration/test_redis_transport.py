@@ -4,14 +4,18 @@ import asyncio
 import os
 import time
 
+import msgspec
+import numpy as np
 import pytest
 import redis
 
 from conftest import RedisServer, require_redis_server, rollout
 from conftest import prompt_group as prompt
+from tidal.actor.engine import Completion
+from tidal.actor.loop import Actor
 from tidal.broker.redis_transport import BrokerAuthError, BrokerUnavailable, RedisActorTransport, RedisLearnerTransport
 from tidal.broker.schema import Heartbeat, RolloutGroup, Shutdown, WeightUpdate, WireCodec
-from tidal.config import RedisConfig
+from tidal.config import ActorConfig, RedisConfig
 
 
 def config(server, **kw) -> RedisConfig:
@@ -304,3 +308,44 @@ def test_an_actor_holding_a_group_takes_the_entry_the_learner_sent_again(redis_s
 
     assert run(scenario()) == (["r-0"], ["r-0"])  # not skipped as "ours already"
     assert drain(side, 1) == ["r-0"]
+
+
+class VersionSeven:
+    """An engine running the resumed learner's weights, v7: answers at once."""
+
+    version = 7
+
+    async def sample(self, prompt_tokens, n, params, request_id, max_tokens=None):
+        return [Completion(np.asarray([3, 1], dtype=np.int32), np.asarray([-0.5, -0.1], dtype=np.float32),
+                           [(self.version, 0, 2)], "3", "stop") for _ in range(n)]
+
+
+def test_a_resumed_learner_withdraws_groups_released_after_its_checkpoint(redis_server):
+    """The learner releases groups at v8 (min_version 8) and dies before its checkpoint at 8 is saved;
+    its actor, which dies too, had read one of them, two are unread. The learner resumes at v7 and sends
+    again what was outstanding at its checkpoint. Were the v8 groups still in the stream, the actor
+    would take back and read them first, and they would fill its slots waiting for v8, which the
+    learner reaches only with the rollouts of the groups it sent again: nobody would ever ask for
+    those. So the resumed learner withdraws them, and the actor works on what it waits for."""
+    cfg = config(redis_server)
+    side = learner(cfg)
+    at_checkpoint = [msgspec.structs.replace(prompt(i), min_version=7) for i in range(2)]
+    after_it = [msgspec.structs.replace(prompt(i), min_version=8) for i in range(2, 5)]
+    side.submit_prompts(at_checkpoint + after_it)
+    assert run(work(cfg, "a0", max_samples=12, reply=False)) == ["r-0", "r-1", "r-2"]  # dies holding three
+    side.close()
+    again = learner(cfg, fresh=False)
+    again.resubmit_prompts(at_checkpoint)
+
+    async def restarted_actor():
+        actor = Actor(ActorConfig(id="a0", max_inflight=8), VersionSeven(), RedisActorTransport(
+            cfg, WireCodec(1 << 20), "a0", "t"), receiver=None, reward_fns={"arithmetic": lambda text, payload: 1.0})
+        filling = actor.spawn(actor.fill_slots())
+        got = await asyncio.to_thread(drain, again, 2)
+        for task in [filling, *actor.tasks]:
+            task.cancel()
+        await actor.transport.r.aclose()
+        return sorted(got), sorted(actor.outstanding)
+
+    assert run(restarted_actor()) == (["r-0", "r-1"], [])
+    assert again.r.xlen(again.keys.prompts) == 2  # the entries sent again, and nothing else
