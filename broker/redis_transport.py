@@ -206,18 +206,30 @@ class PromptReceipts:
         pipe.xdel(self.keys.prompts, *entries)
         pipe.execute()
 
-    def check(self, group: RolloutGroup) -> tuple[str | None, bytes | None]:
-        """(why the rollout is refused, or None; its prompt entry)."""
+    def check(self, groups: list[RolloutGroup]) -> list[tuple[str | None, bytes | None]]:
+        """Per rollout: (why it is refused, or None; its prompt entry). One round trip for them all:
+        one XPENDING per rollout cost more than everything else the learner does with it."""
         with self.lock:
-            entry = self.entry_of.get(group.group_id)
-        if entry is None:
-            return "ungranted", None
-        info = self.link.call(self.r.xpending_range, self.keys.prompts, ACTORS, min=entry, max=entry, count=1)
-        if not info:
-            return "ungranted", None  # acknowledged already: a copy of a rollout taken before
-        if info[0]["consumer"].decode() != group.actor_id:
-            return "wrong_actor", None
-        return None, entry
+            entries = [self.entry_of.get(g.group_id) for g in groups]
+        asked = [e for e in entries if e is not None]
+
+        def query():
+            pipe = self.r.pipeline(transaction=False)
+            for entry in asked:
+                pipe.xpending_range(self.keys.prompts, ACTORS, min=entry, max=entry, count=1)
+            return pipe.execute()
+
+        answers = iter(self.link.call(query) if asked else [])
+        out = []
+        for group, entry in zip(groups, entries):
+            info = next(answers) if entry is not None else None
+            if not info:  # never granted, or acknowledged already (a copy of a rollout taken before)
+                out.append(("ungranted", None))
+            elif info[0]["consumer"].decode() != group.actor_id:
+                out.append(("wrong_actor", None))
+            else:
+                out.append((None, entry))
+        return out
 
     def acknowledge(self, entries: list[bytes]) -> None:
         if not entries:
@@ -357,10 +369,9 @@ class RedisLearnerTransport(LearnerTransport):
                 entries = self._drop_overdelivered(entries)
         if self.link.reconnects > reconnects:
             self._pending_cursor = b"0"
-        for entry_id, fields in entries:
-            if entry_id not in self._seen:
-                self._seen.add(entry_id)
-                self._accept(entry_id, fields)
+        fresh = [(entry_id, fields) for entry_id, fields in entries if entry_id not in self._seen]
+        self._seen.update(entry_id for entry_id, _ in fresh)
+        self._accept(fresh)
 
     def _drop_overdelivered(self, entries: list) -> list:
         """Pending entries that keep coming back (a poison rollout that kills the learner) go dead."""
@@ -375,26 +386,31 @@ class RedisLearnerTransport(LearnerTransport):
                 keep.append((entry_id, fields))
         return keep
 
-    def _accept(self, entry_id: bytes, fields: dict | None) -> None:
+    def _accept(self, entries: list) -> None:
+        decoded = [(entry_id, group) for entry_id, fields in entries
+                   if (group := self._decode(entry_id, fields)) is not None]
+        for (entry_id, group), (why, prompt_entry) in zip(decoded, self.receipts.check([g for _, g in decoded])):
+            if why is not None:  # never delivered to that actor: dropped, counted, and no slot freed
+                self.codec.rejected[why] += 1
+                log.warning("refused rollout entry %s (group %s from %s): %s", entry_id.decode(),
+                            group.group_id[:80], group.actor_id, why)
+                self.link.call(self.r.xack, self.keys.rollouts, LEARNER, entry_id)
+                self._seen.discard(entry_id)
+            else:
+                self._buffer.append((entry_id, group, prompt_entry))
+
+    def _decode(self, entry_id: bytes, fields: dict | None) -> RolloutGroup | None:
+        """The entry's rollout; None (acknowledged, or moved to the dead stream) when there is none."""
         if not fields:  # trimmed or deleted while pending: nothing left to use
             self.link.call(self.r.xack, self.keys.rollouts, LEARNER, entry_id)
-            return
+            return None
         frame = fields.get(b"m", b"")
         try:
-            group = self.codec.decode(frame, expect=RolloutGroup)
+            return self.codec.decode(frame, expect=RolloutGroup)
         except WireError as err:
             log.warning("rejected rollout entry %s: %s", entry_id.decode(), err)
             self._dead_letter(entry_id, frame, err.reason)
-            return
-        why, prompt_entry = self.receipts.check(group)
-        if why is not None:  # never delivered to that actor: dropped, counted, and no slot freed
-            self.codec.rejected[why] += 1
-            log.warning("refused rollout entry %s (group %s from %s): %s", entry_id.decode(), group.group_id[:80],
-                        group.actor_id, why)
-            self.link.call(self.r.xack, self.keys.rollouts, LEARNER, entry_id)
-            self._seen.discard(entry_id)
-            return
-        self._buffer.append((entry_id, group, prompt_entry))
+            return None
 
     def _dead_letter(self, entry_id: bytes, frame: bytes, reason: str, deliveries: int = 0) -> None:
         self._move_dead(self.keys.rollouts, LEARNER, entry_id, frame, "rollouts", reason, peek_group_id(frame),

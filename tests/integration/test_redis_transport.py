@@ -345,7 +345,9 @@ def test_a_resumed_learner_withdraws_groups_released_after_its_checkpoint(redis_
         for task in [filling, *actor.tasks]:
             task.cancel()
         await actor.transport.r.aclose()
-        return sorted(got), sorted(actor.outstanding)
+        return sorted(got), set(actor.outstanding)
 
-    assert run(restarted_actor()) == (["r-0", "r-1"], [])
+    got, holding = run(restarted_actor())
+    # its last rollout may reach the learner before the actor forgets the group: only v8 ones would be wrong
+    assert got == ["r-0", "r-1"] and holding <= {"r-0", "r-1"}
     assert again.r.xlen(again.keys.prompts) == 2  # the entries sent again, and nothing else
