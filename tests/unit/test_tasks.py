@@ -105,20 +105,23 @@ def test_built_in_tasks_are_entry_points_too():
 def test_the_count_task_has_long_tailed_completions_in_one_batch():
     from tidal.tasks import count
 
-    split = count.load_prompts(TaskConfig(name="count", max_operand=99, num_val=128))
+    split = count.load_prompts(TaskConfig(name="count", max_operand=999, num_val=128))
     prompts = split.train + split.val
     assert len({p.prompt_id for p in prompts}) == len(prompts) and len(split.val) == 128
+    assert len(prompts) > 5000  # a run of a few hundred steps cannot learn them one by one
     lengths = sorted(len(p.payload["answer"]) for p in prompts)
     median = lengths[len(lengths) // 2]
-    assert lengths[0] == 5 and lengths[-1] == 95  # 2 to 32 two-digit numbers
+    assert lengths[0] == 7 and lengths[-1] == 95  # 2 to 24 three-digit numbers
     assert median <= 20 and lengths[int(0.95 * len(lengths))] >= 3 * median  # a long tail past a short median
-    first = next(p for p in prompts if p.text == "37>40:")
-    assert first.payload["answer"] == "37 38 39 40"
-    assert (count.reward(" 37 38 39 40\n", first.payload), count.reward("37 38 39 40 41", first.payload)) == (1.0, 0.0)
-    slipped = count.teacher_slip("97 98 99", __import__("random").Random(0))
-    assert slipped.startswith("97 98 99 00")  # the sloppy teacher counts on past the end
+    first = next(p for p in prompts if p.text.endswith(f"{int(p.text[:3]) + 3:03d}:"))  # a span of four
+    a = int(first.text[:3])
+    assert first.payload["answer"] == " ".join(f"{n:03d}" for n in range(a, a + 4))
+    right, long = f" {first.payload['answer']}\n", f"{first.payload['answer']} {a + 4:03d}"
+    assert (count.reward(right, first.payload), count.reward(long, first.payload)) == (1.0, 0.0)
+    slipped = count.teacher_slip("997 998 999", __import__("random").Random(0))
+    assert slipped.startswith("997 998 999 000")  # the sloppy teacher counts on past the end
     with pytest.raises(ConfigError, match="task.max_operand"):
-        count.load_prompts(TaskConfig(name="count", max_operand=120))
+        count.load_prompts(TaskConfig(name="count", max_operand=1200))
 
 
 @pytest.mark.parametrize("name, says", [
@@ -142,7 +145,7 @@ def test_the_warm_start_loss_is_the_same_however_a_batch_is_chunked():
     from tidal.learner.warmstart import pass_rate, sft_loss
     from tidal.tasks import count
 
-    split = count.load_prompts(TaskConfig(name="count", max_operand=99, num_val=16))
+    split = count.load_prompts(TaskConfig(name="count", max_operand=999, num_val=16))
     net, tok = build_tiny_model(TinyModelConfig(num_layers=1), count.ALPHABET, seed=0, positions=count.MAX_POSITIONS)
     batch = random.Random(0).sample(split.train, 12)
     whole = sft_loss(net, tok, batch, chunk_tokens=10**6)
