@@ -32,15 +32,18 @@ def test_time_to_target_counts_from_the_step_0_evaluation():
     assert time_to_target(_history([0.3, 0.5], 4.0), target=0.9)["time_to_target_s"] is None
 
 
-def test_summary_ratios_to_max_lag_0_with_intervals():
+def test_summary_ratios_to_max_lag_0_and_to_trl_with_intervals():
     bench = _bench_async()
     runs = []
-    for lag, seconds in ((0, 4.0), (4, 2.0)):  # max_lag 4 takes half the time per evaluation
+    # max_lag 4 takes half the time per evaluation of max_lag 0; TRL (max_lag None) three times as long
+    for lag, seconds in ((0, 4.0), (4, 2.0), (None, 6.0)):
         for seed in range(3):
-            run = {"task": "long", "max_lag": lag, "seed": seed,
+            run = {"task": "long", "system": "tidal" if lag is not None else "trl", "max_lag": lag, "seed": seed,
                    "history": _history([0.3, 0.6, 0.8 + 0.01 * seed], seconds + 0.1 * seed)}
             runs.append(run | time_to_target(run["history"], 0.75))
     lines = {line["max_lag"]: line for line in bench.summarize(runs, 0.75, np.random.default_rng(0))}
+    assert lines[4]["speedup_vs_trl"] == pytest.approx(12.2 / 4.2, abs=1e-3)
+    assert lines[None]["system"] == "trl" and lines[None]["speedup_vs_k0"] == pytest.approx(8.2 / 12.2, abs=1e-3)
     assert lines[0]["speedup_vs_k0"] == 1.0
     assert lines[4]["speedup_vs_k0"] == pytest.approx(8.2 / 4.2, abs=1e-3)
     low, high = lines[4]["speedup_vs_k0_90ci"]
