@@ -25,9 +25,12 @@ test: $(STAMP)
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
-# does asynchrony pay? the demo and the long task at staleness bounds 0-8, 3 seeds each (about two hours on 2 cores)
+# does asynchrony pay? the demo and the long task at staleness bounds 0-8, 3 seeds each, and TRL's
+# GRPOTrainer on the same seeds (several hours on 2 cores); then tidal's parts against the raw thing
 bench: $(STAMP)
-	$(BIN)/python bench/async.py --out runs/bench-async
+	$(BIN)/pip install -q -e ".[cpu,dev,bench]"
+	$(BIN)/python bench/async.py --trl --out runs/bench-async
+	$(BIN)/python bench/ratios.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
