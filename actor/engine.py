@@ -111,9 +111,6 @@ def engine_args(cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int
         "enable_prefix_caching": False,  # a cached prefix would outlive a weight update
         "tensor_parallel_size": vllm.tensor_parallel_size, "gpu_memory_utilization": vllm.gpu_memory_utilization,
         **({"max_model_len": vllm.max_model_len} if vllm.max_model_len else {}),
-        # One worker runs inside the engine-core process: a third process that imports torch and vLLM
-        # again cost 8 of the 26 s an actor took to start on one core.
-        **({"distributed_executor_backend": "uni"} if vllm.tensor_parallel_size == 1 else {}),
         **vllm.engine_kwargs,
     }
 
