@@ -108,8 +108,9 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         self.accelerator.wait_for_everyone()
         save_file(random_state(), str(tmp / f"rng-rank{rank}.safetensors"))
+        whole = self.trainer.checkpoint_state()  # gathered when sharded: every rank takes part
         if main:
-            tensors, meta = self.trainer.checkpoint_state()
+            tensors, meta = whole
             save_file(tensors["model"], str(tmp / "model.safetensors"))
             save_file(tensors["optimizer"], str(tmp / "optimizer.safetensors"))
             meta |= {"python_random": _python_random(), "numpy_random": _numpy_random()}

@@ -15,15 +15,16 @@ import torch
 CHECKPOINT_WEIGHTS = "model.safetensors"  # the policy's parameters in a checkpoint (tidal.learner.checkpoint)
 
 
-def export_model(policy, tokenizer_from: str, out: Path, dtype: str) -> Path:
-    """Write `policy` (in `dtype`, what it will be served in) and the tokenizer of `tokenizer_from`
-    to `out`, replacing any earlier export there only once the new one is complete."""
+def export_model(policy, tokenizer_from: str, out: Path, dtype: str, state: dict | None = None) -> Path:
+    """Write `policy` (in `dtype`, what it will be served in; its weights from `state` when given,
+    e.g. gathered from a sharded learner) and the tokenizer of `tokenizer_from` to `out`, replacing
+    any earlier export there only once the new one is complete."""
     from transformers import AutoTokenizer
 
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    state = {k: v.detach().to(getattr(torch, dtype)).cpu() for k, v in policy.state_dict().items()}
+    state = {k: v.detach().to(getattr(torch, dtype)).cpu() for k, v in (state or policy.state_dict()).items()}
     policy.save_pretrained(tmp, state_dict=state, safe_serialization=True)
     config = json.loads((tmp / "config.json").read_text())
     config.update({k: dtype for k in ("dtype", "torch_dtype") if k in config} or {"dtype": dtype})
@@ -42,8 +43,8 @@ class FinalExport:
     def __init__(self, model_path: str, out: Path, dtype: str, tracker=None):
         self.model_path, self.out, self.dtype, self.tracker = model_path, out, dtype, tracker
 
-    def __call__(self, policy) -> Path:
-        path = export_model(policy, self.model_path, self.out, self.dtype)
+    def __call__(self, policy, state: dict | None = None) -> Path:
+        path = export_model(policy, self.model_path, self.out, self.dtype, state)
         if self.tracker is not None:
             self.tracker.log_artifacts(path, "model")
         return path

@@ -137,8 +137,9 @@ class Learner:
             elif group is not None:
                 self.transport.leave_pending(group)  # not trained: a longer resumed run still can
         self.save_checkpoint()
+        state = self.trainer.full_state_dict()  # gathered when sharded: the other ranks take part
         if self.parts.export is not None:
-            log.info("final policy exported to %s", self.parts.export(self.trainer.policy))
+            log.info("final policy exported to %s", self.parts.export(self.trainer.policy, state))
 
     # ---- helpers of the steps --------------------------------------------------------------------
 
@@ -165,7 +166,7 @@ class Learner:
 
     def publish_weights(self) -> float:
         start = time.perf_counter()
-        named = self.trainer.policy.state_dict()  # includes tied entries such as lm_head.weight
+        named = self.trainer.full_state_dict()  # includes tied entries such as lm_head.weight
         self.transport.publish_weights(self.parts.publisher.publish(named, self.version))
         return time.perf_counter() - start
 

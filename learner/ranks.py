@@ -17,6 +17,7 @@ import numpy as np
 
 from tidal.broker.schema import RolloutGroup
 from tidal.config import RunConfig
+from tidal.health import HealthFile
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +73,20 @@ def follow(cfg: RunConfig, checkpoint: Path | None) -> int:
     version = checkpointer.load(checkpoint)["version"] if checkpoint else 0
     ranks = BatchBroadcast(accelerator)
     log.info("rank %d of %d follows rank 0 from version %d", ranks.rank, ranks.world, version)
+    # Wherever rank 0 reads the whole model (each weight push, checkpoint and the final export), a
+    # sharded model is gathered, so this rank takes part in the same calls in the same order.
+    trainer.full_state_dict()  # the starting weights' push
+    health = HealthFile(cfg.learner.health_file, every_s=0.0)  # a pod's probe: a step went by (or began)
     while version < cfg.learner.max_steps:
+        health.touch()
         groups, masks = ranks.recv()
         if not groups:  # rank 0 ended the run early (the curriculum ran out of prompts)
             break
         trainer.step(groups, masks, version)
         version += 1
+        trainer.full_state_dict()  # the new version's push
         if checkpointer.due(version):
             checkpointer.save(version, {})
     checkpointer.save(version, {})  # rank 0's final save, after its last evaluation
+    trainer.full_state_dict()  # the final export
     return 0

@@ -18,6 +18,7 @@ import torch
 from tidal.broker.schema import RolloutGroup
 from tidal.config import LearnerConfig, LossType, LrScaling
 from tidal.kernels import logprobs as fused_logprobs
+from tidal.learner import sharding
 from tidal.learner.batch import (
     MicroBatch,
     Row,
@@ -47,6 +48,15 @@ def attention_implementation(attention: str) -> str:
     import importlib.util
 
     return "flash_attention_2" if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") else "sdpa"
+
+
+def decoder_layers(policy) -> torch.nn.ModuleList:
+    """The policy's stack of decoder layers, each one FSDP unit when the learner shards it."""
+    layers = getattr(getattr(policy, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"learner.fsdp.enabled: {type(policy).__name__} has no decoder layer list at "
+                         "`model.layers` to shard")
+    return layers
 
 
 def packs(packing: str, policy) -> bool:
@@ -95,6 +105,9 @@ class Trainer:
         self.cfg = cfg
         self.accelerator = accelerator
         module = PolicyLogprobs(model, temperature, cfg.kernel_backend)
+        self.sharded = cfg.fsdp.enabled
+        if self.sharded:
+            module = sharding.shard(module, decoder_layers(model), cfg.fsdp, accelerator.device)
         optim = torch.optim.AdamW(module.parameters(), lr=effective_lr(cfg), betas=tuple(cfg.optim.betas),
                                   eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
         warmup = max(cfg.optim.warmup_steps, 0)
@@ -102,28 +115,50 @@ class Trainer:
         # per step, which would make warmup depend on the number of ranks.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optim, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
-        self.model, self.optimizer = accelerator.prepare(module, optim)
+        # A sharded module is not given to Accelerate (on CPU it would wrap it in DDP): it runs under
+        # Accelerate's autocast, and its gradients are reduced by FSDP itself.
+        self.model, self.optimizer = (module, optim) if self.sharded else accelerator.prepare(module, optim)
+        self.autocast = accelerator.autocast if self.sharded else contextlib.nullcontext
         self.num_updates = cfg.loss.epochs_per_step * cfg.loss.minibatches_per_step
         self.packed = packs(cfg.packing, model)
         self.last_tokens: TokenSample | None = None  # the latest step's lags and logprob pairs, for the figures
 
-    def checkpoint_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
-        """Everything needed to continue training, as tensors (model, optimizer) and JSON (the rest)."""
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's whole state dict (tied entries such as lm_head.weight included) on the main
+        rank, empty on the others. Sharded, it is gathered: every rank must call this at the same point."""
+        if self.sharded:
+            return sharding.full_model_state(self.model)
+        return self.policy.state_dict() if self.accelerator.is_main_process else {}
+
+    def checkpoint_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict] | None:
+        """Everything needed to continue training, as tensors (model, optimizer) and JSON (the rest), on
+        the main rank (None on the others). Sharded, every rank must call this at the same point."""
         from tidal.broker.weights.file import unshared
 
-        optim = self.optimizer.state_dict()
+        if self.sharded:
+            model, optim = sharding.full_model_state(self.model), sharding.full_optimizer_state(self.model,
+                                                                                              self.optimizer)
+        elif self.accelerator.is_main_process:
+            model, optim = self.policy.state_dict(), self.optimizer.state_dict()
+        if not self.accelerator.is_main_process:
+            return None
         tensors = {f"{pid}.{name}": t for pid, state in optim["state"].items() for name, t in state.items()}
         # tied entries (lm_head = embed_tokens) become copies: safetensors refuses shared storage
-        return ({"model": unshared(self.policy.state_dict()), "optimizer": tensors},
+        return ({"model": unshared(model), "optimizer": tensors},
                 {"param_groups": optim["param_groups"], "scheduler": self.scheduler.state_dict()})
 
     def load_checkpoint_state(self, tensors: dict[str, dict[str, torch.Tensor]], meta: dict) -> None:
-        self.policy.load_state_dict(tensors["model"])
+        """Every rank loads the whole state (sharded: each keeps its shard; a collective)."""
         state: dict[int, dict[str, torch.Tensor]] = {}
         for key, value in tensors["optimizer"].items():
             pid, name = key.split(".", 1)  # written by checkpoint_state: "<param index>.<state name>"
             state.setdefault(int(pid), {})[name] = value
-        self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        optim = {"state": state, "param_groups": meta["param_groups"]}
+        if self.sharded:
+            sharding.load_full_state(self.model, self.optimizer, tensors["model"], optim)
+        else:
+            self.policy.load_state_dict(tensors["model"])
+            self.optimizer.load_state_dict(optim)
         self.scheduler.load_state_dict(meta["scheduler"])
 
     @property
@@ -183,12 +218,15 @@ class Trainer:
     @torch.no_grad()
     def _step_start_pass(self, minibatches: list[list[Row]], stats: _StepStats) -> None:
         """Logprobs of the step-start (proximal) policy for every row, and the step-start metrics."""
-        # The unwrapped module runs no collectives, so ranks may run different numbers of micro-batches.
+        # Unsharded, the unwrapped module runs no collectives, so ranks may run different numbers of
+        # micro-batches; sharded, every forward gathers parameters, so they are evened out.
         module = self.accelerator.unwrap_model(self.model)
         with self.accelerator.autocast():  # the same compute dtype as the updates' forward passes
-            for rows_mb in (mb for rows in minibatches for mb in self._micro_batches(rows)):
+            for rows_mb, real in self._even([mb for rows in minibatches for mb in self._micro_batches(rows)]):
                 mb = collate(rows_mb, self.packed).to(self.accelerator.device)
                 logp, entropy = module(mb.input_ids, mb.attention_mask, mb.predict_at, mb.targets, mb.position_ids)
+                if not real:
+                    continue
                 stats.add_step_start(mb, logp, entropy)
                 stats.num_forward_only_tokens += mb.input_ids.numel()
                 per_row = logp.float().cpu().numpy()
@@ -198,17 +236,20 @@ class Trainer:
 
     def _update(self, rows: list[Row], stats: _StepStats) -> float:
         """Forward and backward over the micro-batches of one mini-batch, then one optimizer update."""
-        batches = self._micro_batches(rows)
-        for i, rows_mb in enumerate(batches):
+        batches = self._even(self._micro_batches(rows))
+        for i, (rows_mb, real) in enumerate(batches):
             mb = collate(rows_mb, self.packed).to(self.accelerator.device)
             # DDP all-reduces once, on the last micro-batch; the others accumulate gradients locally.
-            sync = i == len(batches) - 1
-            with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
+            # FSDP reduce-scatters every micro-batch into the gradient shards.
+            sync = self.sharded or i == len(batches) - 1
+            with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model), self.autocast():
                 logp, entropy = self.model(mb.input_ids, mb.attention_mask, mb.predict_at, mb.targets, mb.position_ids)
                 loss, extra = policy_loss(self._loss_inputs(mb, logp), self.cfg.loss)
-                # The weights already average over every rank's tokens; DDP's mean over ranks would
-                # divide the summed gradient again, so scale it back up.
-                self.accelerator.backward(loss * self.accelerator.num_processes)
+                # The weights already average over every rank's tokens; the mean over ranks of DDP and
+                # FSDP would divide the summed gradient again, so scale it back up.
+                self.accelerator.backward(loss * (self.accelerator.num_processes if real else 0.0))
+            if not real:
+                continue
             if self.num_updates == 1:
                 stats.add_step_start(mb, logp.detach(), entropy.detach())
             stats.add_update(mb, float(loss.detach()), extra["clipped"])
@@ -216,6 +257,12 @@ class Trainer:
 
     def _micro_batches(self, rows: list[Row]) -> list[list[Row]]:
         return micro_batches(rows, self.cfg.micro_batch_tokens, self.packed)
+
+    def _even(self, batches: list[list[Row]]) -> list[tuple[list[Row], bool]]:
+        """(micro-batch, real) pairs. Sharded, every forward and backward is a collective, so a rank
+        with fewer micro-batches than another repeats its last one, weightless, until they match."""
+        extra = int(self._all_max([len(batches)])[0]) - len(batches) if self.sharded else 0
+        return [(b, True) for b in batches] + [(batches[-1], False)] * extra
 
     def _loss_inputs(self, mb: MicroBatch, logp: torch.Tensor) -> LossInputs:
         prox = mb.prox_logprobs
@@ -226,7 +273,9 @@ class Trainer:
 
     def _optimizer_step(self) -> float:
         max_norm = self.cfg.optim.max_grad_norm
-        if max_norm > 0:
+        if self.sharded:
+            grad_norm = sharding.clip_grad_norm(self.model.parameters(), max_norm)
+        elif max_norm > 0:
             grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
         else:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]

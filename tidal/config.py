@@ -300,6 +300,17 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class FsdpConfig:
+    """The policy sharded over the learner's ranks (torch FSDP2): parameters, gradients and AdamW state
+    each live on one rank, so a model too large for one device trains on several."""
+
+    enabled: bool = False  # shard each decoder layer and the rest of the model; off = every rank holds it all
+    reshard_after_forward: bool = True  # free gathered layers after forward (less memory, gathered again in backward)
+    activation_checkpointing: bool = False  # recompute each decoder layer's activations in the backward pass
+    cpu_offload: bool = False  # keep sharded parameters, gradients and AdamW state in host memory (GPU only)
+
+
+@dataclass(frozen=True)
 class LearnerConfig:
     """The training loop: step batches, loss, optimizer, weight publishing."""
 
@@ -314,6 +325,7 @@ class LearnerConfig:
     zero_variance_filter: bool = True  # drop groups whose rewards are all equal
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
     kernel_backend: str = "auto"  # logprob kernel: auto | torch | naive | triton
     # master weights and AdamW state; keep float32: in bfloat16 updates below its resolution vanish
     param_dtype: str = "float32"  # float32 | bfloat16 | float16
@@ -579,6 +591,10 @@ def check_learner(cfg: RunConfig) -> None:
              "expected auto, sdpa or flash_attention_2")
     _require(lc.packing in ("auto", "packed", "padded"), "learner.packing", lc.packing,
              "expected auto, packed or padded")
+    _require(not lc.fsdp.enabled or lc.num_ranks >= 2, "learner.fsdp.enabled", lc.fsdp.enabled,
+             "sharding needs learner.num_ranks >= 2 (one rank holds the whole model anyway)")
+    _require(not lc.fsdp.enabled or lc.mixed_precision != "fp16", "learner.mixed_precision", lc.mixed_precision,
+             "a sharded learner (learner.fsdp.enabled) computes in bf16 or the parameters' dtype, not fp16")
     loss, optim = lc.loss, lc.optim
     for key in ("eps_max", "tis_cap", "prox_cap", "gspo_clip_high"):
         _require(getattr(loss, key) > 0, f"learner.loss.{key}", getattr(loss, key), "must be > 0")

@@ -52,7 +52,8 @@ def test_tidal_run_trains_with_two_learner_ranks(tmp_path):
     run_dir = tmp_path / "two-ranks"
     root = Path(__file__).parents[2]
     cmd = [sys.executable, "-m", "tidal", "run", str(root / "configs/tiny.yaml"), f"run_dir={run_dir}",
-           "learner.num_ranks=2", "learner.max_steps=8", "eval.every=0", "checkpoint.every=4"]
+           "learner.num_ranks=2", "learner.fsdp.enabled=true", "learner.max_steps=8", "eval.every=0",
+           "checkpoint.every=4"]
     done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "rank 1 of 2 follows rank 0" in (run_dir / "logs/learner.log").read_text()
@@ -60,3 +61,29 @@ def test_tidal_run_trains_with_two_learner_ranks(tmp_path):
     assert summary["steps"] == 8
     # both ranks saved every checkpoint together (saving is collective), the last after the final eval
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000004", "step-000008"]
+
+
+# three sharded steps and a sharded resume on two torchrun ranks, two cases: about a minute on 2 cores
+def test_a_sharded_learner_makes_the_updates_of_one_rank_and_resumes_exactly(tmp_path):
+    from accelerate import Accelerator
+    from fsdp_steps import CASES, STEPS, checkpointer, train, trainer_for
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(SCRIPT.with_name("fsdp_steps.py")), str(tmp_path)]
+    env = os.environ | {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    accelerator = Accelerator(cpu=True)
+    for case in CASES:
+        expected = train(trainer_for(case, accelerator, sharded=False), 0, STEPS)
+        sharded, resumed = torch.load(tmp_path / f"{case}.pt"), torch.load(tmp_path / f"{case}-resumed.pt")
+        assert sharded.keys() == expected.keys()
+        for key, value in expected.items():
+            torch.testing.assert_close(sharded[key], value, atol=1e-5, rtol=0, msg=f"{case}: {key}")
+            assert torch.equal(resumed[key], sharded[key]), f"{case}: {key} differs after a sharded resume"
+        # the sharded run's checkpoint has the unsharded layout: one rank without FSDP continues from it
+        unsharded = trainer_for(case, accelerator, sharded=False)
+        checkpoint = tmp_path / f"{case}-checkpoint" / "step-000001"
+        checkpointer(unsharded, accelerator, checkpoint.parent).load(checkpoint)
+        for key, value in train(unsharded, 1, STEPS).items():
+            torch.testing.assert_close(value, expected[key], atol=1e-5, rtol=0, msg=f"{case}: {key} (unsharded resume)")

@@ -74,6 +74,7 @@ def test_overrides_apply_with_types():
     ("curriculum.retire_pass_rate=1.5", "curriculum.retire_pass_rate"),
     ("curriculum.retire_pass_rate=0", "curriculum.retire_pass_rate"),
     ("curriculum.min_samples=0", "curriculum.min_samples"),
+    ("learner.fsdp.enabled=true", "learner.fsdp.enabled"),  # one rank: nothing to shard over
 ])
 def test_bad_override_names_the_key(override, key):
     with pytest.raises(ConfigError) as err:

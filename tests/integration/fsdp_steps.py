@@ -1,0 +1,78 @@
+"""Three training steps of the tiny model with the policy sharded over every rank (FSDP2), for the
+sharded-learner test. Run it under `torchrun --nproc-per-node N` (gloo on CPU).
+
+Writes to OUT_DIR, from rank 0: `<case>.pt` (parameters after three steps, one run), `<case>-resumed.pt`
+(one step, a checkpoint, a fresh sharded trainer restored from it, two more steps) and the
+checkpoint itself under `<case>-checkpoint/` (for the test to resume on one unsharded rank).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the step builders live in conftest.py
+from conftest import ALPHABET, STEP_VERSION, TINY, learner_config, step_batch  # noqa: E402
+from tidal.config import Aggregation, CheckpointConfig, FsdpConfig, LossType  # noqa: E402
+
+STEPS = 3
+# name -> (learner_config arguments, FSDP settings); five groups in 24-token micro-batches give the two
+# ranks unequal numbers of micro-batches, so the weightless repeats that keep them in step are exercised
+CASES = {
+    "cispo_uneven_micro_batches": ((LossType.cispo, Aggregation.prompt_mean, 24, 1, 5), FsdpConfig(enabled=True)),
+    "ppo_2updates_checkpointed": ((LossType.ppo, Aggregation.token_mean, 10_000, 2),
+                                  FsdpConfig(enabled=True, reshard_after_forward=False, activation_checkpointing=True)),
+}
+
+
+def trainer_for(case: str, accelerator, sharded: bool):
+    from tidal.learner.trainer import Trainer
+    from tidal.tiny import build_tiny_model
+
+    args, fsdp = CASES[case]
+    cfg = dataclasses.replace(learner_config(*args), fsdp=fsdp if sharded else FsdpConfig())
+    model, _ = build_tiny_model(TINY, ALPHABET, seed=0)
+    return Trainer(cfg, model, accelerator, temperature=1.0)
+
+
+def train(trainer, first: int, last: int) -> dict[str, torch.Tensor]:
+    """Steps `first`..`last - 1` (step i trains on step batch i); the whole parameters on rank 0 after."""
+    for i in range(first, last):
+        groups, masks = step_batch(trainer.cfg.groups_per_step, seed=i)
+        trainer.step(groups, masks, STEP_VERSION)
+    return {k: v.detach().cpu().clone() for k, v in trainer.full_state_dict().items()}
+
+
+def checkpointer(trainer, accelerator, directory: Path):
+    from tidal.learner.checkpoint import Checkpointer
+
+    return Checkpointer(CheckpointConfig(), directory, accelerator, trainer)
+
+
+def main() -> None:
+    from accelerate import Accelerator
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    accelerator = Accelerator(cpu=True)
+    for case in CASES:
+        straight = train(trainer_for(case, accelerator, sharded=True), 0, STEPS)
+        first = trainer_for(case, accelerator, sharded=True)
+        train(first, 0, 1)
+        saved = checkpointer(first, accelerator, args.out_dir / f"{case}-checkpoint").save(1, {})
+        resumed = trainer_for(case, accelerator, sharded=True)
+        checkpointer(resumed, accelerator, saved.parent).load(saved)
+        after = train(resumed, 1, STEPS)
+        if accelerator.is_main_process:
+            torch.save(straight, args.out_dir / f"{case}.pt")
+            torch.save(after, args.out_dir / f"{case}-resumed.pt")
+    accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main()
