@@ -97,27 +97,27 @@ class Checkpointer:
         return self.periodic and version % self.cfg.every == 0
 
     def save(self, version: int, state: dict) -> Path:
-        """All ranks save together; rank 0 writes tidal's `state` and the manifest, then moves it into place."""
+        """All ranks save together (a sharded model is gathered, every rank's random state too); rank 0
+        alone writes, so the ranks need no shared disk. Returns when the checkpoint is in place."""
         from safetensors.torch import save_file
+
+        from tidal.learner.ranks import gather_tensors
 
         final = self.directory / f"step-{version:06d}"
         tmp = final.with_name(final.name + ".tmp")
-        rank, main = self.accelerator.process_index, self.accelerator.is_main_process
-        if main:
+        rngs = gather_tensors(random_state(), self.accelerator.device)
+        whole = self.trainer.checkpoint_state()
+        if self.accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        self.accelerator.wait_for_everyone()
-        save_file(random_state(), str(tmp / f"rng-rank{rank}.safetensors"))
-        whole = self.trainer.checkpoint_state()  # gathered when sharded: every rank takes part
-        if main:
+            for rank, rng in enumerate(rngs):
+                save_file(rng, str(tmp / f"rng-rank{rank}.safetensors"))
             tensors, meta = whole
             save_file(tensors["model"], str(tmp / "model.safetensors"))
             save_file(tensors["optimizer"], str(tmp / "optimizer.safetensors"))
             meta |= {"python_random": _python_random(), "numpy_random": _numpy_random()}
             _write_json(tmp / "trainer.json", meta)
             _write_json(tmp / STATE_FILE, {"version": version, **state})
-        self.accelerator.wait_for_everyone()
-        if main:
             self._seal(tmp, final)
             self._prune()
         self.accelerator.wait_for_everyone()
@@ -147,21 +147,49 @@ class Checkpointer:
         for leftover in self.directory.glob("step-*.tmp"):  # a save a crash interrupted
             shutil.rmtree(leftover, ignore_errors=True)
 
-    def load(self, path: Path) -> dict:
-        """Restore model, optimizer, scheduler and random states in place; returns tidal's state."""
-        from safetensors.torch import load_file
+    def agree(self, path: Path | None) -> Path | None:
+        """Rank 0's choice of checkpoint to continue from, on every rank: the others' disks may not hold it."""
+        from tidal.learner.ranks import broadcast_bytes
 
-        verify(path)
-        meta = json.loads((path / "trainer.json").read_text())
-        self.trainer.load_checkpoint_state(
-            {"model": load_file(str(path / "model.safetensors")),
-             "optimizer": load_file(str(path / "optimizer.safetensors"))}, meta)
-        rng = path / f"rng-rank{self.accelerator.process_index}.safetensors"
-        set_random_state(load_file(str(rng if rng.exists() else path / "rng-rank0.safetensors")))
+        main = self.accelerator.is_main_process
+        name = broadcast_bytes((path.name if path else "").encode() if main else None, self.accelerator.device)
+        return self.directory / name.decode() if name else None
+
+    def load(self, path: Path) -> dict:
+        """Restore model, optimizer, scheduler and random states in place on every rank (all call it);
+        rank 0 reads the files and sends the others what they need. Returns tidal's state."""
+        from tidal.learner.ranks import broadcast_bytes, broadcast_tensors
+
+        acc, device = self.accelerator, self.accelerator.device
+        read = self._read(path) if acc.is_main_process else None
+        header, tensors, rngs = read or (None, None, None)
+        header = json.loads(broadcast_bytes(json.dumps(header).encode() if read else None, device))
+        rngs = broadcast_tensors(rngs, device)
+        if not self.trainer.sharded:  # sharded, rank 0 keeps them and sends each rank its shard
+            tensors = {key: broadcast_tensors(tensors[key] if tensors else None, device)
+                       for key in ("model", "optimizer")}
+        meta = header["meta"]
+        self.trainer.load_checkpoint_state(tensors, meta)
+        prefix = f"{acc.process_index}/"
+        set_random_state({k.removeprefix(prefix): v for k, v in rngs.items() if k.startswith(prefix)})
         random.setstate(_as_tuple(meta["python_random"]))
         np.random.set_state(tuple(meta["numpy_random"][:1]) + (np.asarray(meta["numpy_random"][1], dtype=np.uint32),)
                             + tuple(meta["numpy_random"][2:]))
-        return read_state(path)
+        return header["state"]
+
+    def _read(self, path: Path) -> tuple[dict, dict, dict]:
+        """Rank 0: ({meta, state}, {model, optimizer} tensors, every rank's random state as "<rank>/<name>")."""
+        from safetensors.torch import load_file
+
+        verify(path)
+        header = {"meta": json.loads((path / "trainer.json").read_text()), "state": read_state(path)}
+        tensors = {key: load_file(str(path / f"{key}.safetensors")) for key in ("model", "optimizer")}
+        rngs = {}
+        for rank in range(self.accelerator.num_processes):
+            rng = path / f"rng-rank{rank}.safetensors"  # a checkpoint of fewer ranks: the others start from rank 0's
+            rngs |= {f"{rank}/{k}": v for k, v in load_file(str(rng if rng.exists() else
+                                                                 path / "rng-rank0.safetensors")).items()}
+        return header, tensors, rngs
 
 
 def random_state() -> dict[str, torch.Tensor]:

@@ -16,9 +16,10 @@ from tidal.config import RunConfig
 log = logging.getLogger("tidal.learner")
 
 
-def setup_trainer(cfg: RunConfig):
+def setup_trainer(cfg: RunConfig, checkpoint: Path | None = None):
     """What every learner rank builds alike: the accelerator, the trainer around the policy, the
-    checkpointer (saving is collective). Returns (accelerator, trainer, checkpointer)."""
+    checkpointer (saving is collective). Returns (accelerator, trainer, checkpointer, checkpoint):
+    the checkpoint to continue from is rank 0's `checkpoint` on every rank."""
     import torch
     from accelerate import Accelerator
 
@@ -31,7 +32,7 @@ def setup_trainer(cfg: RunConfig):
     policy = load_policy(cfg.model.path, cfg.learner.param_dtype, cfg.learner.attention)
     trainer = Trainer(cfg.learner, policy, accelerator, cfg.sampling.temperature)
     checkpointer = Checkpointer(cfg.checkpoint, Path(cfg.run_dir) / "checkpoints", accelerator, trainer)
-    return accelerator, trainer, checkpointer
+    return accelerator, trainer, checkpointer, checkpointer.agree(checkpoint)
 
 
 def build(cfg: RunConfig, checkpoint: Path | None = None, transport=None):
@@ -57,7 +58,7 @@ def build(cfg: RunConfig, checkpoint: Path | None = None, transport=None):
     run_dir = Path(cfg.run_dir)
     write_config(cfg, run_dir)
     state = read_state(checkpoint) if checkpoint else None
-    accelerator, trainer, checkpointer = setup_trainer(cfg)
+    accelerator, trainer, checkpointer, checkpoint = setup_trainer(cfg, checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     split = get_task(cfg.task.name).load_prompts(cfg.task)
     transport = transport or learner_transport(cfg.broker, cfg.name, fresh=state is None)
@@ -167,15 +168,15 @@ def main(cfg: RunConfig, resume: str | None = None) -> int:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    if rank > 0:  # under torchrun: only rank 0 talks to actors and MLflow, and picks the checkpoint
+        from tidal.learner.ranks import follow
+
+        return follow(cfg)
     try:
         checkpoint = find_checkpoint(run_dir, resume)
     except FileNotFoundError as err:
         print(f"tidal learner: {err}", file=sys.stderr)
         return 2
-    if rank > 0:  # under torchrun: only rank 0 talks to actors and MLflow
-        from tidal.learner.ranks import follow
-
-        return follow(cfg, checkpoint)
     learner = build(cfg, checkpoint)
     return serve(learner, run_dir)
 

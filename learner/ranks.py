@@ -5,12 +5,12 @@ Rank 0 owns the transport, the coordinator, the tracker and the weight channel. 
 step batch and broadcasts it to the other ranks, encoded with msgspec like everything else on a
 wire (no pickle). Every rank then calls `trainer.step` on the same batch and trains its share;
 DDP syncs the gradients and the trainer sums its counts over ranks, so N ranks make the update
-one rank would. All ranks save checkpoints at the same versions, because saving is collective.
+one rank would. All ranks save checkpoints at the same versions, because saving is collective;
+rank 0 alone reads and writes the files, so ranks on different machines need no shared disk.
 """
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -34,6 +34,7 @@ class BatchBroadcast:
     def __init__(self, accelerator):
         self.rank = accelerator.process_index
         self.world = accelerator.num_processes
+        self.device = accelerator.device
 
     @property
     def active(self) -> bool:
@@ -52,24 +53,80 @@ class BatchBroadcast:
                  for bs, ns in zip(wire.masks, wire.lengths)]
         return wire.groups, masks
 
-    @staticmethod
-    def _broadcast(frame: bytes | None) -> bytes:
-        import torch
-        import torch.distributed as dist
-
-        size = torch.tensor([len(frame) if frame is not None else 0], dtype=torch.int64)
-        dist.broadcast(size, src=0)
-        buf = (torch.frombuffer(bytearray(frame), dtype=torch.uint8) if frame is not None
-               else torch.empty(int(size.item()), dtype=torch.uint8))
-        dist.broadcast(buf, src=0)
-        return buf.numpy().tobytes()
+    def _broadcast(self, frame: bytes | None) -> bytes:
+        return broadcast_bytes(frame, self.device)
 
 
-def follow(cfg: RunConfig, checkpoint: Path | None) -> int:
-    """A rank other than 0: the same trainer and checkpoints, batches from rank 0, nothing else."""
+# ---- collectives from rank 0 (one process: no-ops) ------------------------------------------------
+# The learner's ranks may sit on different machines with nothing shared on disk: what only rank 0
+# reads (a checkpoint) reaches the others through these, and what every rank holds (its random
+# state) reaches rank 0 for writing. Tensors travel on the process group's device (NCCL: CUDA).
+
+class _TensorHeader(msgspec.Struct):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+
+
+def broadcast_bytes(frame: bytes | None, device) -> bytes:
+    """Rank 0's `frame` on every rank (the others pass None)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return frame
+    size = torch.tensor([len(frame) if frame is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    buf = (torch.frombuffer(bytearray(frame), dtype=torch.uint8).to(device) if frame is not None
+           else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
+    dist.broadcast(buf, src=0)
+    return buf.cpu().numpy().tobytes()
+
+
+def broadcast_tensors(named: dict | None, device) -> dict:
+    """Rank 0's named tensors on every rank, in host memory, one tensor at a time (the others pass None)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return named
+    frame = None if named is None else msgspec.msgpack.encode(_TensorHeader(
+        list(named), [str(t.dtype).removeprefix("torch.") for t in named.values()],
+        [list(t.shape) for t in named.values()]))
+    header = msgspec.msgpack.decode(broadcast_bytes(frame, device), type=_TensorHeader)
+    out = {}
+    for name, dtype, shape in zip(header.names, header.dtypes, header.shapes):
+        t = (named[name].contiguous().to(device) if named is not None
+             else torch.empty(shape, dtype=getattr(torch, dtype), device=device))
+        dist.broadcast(t, src=0)
+        out[name] = t.cpu()
+    return out
+
+
+def gather_tensors(named: dict, device) -> list[dict]:
+    """Every rank's named tensors (the same names and shapes on each), on every rank, by rank."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [named]
+    world = dist.get_world_size()
+    out = [{} for _ in range(world)]
+    for name in sorted(named):
+        t = named[name].contiguous().to(device)
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t)
+        for rank, part in enumerate(parts):
+            out[rank][name] = part.cpu()
+    return out
+
+
+def follow(cfg: RunConfig) -> int:
+    """A rank other than 0: the same trainer and checkpoints, batches from rank 0, nothing else.
+    Rank 0 chooses the checkpoint to continue from and sends it: this rank reads no file of the run."""
     from tidal.learner.main import setup_trainer
 
-    accelerator, trainer, checkpointer = setup_trainer(cfg)
+    accelerator, trainer, checkpointer, checkpoint = setup_trainer(cfg)
     version = checkpointer.load(checkpoint)["version"] if checkpoint else 0
     ranks = BatchBroadcast(accelerator)
     log.info("rank %d of %d follows rank 0 from version %d", ranks.rank, ranks.world, version)

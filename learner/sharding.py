@@ -74,15 +74,20 @@ def full_optimizer_state(module, optimizer) -> dict:
             "param_groups": [g | {"params": [index[name] for name in g["params"]]} for g in state["param_groups"]]}
 
 
-def load_full_state(module, optimizer, model_state: dict, optimizer_state: dict) -> None:
-    """Collective: every rank keeps its shard of a whole state, in the layout of full_*_state."""
-    set_model_state_dict(module, {PREFIX + k: v for k, v in model_state.items()},
-                         options=StateDictOptions(full_state_dict=True))
+def load_full_state(module, optimizer, model_state: dict | None, optimizer_state: dict | None) -> None:
+    """Collective: rank 0 passes a whole state in the layout of full_*_state (the others None) and
+    every rank keeps its shard of it; rank 0 sends each tensor, so no other rank reads a file."""
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    if model_state is None:
+        set_model_state_dict(module, {}, options=options)
+        set_optimizer_state_dict(module, optimizer, {}, options=options)
+        return
+    set_model_state_dict(module, {PREFIX + k: v for k, v in model_state.items()}, options=options)
     name = {i: n for n, i in _parameter_index(module).items()}
     groups = optimizer_state["param_groups"]
     by_name = {"state": {name[i]: value for i, value in optimizer_state["state"].items()},
                "param_groups": [g | {"params": [name[i] for i in g["params"]]} for g in groups]}
-    set_optimizer_state_dict(module, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(module, optimizer, by_name, options=options)
 
 
 def _parameter_index(module) -> dict[str, int]:

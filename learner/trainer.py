@@ -147,15 +147,18 @@ class Trainer:
         return ({"model": unshared(model), "optimizer": tensors},
                 {"param_groups": optim["param_groups"], "scheduler": self.scheduler.state_dict()})
 
-    def load_checkpoint_state(self, tensors: dict[str, dict[str, torch.Tensor]], meta: dict) -> None:
-        """Every rank loads the whole state (sharded: each keeps its shard; a collective)."""
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        for key, value in tensors["optimizer"].items():
-            pid, name = key.split(".", 1)  # written by checkpoint_state: "<param index>.<state name>"
-            state.setdefault(int(pid), {})[name] = value
-        optim = {"state": state, "param_groups": meta["param_groups"]}
+    def load_checkpoint_state(self, tensors: dict[str, dict[str, torch.Tensor]] | None, meta: dict) -> None:
+        """Every rank calls this. Unsharded, each loads the whole state; sharded, rank 0 passes it (the
+        others None) and each rank receives its shard from there."""
+        optim = None
+        if tensors is not None:
+            state: dict[int, dict[str, torch.Tensor]] = {}
+            for key, value in tensors["optimizer"].items():
+                pid, name = key.split(".", 1)  # written by checkpoint_state: "<param index>.<state name>"
+                state.setdefault(int(pid), {})[name] = value
+            optim = {"state": state, "param_groups": meta["param_groups"]}
         if self.sharded:
-            sharding.load_full_state(self.model, self.optimizer, tensors["model"], optim)
+            sharding.load_full_state(self.model, self.optimizer, tensors and tensors["model"], optim)
         else:
             self.policy.load_state_dict(tensors["model"])
             self.optimizer.load_state_dict(optim)

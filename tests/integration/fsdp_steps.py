@@ -3,7 +3,9 @@ sharded-learner test. Run it under `torchrun --nproc-per-node N` (gloo on CPU).
 
 Writes to OUT_DIR, from rank 0: `<case>.pt` (parameters after three steps, one run), `<case>-resumed.pt`
 (one step, a checkpoint, a fresh sharded trainer restored from it, two more steps) and the
-checkpoint itself under `<case>-checkpoint/` (for the test to resume on one unsharded rank).
+checkpoint itself under `<case>-checkpoint/` (for the test to resume on one unsharded rank); the
+same with `-ddp` for the unsharded learner on the same ranks. The other ranks get checkpoint
+folders of their own (`rank<r>-disk/`), as on machines that share no disk: they must stay empty.
 """
 from __future__ import annotations
 
@@ -60,17 +62,21 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     accelerator = Accelerator(cpu=True)
+    rank = accelerator.process_index
     for case in CASES:
-        straight = train(trainer_for(case, accelerator, sharded=True), 0, STEPS)
-        first = trainer_for(case, accelerator, sharded=True)
-        train(first, 0, 1)
-        saved = checkpointer(first, accelerator, args.out_dir / f"{case}-checkpoint").save(1, {})
-        resumed = trainer_for(case, accelerator, sharded=True)
-        checkpointer(resumed, accelerator, saved.parent).load(saved)
-        after = train(resumed, 1, STEPS)
-        if accelerator.is_main_process:
-            torch.save(straight, args.out_dir / f"{case}.pt")
-            torch.save(after, args.out_dir / f"{case}-resumed.pt")
+        for sharded, tag in ((True, ""), (False, "-ddp")):  # the same checks for the unsharded (DDP) learner
+            straight = train(trainer_for(case, accelerator, sharded), 0, STEPS)
+            first = trainer_for(case, accelerator, sharded)
+            train(first, 0, 1)
+            # each rank its own checkpoint folder, as on machines that share no disk: only rank 0's fills
+            directory = args.out_dir / (f"{case}{tag}-checkpoint" if rank == 0 else f"rank{rank}-disk")
+            saved = checkpointer(first, accelerator, directory).save(1, {})
+            resumed = trainer_for(case, accelerator, sharded)
+            checkpointer(resumed, accelerator, directory).load(directory / saved.name)
+            after = train(resumed, 1, STEPS)
+            if accelerator.is_main_process:
+                torch.save(straight, args.out_dir / f"{case}{tag}.pt")
+                torch.save(after, args.out_dir / f"{case}{tag}-resumed.pt")
     accelerator.wait_for_everyone()
 
 

@@ -63,8 +63,8 @@ def test_tidal_run_trains_with_two_learner_ranks(tmp_path):
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000004", "step-000008"]
 
 
-# three sharded steps and a sharded resume on two torchrun ranks, two cases: about a minute on 2 cores
-def test_a_sharded_learner_makes_the_updates_of_one_rank_and_resumes_exactly(tmp_path):
+# three steps and a resume on two torchrun ranks, sharded and not, two cases: about a minute on 2 cores
+def test_a_sharded_learner_makes_the_updates_of_one_rank_and_ranks_resume_exactly_from_rank_0s_disk(tmp_path):
     from accelerate import Accelerator
     from fsdp_steps import CASES, STEPS, checkpointer, train, trainer_for
 
@@ -76,14 +76,18 @@ def test_a_sharded_learner_makes_the_updates_of_one_rank_and_resumes_exactly(tmp
     accelerator = Accelerator(cpu=True)
     for case in CASES:
         expected = train(trainer_for(case, accelerator, sharded=False), 0, STEPS)
-        sharded, resumed = torch.load(tmp_path / f"{case}.pt"), torch.load(tmp_path / f"{case}-resumed.pt")
-        assert sharded.keys() == expected.keys()
-        for key, value in expected.items():
-            torch.testing.assert_close(sharded[key], value, atol=1e-5, rtol=0, msg=f"{case}: {key}")
-            assert torch.equal(resumed[key], sharded[key]), f"{case}: {key} differs after a sharded resume"
+        for tag in ("", "-ddp"):
+            straight = torch.load(tmp_path / f"{case}{tag}.pt")
+            resumed = torch.load(tmp_path / f"{case}{tag}-resumed.pt")
+            assert straight.keys() == expected.keys()
+            for key, value in expected.items():
+                torch.testing.assert_close(straight[key], value, atol=1e-5, rtol=0, msg=f"{case}{tag}: {key}")
+                assert torch.equal(resumed[key], straight[key]), f"{case}{tag}: {key} differs after a resume"
         # the sharded run's checkpoint has the unsharded layout: one rank without FSDP continues from it
         unsharded = trainer_for(case, accelerator, sharded=False)
         checkpoint = tmp_path / f"{case}-checkpoint" / "step-000001"
         checkpointer(unsharded, accelerator, checkpoint.parent).load(checkpoint)
         for key, value in train(unsharded, 1, STEPS).items():
             torch.testing.assert_close(value, expected[key], atol=1e-5, rtol=0, msg=f"{case}: {key} (unsharded resume)")
+    # rank 1 saved and restored through rank 0 alone: it wrote nothing to its own disk
+    assert [p.name for p in (tmp_path / "rank1-disk").rglob("*")] == []

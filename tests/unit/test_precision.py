@@ -23,7 +23,7 @@ def one_step(tiny_path, tmp_path, preset: str, *overrides: str) -> tuple[dict, d
     cfg = resolve(load_config(ROOT / "configs" / preset, [
         f"model.path={tiny_path}", f"run_dir={tmp_path}", "learner.optim.lr=5e-7", "learner.optim.warmup_steps=0",
         "learner.groups_per_step=6", "learner.kernel_backend=torch", "learner.micro_batch_tokens=64", *overrides]))
-    _, trainer, _ = setup_trainer(cfg)
+    _, trainer, _, _ = setup_trainer(cfg)
     before = {k: v.detach().clone() for k, v in trainer.policy.named_parameters()}
     grads = {}
     for name, p in trainer.policy.named_parameters():  # keep each gradient before the optimizer clears it
@@ -62,7 +62,7 @@ def test_bf16_master_weights_lose_most_small_updates(tiny_path, tmp_path, fresh_
 def test_the_body_computes_in_bf16_and_the_lm_head_in_fp32(tiny_path, tmp_path, fresh_accelerator):
     cfg = resolve(load_config(ROOT / "configs" / "math.yaml", [f"model.path={tiny_path}", f"run_dir={tmp_path}",
                                                                "learner.kernel_backend=torch"]))
-    accelerator, trainer, _ = setup_trainer(cfg)
+    accelerator, trainer, _, _ = setup_trainer(cfg)
     module = accelerator.unwrap_model(trainer.model)
     seen = []
     module.policy.model.layers[0].mlp.up_proj.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
