@@ -1,8 +1,9 @@
 """The one module that speaks vLLM: start an AsyncLLM engine, sample a group, swap weights in flight.
 
 vLLM's weight-update API has changed several times; this wrapper pins the calls tidal uses
-(vllm 0.32: pause_generation(mode="keep"), collective_rpc into a worker extension,
-update_weight_version, per-output weight_versions spans).
+(vllm 0.32: pause_generation(mode="keep"), collective_rpc into a worker extension, the
+weight-transfer API (init_weight_transfer_engine, start/update/finish_weight_update) with an
+engine tidal registers, update_weight_version, per-output weight_versions spans).
 """
 from __future__ import annotations
 
@@ -30,16 +31,20 @@ class Completion:
 
 class Engine:
     """One vLLM AsyncLLM per actor process. The actor loop needs only `version`, `set_version`,
-    `swap_weights`, `sample`, `info` and `shutdown`: a scripted engine with those runs the loop in tests."""
+    `swap_weights` (or `transfer_weights`), `sample`, `info` and `shutdown`: a scripted engine with
+    those runs the loop in tests."""
 
-    def __init__(self, cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int | None = None):
+    def __init__(self, cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int | None = None,
+                 weight_transfer: str | None = None):
+        """`weight_transfer`: the vLLM weight-transfer backend the weight channel loads through (its
+        receiver's `vllm_backend`); None: the channel loads through tidal's worker extension only."""
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.kv_cache_gib))))
         if cfg.cpu_cores:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_cores
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        kwargs = engine_args(cfg, model_path, dtype, max_num_seqs)
+        kwargs = engine_args(cfg, model_path, dtype, max_num_seqs, weight_transfer)
         try:
             args = AsyncEngineArgs(**kwargs)
         except TypeError as err:  # an engine_kwargs key this vLLM does not know
@@ -47,6 +52,7 @@ class Engine:
         self._llm = AsyncLLM.from_engine_args(args)
         self.version = 0
         self._swap_lock = asyncio.Lock()
+        self._transfer_ready = False  # init_weight_transfer_engine has run
         self.num_requests = 0
 
     async def set_version(self, version: int) -> None:
@@ -61,6 +67,27 @@ class Engine:
             await self._llm.pause_generation(mode="keep", clear_cache=True)
             try:
                 await self._llm.collective_rpc("tidal_load_weights", args=(transport, payload))
+                await self.set_version(version)
+            finally:
+                await self._llm.resume_generation()
+            return time.perf_counter() - start
+
+    async def transfer_weights(self, version: int, transport: str, update_info: dict) -> float:
+        """Like swap_weights, through vLLM's weight-transfer API: the engine registered for the
+        channel (fixed when this engine started; `transport` names it for scripted engines) receives
+        `update_info` in every worker. Returns seconds the engine was paused."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+        async with self._swap_lock:
+            if not self._transfer_ready:
+                await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
+                self._transfer_ready = True
+            start = time.perf_counter()
+            await self._llm.pause_generation(mode="keep", clear_cache=True)
+            try:
+                await self._llm.start_weight_update()
+                await self._llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+                await self._llm.finish_weight_update()
                 await self.set_version(version)
             finally:
                 await self._llm.resume_generation()
@@ -100,7 +127,8 @@ class Engine:
         gc.collect()
 
 
-def engine_args(cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int | None = None) -> dict:
+def engine_args(cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int | None = None,
+                weight_transfer: str | None = None) -> dict:
     """AsyncEngineArgs for an actor: what tidal's correctness needs, then the user's engine settings."""
     vllm = cfg.vllm
     return {
@@ -111,6 +139,7 @@ def engine_args(cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int
         "enable_prefix_caching": False,  # a cached prefix would outlive a weight update
         "tensor_parallel_size": vllm.tensor_parallel_size, "gpu_memory_utilization": vllm.gpu_memory_utilization,
         **({"max_model_len": vllm.max_model_len} if vllm.max_model_len else {}),
+        **({"weight_transfer_config": {"backend": weight_transfer}} if weight_transfer else {}),
         **vllm.engine_kwargs,
     }
 

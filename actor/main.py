@@ -19,9 +19,10 @@ async def serve(cfg: RunConfig) -> str:
     from tidal.tasks import get_reward
 
     transport = actor_transport(cfg.broker, cfg.actor.id, cfg.name)
-    engine = Engine(cfg.actor, cfg.model.path, cfg.model.dtype)
+    receiver = build_receiver(cfg.weights)
+    engine = Engine(cfg.actor, cfg.model.path, cfg.model.dtype, weight_transfer=receiver.vllm_backend)
     await engine.set_version(0)
-    actor = Actor(cfg.actor, engine, transport, build_receiver(cfg.weights), {cfg.task.name: get_reward(cfg.task)})
+    actor = Actor(cfg.actor, engine, transport, receiver, {cfg.task.name: get_reward(cfg.task)})
     loop = asyncio.get_running_loop()
 
     def on_signal(sig: signal.Signals) -> None:

@@ -6,25 +6,9 @@ the tensors itself, through the layer-wise reload that works on every backend.
 """
 from __future__ import annotations
 
-import logging
+from tidal.broker.weights.base import RELOAD_LOGGER, quiet_harmless_reload_warnings
 
-RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
-
-
-class _RotaryReloadFilter(logging.Filter):
-    """On every weight reload vLLM warns "RotaryEmbedding: Failed to load weights" once per layer:
-    the rotary cos/sin cache is a buffer computed from the config, never in a checkpoint, and vLLM
-    puts the computed one back. The warning says nothing wrong and would fill the actor's log
-    (one per layer per update); the same warning for any other layer is a real problem and stays."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
-
-
-def quiet_harmless_reload_warnings() -> None:
-    logger = logging.getLogger(RELOAD_LOGGER)
-    if not any(isinstance(f, _RotaryReloadFilter) for f in logger.filters):
-        logger.addFilter(_RotaryReloadFilter())
+__all__ = ["RELOAD_LOGGER", "TidalWorker", "quiet_harmless_reload_warnings"]
 
 
 class TidalWorker:

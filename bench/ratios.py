@@ -2,8 +2,9 @@
 
     actor    generated tokens/s: tidal's actor loop (grants, rewards, rollouts over the in-process
              broker) against AsyncLLM.generate of the same prompts on the same engine      goal >= 0.9
-    weights  the engine's pause per weight update (file channel) and the learner's time per push,
-             against a memcpy of the same bytes; for the run's model and a ~100M-parameter one
+    weights  the engine's pause per weight update and the learner's time per push, for the file
+             channel and the tcp one (its fetch before the pause, and inside it), against a memcpy
+             of the same bytes; for the run's model and a ~100M-parameter one
     broker   groups/s through tidal's transports (zmq, redis) against raw pyzmq / redis-py moving
              the same frames the same way (request, grant, rollout, acknowledge)        goal >= 0.5
 
@@ -345,53 +346,85 @@ def copy_all(sources: dict, targets: dict) -> float:
     return time.perf_counter() - start
 
 
-async def weights_case(cfg, label: str, repeats: int) -> dict:
-    """Push (learner) and pause (engine) per update through the file channel, and a memcpy of the
-    same bytes, `repeats` versions in a row on an idle engine."""
+def weight_channels(cfg) -> dict:
+    """name -> (publisher, receiver): the file channel, and the tcp one with its fetch before the
+    engine's pause (the default) and inside it."""
+    from dataclasses import replace
+
+    from tidal.broker.weights.tcp import TcpPublisher, TcpReceiver
+    from tidal.config import WeightsConfig
+
+    tcp_cfg = WeightsConfig(transport="tcp")
+    tcp_publisher = TcpPublisher(tcp_cfg, "bench", dtype=cfg.model.dtype)
+    return {"file": file_channel(cfg), "tcp": (tcp_publisher, TcpReceiver(tcp_cfg)),
+            "tcp_fetch_in_pause": (tcp_publisher, TcpReceiver(replace(tcp_cfg, tcp_prefetch=False)))}
+
+
+async def measure_channels(engine, channels: dict, state: dict, repeats: int, floor) -> tuple[dict, list]:
+    """Per channel: push (learner), apply (actor, fetch included) and pause (engine) seconds per
+    version; the channels take turns, `repeats` rounds after one that warms every path up. Each
+    counted round also times `floor()`, the memcpy of the same bytes."""
+    times, floors = {name: {"push": [], "apply": [], "pause": []} for name in channels}, []
+    version = 0
+    for round_index in range(repeats + 1):
+        for name, (publisher, receiver) in channels.items():
+            version += 1
+            start = time.perf_counter()
+            update = publisher.publish(state, version)
+            pushed = time.perf_counter()
+            paused = await receiver.apply(update, engine)
+            if round_index > 0:
+                for key, value in (("push", pushed - start), ("apply", time.perf_counter() - pushed),
+                                   ("pause", paused)):
+                    times[name][key].append(value)
+        if round_index > 0:
+            floors.append(floor())
+    return times, floors
+
+
+async def weights_case(cfg, label: str, repeats: int) -> list[dict]:
+    """Push (learner) and pause (engine) per update through each weight channel, against a memcpy
+    of the same bytes, on one idle engine; one record per channel."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from tidal.actor.engine import Engine
     from tidal.broker.weights.file import unshared
+    from tidal.broker.weights.tcp import VLLM_BACKEND
 
     state = AutoModelForCausalLM.from_pretrained(cfg.model.path, torch_dtype=torch.float32).state_dict()
     sent = unshared(state, getattr(torch, cfg.model.dtype))  # the bytes that travel
     copies = {name: torch.empty_like(t) for name, t in sent.items()}
-    publisher, receiver = file_channel(cfg)
-    engine = Engine(cfg.actor, cfg.model.path, cfg.model.dtype)
-    push, apply, pause, memcpy = [], [], [], []
+    channels = weight_channels(cfg)
+    engine = Engine(cfg.actor, cfg.model.path, cfg.model.dtype, weight_transfer=VLLM_BACKEND)
     try:
         await engine.set_version(0)
-        for version in range(1, repeats + 2):  # the first update warms the path up and is not counted
-            start = time.perf_counter()
-            update = publisher.publish(state, version)
-            pushed = time.perf_counter()
-            paused = await receiver.apply(update, engine)
-            applied = time.perf_counter()
-            if version > 1:
-                push.append(pushed - start)
-                apply.append(applied - pushed)
-                pause.append(paused)
-                memcpy.append(min(copy_all(sent, copies) for _ in range(3)))  # the floor, as a reference
+        floor = lambda: min(copy_all(sent, copies) for _ in range(3))  # the floor, as a reference
+        times, floors = await measure_channels(engine, channels, state, repeats, floor)
     finally:
         engine.shutdown()
-        publisher.close()
-    med = {name: statistics.median(values) for name, values in
-           (("push", push), ("apply", apply), ("pause", pause), ("memcpy", memcpy))}
-    return {"bench": "weights", "model": label, "channel": "file",
-            "parameters": sum(t.numel() for t in state.values()),
-            "bytes": sum(t.numel() * t.element_size() for t in sent.values()), "dtype": cfg.model.dtype,
-            "push_s": round(med["push"], 4), "actor_apply_s": round(med["apply"], 4),
-            "engine_pause_s": round(med["pause"], 4), "memcpy_s": round(med["memcpy"], 5),
-            "pause_over_memcpy": round(med["pause"] / med["memcpy"], 1),
-            "push_over_memcpy": round(med["push"] / med["memcpy"], 1), "repeats": repeats}
+        for publisher, _ in channels.values():
+            publisher.close()
+    memcpy = statistics.median(floors)
+    common = {"bench": "weights", "model": label, "parameters": sum(t.numel() for t in state.values()),
+              "bytes": sum(t.numel() * t.element_size() for t in sent.values()), "dtype": cfg.model.dtype,
+              "memcpy_s": round(memcpy, 5), "repeats": repeats}
+    records = []
+    for name, values in times.items():
+        med = {key: statistics.median(v) for key, v in values.items()}
+        records.append(common | {
+            "channel": name, "push_s": round(med["push"], 4), "actor_apply_s": round(med["apply"], 4),
+            "engine_pause_s": round(med["pause"], 4), "pause_over_memcpy": round(med["pause"] / memcpy, 1),
+            "push_over_memcpy": round(med["push"] / memcpy, 1)})
+    return records
 
 
 def bench_weights(args, cfg) -> None:
     from tidal.config import resolve
 
     for label, path in (("run", cfg.model.path), ("100m", model_100m(cfg))):
-        emit(asyncio.run(weights_case(resolve(cfg, model_path=path, actor=True), label, args.repeats)))
+        for record in asyncio.run(weights_case(resolve(cfg, model_path=path, actor=True), label, args.repeats)):
+            emit(record)
 
 
 # ---- actor -------------------------------------------------------------------------------------

@@ -266,15 +266,25 @@ class TensorSpec(msgspec.Struct, frozen=True):
     nbytes: Count
 
 
+class WeightBucket(msgspec.Struct, frozen=True):
+    """One byte range of a version's payload, fetched and checked on its own (the tcp channel)."""
+
+    offset: Count  # where the range starts in the payload
+    nbytes: Count
+    crc32: Annotated[int, Meta(ge=0, le=2**32 - 1)]  # zlib.crc32 of the range's bytes
+
+
 class WeightUpdate(Message, tag="weight_update"):
     version: Version
-    transport: Annotated[str, Meta(max_length=32)]  # "file"
-    location: Annotated[str, Meta(max_length=4096)]  # path of the safetensors file
-    manifest: Annotated[list[TensorSpec], Meta(max_length=1_000_000)]
-    checksum: Annotated[str, Meta(max_length=128)]  # sha256 of the file's bytes
+    transport: Annotated[str, Meta(max_length=32)]  # "file" | "tcp"
+    location: Annotated[str, Meta(max_length=4096)]  # file: path of the safetensors file; tcp: the learner's host:port
+    manifest: Annotated[list[TensorSpec], Meta(max_length=1_000_000)]  # tcp: offsets inside the payload
+    checksum: Annotated[str, Meta(max_length=128)]  # file: sha256 of the file's bytes; tcp: "" (see buckets)
     # which learner process announced it: a resumed learner counts versions again from its
     # checkpoint, and actors that outlived the crash must load those over higher, abandoned ones
     incarnation: Annotated[str, Meta(max_length=64)] = ""
+    # tcp: the payload's byte ranges in order, each with its own checksum; file: empty
+    buckets: Annotated[list[WeightBucket], Meta(max_length=1_000_000)] = []
 
 
 class Heartbeat(Message, tag="heartbeat"):

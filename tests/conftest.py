@@ -219,6 +219,37 @@ TINY_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% if m['role'] 
                       "{% endfor %}{% if add_generation_prompt %}={% endif %}")
 
 
+# ---- a learner's tcp weight server that dies mid-transfer -----------------------------------------
+
+class DyingWeightServer:
+    """Answers tcp weight-bucket requests from a real payload `view` until bucket `cut_at`, then
+    sends that bucket's reply header (announcing `announced` bytes, default the bucket's own) and
+    only `sent` of its bytes, and closes: a learner that dies, or a reply cut short, mid-transfer."""
+
+    def __init__(self, view, buckets, cut_at: int, sent: int, announced: int | None = None):
+        import socket
+        import threading
+
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.location = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.args = view, buckets, cut_at, sent, announced
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self) -> None:
+        import socket
+
+        from tidal.broker.weights import tcp
+
+        view, buckets, cut_at, sent, announced = self.args
+        conn, _ = self.listener.accept()
+        with conn, self.listener:
+            for index, b in enumerate(buckets[:cut_at + 1]):
+                conn.recv(tcp.REQUEST.size, socket.MSG_WAITALL)
+                cut = index == cut_at
+                conn.sendall(tcp.REPLY.pack(tcp.MAGIC, tcp.OK, (announced or b.nbytes) if cut else b.nbytes))
+                conn.sendall(view[b.offset:b.offset + (sent if cut else b.nbytes)])
+
+
 # ---- the actor's engine, scripted (no vLLM) ------------------------------------------------------
 
 class ScriptedEngine:
@@ -247,6 +278,9 @@ class ScriptedEngine:
         self.version = version
         self.swaps.append(version)
         return 0.0
+
+    async def transfer_weights(self, version: int, transport: str, update_info: dict) -> float:
+        return await self.swap_weights(version, transport, update_info)  # vLLM's weight-transfer path
 
     def reload_weights(self, weights_iterator) -> None:  # what the weight channel calls in a vLLM worker
         self.loaded = dict(weights_iterator)

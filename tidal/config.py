@@ -169,7 +169,7 @@ class VllmConfig:
 # engine arguments tidal sets itself: its correctness depends on them
 TIDAL_ENGINE_ARGS = ("model", "dtype", "seed", "logprobs_mode", "worker_extension_cls", "enable_prefix_caching",
                      "max_num_seqs", "tensor_parallel_size", "gpu_memory_utilization", "max_model_len",
-                     "enforce_eager")
+                     "enforce_eager", "weight_transfer_config")
 
 
 @dataclass(frozen=True)
@@ -251,6 +251,14 @@ class WeightsConfig:
 
     dir: str = ""  # where weight files are written; empty = a folder of this run's own in /dev/shm
     keep: int = 3  # weight files kept; older ones are deleted (at least 2: an actor may still be reading one)
+    # file: a safetensors file per version in weights.dir; tcp: each actor pulls every version from the learner's memory
+    transport: str = "file"
+    tcp_host: str = "127.0.0.1"  # tcp: the interface the learner serves weights on (0.0.0.0: every interface)
+    tcp_port: int = 0  # tcp: the learner's port for weights; 0 = any free port (announced with each version)
+    tcp_advertise: str = ""  # tcp: the host actors dial; empty = tcp_host (this machine's name when it is 0.0.0.0)
+    tcp_bucket_mib: int = 64  # tcp: a version travels in byte ranges of this size, each with its own crc32
+    tcp_timeout_s: float = 30.0  # tcp: an actor gives up on a learner that sends nothing for this long
+    tcp_prefetch: bool = True  # tcp: fetch a version before pausing the engine (false: inside the pause)
 
 
 @dataclass(frozen=True)

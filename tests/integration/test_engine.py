@@ -1,16 +1,22 @@
 """The real vLLM engine, shared by the tests here: started once, on a checkpoint of the tiny model
-exported by `tidal export`. What it serves must be the model the learner trained, token by token.
+exported by `tidal export`. What it serves must be the model the learner trained, token by token,
+and what the learner publishes over the tcp weight channel must reach it exactly, in flight.
 
     cached tiny model ─► one training step ─► checkpoint ─► tidal export ─► vLLM engine (one, shared)
+    learner's policy (perturbed) ─► TcpPublisher ─► TcpReceiver ─► vLLM weight-transfer API ─► engine
+
+The tcp tests come last and put the exported weights back (as version 0) when they are done.
 """
 import asyncio
+import copy
 import threading
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, step_batch
+from conftest import ROOT, DyingWeightServer, step_batch
 from tidal.actor.length_control import generate, to_sample
 from tidal.broker.schema import InterruptParams, PromptGroup, RolloutGroup, SamplingParams, int32s
 from tidal.config import load_config, resolve
@@ -49,7 +55,10 @@ def engine(exported):
     thread.start()
 
     async def start():
-        e = Engine(load_config(ROOT / "configs/tiny.yaml").actor, str(exported[0]), "float32")
+        from tidal.broker.weights import tcp
+
+        e = Engine(load_config(ROOT / "configs/tiny.yaml").actor, str(exported[0]), "float32",
+                   weight_transfer=tcp.VLLM_BACKEND)
         await e.set_version(0)
         return e
 
@@ -116,3 +125,94 @@ def test_interruptions_on_the_real_engine_line_up_with_the_model(exported, engin
         np.testing.assert_allclose(s.logprobs.numpy("f4", "l")[generated], mine[generated], atol=1e-4)
         assert np.all(s.logprobs.numpy("f4", "l")[~generated] == 0.0)
         assert s.version_spans == [(0, 0, s.num_tokens)]
+
+
+# ---- the tcp weight channel, through vLLM's weight-transfer API ---------------------------------
+
+def perturbed(policy, seed: int):
+    """The policy one large step later: every parameter moved (the tied LM head with the embedding)."""
+    new = copy.deepcopy(policy)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in new.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    return new
+
+
+def tcp_channel(**keys):
+    from tidal.broker.weights import build_publisher, build_receiver
+    from tidal.config import WeightsConfig
+
+    cfg = WeightsConfig(transport="tcp", tcp_bucket_mib=1, tcp_timeout_s=10.0, **keys)
+    return build_publisher(cfg, "inc", "run", "/unused"), build_receiver(cfg)
+
+
+async def update_in_flight(engine, prompt: list[int], receiver, update, after_tokens: int):
+    """One long request; once it holds `after_tokens` tokens the update is applied while it runs.
+    Returns (the request's last output, seconds the engine was paused)."""
+    from vllm import SamplingParams as VllmSamplingParams
+
+    params = VllmSamplingParams(max_tokens=64 - len(prompt), ignore_eos=True, logprobs=0)
+    swap, last = None, None
+    async for out in engine._llm.generate({"prompt_token_ids": prompt}, params, request_id="tcp-in-flight"):
+        last = out.outputs[0]
+        if swap is None and len(last.token_ids) >= after_tokens:
+            swap = asyncio.ensure_future(receiver.apply(update, engine))
+    return last, await swap
+
+
+def assert_serves(engine, folder, policy, version: int, request_id: str) -> float:
+    """The engine's logprobs are `policy`'s, labelled `version`; returns the worst difference."""
+    prompt = tokenize(folder, "37+48=")
+    completions = on_engine(engine, engine.sample(prompt, 16, SamplingParams(1.0, 1.0, 6, ()), request_id=request_id))
+    assert all(c.version_spans == [(version, 0, len(c.tokens))] for c in completions)
+    worst = max(float(np.abs(c.logprobs - learner_logprobs(policy, prompt, c.tokens)).max()) for c in completions)
+    assert worst <= 1e-4
+    return worst
+
+
+def test_a_version_published_over_tcp_reaches_the_engine_exactly_while_a_request_runs(exported, engine):
+    import time
+
+    folder, policy = exported
+    new_policy = perturbed(policy, seed=7)
+    publisher, receiver = tcp_channel()
+    try:
+        start = time.perf_counter()
+        update = publisher.publish(new_policy.state_dict(), version=7)
+        push_s = time.perf_counter() - start
+        assert "lm_head.weight" in {s.name for s in update.manifest} and len(update.buckets) > 1
+        out, paused_s = on_engine(engine, update_in_flight(engine, tokenize(folder, "12+34="), receiver, update, 8))
+    finally:
+        publisher.close()
+    spans = [(int(s.version), s.start, s.end) for s in out.weight_versions]
+    print(f"\ntcp v7 ({tcp_payload_mib(update):.1f} MiB, {len(update.buckets)} buckets): learner push {push_s:.4f} s, "
+          f"engine paused {paused_s:.4f} s; in-flight request spans {spans}")
+    assert len(spans) == 2 and spans[0][:2] == (0, 0) and spans[1][0] == 7 and 8 <= spans[1][1] < spans[1][2] == 58
+    assert engine.version == 7
+    assert_serves(engine, folder, new_policy, 7, "tcp-after")
+
+
+def tcp_payload_mib(update) -> float:
+    return sum(b.nbytes for b in update.buckets) / 2**20
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_learner_that_dies_mid_transfer_leaves_the_engine_serving_its_weights(exported, engine, prefetch):
+    """Prefetch: the actor's own fetch fails before the engine pauses. No prefetch: the workers'
+    fetch fails inside the pause; the reload has not begun, so the engine resumes on its weights."""
+    folder, policy = exported
+    publisher, receiver = tcp_channel(tcp_prefetch=prefetch)
+    try:
+        on_engine(engine, receiver.apply(publisher.publish(policy.state_dict(), version=8), engine))
+        doomed = publisher.publish(perturbed(policy, seed=9).state_dict(), version=9)
+        dying = DyingWeightServer(publisher.server.versions[9].view, doomed.buckets, cut_at=1, sent=1000)
+        with pytest.raises(Exception, match=rf"weights v9 from the learner at {dying.location}: connection closed "
+                                            r"after 1000 of 1048576 bytes \(after 1 of \d+ buckets\)") as failed:
+            on_engine(engine, receiver.apply(msgspec.structs.replace(doomed, location=dying.location), engine))
+        print(f"\nprefetch={prefetch}: {type(failed.value).__name__}: {failed.value}")
+        assert engine.version == 8
+        assert_serves(engine, folder, policy, 8, f"tcp-survived-{prefetch}")
+    finally:
+        publisher.close()
+        on_engine(engine, engine.set_version(0))  # the exported weights again, under their own label

@@ -1,0 +1,441 @@
+"""The tcp weight channel: the learner serves each version from its own memory and every actor
+pulls the version it was told of, so no folder is shared and a slow, dead or joining actor never
+holds the learner up. Inside the actor the weights enter vLLM through its weight-transfer API
+(`init_weight_transfer_engine` once, `update_weights` per version), with an engine registered
+here in every vLLM process.
+
+    learner  TcpPublisher.publish ─► payload (one buffer) + buckets (byte ranges, crc32 each) ─► WeightServer
+    actor    TcpReceiver.apply ─► fetch every bucket over TCP, check it ─► staged payload (/dev/shm)
+             engine.transfer_weights: pause(keep) ─► AsyncLLM.update_weights ─► TcpWeightTransferEngine
+             (in each worker: map the staged payload ─► layer-wise reload) ─► version label ─► resume
+
+With `weights.tcp_prefetch` off the workers fetch the buckets themselves, inside the pause. Every
+byte is fetched and checked before the reload starts: the layer-wise reload cannot be undone
+halfway, so a failed fetch leaves the engine on its current weights.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+import os
+import socket
+import struct
+import tempfile
+import threading
+import uuid
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from tidal.broker.schema import TensorSpec, WeightBucket, WeightUpdate
+from tidal.broker.weights.base import WeightPublisher, WeightReceiver, quiet_harmless_reload_warnings
+from tidal.config import WeightsConfig
+
+TRANSPORT = "tcp"
+VLLM_BACKEND = "tidal_tcp"  # the name the worker-side engine is registered under in vLLM
+ALIGN_BYTES = 64  # each tensor starts on a 64-byte boundary of the payload, as CPU kernels like
+MAGIC = b"TDW1"
+REQUEST = struct.Struct("<4sQQ")  # magic, version, bucket index
+REPLY = struct.Struct("<4sBQ")  # magic, status, bytes that follow (the bucket, or an error text)
+OK, NOT_SERVED, BAD_REQUEST = 0, 1, 2
+# safetensors' dtype names, as the file channel's manifest writes them
+DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+               "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def torch_dtype(name: str):
+    import torch
+
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"weight tensor dtype {name!r} is not one the tcp channel carries: {', '.join(DTYPE_NAMES)}")
+    return getattr(torch, DTYPE_NAMES[name])
+
+
+# ---- the payload: one buffer per version ------------------------------------------------------
+
+def pack(named_tensors: dict, dtype: str | None = None):
+    """(payload [total] uint8, manifest): every tensor copied once, in `dtype` (None: as it is),
+    into one aligned buffer; tied tensors (lm_head = embed_tokens) travel under each name."""
+    import torch
+
+    target = getattr(torch, dtype) if dtype else None
+    names = {v: k for k, v in DTYPE_NAMES.items()}
+    specs, offset = [], 0
+    for name, tensor in named_tensors.items():
+        t_dtype = target or tensor.dtype
+        if str(t_dtype).removeprefix("torch.") not in names:
+            raise ValueError(f"weight tensor {name!r} is {t_dtype}, which the tcp channel does not carry")
+        nbytes = tensor.numel() * t_dtype.itemsize
+        specs.append(TensorSpec(name=name, dtype=names[str(t_dtype).removeprefix("torch.")],
+                                shape=tuple(tensor.shape), offset=offset, nbytes=nbytes))
+        offset += -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+    payload = torch.empty(offset, dtype=torch.uint8)
+    for spec, tensor in zip(specs, named_tensors.values()):
+        view = payload[spec.offset:spec.offset + spec.nbytes].view(torch_dtype(spec.dtype)).view(spec.shape)
+        view.copy_(tensor.detach())  # converts dtype and device on the way
+        payload[spec.offset + spec.nbytes:-(-(spec.offset + spec.nbytes) // ALIGN_BYTES) * ALIGN_BYTES] = 0  # padding
+    return payload, specs
+
+
+def split_buckets(payload: memoryview, bucket_bytes: int) -> list[WeightBucket]:
+    return [WeightBucket(offset=start, nbytes=len(payload[start:start + bucket_bytes]),
+                         crc32=zlib.crc32(payload[start:start + bucket_bytes]))
+            for start in range(0, len(payload), bucket_bytes)]
+
+
+def payload_bytes(update: WeightUpdate) -> int:
+    """The payload's size, after checking that the buckets tile it and every tensor lies inside it."""
+    end = 0
+    for i, bucket in enumerate(update.buckets):
+        if bucket.offset != end:
+            raise ValueError(f"weights v{update.version}: bucket {i} starts at byte {bucket.offset}, expected {end}")
+        end += bucket.nbytes
+    for spec in update.manifest:
+        size = math.prod(spec.shape) * torch_dtype(spec.dtype).itemsize
+        if spec.nbytes != size or spec.offset % ALIGN_BYTES or spec.offset + spec.nbytes > end:
+            raise ValueError(f"weights v{update.version}: tensor {spec.name!r} ({spec.dtype} {list(spec.shape)}) at "
+                             f"bytes [{spec.offset}, {spec.offset + spec.nbytes}) does not fit a {end}-byte payload")
+    return end
+
+
+def tensors_of(manifest: list[TensorSpec], payload) -> list[tuple[str, object]]:
+    """Views into `payload` (uint8 [total]), one per tensor of the manifest: nothing is copied."""
+    return [(s.name, payload[s.offset:s.offset + s.nbytes].view(torch_dtype(s.dtype)).view(s.shape)) for s in manifest]
+
+
+# ---- the learner's side ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Served:
+    payload: object  # torch uint8 [total]; kept alive while a connection still sends from it
+    view: memoryview
+    buckets: list[WeightBucket]
+
+
+class WeightServer:
+    """Serves the newest `keep` versions from memory, one thread per connected actor. A request
+    names (version, bucket); the reply is that bucket's bytes, or an error text."""
+
+    def __init__(self, host: str, port: int, keep: int, timeout_s: float):
+        self.keep, self.timeout_s = keep, timeout_s
+        self.versions: dict[int, Served] = {}
+        self.lock = threading.Lock()
+        self.connections: set[socket.socket] = set()
+        self.listener = socket.create_server((host, port), reuse_port=False)
+        self.port = self.listener.getsockname()[1]
+        self.thread = threading.Thread(target=self._accept, name="tidal-weight-server", daemon=True)
+        self.thread.start()
+
+    def add(self, version: int, served: Served) -> None:
+        with self.lock:
+            self.versions[version] = served
+            for old in [v for v in self.versions if v <= version - self.keep]:
+                del self.versions[old]  # a connection still sending it holds its own reference
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:  # the listener was closed: the publisher is done
+                return
+            conn.settimeout(self.timeout_s)  # an actor that stops reading frees its thread
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a reply's header must not wait for an ACK
+            with self.lock:
+                self.connections.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="tidal-weight-send", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while (request := recv_exact(conn, REQUEST.size, eof_ok=True)) is not None:
+                magic, version, index = REQUEST.unpack(request)
+                if magic != MAGIC:
+                    conn.sendall(error_reply(BAD_REQUEST, f"not a tidal weight request (magic {magic!r})"))
+                    return
+                with self.lock:
+                    served, known = self.versions.get(version), sorted(self.versions)
+                if served is None or index >= len(served.buckets):
+                    what = f"version {version}" if served is None else f"bucket {index} of version {version}"
+                    conn.sendall(error_reply(NOT_SERVED, f"{what} is not served here (versions served: {known})"))
+                    continue
+                bucket = served.buckets[index]
+                conn.sendall(REPLY.pack(MAGIC, OK, bucket.nbytes))
+                conn.sendall(served.view[bucket.offset:bucket.offset + bucket.nbytes])
+        except OSError:
+            pass  # the actor went away or stalled; it reports its own error, and the learner carries on
+        finally:
+            with self.lock:
+                self.connections.discard(conn)
+            conn.close()
+
+    def close(self) -> None:
+        """Stop serving: refuse new connections and cut the open ones (their actors see a reset)."""
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+        except OSError:
+            pass  # not connected: some systems refuse shutdown on a listening socket
+        self.listener.close()
+        with self.lock:
+            for conn in list(self.connections):
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # closed by its own thread meanwhile
+            self.versions.clear()
+
+
+def error_reply(status: int, text: str) -> bytes:
+    body = text.encode()
+    return REPLY.pack(MAGIC, status, len(body)) + body
+
+
+class TcpPublisher(WeightPublisher):
+    """Keeps the newest `keep` versions in memory and serves them on weights.tcp_host:tcp_port."""
+
+    def __init__(self, cfg: WeightsConfig, incarnation: str = "", dtype: str | None = None):
+        self.incarnation = incarnation
+        self.dtype = dtype  # what the actors serve: weights travel in it (master weights may be fp32)
+        self.bucket_bytes = cfg.tcp_bucket_mib << 20
+        self.server = WeightServer(cfg.tcp_host, cfg.tcp_port, max(cfg.keep, 2), cfg.tcp_timeout_s)
+        host = cfg.tcp_advertise or (socket.getfqdn() if cfg.tcp_host in ("0.0.0.0", "::", "") else cfg.tcp_host)
+        self.location = f"{host}:{self.server.port}"
+
+    def publish(self, named_tensors: dict, version: int) -> WeightUpdate:
+        payload, manifest = pack(named_tensors, self.dtype)
+        view = memoryview(payload.numpy())
+        buckets = split_buckets(view, self.bucket_bytes)
+        self.server.add(version, Served(payload, view, buckets))
+        return WeightUpdate(version=version, transport=TRANSPORT, location=self.location, manifest=manifest,
+                            checksum="", incarnation=self.incarnation, buckets=buckets)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+# ---- fetching: in the actor (prefetch) or in each vLLM worker ---------------------------------
+
+def recv_exact(sock: socket.socket, nbytes: int, eof_ok: bool = False) -> bytes | None:
+    """Exactly `nbytes`; None at a clean end of stream when `eof_ok`, else a cut stream raises."""
+    buf = bytearray(nbytes)
+    if recv_into_exact(sock, memoryview(buf), eof_ok) is None:
+        return None
+    return bytes(buf)
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview, eof_ok: bool = False) -> int | None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            if eof_ok and got == 0:
+                return None
+            raise ConnectionError(f"connection closed after {got} of {len(view)} bytes")
+        got += n
+    return got
+
+
+def parse_location(location: str) -> tuple[str, int]:
+    host, sep, port = location.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"tcp weight location {location!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def fetch(update: WeightUpdate, into: memoryview, timeout_s: float) -> None:
+    """Every bucket of `update` from the learner into `into` (the payload's size), each checked
+    against its announced size and crc32. A learner that cannot be reached, or goes away mid-way,
+    raises ConnectionError naming the address and version; a damaged bucket raises ValueError."""
+    host, port = parse_location(update.location)
+    done = 0
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small requests go out at once
+            for index, bucket in enumerate(update.buckets):
+                fetch_bucket(sock, update, index, into[bucket.offset:bucket.offset + bucket.nbytes])
+                done += 1
+    except OSError as err:  # refused, reset, timed out, cut short
+        raise ConnectionError(f"weights v{update.version} from the learner at {update.location}: {err} "
+                              f"(after {done} of {len(update.buckets)} buckets)") from err
+
+
+def fetch_bucket(sock: socket.socket, update: WeightUpdate, index: int, into: memoryview) -> None:
+    sock.sendall(REQUEST.pack(MAGIC, update.version, index))
+    magic, status, nbytes = REPLY.unpack(recv_exact(sock, REPLY.size))
+    where = f"weights v{update.version} bucket {index} from {update.location}"
+    if magic != MAGIC:
+        raise ValueError(f"{where}: not a tidal weight server's reply (magic {magic!r})")
+    if status != OK:
+        reason = recv_exact(sock, min(nbytes, 4096)).decode(errors="replace")
+        raise ValueError(f"{where}: refused by the learner: {reason}")
+    if nbytes != len(into):
+        raise ValueError(f"{where}: the learner sends {nbytes} bytes, the announcement says {len(into)}: refused")
+    recv_into_exact(sock, into)
+    crc = zlib.crc32(into)
+    if crc != update.buckets[index].crc32:
+        raise ValueError(f"{where}: crc32 {crc:08x} does not match the announced {update.buckets[index].crc32:08x}: "
+                         "damaged in transit, refused")
+
+
+def staging_dir() -> Path:
+    """Where a prefetched payload waits for the workers: memory-backed where there is /dev/shm."""
+    return Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
+
+
+def fetch_to_staging(update: WeightUpdate, timeout_s: float) -> Path:
+    """Fetch and check `update` into a file of its own that the actor's vLLM workers map; the
+    caller removes it. Nothing is left behind when the fetch fails."""
+    import torch
+
+    total = payload_bytes(update)
+    path = staging_dir() / f"tidal-weights-{os.getpid()}-v{update.version}-{uuid.uuid4().hex[:8]}.bin"
+    try:
+        # a shared map of the file, released with the tensor (an error's traceback may hold views of it)
+        staged = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
+        fetch(update, memoryview(staged.numpy()), timeout_s)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def map_staged(path: str, total: int):
+    """The staged payload as a uint8 tensor [total] over a private (copy-on-write) map of the file."""
+    import torch
+
+    size = os.stat(path).st_size
+    if size != total:
+        raise ValueError(f"staged weights {path} are {size} bytes, expected {total}")
+    return torch.from_file(path, shared=False, size=total, dtype=torch.uint8)
+
+
+# ---- the actor's side ------------------------------------------------------------------------
+
+class TcpReceiver(WeightReceiver):
+    vllm_backend = VLLM_BACKEND
+
+    def __init__(self, cfg: WeightsConfig):
+        self.cfg = cfg
+
+    async def apply(self, update: WeightUpdate, engine) -> float:
+        if update.transport != TRANSPORT:
+            raise ValueError(f"weights v{update.version} came by {update.transport!r}; this actor takes {TRANSPORT!r}")
+        timeout_s = self.cfg.tcp_timeout_s
+        if not self.cfg.tcp_prefetch:
+            payload_bytes(update)  # a malformed announcement is refused before the engine pauses
+            return await engine.transfer_weights(update.version, TRANSPORT, update_info(update, "", timeout_s))
+        path = await asyncio.to_thread(fetch_to_staging, update, timeout_s)
+        try:
+            return await engine.transfer_weights(update.version, TRANSPORT, update_info(update, str(path), timeout_s))
+        finally:
+            path.unlink(missing_ok=True)  # the workers' maps outlive the name until they drop them
+
+
+def update_info(update: WeightUpdate, staged: str, timeout_s: float) -> dict:
+    """What `AsyncLLM.update_weights` carries to every worker (TcpUpdateInfo's fields): plain values
+    only, as it must serialize."""
+    import msgspec
+
+    return {"update": msgspec.to_builtins(update), "staged": staged, "timeout_s": timeout_s}
+
+
+# ---- inside each vLLM worker ------------------------------------------------------------------
+
+def received_tensors(info: TcpUpdateInfo) -> list[tuple[str, object]]:
+    """The tensors of one update: from the staged payload, or fetched here when nothing was staged."""
+    import msgspec
+    import torch
+
+    update = msgspec.convert(info.update, WeightUpdate)
+    total = payload_bytes(update)
+    if info.staged:
+        payload = map_staged(info.staged, total)
+    else:
+        payload = torch.empty(total, dtype=torch.uint8)
+        fetch(update, memoryview(payload.numpy()), info.timeout_s)
+    return tensors_of(update.manifest, payload)
+
+
+def load_in_worker(worker, info: dict) -> float:
+    """Through tidal's own worker entry point (and the scripted engine of the tests): the same
+    tensors, loaded by the worker's layer-wise reload; returns seconds spent."""
+    import time
+
+    start = time.perf_counter()
+    worker.reload_weights(weights_iterator=received_tensors(TcpUpdateInfo(**info)))
+    return time.perf_counter() - start
+
+
+@dataclass
+class TcpInitInfo:
+    """Nothing to set up: each update names its learner, and each fetch opens its own connection."""
+
+
+@dataclass
+class TcpUpdateInfo:
+    update: dict  # the WeightUpdate announcement, as plain values
+    staged: str = ""  # the prefetched payload's path; empty: fetch from the learner here
+    timeout_s: float = 30.0  # a worker fetching itself gives up on a learner silent this long
+
+
+class _TcpEngine:
+    """The worker side of the tcp channel in vLLM's weight-transfer API. The layer-wise reload runs
+    inside `receive_weights`, once every byte is in hand (the NCCL engines start it in
+    `start_weight_update`, but a reload begun and then abandoned would leave the model broken)."""
+
+    init_info_cls = TcpInitInfo
+    update_info_cls = TcpUpdateInfo
+    supports_draft_weight_update = False
+
+    def init_transfer_engine(self, init_info: TcpInitInfo) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        pass  # see the class docstring: nothing may change before the bytes are checked
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info: dict) -> None:
+        # the base class also synchronizes the accelerator, which raises on a CPU-only machine
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, info: TcpUpdateInfo) -> None:
+        import torch
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        weights = received_tensors(info)
+        quiet_harmless_reload_warnings()
+        # the layer-wise reload: a plain load_weights fails on the CPU backend (repacked linear layers)
+        initialize_layerwise_reload(self.model)
+        self.model.load_weights(weights)
+        finalize_layerwise_reload(self.model, self.model_config)
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    def shutdown(self) -> None:
+        pass  # nothing held between updates: each fetch opens and closes its own connection
+
+
+@functools.cache
+def _vllm_engine_class() -> type:
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    return type("TcpWeightTransferEngine", (_TcpEngine, WeightTransferEngine), {"__module__": __name__})
+
+
+def __getattr__(name: str):
+    # vLLM imports the engine class by name; it is built on first use so the learner never imports vLLM
+    if name == "TcpWeightTransferEngine":
+        return _vllm_engine_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def register_vllm_engine() -> None:
+    """The `vllm.general_plugins` entry point: vLLM calls it in each of its processes, and the
+    engine class is imported only where vLLM creates one (in the workers)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(VLLM_BACKEND, __name__, "TcpWeightTransferEngine")
+    except ValueError:
+        pass  # registered already: vLLM may load the plugins of one process twice
