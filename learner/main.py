@@ -11,7 +11,7 @@ import uuid
 from functools import partial
 from pathlib import Path
 
-from tidal.config import RunConfig
+from tidal.config import LearnerConfig, RunConfig
 
 log = logging.getLogger("tidal.learner")
 
@@ -161,6 +161,8 @@ def main(cfg: RunConfig, resume: str | None = None) -> int:
     from tidal.learner.warmstart import build_tiny
     from tidal.models import resolve_model_path
 
+    if cfg.learner.num_ranks > 1 and "RANK" not in os.environ:
+        return start_ranks(cfg.learner)
     rank = int(os.environ.get("RANK", "0"))
     # rank 0 builds the tiny model if it is missing; under torchrun the others find it (the launcher built it)
     builder = partial(build_tiny, progress=log.info) if rank == 0 else None
@@ -179,6 +181,21 @@ def main(cfg: RunConfig, resume: str | None = None) -> int:
         return 2
     learner = build(cfg, checkpoint)
     return serve(learner, run_dir)
+
+
+def start_ranks(cfg: LearnerConfig) -> int:
+    """`tidal learner` with learner.num_ranks > 1, not under torchrun yet: becomes torchrun, which starts
+    this machine's ranks with the same arguments (on several machines, one such command on each). An
+    exec, so signals meant for the learner (a pod's SIGTERM) reach torchrun, which passes them on."""
+    per_node = cfg.num_ranks // cfg.nodes
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={cfg.nodes}", f"--node-rank={cfg.node_rank}",
+           f"--nproc-per-node={per_node}", f"--master-addr={cfg.master_addr or '127.0.0.1'}",
+           f"--master-port={cfg.master_port}", "-m", "tidal", *sys.argv[1:]]
+    log.info("starting %d of %d learner ranks on node %d: %s", per_node, cfg.num_ranks, cfg.node_rank, " ".join(cmd))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, cmd)
+    return 1  # not reached
 
 
 def serve(learner, run_dir: Path) -> int:

@@ -77,7 +77,7 @@ def broadcast_bytes(frame: bytes | None, device) -> bytes:
         return frame
     size = torch.tensor([len(frame) if frame is not None else 0], dtype=torch.int64, device=device)
     dist.broadcast(size, src=0)
-    buf = (torch.frombuffer(bytearray(frame), dtype=torch.uint8).to(device) if frame is not None
+    buf = (torch.from_numpy(np.frombuffer(frame, dtype=np.uint8).copy()).to(device) if frame is not None
            else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
     dist.broadcast(buf, src=0)
     return buf.cpu().numpy().tobytes()

@@ -324,7 +324,12 @@ class LearnerConfig:
 
     groups_per_step: int = 16  # prompt groups in one optimizer step
     max_steps: int = 100  # optimizer steps of the run
-    num_ranks: int = 1  # learner processes; `tidal run` starts them with torchrun (rank 0 talks to the actors)
+    num_ranks: int = 1  # learner processes in all; `tidal run` / `tidal learner` start them with torchrun (rank 0
+    # talks to the actors)
+    nodes: int = 1  # machines the ranks span, learner.num_ranks / nodes on each (one `tidal learner` per machine)
+    node_rank: int = 0  # this machine's place among learner.nodes (a StatefulSet pod's ordinal); node 0 holds rank 0
+    master_addr: str = ""  # node 0's address, where the ranks meet; empty = this machine (learner.nodes = 1)
+    master_port: int = 29500  # node 0's port for the ranks' rendezvous (tidal run picks a free one on one machine)
     # GPUs of the learner, one per rank (`tidal run` sets CUDA_VISIBLE_DEVICES); -1 = learner.num_ranks where the
     # machine has GPUs, none where it has not; 0 = none (train on CPU)
     gpus: int = -1
@@ -599,6 +604,12 @@ def check_learner(cfg: RunConfig) -> None:
              "expected auto, sdpa or flash_attention_2")
     _require(lc.packing in ("auto", "packed", "padded"), "learner.packing", lc.packing,
              "expected auto, packed or padded")
+    _require(lc.nodes >= 1 and lc.num_ranks % lc.nodes == 0, "learner.nodes", lc.nodes,
+             f"must be >= 1 and divide learner.num_ranks = {lc.num_ranks} (the same number of ranks on each machine)")
+    _require(0 <= lc.node_rank < lc.nodes, "learner.node_rank", lc.node_rank,
+             f"must be in [0, learner.nodes = {lc.nodes})")
+    _require(lc.nodes == 1 or lc.master_addr, "learner.master_addr", lc.master_addr,
+             "the learner spans several machines (learner.nodes > 1): name node 0's address")
     _require(not lc.fsdp.enabled or lc.num_ranks >= 2, "learner.fsdp.enabled", lc.fsdp.enabled,
              "sharding needs learner.num_ranks >= 2 (one rank holds the whole model anyway)")
     _require(not lc.fsdp.enabled or lc.mixed_precision != "fp16", "learner.mixed_precision", lc.mixed_precision,

@@ -68,8 +68,9 @@ def start_children(cfg: RunConfig, placement: Placement, children: list[Child], 
     (run_dir / "endpoints.json").unlink(missing_ok=True)
     config = str(run_dir / "config.yaml")
     learner_args = ["learner", config, *(["--resume", resume] if resume else [])]
-    children.append(_spawn("learner", "learner", learner_args, run_dir, placement.learner,
-                           ranks=cfg.learner.num_ranks))
+    if cfg.learner.num_ranks > 1 and cfg.learner.nodes == 1:  # `tidal learner` starts its ranks with torchrun
+        learner_args.append(f"learner.master_port={_free_port()}")  # two runs on one machine must not meet
+    children.append(_spawn("learner", "learner", learner_args, run_dir, placement.learner))
     ports = wait_for_endpoints(run_dir, children[-1])
     for i, slot in enumerate(placement.actors):
         overrides = [f"actor.index={i}", *actor_endpoint_overrides(ports)]
@@ -84,13 +85,9 @@ def actor_endpoint_overrides(ports: dict[str, int]) -> list[str]:
     return [f"broker.zmq.{name}_port={port}" for name, port in ports.items()]
 
 
-def _spawn(name: str, role: str, args: list[str], run_dir: Path, slot: Slot, restarts: int = 0,
-           ranks: int = 1) -> Child:
+def _spawn(name: str, role: str, args: list[str], run_dir: Path, slot: Slot, restarts: int = 0) -> Child:
     log_path = run_dir / "logs" / f"{name}.log"
     cmd = [sys.executable, "-m", "tidal", *args]
-    if ranks > 1:  # torchrun starts the ranks; it stops them all if one fails
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
-               f"--master-port={_free_port()}", "-m", "tidal", *args]
     if slot.cores is not None and _has_taskset():
         cmd = ["taskset", "-c", slot.cores, *cmd]
     log_file = open(log_path, "a" if restarts else "w")

@@ -47,20 +47,32 @@ def test_two_ranks_make_the_same_update_as_one(tmp_path):
         assert "learner.groups_per_step" in (tmp_path / f"too_few_groups_rank{rank}.txt").read_text()
 
 
-# a learner on two torchrun ranks with one vLLM actor: about a minute on 2 cores
-def test_tidal_run_trains_with_two_learner_ranks(tmp_path):
-    run_dir = tmp_path / "two-ranks"
+# a sharded learner on two "machines" (two `tidal learner` commands, run folders apart) with one vLLM
+# actor: about a minute and a half on 2 cores
+def test_a_sharded_learner_on_two_nodes_trains_with_nothing_on_the_second_nodes_disk(tmp_path, tiny_model_path):
     root = Path(__file__).parents[2]
-    cmd = [sys.executable, "-m", "tidal", "run", str(root / "configs/tiny.yaml"), f"run_dir={run_dir}",
-           "learner.num_ranks=2", "learner.fsdp.enabled=true", "learner.max_steps=8", "eval.every=0",
-           "checkpoint.every=4"]
-    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    run_dir, node1_dir = tmp_path / "node0-run", tmp_path / "node1-run"
+    common = ["learner.num_ranks=2", "learner.nodes=2", "learner.master_addr=127.0.0.1",
+              f"learner.master_port={free_port()}", "learner.fsdp.enabled=true", "learner.max_steps=8",
+              "eval.every=0", "checkpoint.every=4"]
+    node1 = subprocess.Popen([sys.executable, "-m", "tidal", "learner", str(root / "configs/tiny.yaml"),
+                              f"run_dir={node1_dir}", "learner.node_rank=1", *common], cwd=root,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        done = subprocess.run([sys.executable, "-m", "tidal", "run", str(root / "configs/tiny.yaml"),
+                               f"run_dir={run_dir}", *common], cwd=root, capture_output=True, text=True, timeout=600)
+        node1_log = node1.communicate(timeout=120)[0]
+    finally:
+        node1.kill()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "rank 1 of 2 follows rank 0" in (run_dir / "logs/learner.log").read_text()
+    assert node1.returncode == 0 and "rank 1 of 2 follows rank 0" in node1_log, node1_log[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 8
-    # both ranks saved every checkpoint together (saving is collective), the last after the final eval
+    # both ranks saved every checkpoint together (saving is collective), the last after the final eval; rank 0
+    # wrote them all, and the second node's run folder holds nothing
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000004", "step-000008"]
+    assert (run_dir / "model" / "config.json").is_file()
+    assert list(node1_dir.rglob("*")) == []
 
 
 # three steps and a resume on two torchrun ranks, sharded and not, two cases: about a minute on 2 cores

@@ -75,6 +75,8 @@ def test_overrides_apply_with_types():
     ("curriculum.retire_pass_rate=0", "curriculum.retire_pass_rate"),
     ("curriculum.min_samples=0", "curriculum.min_samples"),
     ("learner.fsdp.enabled=true", "learner.fsdp.enabled"),  # one rank: nothing to shard over
+    ("learner.nodes=2", "learner.nodes"),  # one rank cannot be split over two machines
+    ("learner.node_rank=1", "learner.node_rank"),  # one machine: node 0 only
 ])
 def test_bad_override_names_the_key(override, key):
     with pytest.raises(ConfigError) as err:

@@ -22,7 +22,8 @@ from tidal.tiny import cached_model_path
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
-OVERLAYS = ("cpu-demo", "gpu")
+OVERLAYS = ("cpu-demo", "gpu", "gpu-multinode")
+NETWORKED = {"gpu-multinode"}  # overlays whose weights go over the network, with no shared volume
 # the oldest Kubernetes release kubernetes-validate >= 1.30 ships schemas for
 K8S_VERSION = "1.30.0"
 RUN_CONFIG = "/etc/tidal/run.yaml"
@@ -163,7 +164,8 @@ def test_base_files_validate_and_are_safe():
 def test_overlay_validates_against_the_kubernetes_schemas(rendered, overlay):
     objects = rendered[overlay]
     kinds = {o["kind"] for o in objects}
-    assert {"StatefulSet", "Secret", "ConfigMap", "NetworkPolicy", "PersistentVolumeClaim"} <= kinds
+    shared_volumes = set() if overlay in NETWORKED else {"PersistentVolumeClaim"}  # StatefulSets claim their own
+    assert {"StatefulSet", "Secret", "ConfigMap", "NetworkPolicy"} | shared_volumes <= kinds
     assert not schema_problems(objects)
 
 
@@ -257,14 +259,17 @@ def test_pods_run_the_launchers_commands_on_the_mounted_config(rendered, overlay
     assert container["command"] == ["tidal"] and args[:2] == [role, RUN_CONFIG]
     configs, overrides = _split(parse(args))
     assert configs == [RUN_CONFIG]
-    overrides = [o.replace("$(POD_NAME)", "tidal-actor-2").replace("$(POD_INDEX)", "2") for o in overrides]
+    index = {"actor": "2", "learner": "1"}[role]  # a learner pod's ordinal is its node rank: 2 nodes at most
+    overrides = [o.replace("$(POD_NAME)", f"tidal-{role}-{index}").replace("$(POD_INDEX)", index) for o in overrides]
     cfg = load_config(run_config_of(objects, spec, container, tmp_path), overrides)
     assert cfg.broker.type.value == "redis" and cfg.broker.redis.username == role
     secrets_env = {e["name"] for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})}
     assert cfg.broker.redis.password_env in secrets_env
     if role == "actor":
-        assert (cfg.actor.id, cfg.actor.index, cfg.weights.dir) == ("tidal-actor-2", 2, "/weights")
+        assert (cfg.actor.id, cfg.actor.index) == ("tidal-actor-2", 2)
         assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
+    weights = ("tcp", "") if overlay in NETWORKED else ("file", "/weights")
+    assert (cfg.weights.transport, cfg.weights.dir) == weights
     # the probes read the file this process touches
     assert f"{role}.health_file=/tmp/tidal-health" in container["args"]
     for probe in ("startupProbe", "livenessProbe"):
@@ -273,7 +278,7 @@ def test_pods_run_the_launchers_commands_on_the_mounted_config(rendered, overlay
         cli_subparser("health").parse_args(command[2:])
 
 
-@for_each_overlay
+@pytest.mark.parametrize("overlay", [o for o in OVERLAYS if o not in NETWORKED])
 def test_learner_resumes_from_its_volume_and_shares_weights(rendered, overlay):
     objects = rendered[overlay]
     learner = find(objects, "StatefulSet", "tidal-learner")
@@ -293,6 +298,32 @@ def test_learner_resumes_from_its_volume_and_shares_weights(rendered, overlay):
         assert next(v for v in spec["volumes"] if v["name"] == shm["name"])["emptyDir"]["medium"] == "Memory"
     assert claims["learner"] == claims["actor"]
     assert find(objects, "PersistentVolumeClaim", claims["learner"])["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_a_learner_on_several_pods_meets_at_pod_0_and_streams_weights(rendered):
+    objects = rendered["gpu-multinode"]
+    learner = find(objects, "StatefulSet", "tidal-learner")
+    spec, container = role_container(objects, "learner")
+    args = dict(a.split("=", 1) for a in container["args"] if "=" in a)
+    assert learner["spec"]["replicas"] == int(args["learner.nodes"]) > 1
+    # every pod starts at once (pod 0 waits for the others before any probe can pass) and is found by name
+    assert learner["spec"]["podManagementPolicy"] == "Parallel"
+    service = find(objects, "Service", learner["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    pod0 = f"{learner['metadata']['name']}-0.{service['metadata']['name']}"
+    assert args["learner.master_addr"] == args["weights.tcp_advertise"] == pod0
+    assert args["learner.node_rank"] == "$(POD_INDEX)" and "--resume" in container["args"]
+    gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
+    assert int(args["learner.num_ranks"]) == learner["spec"]["replicas"] * gpus
+    assert args["learner.fsdp.enabled"] == "true"
+    ports = {p["containerPort"] for p in container["ports"]}
+    assert {int(args["learner.master_port"]), int(args["weights.tcp_port"])} <= ports
+    # nothing is shared between pods on disk: no volume claim but each learner pod's own
+    assert [o for o in objects if o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] != "redis"] == []
+    for role in ("learner", "actor"):
+        spec, container = role_container(objects, role)
+        claims = [v for v in spec["volumes"] if "persistentVolumeClaim" in v]
+        assert claims == [] and not {"/weights", "/models"} & {m["mountPath"] for m in container["volumeMounts"]}
 
 
 def selects(selector: dict, labels: dict) -> bool:
