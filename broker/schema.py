@@ -279,11 +279,11 @@ class WeightUpdate(Message, tag="weight_update"):
     transport: Annotated[str, Meta(max_length=32)]  # "file" | "tcp"
     location: Annotated[str, Meta(max_length=4096)]  # file: path of the safetensors file; tcp: the learner's host:port
     manifest: Annotated[list[TensorSpec], Meta(max_length=1_000_000)]  # tcp: offsets inside the payload
-    checksum: Annotated[str, Meta(max_length=128)]  # file: sha256 of the file's bytes; tcp: "" (see buckets)
+    checksum: Annotated[str, Meta(max_length=128)]  # unused ("", see buckets); kept for the wire's sake
     # which learner process announced it: a resumed learner counts versions again from its
     # checkpoint, and actors that outlived the crash must load those over higher, abandoned ones
     incarnation: Annotated[str, Meta(max_length=64)] = ""
-    # tcp: the payload's byte ranges in order, each with its own checksum; file: empty
+    # the payload's (tcp) or file's (file) byte ranges in order, each with its own crc32
     buckets: Annotated[list[WeightBucket], Meta(max_length=1_000_000)] = []
 
 

@@ -256,7 +256,7 @@ class WeightsConfig:
     tcp_host: str = "127.0.0.1"  # tcp: the interface the learner serves weights on (0.0.0.0: every interface)
     tcp_port: int = 0  # tcp: the learner's port for weights; 0 = any free port (announced with each version)
     tcp_advertise: str = ""  # tcp: the host actors dial; empty = tcp_host (this machine's name when it is 0.0.0.0)
-    tcp_bucket_mib: int = 64  # tcp: a version travels in byte ranges of this size, each with its own crc32
+    bucket_mib: int = 64  # a version is checked (and over tcp sent) in byte ranges of this size, each with a crc32
     tcp_timeout_s: float = 30.0  # tcp: an actor gives up on a learner that sends nothing for this long
     tcp_prefetch: bool = True  # tcp: fetch a version before pausing the engine (false: inside the pause)
 

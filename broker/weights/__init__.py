@@ -39,7 +39,7 @@ def check_transport(cfg: WeightsConfig) -> str:
     """The configured transport's name, once its keys are known to be usable."""
     if cfg.transport not in TRANSPORTS:
         raise ValueError(f"config key 'weights.transport' = {cfg.transport!r}: expected {' or '.join(TRANSPORTS)}")
-    rules = {"tcp_bucket_mib": (cfg.tcp_bucket_mib >= 1, ">= 1"), "tcp_timeout_s": (cfg.tcp_timeout_s > 0, "> 0"),
+    rules = {"bucket_mib": (cfg.bucket_mib >= 1, ">= 1"), "tcp_timeout_s": (cfg.tcp_timeout_s > 0, "> 0"),
              "tcp_port": (0 <= cfg.tcp_port < 65536, "in 0..65535 (0: any free port)")}
     for key, (ok, expected) in rules.items():
         if cfg.transport == "tcp" and not ok:

@@ -1,6 +1,7 @@
 """The file weight channel: the learner writes a safetensors file per version (temp file, then
 rename) into a folder the actors can read (/dev/shm on one machine, a shared volume on a
-cluster) and announces it; each actor checks the file against the announcement and its workers
+cluster) and announces it with a crc32 per byte range (`weights.bucket_mib`), never one hash of
+the whole file; each actor checks the file's ranges on several threads and its workers
 reload it layer-wise, the path that works on every vLLM backend (the CPU one repacks its linear
 layers, so a plain `load_weights` fails there).
 """
@@ -9,15 +10,15 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import struct
 from pathlib import Path
 
 from tidal.broker.schema import TensorSpec, WeightUpdate
-from tidal.broker.weights.base import WeightPublisher, WeightReceiver
+from tidal.broker.weights.base import WeightPublisher, WeightReceiver, bucket_problem, split_buckets
 from tidal.config import WeightsConfig
-from tidal.files import sha256_file
 
 TRANSPORT = "file"
 
@@ -60,6 +61,7 @@ class FilePublisher(WeightPublisher):
 
     def __init__(self, cfg: WeightsConfig, incarnation: str = "", owns_dir: bool = False, dtype: str | None = None):
         self.incarnation = incarnation
+        self.bucket_bytes = cfg.bucket_mib << 20
         self.dtype = dtype  # what the actors serve: weights travel in it (master weights may be fp32)
         self.owns_dir = owns_dir  # the run's own folder (the default): removed by close()
         self.directory = Path(cfg.dir)
@@ -67,18 +69,20 @@ class FilePublisher(WeightPublisher):
         self.keep = max(cfg.keep, 2)  # an actor may still be reading the previous file
 
     def publish(self, named_tensors: dict, version: int) -> WeightUpdate:
-        from safetensors.torch import save_file
+        import torch
+        from safetensors.torch import save
 
         path = self.directory / f"weights-v{version:06d}.safetensors"
         tmp = path.with_suffix(".tmp")
-        import torch
-
         dtype = getattr(torch, self.dtype) if self.dtype else None
-        save_file(unshared(named_tensors, dtype), str(tmp), metadata={"version": str(version)})
+        # serialized in memory, so the ranges' checksums come from the bytes written, not a second read
+        data = save(unshared(named_tensors, dtype), metadata={"version": str(version)})
+        tmp.write_bytes(data)
         os.replace(tmp, path)  # atomic: readers see the whole file or none
         self._prune(version)
-        return WeightUpdate(version=version, transport=TRANSPORT, location=str(path),
-                            manifest=read_manifest(path), checksum=sha256_file(path), incarnation=self.incarnation)
+        return WeightUpdate(version=version, transport=TRANSPORT, location=str(path), manifest=read_manifest(path),
+                            checksum="", incarnation=self.incarnation,
+                            buckets=split_buckets(memoryview(data), self.bucket_bytes))
 
     def _prune(self, version: int) -> None:
         for old in self.directory.glob("weights-v*.safetensors"):
@@ -112,8 +116,14 @@ def verify_weight_file(update: WeightUpdate, weights_dir: str) -> Path:
     expected = max((t.offset + t.nbytes for t in update.manifest), default=0)
     if path.stat().st_size != expected:
         raise ValueError(f"weight file {path} is {path.stat().st_size} bytes, manifest says {expected}")
-    if sha256_file(path) != update.checksum:
-        raise ValueError(f"weight file {path} does not match the announced sha256 (version {update.version})")
+    if not update.buckets:
+        raise ValueError(f"weights v{update.version}: the announcement carries no checksums for {path}: refused")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        view = memoryview(mapped)
+        problem = bucket_problem(view, update)
+        view.release()
+    if problem:
+        raise ValueError(f"weight file {path} (version {update.version}): {problem}, refused")
     return path
 
 

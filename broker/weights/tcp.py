@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tidal.broker.schema import TensorSpec, WeightBucket, WeightUpdate
-from tidal.broker.weights.base import WeightPublisher, WeightReceiver, quiet_harmless_reload_warnings
+from tidal.broker.weights.base import WeightPublisher, WeightReceiver, quiet_harmless_reload_warnings, split_buckets
 from tidal.config import WeightsConfig
 
 TRANSPORT = "tcp"
@@ -76,12 +76,6 @@ def pack(named_tensors: dict, dtype: str | None = None):
         view.copy_(tensor.detach())  # converts dtype and device on the way
         payload[spec.offset + spec.nbytes:-(-(spec.offset + spec.nbytes) // ALIGN_BYTES) * ALIGN_BYTES] = 0  # padding
     return payload, specs
-
-
-def split_buckets(payload: memoryview, bucket_bytes: int) -> list[WeightBucket]:
-    return [WeightBucket(offset=start, nbytes=len(payload[start:start + bucket_bytes]),
-                         crc32=zlib.crc32(payload[start:start + bucket_bytes]))
-            for start in range(0, len(payload), bucket_bytes)]
 
 
 def payload_bytes(update: WeightUpdate) -> int:
@@ -195,7 +189,7 @@ class TcpPublisher(WeightPublisher):
     def __init__(self, cfg: WeightsConfig, incarnation: str = "", dtype: str | None = None):
         self.incarnation = incarnation
         self.dtype = dtype  # what the actors serve: weights travel in it (master weights may be fp32)
-        self.bucket_bytes = cfg.tcp_bucket_mib << 20
+        self.bucket_bytes = cfg.bucket_mib << 20
         self.server = WeightServer(cfg.tcp_host, cfg.tcp_port, max(cfg.keep, 2), cfg.tcp_timeout_s)
         host = cfg.tcp_advertise or (socket.getfqdn() if cfg.tcp_host in ("0.0.0.0", "::", "") else cfg.tcp_host)
         self.location = f"{host}:{self.server.port}"

@@ -143,7 +143,7 @@ def tcp_channel(**keys):
     from tidal.broker.weights import build_publisher, build_receiver
     from tidal.config import WeightsConfig
 
-    cfg = WeightsConfig(transport="tcp", tcp_bucket_mib=1, tcp_timeout_s=10.0, **keys)
+    cfg = WeightsConfig(transport="tcp", bucket_mib=1, tcp_timeout_s=10.0, **keys)
     return build_publisher(cfg, "inc", "run", "/unused"), build_receiver(cfg)
 
 

@@ -130,8 +130,8 @@ def test_the_actor_loop_survives_a_failed_load_and_takes_the_next_version(served
 def test_an_unknown_transport_names_the_key():
     with pytest.raises(ValueError, match="'weights.transport' = 'tpc': expected file or tcp"):
         build_receiver(WeightsConfig(transport="tpc"))
-    with pytest.raises(ValueError, match="'weights.tcp_bucket_mib' = 0: must be >= 1"):
-        build_receiver(config(tcp_bucket_mib=0))
+    with pytest.raises(ValueError, match="'weights.bucket_mib' = 0: must be >= 1"):
+        build_receiver(config(bucket_mib=0))
 
 
 def test_an_actor_that_dies_or_stalls_mid_transfer_holds_up_neither_the_learner_nor_other_actors(served):

@@ -8,9 +8,9 @@ import torch
 
 from conftest import ALPHABET, TINY, ScriptedEngine
 from tidal.broker.weights import build_publisher, build_receiver
+from tidal.broker.weights.base import split_buckets
 from tidal.broker.weights.file import read_manifest
 from tidal.config import WeightsConfig
-from tidal.files import sha256_file
 from tidal.tiny import build_tiny_model
 
 
@@ -31,11 +31,11 @@ def test_published_weights_reach_the_engine_exactly(published):
 
 
 def forged(update, location):
-    """The same announcement with another location, checksum and manifest matching that file."""
+    """The same announcement with another location, and checksums and manifest matching that file."""
     import msgspec
 
-    return msgspec.structs.replace(update, location=str(location), checksum=sha256_file(location),
-                                   manifest=read_manifest(location))
+    return msgspec.structs.replace(update, location=str(location), manifest=read_manifest(location),
+                                   buckets=split_buckets(memoryview(open(location, "rb").read()), 4096))
 
 
 def test_a_location_outside_weights_dir_is_refused(published, tmp_path):
@@ -50,4 +50,24 @@ def test_a_location_outside_weights_dir_is_refused(published, tmp_path):
     os.symlink(evil, link)  # inside the folder by name, outside by where it leads
     with pytest.raises(ValueError, match="outside weights.dir"):
         asyncio.run(build_receiver(cfg).apply(forged(update, link), engine))
+    assert engine.swaps == []
+
+
+def test_a_damaged_range_of_the_file_is_refused_by_name(published):
+    cfg, update, _, tokenizer = published
+    import msgspec
+
+    update = forged(update, update.location)  # 4 KiB ranges: the tiny model's file has several
+    size = os.path.getsize(update.location)
+    with open(update.location, "r+b") as f:
+        f.seek(size - 10)
+        byte = f.read(1)
+        f.seek(size - 10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    last = len(update.buckets) - 1
+    engine = ScriptedEngine(tokenizer)
+    with pytest.raises(ValueError, match=rf"\(range {last}\) have crc32 .*: damaged, refused"):
+        asyncio.run(build_receiver(cfg).apply(update, engine))
+    with pytest.raises(ValueError, match="carries no checksums"):
+        asyncio.run(build_receiver(cfg).apply(msgspec.structs.replace(update, buckets=[]), engine))
     assert engine.swaps == []
