@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tidal.actor.worker_ext import CPU_LINEAR_ENV
 from tidal.broker.schema import SamplingParams
 from tidal.config import ActorConfig
 
@@ -41,6 +42,7 @@ class Engine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.kv_cache_gib))))
         if cfg.cpu_cores:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_cores
+        os.environ[CPU_LINEAR_ENV] = cfg.vllm.cpu_linear  # read by tidal's vLLM plugin in the engine's processes
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -64,13 +66,24 @@ class Engine:
         own means, label the version, resume. Returns seconds the engine was paused."""
         async with self._swap_lock:
             start = time.perf_counter()
-            await self._llm.pause_generation(mode="keep", clear_cache=True)
+            await self._pause()
             try:
                 await self._llm.collective_rpc("tidal_load_weights", args=(transport, payload))
                 await self.set_version(version)
             finally:
                 await self._llm.resume_generation()
             return time.perf_counter() - start
+
+    async def _pause(self) -> None:
+        """Requests in flight stop between engine steps and keep their place (their KV cache too).
+        The engine core is asked directly: AsyncLLM.pause_generation adds a fixed 20 ms sleep,
+        only so that outputs already produced reach their callers first (our version spans do not
+        depend on it), and 20 ms is a large share of a small model's whole pause."""
+        core = getattr(self._llm, "engine_core", None)
+        if core is None or not hasattr(core, "pause_scheduler_async"):
+            await self._llm.pause_generation(mode="keep", clear_cache=True)
+            return
+        await core.pause_scheduler_async(mode="keep", clear_cache=True)
 
     async def transfer_weights(self, version: int, transport: str, update_info: dict) -> float:
         """Like swap_weights, through vLLM's weight-transfer API: the engine registered for the
@@ -83,7 +96,7 @@ class Engine:
                 await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
                 self._transfer_ready = True
             start = time.perf_counter()
-            await self._llm.pause_generation(mode="keep", clear_cache=True)
+            await self._pause()
             try:
                 await self._llm.start_weight_update()
                 await self._llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
@@ -111,6 +124,12 @@ class Engine:
         if len(latest) != n or not all(c.finished() for c in latest.values()):
             raise RuntimeError(f"request {request_id}: vLLM returned {len(latest)} finished samples, expected {n}")
         return [_completion(latest[i]) for i in range(n)]
+
+    async def weight_layout(self) -> str:
+        """How weight updates enter the model: "copy" in place, or "reload" layer-wise (vLLM's CPU
+        backend with actor.vllm.cpu_linear: packed)."""
+        layouts = set(await self._llm.collective_rpc("tidal_weight_layout"))
+        return "reload" if "reload" in layouts else "copy"
 
     def info(self) -> dict[str, str]:
         import vllm

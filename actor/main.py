@@ -22,6 +22,7 @@ async def serve(cfg: RunConfig) -> str:
     receiver = build_receiver(cfg.weights)
     engine = Engine(cfg.actor, cfg.model.path, cfg.model.dtype, weight_transfer=receiver.vllm_backend)
     await engine.set_version(0)
+    log.info("actor %s: engine up; weight updates enter it by %s", cfg.actor.id, await engine.weight_layout())
     actor = Actor(cfg.actor, engine, transport, receiver, {cfg.task.name: get_reward(cfg.task)})
     loop = asyncio.get_running_loop()
 

@@ -1,14 +1,40 @@
-"""Runs inside vLLM's worker processes: the entry point for a weight update.
+"""Runs inside vLLM's processes: the plugin vLLM loads in each of them, and the worker's entry point
+for a weight update.
 
 Tensors cannot travel through `collective_rpc` in multiprocess mode (they do not pickle), so
 each weight channel sends only what its worker side needs (a file path, an address) and loads
-the tensors itself, through the layer-wise reload that works on every backend.
+the tensors itself (`tidal.broker.weights.base.load_into_model`).
 """
 from __future__ import annotations
 
-from tidal.broker.weights.base import RELOAD_LOGGER, quiet_harmless_reload_warnings
+import logging
+import os
 
-__all__ = ["RELOAD_LOGGER", "TidalWorker", "quiet_harmless_reload_warnings"]
+from tidal.broker.weights.base import RELOAD_LOGGER, quiet_harmless_reload_warnings, weight_layout
+
+__all__ = ["CPU_LINEAR_ENV", "RELOAD_LOGGER", "TidalWorker", "quiet_harmless_reload_warnings", "vllm_plugin"]
+
+CPU_LINEAR_ENV = "TIDAL_CPU_LINEAR"  # actor.vllm.cpu_linear, handed to vLLM's processes by the environment
+log = logging.getLogger("tidal.actor")
+
+
+def vllm_plugin() -> None:
+    """The `vllm.general_plugins` entry point: vLLM calls it in each of its processes before it
+    builds the model. Registers the tcp weight channel's engine, and keeps the CPU backend's
+    linear weights in their plain layout where the actor asked for it."""
+    from tidal.broker.weights import tcp
+
+    tcp.register_vllm_engine()
+    if os.environ.get(CPU_LINEAR_ENV) == "plain":
+        import vllm._custom_ops as ops
+
+        if hasattr(ops, "_supports_onednn"):
+            # the CPU backend re-lays a linear layer's weight out for oneDNN only where it says it supports
+            # oneDNN; without it the layer computes torch's linear on the weight as loaded
+            ops._supports_onednn = False
+        else:
+            log.warning("actor.vllm.cpu_linear=plain: this vLLM has no oneDNN switch; linear layers stay packed "
+                        "and each weight update re-packs them")
 
 
 class TidalWorker:
@@ -20,3 +46,8 @@ class TidalWorker:
 
         quiet_harmless_reload_warnings()  # in this worker process, where vLLM logs them
         return load_in_worker(self, transport, payload)
+
+    def tidal_weight_layout(self) -> str:
+        """How a weight update enters this worker's model: "copy" in place, or "reload" layer-wise
+        where kernels hold some weights in a layout of their own."""
+        return weight_layout(self.get_model())

@@ -282,8 +282,21 @@ class ScriptedEngine:
     async def transfer_weights(self, version: int, transport: str, update_info: dict) -> float:
         return await self.swap_weights(version, transport, update_info)  # vLLM's weight-transfer path
 
-    def reload_weights(self, weights_iterator) -> None:  # what the weight channel calls in a vLLM worker
-        self.loaded = dict(weights_iterator)
+    # what the weight channel's worker side reaches in a vLLM worker: the model, and its config
+    model_config = None
+
+    def get_model(self):
+        return self
+
+    def parameters(self):
+        return iter(())
+
+    def named_parameters(self):
+        return iter(())
+
+    def load_weights(self, weights) -> set[str]:
+        self.loaded = dict(weights)
+        return set(self.loaded)
 
     async def sample(self, prompt_tokens, n, params, request_id, max_tokens=None):
         import asyncio

@@ -162,9 +162,15 @@ class VllmConfig:
     gpu_memory_utilization: float = 0.9  # fraction of each GPU's memory the engine may take (weights + KV cache)
     tensor_parallel_size: int = 1  # GPUs one engine shards the model over
     max_model_len: int = 0  # longest prompt + completion the engine accepts; 0 = the model's own
+    # vLLM's CPU backend only: "packed" re-lays each linear layer's weight out for its GEMM kernel
+    # (faster generation; every weight update re-packs them all), "plain" keeps the weights as
+    # loaded (an update is copies in place, a shorter pause; generation somewhat slower)
+    cpu_linear: str = "packed"
     # any other AsyncEngineArgs field, e.g. {enable_chunked_prefill: true, swap_space: 8}
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
+
+CPU_LINEAR_LAYOUTS = ("packed", "plain")
 
 # engine arguments tidal sets itself: its correctness depends on them
 TIDAL_ENGINE_ARGS = ("model", "dtype", "seed", "logprobs_mode", "worker_extension_cls", "enable_prefix_caching",
@@ -645,6 +651,8 @@ def check_devices(cfg: RunConfig) -> None:
     _require(0 < vc.gpu_memory_utilization <= 1, "actor.vllm.gpu_memory_utilization", vc.gpu_memory_utilization,
              "must be in (0, 1]")
     _require(vc.max_model_len >= 0, "actor.vllm.max_model_len", vc.max_model_len, "must be >= 0 (0 = the model's)")
+    _require(vc.cpu_linear in CPU_LINEAR_LAYOUTS, "actor.vllm.cpu_linear", vc.cpu_linear,
+             f"expected {' or '.join(CPU_LINEAR_LAYOUTS)}")
     taken = sorted(set(vc.engine_kwargs) & set(TIDAL_ENGINE_ARGS))
     _require(not taken, "actor.vllm.engine_kwargs", taken,
              "tidal sets these engine arguments itself (use the actor.* / actor.vllm.* keys where there is one)")

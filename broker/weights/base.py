@@ -61,6 +61,105 @@ def bucket_problem(payload: memoryview, update: WeightUpdate) -> str | None:
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
+def weight_layout(model) -> str:
+    """"reload" where a kernel has moved some parameter's weights into a layout of its own and left
+    the parameter empty, else "copy"."""
+    return "reload" if any(param.numel() == 0 for param in model.parameters()) else "copy"
+
+
+def load_into_model(model, weights, model_config, payload=None, key=None) -> str:
+    """Load one version's (name, tensor) pairs into a vLLM model in place; returns how ("reload",
+    "copy" or "replay"). Where every parameter still holds its weights as loaded (GPU backends;
+    the CPU one with actor.vllm.cpu_linear: plain) the model's own `load_weights` copies them in;
+    when the tensors are views of one `payload` laid out as `key` says, those copies are recorded
+    once and replayed for later versions of the same layout. Where a kernel has re-laid a layer's
+    weight out in a layout of its own and left the parameter empty (the CPU backend's packed
+    linear layers), only the layer-wise reload can rebuild it."""
+    global _plan
+    quiet_harmless_reload_warnings()
+    if weight_layout(model) == "reload":
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        initialize_layerwise_reload(model)
+        model.load_weights(weights)
+        finalize_layerwise_reload(model, model_config)
+        return "reload"
+    if payload is not None and _plan is not None and _plan.key == key and _plan.replay(model, payload):
+        return "replay"
+    expected = {name for name, _ in model.named_parameters()}
+    if payload is None:
+        loaded = model.load_weights(weights)
+    else:
+        loaded, _plan = CopyPlan.record(model, weights, payload, key)
+    missing = sorted(expected - set(expected if loaded is None else loaded))
+    if missing:  # the learner sends every tensor: a short update is a bug, and must not pass quietly
+        _plan = None
+        raise ValueError(f"the weight update left {len(missing)} parameters of the engine's model unloaded "
+                         f"(e.g. {missing[:3]}); the engine now mixes two versions")
+    return "copy"
+
+
+class CopyPlan:
+    """The copies a model's `load_weights` makes from one payload's layout into its parameters
+    (slices of a fused qkv or gate-up weight included), recorded as they happen and replayed for
+    later versions: the same bytes move, without the loader's Python per tensor. Recorded only
+    when every change the loader makes is such a copy from the payload or a constant fill (an
+    embedding's padded rows); any other in-place op leaves the model to its own loader."""
+
+    def __init__(self, key, model, copies: list):
+        self.key = key
+        self.params = [p.data_ptr() for p in model.parameters()]  # a parameter moved elsewhere: plan void
+        # (destination view, source dtype, offset in its elements, shape, stride), or for a constant
+        # the loader writes: (destination view, None, the value, None, None)
+        self.copies = copies
+
+    @classmethod
+    def record(cls, model, weights, payload, key) -> tuple[set | None, CopyPlan | None]:
+        """(what `load_weights` returns, the plan or None) from loading `weights`, views of `payload`."""
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        source = payload.untyped_storage().data_ptr()
+        targets = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        copies, other = [], []
+
+        class Recorder(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                into_model = bool(args) and isinstance(args[0], torch.Tensor) \
+                    and args[0].untyped_storage().data_ptr() in targets
+                if into_model and func is torch.ops.aten.copy_.default \
+                        and args[1].untyped_storage().data_ptr() == source:
+                    src = args[1]
+                    copies.append((args[0], src.dtype, src.storage_offset(), tuple(src.shape), tuple(src.stride())))
+                elif into_model and func is torch.ops.aten.fill_.Scalar:  # e.g. an embedding's padded rows
+                    copies.append((args[0], None, args[1], None, None))
+                elif func._schema.is_mutable:
+                    other.append(func)
+                return func(*args, **(kwargs or {}))
+
+        with Recorder():
+            loaded = model.load_weights(weights)
+        usable = copies and not other and payload.storage_offset() == 0
+        return loaded, cls(key, model, copies) if usable else None
+
+    def replay(self, model, payload) -> bool:
+        """The recorded copies from `payload`; False (nothing done) if the parameters have moved."""
+        if [p.data_ptr() for p in model.parameters()] != self.params or payload.storage_offset() != 0:
+            return False
+        typed = {}
+        for target, dtype, offset, shape, stride in self.copies:
+            if dtype is None:
+                target.fill_(offset)  # a constant the loader wrote (offset holds the value)
+                continue
+            if dtype not in typed:
+                typed[dtype] = payload.view(dtype)
+            target.copy_(typed[dtype].as_strided(shape, stride, offset))
+        return True
+
+
+_plan: CopyPlan | None = None  # in a vLLM worker: the newest layout's plan (one model per worker)
+
+
 class _RotaryReloadFilter(logging.Filter):
     """On every weight reload vLLM warns "RotaryEmbedding: Failed to load weights" once per layer:
     the rotary cos/sin cache is a buffer computed from the config, never in a checkpoint, and vLLM

@@ -1,9 +1,8 @@
 """The file weight channel: the learner writes a safetensors file per version (temp file, then
 rename) into a folder the actors can read (/dev/shm on one machine, a shared volume on a
 cluster) and announces it with a crc32 per byte range (`weights.bucket_mib`), never one hash of
-the whole file; each actor checks the file's ranges on several threads and its workers
-reload it layer-wise, the path that works on every vLLM backend (the CPU one repacks its linear
-layers, so a plain `load_weights` fails there).
+the whole file; each actor checks the file's ranges on several threads and its workers load it
+in place (`base.load_into_model`).
 """
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ import struct
 from pathlib import Path
 
 from tidal.broker.schema import TensorSpec, WeightUpdate
-from tidal.broker.weights.base import WeightPublisher, WeightReceiver, bucket_problem, split_buckets
+from tidal.broker.weights.base import WeightPublisher, WeightReceiver, bucket_problem, load_into_model, split_buckets
 from tidal.config import WeightsConfig
 
 TRANSPORT = "file"
@@ -128,7 +127,7 @@ def verify_weight_file(update: WeightUpdate, weights_dir: str) -> Path:
 
 
 def load_in_worker(worker, path: str) -> float:
-    """In a vLLM worker: reload every tensor of the file at `path`; returns seconds spent."""
+    """In a vLLM worker: load every tensor of the file at `path`; returns seconds spent."""
     import time
 
     from safetensors import safe_open
@@ -136,5 +135,5 @@ def load_in_worker(worker, path: str) -> float:
     start = time.perf_counter()
     with safe_open(path, framework="pt") as f:
         weights = [(name, f.get_tensor(name)) for name in f.keys()]
-    worker.reload_weights(weights_iterator=weights)
+    load_into_model(worker.get_model(), weights, worker.model_config)
     return time.perf_counter() - start

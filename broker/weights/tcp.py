@@ -7,11 +7,11 @@ here in every vLLM process.
     learner  TcpPublisher.publish ─► payload (one buffer) + buckets (byte ranges, crc32 each) ─► WeightServer
     actor    TcpReceiver.apply ─► fetch every bucket over TCP, check it ─► staged payload (/dev/shm)
              engine.transfer_weights: pause(keep) ─► AsyncLLM.update_weights ─► TcpWeightTransferEngine
-             (in each worker: map the staged payload ─► layer-wise reload) ─► version label ─► resume
+             (in each worker: map the staged payload ─► load in place) ─► version label ─► resume
 
 With `weights.tcp_prefetch` off the workers fetch the buckets themselves, inside the pause. Every
-byte is fetched and checked before the reload starts: the layer-wise reload cannot be undone
-halfway, so a failed fetch leaves the engine on its current weights.
+byte is fetched and checked before the load starts: a load cannot be undone halfway, so a failed
+fetch leaves the engine on its current weights.
 """
 from __future__ import annotations
 
@@ -24,12 +24,13 @@ import struct
 import tempfile
 import threading
 import uuid
+import weakref
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from tidal.broker.schema import TensorSpec, WeightBucket, WeightUpdate
-from tidal.broker.weights.base import WeightPublisher, WeightReceiver, quiet_harmless_reload_warnings, split_buckets
+from tidal.broker.weights.base import WeightPublisher, WeightReceiver, load_into_model, split_buckets
 from tidal.config import WeightsConfig
 
 TRANSPORT = "tcp"
@@ -275,31 +276,61 @@ def staging_dir() -> Path:
     return Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
 
 
-def fetch_to_staging(update: WeightUpdate, timeout_s: float) -> Path:
-    """Fetch and check `update` into a file of its own that the actor's vLLM workers map; the
-    caller removes it. Nothing is left behind when the fetch fails."""
-    import torch
+class Staging:
+    """Where an actor prefetches each version for one engine's workers: one file, mapped once by the
+    actor and once by each worker and reused for every version of the same size. A fresh map costs
+    a page fault per 4 KiB on first read (tens of ms for a 400 MB model, inside the engine's pause);
+    a reused one costs nothing. The file's name is removed as soon as the workers hold their maps
+    (or the first load fails), so nothing is left behind; the memory goes with the last map."""
 
-    total = payload_bytes(update)
-    path = staging_dir() / f"tidal-weights-{os.getpid()}-v{update.version}-{uuid.uuid4().hex[:8]}.bin"
-    try:
-        # a shared map of the file, released with the tensor (an error's traceback may hold views of it)
-        staged = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
-        fetch(update, memoryview(staged.numpy()), timeout_s)
-    except BaseException:
-        path.unlink(missing_ok=True)
-        raise
-    return path
+    def __init__(self):
+        self.path: Path | None = None
+        self.buffer = None  # torch uint8 [total]: the actor's shared map
+        self.held = False  # the workers have mapped it, and its name is gone
+
+    def buffer_for(self, total: int):
+        import torch
+
+        if self.buffer is None or self.buffer.numel() != total:
+            self.drop()
+            self.path = staging_dir() / f"tidal-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
+            self.buffer = torch.from_file(str(self.path), shared=True, size=total, dtype=torch.uint8)
+        return self.buffer
+
+    def loaded(self) -> None:
+        """The workers loaded from it: they hold their maps from now on."""
+        if not self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = True
+
+    def failed(self) -> None:
+        """A fetch or load failed: a buffer the workers never held is dropped with its name."""
+        if not self.held:
+            self.drop()
+
+    def drop(self) -> None:
+        if self.path is not None and not self.held:
+            self.path.unlink(missing_ok=True)
+        self.path, self.buffer, self.held = None, None, False
+
+
+_worker_map: tuple[str, object] | None = None  # in a vLLM worker: (staged path, its map), kept across updates
 
 
 def map_staged(path: str, total: int):
-    """The staged payload as a uint8 tensor [total] over a private (copy-on-write) map of the file."""
+    """In a worker: the staged payload as a uint8 tensor [total] over a shared map of the file,
+    mapped on first sight and reused while the actor stages into the same file."""
+    global _worker_map
     import torch
 
-    size = os.stat(path).st_size
-    if size != total:
-        raise ValueError(f"staged weights {path} are {size} bytes, expected {total}")
-    return torch.from_file(path, shared=False, size=total, dtype=torch.uint8)
+    if _worker_map is None or _worker_map[0] != path:
+        size = os.stat(path).st_size
+        if size != total:
+            raise ValueError(f"staged weights {path} are {size} bytes, expected {total}")
+        _worker_map = (path, torch.from_file(path, shared=True, size=total, dtype=torch.uint8))
+    if _worker_map[1].numel() != total:
+        raise ValueError(f"staged weights {path} are {_worker_map[1].numel()} bytes, expected {total}")
+    return _worker_map[1]
 
 
 # ---- the actor's side ------------------------------------------------------------------------
@@ -309,19 +340,28 @@ class TcpReceiver(WeightReceiver):
 
     def __init__(self, cfg: WeightsConfig):
         self.cfg = cfg
+        self.staging: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its workers' Staging
+        self.lock = asyncio.Lock()  # one version at a time through a staging file
 
     async def apply(self, update: WeightUpdate, engine) -> float:
         if update.transport != TRANSPORT:
             raise ValueError(f"weights v{update.version} came by {update.transport!r}; this actor takes {TRANSPORT!r}")
         timeout_s = self.cfg.tcp_timeout_s
+        total = payload_bytes(update)  # a malformed announcement is refused before anything is fetched
         if not self.cfg.tcp_prefetch:
-            payload_bytes(update)  # a malformed announcement is refused before the engine pauses
             return await engine.transfer_weights(update.version, TRANSPORT, update_info(update, "", timeout_s))
-        path = await asyncio.to_thread(fetch_to_staging, update, timeout_s)
-        try:
-            return await engine.transfer_weights(update.version, TRANSPORT, update_info(update, str(path), timeout_s))
-        finally:
-            path.unlink(missing_ok=True)  # the workers' maps outlive the name until they drop them
+        async with self.lock:
+            staging = self.staging.setdefault(engine, Staging())
+            try:
+                buffer = staging.buffer_for(total)
+                await asyncio.to_thread(fetch, update, memoryview(buffer.numpy()), timeout_s)
+                info = update_info(update, str(staging.path), timeout_s)
+                paused = await engine.transfer_weights(update.version, TRANSPORT, info)
+            except BaseException:
+                staging.failed()
+                raise
+            staging.loaded()
+            return paused
 
 
 def update_info(update: WeightUpdate, staged: str, timeout_s: float) -> dict:
@@ -334,8 +374,9 @@ def update_info(update: WeightUpdate, staged: str, timeout_s: float) -> dict:
 
 # ---- inside each vLLM worker ------------------------------------------------------------------
 
-def received_tensors(info: TcpUpdateInfo) -> list[tuple[str, object]]:
-    """The tensors of one update: from the staged payload, or fetched here when nothing was staged."""
+def load_received(model, model_config, info: TcpUpdateInfo) -> str:
+    """Load one update into `model`: from the staged payload, or fetched here when nothing was
+    staged. The payload's layout (the manifest) keys the recorded copy plan. Returns how it loaded."""
     import msgspec
     import torch
 
@@ -346,16 +387,17 @@ def received_tensors(info: TcpUpdateInfo) -> list[tuple[str, object]]:
     else:
         payload = torch.empty(total, dtype=torch.uint8)
         fetch(update, memoryview(payload.numpy()), info.timeout_s)
-    return tensors_of(update.manifest, payload)
+    layout = tuple((s.name, s.dtype, s.shape, s.offset) for s in update.manifest)
+    return load_into_model(model, tensors_of(update.manifest, payload), model_config, payload=payload, key=layout)
 
 
 def load_in_worker(worker, info: dict) -> float:
     """Through tidal's own worker entry point (and the scripted engine of the tests): the same
-    tensors, loaded by the worker's layer-wise reload; returns seconds spent."""
+    tensors, loaded as the weight-transfer engine loads them; returns seconds spent."""
     import time
 
     start = time.perf_counter()
-    worker.reload_weights(weights_iterator=received_tensors(TcpUpdateInfo(**info)))
+    load_received(worker.get_model(), worker.model_config, TcpUpdateInfo(**info))
     return time.perf_counter() - start
 
 
@@ -372,8 +414,8 @@ class TcpUpdateInfo:
 
 
 class _TcpEngine:
-    """The worker side of the tcp channel in vLLM's weight-transfer API. The layer-wise reload runs
-    inside `receive_weights`, once every byte is in hand (the NCCL engines start it in
+    """The worker side of the tcp channel in vLLM's weight-transfer API. The load runs inside
+    `receive_weights`, once every byte is in hand (the NCCL engines start a layer-wise reload in
     `start_weight_update`, but a reload begun and then abandoned would leave the model broken)."""
 
     init_info_cls = TcpInitInfo
@@ -395,14 +437,8 @@ class _TcpEngine:
 
     def receive_weights(self, info: TcpUpdateInfo) -> None:
         import torch
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-        weights = received_tensors(info)
-        quiet_harmless_reload_warnings()
-        # the layer-wise reload: a plain load_weights fails on the CPU backend (repacked linear layers)
-        initialize_layerwise_reload(self.model)
-        self.model.load_weights(weights)
-        finalize_layerwise_reload(self.model, self.model_config)
+        load_received(self.model, self.model_config, info)
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
 
@@ -425,8 +461,8 @@ def __getattr__(name: str):
 
 
 def register_vllm_engine() -> None:
-    """The `vllm.general_plugins` entry point: vLLM calls it in each of its processes, and the
-    engine class is imported only where vLLM creates one (in the workers)."""
+    """Called by tidal's vLLM plugin in each of vLLM's processes; the engine class is imported only
+    where vLLM creates one (in the workers)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     try:

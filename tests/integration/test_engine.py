@@ -57,8 +57,10 @@ def engine(exported):
     async def start():
         from tidal.broker.weights import tcp
 
-        e = Engine(load_config(ROOT / "configs/tiny.yaml").actor, str(exported[0]), "float32",
-                   weight_transfer=tcp.VLLM_BACKEND)
+        # plain CPU linear layers: updates are copied in place (the packed layout's layer-wise reload
+        # is what every end-to-end run exercises)
+        actor = load_config(ROOT / "configs/tiny.yaml", ["actor.vllm.cpu_linear=plain"]).actor
+        e = Engine(actor, str(exported[0]), "float32", weight_transfer=tcp.VLLM_BACKEND)
         await e.set_version(0)
         return e
 
@@ -175,6 +177,7 @@ def test_a_version_published_over_tcp_reaches_the_engine_exactly_while_a_request
     import time
 
     folder, policy = exported
+    assert on_engine(engine, engine.weight_layout()) == "copy"  # actor.vllm.cpu_linear=plain took effect
     new_policy = perturbed(policy, seed=7)
     publisher, receiver = tcp_channel()
     try:

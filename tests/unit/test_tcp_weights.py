@@ -46,6 +46,23 @@ def test_published_weights_reach_the_engine_exactly(served, prefetch):
     assert staged_files() == set()  # the prefetched payload is gone once loaded
 
 
+def test_later_versions_reuse_the_staging_map_and_a_failed_fetch_spoils_none(served):
+    """The workers map the staging file once; its name is gone after the first load, and a fetch
+    that fails half-way into the reused buffer leaves the engine, and the next version, whole."""
+    publisher, update, state, tokenizer = served
+    engine, receiver = ScriptedEngine(tokenizer), build_receiver(config())
+    asyncio.run(receiver.apply(update, engine))
+    mapped = tcp._worker_map[1]
+    assert staged_files() == set()
+    moved = {k: v + 1 for k, v in state.items()}
+    dying = DyingWeightServer(publisher.server.versions[3].view, update.buckets, cut_at=2, sent=1000)
+    with pytest.raises(ConnectionError, match="connection closed after 1000 of 4096 bytes"):
+        asyncio.run(receiver.apply(msgspec.structs.replace(update, version=4, location=dying.location), engine))
+    asyncio.run(receiver.apply(publisher.publish(moved, version=5), engine))
+    assert engine.swaps == [3, 5] and tcp._worker_map[1] is mapped
+    assert all(torch.equal(engine.loaded[k], v) for k, v in moved.items())
+
+
 def test_buckets_tile_the_payload_and_each_carries_its_crc(served):
     publisher, update, state, _ = served
     payload = publisher.server.versions[3].view

@@ -71,3 +71,58 @@ def test_a_damaged_range_of_the_file_is_refused_by_name(published):
     with pytest.raises(ValueError, match="carries no checksums"):
         asyncio.run(build_receiver(cfg).apply(msgspec.structs.replace(update, buckets=[]), engine))
     assert engine.swaps == []
+
+
+class TwoLayers(torch.nn.Module):
+    """A model with vLLM's `load_weights` contract: copies what it is given, returns the names loaded."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)
+
+    def load_weights(self, weights) -> set[str]:
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            params[name].data.copy_(tensor)
+        return {name for name, _ in weights}
+
+
+def test_a_model_with_its_weights_in_place_takes_an_update_by_copies_and_a_short_one_is_refused():
+    from tidal.broker.weights.base import load_into_model, weight_layout
+
+    model, source = TwoLayers(), TwoLayers()
+    assert weight_layout(model) == "copy"
+    assert load_into_model(model, list(source.state_dict().items()), model_config=None) == "copy"
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), source.parameters()))
+    short = [(k, v) for k, v in source.state_dict().items() if not k.startswith("b.")]
+    with pytest.raises(ValueError, match=r"left 2 parameters .* unloaded \(e.g. \['b.bias', 'b.weight'\]\)"):
+        load_into_model(model, short, model_config=None)
+    model.b.weight = torch.nn.Parameter(torch.empty(0))  # what a kernel with a layout of its own leaves behind
+    assert weight_layout(model) == "reload"
+
+
+def test_copies_from_one_payload_layout_are_recorded_once_and_replayed_exactly():
+    from tidal.broker.weights import base
+    from tidal.broker.weights.tcp import pack, tensors_of
+
+    def load(model, state) -> str:
+        payload, manifest = pack(state)
+        key = tuple((s.name, s.offset) for s in manifest)
+        return base.load_into_model(model, tensors_of(manifest, payload), None, payload=payload, key=key)
+
+    base._plan = None
+    model, first, second = TwoLayers(), TwoLayers(), TwoLayers()
+    assert load(model, first.state_dict()) == "copy"
+    assert load(model, second.state_dict()) == "replay"
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), second.parameters()))
+
+    class Scaling(TwoLayers):  # a loader that changes a weight after copying it: nothing to replay
+        def load_weights(self, weights):
+            loaded = super().load_weights(weights)
+            self.a.weight.data.mul_(2)
+            return loaded
+
+    base._plan = None
+    scaled = Scaling()
+    assert [load(scaled, first.state_dict()), load(scaled, second.state_dict())] == ["copy", "copy"]
+    assert torch.equal(scaled.a.weight, 2 * second.a.weight) and torch.equal(scaled.b.weight, second.b.weight)
