@@ -4,7 +4,9 @@
              broker) against AsyncLLM.generate of the same prompts on the same engine      goal >= 0.9
     weights  the engine's pause per weight update and the learner's time per push, for the file
              channel and the tcp one (its fetch before the pause, and inside it), against a memcpy
-             of the same bytes; for the run's model and a ~100M-parameter one
+             of the same bytes; for the run's model and a ~100M-parameter one, on an engine per
+             CPU linear layout (actor.vllm.cpu_linear), with each layout's generation speed
+             (goal: tcp pause <= 2x memcpy and below the file channel's)
     broker   groups/s through tidal's transports (zmq, redis) against raw pyzmq / redis-py moving
              the same frames the same way (request, grant, rollout, acknowledge)        goal >= 0.5
 
@@ -382,27 +384,62 @@ async def measure_channels(engine, channels: dict, state: dict, repeats: int, fl
     return times, floors
 
 
+async def generation_rate(engine, prompt: list[int], groups: int = 16, n: int = 8, tokens: int = 64) -> float:
+    """Generated tokens/s for `groups` requests of `n` samples of `tokens` tokens (fewer where the
+    model's length ends them), all at once."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(n=n, temperature=1.0, max_tokens=tokens, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def one(request_id: str) -> int:
+        # FINAL_ONLY: one output, when the request is done
+        outs = [out async for out in engine._llm.generate({"prompt_token_ids": prompt}, params, request_id=request_id)]
+        return sum(len(c.token_ids) for c in outs[-1].outputs)
+
+    start = time.perf_counter()
+    generated = await asyncio.gather(*(one(f"rate-{time.monotonic_ns()}-{i}") for i in range(groups)))
+    return sum(generated) / (time.perf_counter() - start)
+
+
 async def weights_case(cfg, label: str, repeats: int) -> list[dict]:
     """Push (learner) and pause (engine) per update through each weight channel, against a memcpy
-    of the same bytes, on one idle engine; one record per channel."""
+    of the same bytes, on idle engines, one per CPU linear layout (actor.vllm.cpu_linear), which
+    also take turns generating the same tokens: one record per layout and channel, one per layout pair."""
+    from dataclasses import replace
+
     import torch
     from transformers import AutoModelForCausalLM
 
     from tidal.actor.engine import Engine
     from tidal.broker.weights.file import unshared
     from tidal.broker.weights.tcp import VLLM_BACKEND
+    from tidal.config import CPU_LINEAR_LAYOUTS
 
     state = AutoModelForCausalLM.from_pretrained(cfg.model.path, torch_dtype=torch.float32).state_dict()
     sent = unshared(state, getattr(torch, cfg.model.dtype))  # the bytes that travel
     copies = {name: torch.empty_like(t) for name, t in sent.items()}
     channels = weight_channels(cfg)
-    engine = Engine(cfg.actor, cfg.model.path, cfg.model.dtype, weight_transfer=VLLM_BACKEND)
+    engines, by = {}, {}
     try:
-        await engine.set_version(0)
+        for layout in CPU_LINEAR_LAYOUTS:
+            actor = replace(cfg.actor, vllm=replace(cfg.actor.vllm, cpu_linear=layout))
+            engines[layout] = Engine(actor, cfg.model.path, cfg.model.dtype, weight_transfer=VLLM_BACKEND)
+            await engines[layout].set_version(0)
+            by[layout] = await engines[layout].weight_layout()  # "reload" or "copy": the layout took effect
+            await generation_rate(engines[layout], [5, 6, 7, 8], groups=2)  # warm-up
         floor = lambda: min(copy_all(sent, copies) for _ in range(3))  # the floor, as a reference
-        times, floors = await measure_channels(engine, channels, state, repeats, floor)
+        times, floors, rates = {}, [], {layout: [] for layout in engines}
+        for _ in range(repeats):
+            for layout, engine in engines.items():
+                rates[layout].append(await generation_rate(engine, [5, 6, 7, 8]))
+        for layout, engine in engines.items():
+            times[layout], layout_floors = await measure_channels(engine, channels, state, repeats, floor)
+            floors += layout_floors
     finally:
-        engine.shutdown()
+        for engine in engines.values():
+            engine.shutdown()
         for publisher, _ in channels.values():
             publisher.close()
     memcpy = statistics.median(floors)
@@ -410,12 +447,22 @@ async def weights_case(cfg, label: str, repeats: int) -> list[dict]:
               "bytes": sum(t.numel() * t.element_size() for t in sent.values()), "dtype": cfg.model.dtype,
               "memcpy_s": round(memcpy, 5), "repeats": repeats}
     records = []
-    for name, values in times.items():
-        med = {key: statistics.median(v) for key, v in values.items()}
-        records.append(common | {
-            "channel": name, "push_s": round(med["push"], 4), "actor_apply_s": round(med["apply"], 4),
-            "engine_pause_s": round(med["pause"], 4), "pause_over_memcpy": round(med["pause"] / memcpy, 1),
-            "push_over_memcpy": round(med["push"] / memcpy, 1)})
+    for layout, by_channel in times.items():
+        for name, values in by_channel.items():
+            med = {key: statistics.median(v) for key, v in values.items()}
+            records.append(common | {
+                "cpu_linear": layout, "updates_by": by[layout], "channel": name, "push_s": round(med["push"], 4),
+                "actor_apply_s": round(med["apply"], 4), "engine_pause_s": round(med["pause"], 4),
+                "pause_over_memcpy": round(med["pause"] / memcpy, 2),
+                "push_over_memcpy": round(med["push"] / memcpy, 1),
+                "goal": "tcp pause <= 2x memcpy and < file pause"})
+    rate = {layout: statistics.median(values) for layout, values in rates.items()}
+    records.append({"bench": "weights_layout", "model": label, "requests": "16 x 8 samples x 64 tokens",
+                    **{f"{layout}_tokens_per_s": round(r, 1) for layout, r in rate.items()},
+                    "plain_over_packed_tokens_per_s": round(rate["plain"] / rate["packed"], 3),
+                    "plain_over_packed_tcp_pause": round(statistics.median(times["plain"]["tcp"]["pause"])
+                                                         / statistics.median(times["packed"]["tcp"]["pause"]), 3),
+                    "repeats": repeats})
     return records
 
 
