@@ -44,8 +44,7 @@ class TidalWorker:
         """Load one version by the named weight channel's means; returns seconds spent."""
         from tidal.broker.weights import load_in_worker
 
-        quiet_harmless_reload_warnings()  # in this worker process, where vLLM logs them
-        return load_in_worker(self, transport, payload)
+        return load_in_worker(self, transport, payload)  # quiets the harmless reload warnings in this process
 
     def tidal_weight_layout(self) -> str:
         """How a weight update enters this worker's model: "copy" in place, or "reload" layer-wise

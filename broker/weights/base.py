@@ -109,8 +109,8 @@ class CopyPlan:
     def __init__(self, key, model, copies: list):
         self.key = key
         self.params = [p.data_ptr() for p in model.parameters()]  # a parameter moved elsewhere: plan void
-        # (destination view, source dtype, offset in its elements, shape, stride), or for a constant
-        # the loader writes: (destination view, None, the value, None, None)
+        # in the loader's order, (destination view, source): the source is (dtype, offset in its
+        # elements, shape, stride) of a payload view, or a constant the loader filled in
         self.copies = copies
 
     @classmethod
@@ -130,9 +130,9 @@ class CopyPlan:
                 if into_model and func is torch.ops.aten.copy_.default \
                         and args[1].untyped_storage().data_ptr() == source:
                     src = args[1]
-                    copies.append((args[0], src.dtype, src.storage_offset(), tuple(src.shape), tuple(src.stride())))
+                    copies.append((args[0], (src.dtype, src.storage_offset(), tuple(src.shape), tuple(src.stride()))))
                 elif into_model and func is torch.ops.aten.fill_.Scalar:  # e.g. an embedding's padded rows
-                    copies.append((args[0], None, args[1], None, None))
+                    copies.append((args[0], args[1]))
                 elif func._schema.is_mutable:
                     other.append(func)
                 return func(*args, **(kwargs or {}))
@@ -147,10 +147,11 @@ class CopyPlan:
         if [p.data_ptr() for p in model.parameters()] != self.params or payload.storage_offset() != 0:
             return False
         typed = {}
-        for target, dtype, offset, shape, stride in self.copies:
-            if dtype is None:
-                target.fill_(offset)  # a constant the loader wrote (offset holds the value)
+        for target, source in self.copies:
+            if not isinstance(source, tuple):
+                target.fill_(source)
                 continue
+            dtype, offset, shape, stride = source
             if dtype not in typed:
                 typed[dtype] = payload.view(dtype)
             target.copy_(typed[dtype].as_strided(shape, stride, offset))

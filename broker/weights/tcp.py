@@ -94,9 +94,11 @@ def payload_bytes(update: WeightUpdate) -> int:
     return end
 
 
-def tensors_of(manifest: list[TensorSpec], payload) -> list[tuple[str, object]]:
-    """Views into `payload` (uint8 [total]), one per tensor of the manifest: nothing is copied."""
-    return [(s.name, payload[s.offset:s.offset + s.nbytes].view(torch_dtype(s.dtype)).view(s.shape)) for s in manifest]
+def tensors_of(manifest: list[TensorSpec], payload):
+    """(name, view into `payload`) per tensor of the manifest, made as they are asked for (a
+    replayed copy plan asks for none): nothing is copied."""
+    return ((s.name, payload[s.offset:s.offset + s.nbytes].view(torch_dtype(s.dtype)).view(s.shape))
+            for s in manifest)
 
 
 # ---- the learner's side ------------------------------------------------------------------------
@@ -323,13 +325,11 @@ def map_staged(path: str, total: int):
     global _worker_map
     import torch
 
-    if _worker_map is None or _worker_map[0] != path:
+    if _worker_map is None or _worker_map[0] != path:  # the actor stages each size under a new name
         size = os.stat(path).st_size
         if size != total:
             raise ValueError(f"staged weights {path} are {size} bytes, expected {total}")
         _worker_map = (path, torch.from_file(path, shared=True, size=total, dtype=torch.uint8))
-    if _worker_map[1].numel() != total:
-        raise ValueError(f"staged weights {path} are {_worker_map[1].numel()} bytes, expected {total}")
     return _worker_map[1]
 
 
