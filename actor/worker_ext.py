@@ -20,11 +20,11 @@ log = logging.getLogger("tidal.actor")
 
 def vllm_plugin() -> None:
     """The `vllm.general_plugins` entry point: vLLM calls it in each of its processes before it
-    builds the model. Registers the tcp weight channel's engine, and keeps the CPU backend's
-    linear weights in their plain layout where the actor asked for it."""
-    from tidal.broker.weights import tcp
+    builds the model. Registers tidal's weight-transfer engine (the network channels'), and keeps
+    the CPU backend's linear weights in their plain layout where the actor asked for it."""
+    from tidal.broker.weights import vllm_engine
 
-    tcp.register_vllm_engine()
+    vllm_engine.register_vllm_engine()
     if os.environ.get(CPU_LINEAR_ENV) == "plain":
         import vllm._custom_ops as ops
 

@@ -3,7 +3,8 @@
     actor    generated tokens/s: tidal's actor loop (grants, rewards, rollouts over the in-process
              broker) against AsyncLLM.generate of the same prompts on the same engine      goal >= 0.9
     weights  the engine's pause per weight update and the learner's time per push, for the file
-             channel and the tcp one (its fetch before the pause, and inside it), against a memcpy
+             channel, the tcp one (its fetch before the pause, and inside it) and the collective
+             one over gloo (a broadcast into the worker inside the pause), against a memcpy
              of the same bytes; for the run's model and a ~100M-parameter one, on an engine per
              CPU linear layout (actor.vllm.cpu_linear), with each layout's generation speed
              (goal: tcp pause <= 2x memcpy and below the file channel's)
@@ -349,17 +350,20 @@ def copy_all(sources: dict, targets: dict) -> float:
 
 
 def weight_channels(cfg) -> dict:
-    """name -> (publisher, receiver): the file channel, and the tcp one with its fetch before the
-    engine's pause (the default) and inside it."""
+    """name -> (publisher, receiver): the file channel, the tcp one with its fetch before the
+    engine's pause (the default) and inside it, and the collective one over gloo (a broadcast into
+    the worker, inside the pause: NCCL's path on CPU)."""
     from dataclasses import replace
 
+    from tidal.broker.weights.collective import CollectivePublisher, CollectiveReceiver
     from tidal.broker.weights.tcp import TcpPublisher, TcpReceiver
     from tidal.config import WeightsConfig
 
-    tcp_cfg = WeightsConfig(transport="tcp")
+    tcp_cfg, gloo_cfg = WeightsConfig(transport="tcp"), WeightsConfig(transport="gloo")
     tcp_publisher = TcpPublisher(tcp_cfg, "bench", dtype=cfg.model.dtype)
     return {"file": file_channel(cfg), "tcp": (tcp_publisher, TcpReceiver(tcp_cfg)),
-            "tcp_fetch_in_pause": (tcp_publisher, TcpReceiver(replace(tcp_cfg, tcp_prefetch=False)))}
+            "tcp_fetch_in_pause": (tcp_publisher, TcpReceiver(replace(tcp_cfg, tcp_prefetch=False))),
+            "gloo": (CollectivePublisher(gloo_cfg, "bench", dtype=cfg.model.dtype), CollectiveReceiver(gloo_cfg))}
 
 
 async def measure_channels(engine, channels: dict, state: dict, repeats: int, floor) -> tuple[dict, list]:
@@ -414,7 +418,7 @@ async def weights_case(cfg, label: str, repeats: int) -> list[dict]:
 
     from tidal.actor.engine import Engine
     from tidal.broker.weights.file import unshared
-    from tidal.broker.weights.tcp import VLLM_BACKEND
+    from tidal.broker.weights.vllm_engine import VLLM_BACKEND
     from tidal.config import CPU_LINEAR_LAYOUTS
 
     state = AutoModelForCausalLM.from_pretrained(cfg.model.path, torch_dtype=torch.float32).state_dict()

@@ -276,14 +276,16 @@ class WeightBucket(msgspec.Struct, frozen=True):
 
 class WeightUpdate(Message, tag="weight_update"):
     version: Version
-    transport: Annotated[str, Meta(max_length=32)]  # "file" | "tcp"
-    location: Annotated[str, Meta(max_length=4096)]  # file: path of the safetensors file; tcp: the learner's host:port
-    manifest: Annotated[list[TensorSpec], Meta(max_length=1_000_000)]  # tcp: offsets inside the payload
+    transport: Annotated[str, Meta(max_length=32)]  # "file" | "tcp" | "gloo" | "nccl"
+    # file: path of the safetensors file; the network channels: the learner's host:port
+    location: Annotated[str, Meta(max_length=4096)]
+    manifest: Annotated[list[TensorSpec], Meta(max_length=1_000_000)]  # network channels: offsets inside the payload
     checksum: Annotated[str, Meta(max_length=128)]  # unused ("", see buckets); kept for the wire's sake
     # which learner process announced it: a resumed learner counts versions again from its
     # checkpoint, and actors that outlived the crash must load those over higher, abandoned ones
     incarnation: Annotated[str, Meta(max_length=64)] = ""
-    # the payload's (tcp) or file's (file) byte ranges in order, each with its own crc32
+    # the payload's (network channels) or file's (file) byte ranges in order, each with its own
+    # crc32 (0 and unchecked for nccl, whose payload never leaves the GPUs)
     buckets: Annotated[list[WeightBucket], Meta(max_length=1_000_000)] = []
 
 

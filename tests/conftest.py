@@ -295,7 +295,7 @@ class ScriptedEngine:
         return iter(())
 
     def load_weights(self, weights) -> set[str]:
-        self.loaded = dict(weights)
+        self.loaded = {name: t.clone() for name, t in weights}  # a model copies into its parameters
         return set(self.loaded)
 
     async def sample(self, prompt_tokens, n, params, request_id, max_tokens=None):

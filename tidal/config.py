@@ -257,13 +257,15 @@ class WeightsConfig:
 
     dir: str = ""  # where weight files are written; empty = a folder of this run's own in /dev/shm
     keep: int = 3  # weight files kept; older ones are deleted (at least 2: an actor may still be reading one)
-    # file: a safetensors file per version in weights.dir; tcp: each actor pulls every version from the learner's memory
+    # file: a safetensors file per version in weights.dir; tcp: each actor pulls every version from the
+    # learner's memory; nccl (GPU) | gloo (CPU): each vLLM worker receives every version by broadcast
     transport: str = "file"
-    tcp_host: str = "127.0.0.1"  # tcp: the interface the learner serves weights on (0.0.0.0: every interface)
-    tcp_port: int = 0  # tcp: the learner's port for weights; 0 = any free port (announced with each version)
-    tcp_advertise: str = ""  # tcp: the host actors dial; empty = tcp_host (this machine's name when it is 0.0.0.0)
-    bucket_mib: int = 64  # a version is checked (and over tcp sent) in byte ranges of this size, each with a crc32
-    tcp_timeout_s: float = 30.0  # tcp: an actor gives up on a learner that sends nothing for this long
+    # the network channels (tcp, nccl, gloo):
+    tcp_host: str = "127.0.0.1"  # the interface the learner serves weights on (0.0.0.0: every interface)
+    tcp_port: int = 0  # the learner's port for weights (control, for nccl/gloo); 0 = any free port (announced)
+    tcp_advertise: str = ""  # the host actors dial; empty = tcp_host (this machine's name when it is 0.0.0.0)
+    bucket_mib: int = 64  # a version is checked (and over the network sent) in byte ranges of this size
+    tcp_timeout_s: float = 30.0  # an actor gives up on a learner that sends nothing for this long
     tcp_prefetch: bool = True  # tcp: fetch a version before pausing the engine (false: inside the pause)
 
 

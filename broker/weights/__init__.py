@@ -6,16 +6,18 @@
 
 One module per transport holds all three sides (`file`: a safetensors file per version in a
 folder both sides can read; `tcp`: each actor pulls every version from the learner's memory and
-hands it to vLLM through vLLM's weight-transfer API). The broker only carries the announcements,
+hands it to vLLM through vLLM's weight-transfer API; `gloo` and `nccl`, the collective channel:
+each vLLM worker receives every version by broadcast from the learner, in a process group of its
+own, through the same API). The broker only carries the announcements,
 and they are the one way an actor hears of new weights: a joining actor is sent the current one first.
 """
 from __future__ import annotations
 
-from tidal.broker.weights import file, tcp
+from tidal.broker.weights import collective, file, tcp
 from tidal.broker.weights.base import WeightPublisher, WeightReceiver
 from tidal.config import WeightsConfig
 
-TRANSPORTS = {"file": file, "tcp": tcp}
+TRANSPORTS = {"file": file, "tcp": tcp, **{backend: collective for backend in collective.BACKENDS}}
 default_dir = file.default_dir  # where a run's weights live when weights.dir is empty
 
 __all__ = ["WeightPublisher", "WeightReceiver", "build_publisher", "build_receiver", "default_dir", "load_in_worker"]
@@ -25,24 +27,30 @@ def build_publisher(cfg: WeightsConfig, incarnation: str, run_name: str, run_dir
                     dtype: str | None = None) -> WeightPublisher:
     """`incarnation` names the learner process, so actors tell a resumed learner's versions apart;
     weights travel in `dtype`, what the actors serve (model.dtype)."""
-    if check_transport(cfg) == "tcp":
+    transport = check_transport(cfg)
+    if transport == "tcp":
         return tcp.TcpPublisher(cfg, incarnation, dtype=dtype)
+    if transport in collective.BACKENDS:
+        return collective.CollectivePublisher(cfg, incarnation, dtype=dtype)
     return file.FilePublisher(cfg, incarnation, owns_dir=cfg.dir == default_dir(run_name, run_dir), dtype=dtype)
 
 
 def build_receiver(cfg: WeightsConfig) -> WeightReceiver:
     """Its `vllm_backend` names the weight-transfer engine the actor's vLLM must be created with."""
-    return tcp.TcpReceiver(cfg) if check_transport(cfg) == "tcp" else file.FileReceiver(cfg)
+    transport = check_transport(cfg)
+    if transport in collective.BACKENDS:
+        return collective.CollectiveReceiver(cfg)
+    return tcp.TcpReceiver(cfg) if transport == "tcp" else file.FileReceiver(cfg)
 
 
 def check_transport(cfg: WeightsConfig) -> str:
     """The configured transport's name, once its keys are known to be usable."""
     if cfg.transport not in TRANSPORTS:
-        raise ValueError(f"config key 'weights.transport' = {cfg.transport!r}: expected {' or '.join(TRANSPORTS)}")
+        raise ValueError(f"config key 'weights.transport' = {cfg.transport!r}: expected one of {', '.join(TRANSPORTS)}")
     rules = {"bucket_mib": (cfg.bucket_mib >= 1, ">= 1"), "tcp_timeout_s": (cfg.tcp_timeout_s > 0, "> 0"),
              "tcp_port": (0 <= cfg.tcp_port < 65536, "in 0..65535 (0: any free port)")}
     for key, (ok, expected) in rules.items():
-        if cfg.transport == "tcp" and not ok:
+        if cfg.transport != "file" and not ok:  # the network channels' keys
             raise ValueError(f"config key 'weights.{key}' = {getattr(cfg, key)!r}: must be {expected}")
     return cfg.transport
 

@@ -16,7 +16,6 @@ fetch leaves the engine on its current weights.
 from __future__ import annotations
 
 import asyncio
-import functools
 import math
 import os
 import socket
@@ -31,10 +30,11 @@ from pathlib import Path
 
 from tidal.broker.schema import TensorSpec, WeightBucket, WeightUpdate
 from tidal.broker.weights.base import WeightPublisher, WeightReceiver, load_into_model, split_buckets
+from tidal.broker.weights.vllm_engine import VLLM_BACKEND, load_in_worker, update_info
 from tidal.config import WeightsConfig
 
 TRANSPORT = "tcp"
-VLLM_BACKEND = "tidal_tcp"  # the name the worker-side engine is registered under in vLLM
+__all__ = ["TcpPublisher", "TcpReceiver", "load_in_worker", "load_received", "pack", "payload_bytes", "tensors_of"]
 ALIGN_BYTES = 64  # each tensor starts on a 64-byte boundary of the payload, as CPU kernels like
 MAGIC = b"TDW1"
 REQUEST = struct.Struct("<4sQQ")  # magic, version, bucket index
@@ -55,9 +55,10 @@ def torch_dtype(name: str):
 
 # ---- the payload: one buffer per version ------------------------------------------------------
 
-def pack(named_tensors: dict, dtype: str | None = None):
-    """(payload [total] uint8, manifest): every tensor copied once, in `dtype` (None: as it is),
-    into one aligned buffer; tied tensors (lm_head = embed_tokens) travel under each name."""
+def pack(named_tensors: dict, dtype: str | None = None, device=None):
+    """(payload [total] uint8 on `device` (None: the CPU), manifest): every tensor copied once, in
+    `dtype` (None: as it is), into one aligned buffer; tied tensors (lm_head = embed_tokens) travel
+    under each name."""
     import torch
 
     target = getattr(torch, dtype) if dtype else None
@@ -71,7 +72,7 @@ def pack(named_tensors: dict, dtype: str | None = None):
         specs.append(TensorSpec(name=name, dtype=names[str(t_dtype).removeprefix("torch.")],
                                 shape=tuple(tensor.shape), offset=offset, nbytes=nbytes))
         offset += -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
-    payload = torch.empty(offset, dtype=torch.uint8)
+    payload = torch.empty(offset, dtype=torch.uint8, device=device)
     for spec, tensor in zip(specs, named_tensors.values()):
         view = payload[spec.offset:spec.offset + spec.nbytes].view(torch_dtype(spec.dtype)).view(spec.shape)
         view.copy_(tensor.detach())  # converts dtype and device on the way
@@ -106,7 +107,7 @@ def tensors_of(manifest: list[TensorSpec], payload):
 @dataclass(frozen=True)
 class Served:
     payload: object  # torch uint8 [total]; kept alive while a connection still sends from it
-    view: memoryview
+    view: memoryview | None  # the payload's bytes, where a socket sends them (host memory)
     buckets: list[WeightBucket]
 
 
@@ -144,26 +145,29 @@ class WeightServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            while (request := recv_exact(conn, REQUEST.size, eof_ok=True)) is not None:
-                magic, version, index = REQUEST.unpack(request)
-                if magic != MAGIC:
-                    conn.sendall(error_reply(BAD_REQUEST, f"not a tidal weight request (magic {magic!r})"))
-                    return
-                with self.lock:
-                    served, known = self.versions.get(version), sorted(self.versions)
-                if served is None or index >= len(served.buckets):
-                    what = f"version {version}" if served is None else f"bucket {index} of version {version}"
-                    conn.sendall(error_reply(NOT_SERVED, f"{what} is not served here (versions served: {known})"))
-                    continue
-                bucket = served.buckets[index]
-                conn.sendall(REPLY.pack(MAGIC, OK, bucket.nbytes))
-                conn.sendall(served.view[bucket.offset:bucket.offset + bucket.nbytes])
-        except OSError:
+            self._handle(conn)
+        except (OSError, RuntimeError):  # RuntimeError: a process group's peer went away or timed out
             pass  # the actor went away or stalled; it reports its own error, and the learner carries on
         finally:
             with self.lock:
                 self.connections.discard(conn)
             conn.close()
+
+    def _handle(self, conn: socket.socket) -> None:
+        while (request := recv_exact(conn, REQUEST.size, eof_ok=True)) is not None:
+            magic, version, index = REQUEST.unpack(request)
+            if magic != MAGIC:
+                conn.sendall(error_reply(BAD_REQUEST, f"not a tidal weight request (magic {magic!r})"))
+                return
+            with self.lock:
+                served, known = self.versions.get(version), sorted(self.versions)
+            if served is None or index >= len(served.buckets):
+                what = f"version {version}" if served is None else f"bucket {index} of version {version}"
+                conn.sendall(error_reply(NOT_SERVED, f"{what} is not served here (versions served: {known})"))
+                continue
+            bucket = served.buckets[index]
+            conn.sendall(REPLY.pack(MAGIC, OK, bucket.nbytes))
+            conn.sendall(served.view[bucket.offset:bucket.offset + bucket.nbytes])
 
     def close(self) -> None:
         """Stop serving: refuse new connections and cut the open ones (their actors see a reset)."""
@@ -181,6 +185,12 @@ class WeightServer:
             self.versions.clear()
 
 
+def advertised(cfg: WeightsConfig, port: int) -> str:
+    """host:port as the actors dial it."""
+    host = cfg.tcp_advertise or (socket.getfqdn() if cfg.tcp_host in ("0.0.0.0", "::", "") else cfg.tcp_host)
+    return f"{host}:{port}"
+
+
 def error_reply(status: int, text: str) -> bytes:
     body = text.encode()
     return REPLY.pack(MAGIC, status, len(body)) + body
@@ -194,8 +204,7 @@ class TcpPublisher(WeightPublisher):
         self.dtype = dtype  # what the actors serve: weights travel in it (master weights may be fp32)
         self.bucket_bytes = cfg.bucket_mib << 20
         self.server = WeightServer(cfg.tcp_host, cfg.tcp_port, max(cfg.keep, 2), cfg.tcp_timeout_s)
-        host = cfg.tcp_advertise or (socket.getfqdn() if cfg.tcp_host in ("0.0.0.0", "::", "") else cfg.tcp_host)
-        self.location = f"{host}:{self.server.port}"
+        self.location = advertised(cfg, self.server.port)
 
     def publish(self, named_tensors: dict, version: int) -> WeightUpdate:
         payload, manifest = pack(named_tensors, self.dtype)
@@ -349,13 +358,14 @@ class TcpReceiver(WeightReceiver):
         timeout_s = self.cfg.tcp_timeout_s
         total = payload_bytes(update)  # a malformed announcement is refused before anything is fetched
         if not self.cfg.tcp_prefetch:
-            return await engine.transfer_weights(update.version, TRANSPORT, update_info(update, "", timeout_s))
+            info = update_info(TRANSPORT, update, "", timeout_s)
+            return await engine.transfer_weights(update.version, TRANSPORT, info)
         async with self.lock:
             staging = self.staging.setdefault(engine, Staging())
             try:
                 buffer = staging.buffer_for(total)
                 await asyncio.to_thread(fetch, update, memoryview(buffer.numpy()), timeout_s)
-                info = update_info(update, str(staging.path), timeout_s)
+                info = update_info(TRANSPORT, update, str(staging.path), timeout_s)
                 paused = await engine.transfer_weights(update.version, TRANSPORT, info)
             except BaseException:
                 staging.failed()
@@ -364,19 +374,11 @@ class TcpReceiver(WeightReceiver):
             return paused
 
 
-def update_info(update: WeightUpdate, staged: str, timeout_s: float) -> dict:
-    """What `AsyncLLM.update_weights` carries to every worker (TcpUpdateInfo's fields): plain values
-    only, as it must serialize."""
-    import msgspec
-
-    return {"update": msgspec.to_builtins(update), "staged": staged, "timeout_s": timeout_s}
-
-
 # ---- inside each vLLM worker ------------------------------------------------------------------
 
-def load_received(model, model_config, info: TcpUpdateInfo) -> str:
+def load_received(model, model_config, info) -> str:
     """Load one update into `model`: from the staged payload, or fetched here when nothing was
-    staged. The payload's layout (the manifest) keys the recorded copy plan. Returns how it loaded."""
+    staged. Returns how it loaded."""
     import msgspec
     import torch
 
@@ -387,85 +389,11 @@ def load_received(model, model_config, info: TcpUpdateInfo) -> str:
     else:
         payload = torch.empty(total, dtype=torch.uint8)
         fetch(update, memoryview(payload.numpy()), info.timeout_s)
+    return load_payload(model, model_config, update, payload)
+
+
+def load_payload(model, model_config, update: WeightUpdate, payload) -> str:
+    """`payload`'s tensors into `model` in place; the payload's layout (the manifest) keys the
+    recorded copy plan. Returns how it loaded."""
     layout = tuple((s.name, s.dtype, s.shape, s.offset) for s in update.manifest)
     return load_into_model(model, tensors_of(update.manifest, payload), model_config, payload=payload, key=layout)
-
-
-def load_in_worker(worker, info: dict) -> float:
-    """Through tidal's own worker entry point (and the scripted engine of the tests): the same
-    tensors, loaded as the weight-transfer engine loads them; returns seconds spent."""
-    import time
-
-    start = time.perf_counter()
-    load_received(worker.get_model(), worker.model_config, TcpUpdateInfo(**info))
-    return time.perf_counter() - start
-
-
-@dataclass
-class TcpInitInfo:
-    """Nothing to set up: each update names its learner, and each fetch opens its own connection."""
-
-
-@dataclass
-class TcpUpdateInfo:
-    update: dict  # the WeightUpdate announcement, as plain values
-    staged: str = ""  # the prefetched payload's path; empty: fetch from the learner here
-    timeout_s: float = 30.0  # a worker fetching itself gives up on a learner silent this long
-
-
-class _TcpEngine:
-    """The worker side of the tcp channel in vLLM's weight-transfer API. The load runs inside
-    `receive_weights`, once every byte is in hand (the NCCL engines start a layer-wise reload in
-    `start_weight_update`, but a reload begun and then abandoned would leave the model broken)."""
-
-    init_info_cls = TcpInitInfo
-    update_info_cls = TcpUpdateInfo
-    supports_draft_weight_update = False
-
-    def init_transfer_engine(self, init_info: TcpInitInfo) -> None:
-        pass
-
-    def start_weight_update(self) -> None:
-        pass  # see the class docstring: nothing may change before the bytes are checked
-
-    def finish_weight_update(self) -> None:
-        pass
-
-    def update_weights(self, update_info: dict) -> None:
-        # the base class also synchronizes the accelerator, which raises on a CPU-only machine
-        self.receive_weights(self.parse_update_info(update_info))
-
-    def receive_weights(self, info: TcpUpdateInfo) -> None:
-        import torch
-
-        load_received(self.model, self.model_config, info)
-        if torch.accelerator.is_available():
-            torch.accelerator.synchronize()
-
-    def shutdown(self) -> None:
-        pass  # nothing held between updates: each fetch opens and closes its own connection
-
-
-@functools.cache
-def _vllm_engine_class() -> type:
-    from vllm.distributed.weight_transfer.base import WeightTransferEngine
-
-    return type("TcpWeightTransferEngine", (_TcpEngine, WeightTransferEngine), {"__module__": __name__})
-
-
-def __getattr__(name: str):
-    # vLLM imports the engine class by name; it is built on first use so the learner never imports vLLM
-    if name == "TcpWeightTransferEngine":
-        return _vllm_engine_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def register_vllm_engine() -> None:
-    """Called by tidal's vLLM plugin in each of vLLM's processes; the engine class is imported only
-    where vLLM creates one (in the workers)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-    try:
-        WeightTransferEngineFactory.register_engine(VLLM_BACKEND, __name__, "TcpWeightTransferEngine")
-    except ValueError:
-        pass  # registered already: vLLM may load the plugins of one process twice

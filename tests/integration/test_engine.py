@@ -5,7 +5,9 @@ and what the learner publishes over the tcp weight channel must reach it exactly
     cached tiny model ─► one training step ─► checkpoint ─► tidal export ─► vLLM engine (one, shared)
     learner's policy (perturbed) ─► TcpPublisher ─► TcpReceiver ─► vLLM weight-transfer API ─► engine
 
-The tcp tests come last and put the exported weights back (as version 0) when they are done.
+    learner's policy (perturbed) ─► CollectivePublisher ─► gloo broadcast into the engine's worker ─► engine
+
+The weight-channel tests come last and put the exported weights back (as version 0) when they are done.
 """
 import asyncio
 import copy
@@ -55,12 +57,12 @@ def engine(exported):
     thread.start()
 
     async def start():
-        from tidal.broker.weights import tcp
+        from tidal.broker.weights.vllm_engine import VLLM_BACKEND
 
         # plain CPU linear layers: updates are copied in place (the packed layout's layer-wise reload
         # is what every end-to-end run exercises)
         actor = load_config(ROOT / "configs/tiny.yaml", ["actor.vllm.cpu_linear=plain"]).actor
-        e = Engine(actor, str(exported[0]), "float32", weight_transfer=tcp.VLLM_BACKEND)
+        e = Engine(actor, str(exported[0]), "float32", weight_transfer=VLLM_BACKEND)
         await e.set_version(0)
         return e
 
@@ -129,7 +131,7 @@ def test_interruptions_on_the_real_engine_line_up_with_the_model(exported, engin
         assert s.version_spans == [(0, 0, s.num_tokens)]
 
 
-# ---- the tcp weight channel, through vLLM's weight-transfer API ---------------------------------
+# ---- the network weight channels, through vLLM's weight-transfer API ---------------------------
 
 def perturbed(policy, seed: int):
     """The policy one large step later: every parameter moved (the tied LM head with the embedding)."""
@@ -141,11 +143,11 @@ def perturbed(policy, seed: int):
     return new
 
 
-def tcp_channel(**keys):
+def channel(transport="tcp", **keys):
     from tidal.broker.weights import build_publisher, build_receiver
     from tidal.config import WeightsConfig
 
-    cfg = WeightsConfig(transport="tcp", bucket_mib=1, tcp_timeout_s=10.0, **keys)
+    cfg = WeightsConfig(transport=transport, bucket_mib=1, tcp_timeout_s=10.0, **keys)
     return build_publisher(cfg, "inc", "run", "/unused"), build_receiver(cfg)
 
 
@@ -156,7 +158,8 @@ async def update_in_flight(engine, prompt: list[int], receiver, update, after_to
 
     params = VllmSamplingParams(max_tokens=64 - len(prompt), ignore_eos=True, logprobs=0)
     swap, last = None, None
-    async for out in engine._llm.generate({"prompt_token_ids": prompt}, params, request_id="tcp-in-flight"):
+    request_id = f"in-flight-v{update.version}"
+    async for out in engine._llm.generate({"prompt_token_ids": prompt}, params, request_id=request_id):
         last = out.outputs[0]
         if swap is None and len(last.token_ids) >= after_tokens:
             swap = asyncio.ensure_future(receiver.apply(update, engine))
@@ -179,7 +182,7 @@ def test_a_version_published_over_tcp_reaches_the_engine_exactly_while_a_request
     folder, policy = exported
     assert on_engine(engine, engine.weight_layout()) == "copy"  # actor.vllm.cpu_linear=plain took effect
     new_policy = perturbed(policy, seed=7)
-    publisher, receiver = tcp_channel()
+    publisher, receiver = channel()
     try:
         start = time.perf_counter()
         update = publisher.publish(new_policy.state_dict(), version=7)
@@ -205,7 +208,7 @@ def test_a_learner_that_dies_mid_transfer_leaves_the_engine_serving_its_weights(
     """Prefetch: the actor's own fetch fails before the engine pauses. No prefetch: the workers'
     fetch fails inside the pause; the reload has not begun, so the engine resumes on its weights."""
     folder, policy = exported
-    publisher, receiver = tcp_channel(tcp_prefetch=prefetch)
+    publisher, receiver = channel(tcp_prefetch=prefetch)
     try:
         on_engine(engine, receiver.apply(publisher.publish(policy.state_dict(), version=8), engine))
         doomed = publisher.publish(perturbed(policy, seed=9).state_dict(), version=9)
@@ -219,3 +222,31 @@ def test_a_learner_that_dies_mid_transfer_leaves_the_engine_serving_its_weights(
     finally:
         publisher.close()
         on_engine(engine, engine.set_version(0))  # the exported weights again, under their own label
+
+
+def test_a_version_broadcast_over_gloo_reaches_the_engine_exactly_while_a_request_runs(exported, engine):
+    """The collective channel's worker side in a real vLLM worker process: it joins a gloo group with
+    this (learner) process inside the engine's pause, receives v10 by broadcast, loads it in flight;
+    a version the learner does not serve is refused by name and the engine keeps v10."""
+    folder, policy = exported
+    new_policy = perturbed(policy, seed=11)
+    publisher, receiver = channel("gloo")
+    try:
+        update = publisher.publish(new_policy.state_dict(), version=10)
+        out, paused_s = on_engine(engine, update_in_flight(engine, tokenize(folder, "12+34="), receiver, update, 8))
+        spans = [(int(s.version), s.start, s.end) for s in out.weight_versions]
+        print(f"\ngloo v10 ({tcp_payload_mib(update):.1f} MiB, {len(update.buckets)} buckets, group formed in the "
+              f"pause): engine paused {paused_s:.4f} s; in-flight request spans {spans}")
+        assert len(spans) == 2 and spans[1][0] == 10 and 8 <= spans[1][1] < spans[1][2] == 58
+        assert_serves(engine, folder, new_policy, 10, "gloo-after")
+        with pytest.raises(Exception, match=r"weights v11 .* by gloo: refused by the learner: version 11 is not"):
+            on_engine(engine, receiver.apply(msgspec.structs.replace(update, version=11), engine))
+        assert engine.version == 10
+        assert_serves(engine, folder, new_policy, 10, "gloo-refused")
+        update = publisher.publish(policy.state_dict(), version=12)  # the same group, the exported weights again
+        paused_s = on_engine(engine, receiver.apply(update, engine))
+        print(f"gloo v12 with the group formed: engine paused {paused_s:.4f} s")
+        assert_serves(engine, folder, policy, 12, "gloo-back")
+    finally:
+        publisher.close()
+        on_engine(engine, engine.set_version(0))

@@ -48,13 +48,14 @@ def test_two_ranks_make_the_same_update_as_one(tmp_path):
 
 
 # a sharded learner on two "machines" (two `tidal learner` commands, run folders apart) with one vLLM
-# actor fed over tcp: about a minute and a half on 2 cores
+# actor whose worker receives every version by gloo broadcast (the GPU overlay's nccl path, on CPU):
+# about a minute and a half on 2 cores
 def test_a_sharded_learner_on_two_nodes_trains_with_nothing_on_the_second_nodes_disk(tmp_path, tiny_model_path):
     root = Path(__file__).parents[2]
     run_dir, node1_dir = tmp_path / "node0-run", tmp_path / "node1-run"
     common = ["learner.num_ranks=2", "learner.nodes=2", "learner.master_addr=127.0.0.1",
               f"learner.master_port={free_port()}", "learner.fsdp.enabled=true", "learner.max_steps=8",
-              "eval.every=0", "checkpoint.every=4", "weights.transport=tcp"]  # as on Kubernetes: no shared folder
+              "eval.every=0", "checkpoint.every=4", "weights.transport=gloo"]  # as on Kubernetes: no shared folder
     node1 = subprocess.Popen([sys.executable, "-m", "tidal", "learner", str(root / "configs/tiny.yaml"),
                               f"run_dir={node1_dir}", "learner.node_rank=1", *common], cwd=root,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -73,7 +74,7 @@ def test_a_sharded_learner_on_two_nodes_trains_with_nothing_on_the_second_nodes_
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000004", "step-000008"]
     assert (run_dir / "model" / "config.json").is_file()
     assert list(node1_dir.rglob("*")) == []
-    # every version reached the actor over tcp, the first before it took work
+    # every version reached the actor's worker by broadcast, the first before it took work
     actor_log = (run_dir / "logs" / "actor-0.log").read_text()
     assert "weights v8 loaded" in actor_log and "caught up to weights v" in actor_log
 

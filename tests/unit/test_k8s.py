@@ -268,7 +268,7 @@ def test_pods_run_the_launchers_commands_on_the_mounted_config(rendered, overlay
     if role == "actor":
         assert (cfg.actor.id, cfg.actor.index) == ("tidal-actor-2", 2)
         assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
-    weights = ("tcp", "") if overlay in NETWORKED else ("file", "/weights")
+    weights = ("nccl", "") if overlay in NETWORKED else ("file", "/weights")
     assert (cfg.weights.transport, cfg.weights.dir) == weights
     # the probes read the file this process touches
     assert f"{role}.health_file=/tmp/tidal-health" in container["args"]

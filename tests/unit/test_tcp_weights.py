@@ -145,7 +145,7 @@ def test_the_actor_loop_survives_a_failed_load_and_takes_the_next_version(served
 
 
 def test_an_unknown_transport_names_the_key():
-    with pytest.raises(ValueError, match="'weights.transport' = 'tpc': expected file or tcp"):
+    with pytest.raises(ValueError, match="'weights.transport' = 'tpc': expected one of file, tcp, gloo, nccl"):
         build_receiver(WeightsConfig(transport="tpc"))
     with pytest.raises(ValueError, match="'weights.bucket_mib' = 0: must be >= 1"):
         build_receiver(config(bucket_mib=0))
