@@ -61,8 +61,10 @@ def prepare(cfg: RunConfig, redis_url: str | None = None) -> RunConfig:
 
 
 def start_children(cfg: RunConfig, placement: Placement, children: list[Child], resume: str | None = None) -> None:
-    """The learner first; the actors once it has bound its endpoints. Appends to `children`
-    as it goes, so the caller can stop whatever started if a later start fails."""
+    """The learner and the actors at once: an actor's start (vLLM's import, its engine) is most of
+    a run's start-up and needs nothing from the learner, whose ZeroMQ ports are chosen here and
+    handed to both (ZeroMQ connects once the learner binds). Appends to `children` as it goes, so
+    the caller can stop whatever started if a later start fails."""
     run_dir = Path(cfg.run_dir)
     (run_dir / "logs").mkdir(exist_ok=True)
     (run_dir / "endpoints.json").unlink(missing_ok=True)
@@ -70,8 +72,12 @@ def start_children(cfg: RunConfig, placement: Placement, children: list[Child], 
     learner_args = ["learner", config, *(["--resume", resume] if resume else [])]
     if cfg.learner.num_ranks > 1 and cfg.learner.nodes == 1:  # `tidal learner` starts its ranks with torchrun
         learner_args.append(f"learner.master_port={_free_port()}")  # two runs on one machine must not meet
+    ports = {}
+    if cfg.broker.type is BrokerType.zmq:
+        ports = {name: getattr(cfg.broker.zmq, f"{name}_port") or _free_port()
+                 for name in ("control", "rollout", "weights")}
+        learner_args += actor_endpoint_overrides(ports)
     children.append(_spawn("learner", "learner", learner_args, run_dir, placement.learner))
-    ports = wait_for_endpoints(run_dir, children[-1])
     for i, slot in enumerate(placement.actors):
         overrides = [f"actor.index={i}", *actor_endpoint_overrides(ports)]
         if slot.gpus is None and not cfg.actor.cpu_cores:
@@ -81,7 +87,7 @@ def start_children(cfg: RunConfig, placement: Placement, children: list[Child], 
 
 
 def actor_endpoint_overrides(ports: dict[str, int]) -> list[str]:
-    """What an actor needs beyond the run's config.yaml: the ports the learner bound (zmq only)."""
+    """What the learner and the actors need beyond the run's config.yaml: the learner's ports (zmq only)."""
     return [f"broker.zmq.{name}_port={port}" for name, port in ports.items()]
 
 
@@ -139,19 +145,6 @@ def _port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
         return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def wait_for_endpoints(run_dir: Path, learner: Child, timeout_s: float = 300.0) -> dict[str, int]:
-    path = run_dir / "endpoints.json"
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if learner.proc.poll() is not None:
-            raise LaunchError(f"learner exited with code {learner.proc.returncode} before binding its endpoints; "
-                              f"last lines of {learner.log_path}:\n{tail(learner.log_path)}")
-        if time.monotonic() > deadline:
-            raise LaunchError(f"learner did not bind its endpoints within {timeout_s:.0f} s; see {learner.log_path}")
-        time.sleep(0.2)
-    return json.loads(path.read_text())
 
 
 def _has_taskset() -> bool:
