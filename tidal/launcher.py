@@ -233,8 +233,13 @@ def _restart_actor(c: Child, code: int, cfg, run_dir: Path, bar) -> Child:
 
 
 def sweep_orphan_shm() -> None:
-    """Remove vLLM shared-memory segments (/dev/shm/psm_*) that no live process maps: a killed
-    engine never ran its cleanup, and each segment holds on to its memory until removed."""
+    """Remove vLLM shared-memory segments (/dev/shm/psm_*) that no live process maps, and weights
+    staged by actors that are gone: a killed engine or actor never ran its cleanup, and each
+    segment or file holds on to its memory until removed."""
+    from tidal.broker.weights.tcp import orphaned_staging
+
+    for path in orphaned_staging():
+        path.unlink(missing_ok=True)
     shm = Path("/dev/shm")
     segments = {p.name for p in shm.glob("psm_*")}
     if not segments:
@@ -324,6 +329,7 @@ def launch(cfg: RunConfig, resume: str | None = None) -> int:
         return 130
     finally:
         stop_children(children)
+        sweep_orphan_shm()  # what an actor killed for good (out of restarts) left behind
         if children:
             log_final_logs(Path(cfg.run_dir))
     print_summary(run_dir, time.monotonic() - start)

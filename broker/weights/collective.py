@@ -120,6 +120,10 @@ class GroupServer(WeightServer):
             conn.sendall(tcp.REPLY.pack(tcp.MAGIC, tcp.OK, 0))
             for bucket in served.buckets:
                 broadcast(group, served.payload[bucket.offset:bucket.offset + bucket.nbytes])
+            if served.payload.is_cuda:  # NCCL's wait() only orders streams: done here before the payload may go
+                import torch
+
+                torch.cuda.current_stream(served.payload.device).synchronize()
 
 
 class CollectivePublisher(WeightPublisher):

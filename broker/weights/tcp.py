@@ -287,6 +287,26 @@ def staging_dir() -> Path:
     return Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
 
 
+STAGED_PREFIX = "tidal-weights-"  # then the actor's pid, a random part, ".bin"
+
+
+def orphaned_staging() -> list[Path]:
+    """Staged payloads whose actor process is gone: one killed while a file still had its name
+    (before its engine's first load) leaves it behind, holding memory in /dev/shm."""
+    orphans = []
+    for path in staging_dir().glob(f"{STAGED_PREFIX}*.bin"):
+        pid = path.name.removeprefix(STAGED_PREFIX).split("-")[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            orphans.append(path)
+        except PermissionError:
+            pass  # alive, another user's
+    return orphans
+
+
 class Staging:
     """Where an actor prefetches each version for one engine's workers: one file, mapped once by the
     actor and once by each worker and reused for every version of the same size. A fresh map costs
@@ -304,7 +324,7 @@ class Staging:
 
         if self.buffer is None or self.buffer.numel() != total:
             self.drop()
-            self.path = staging_dir() / f"tidal-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
+            self.path = staging_dir() / f"{STAGED_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
             self.buffer = torch.from_file(str(self.path), shared=True, size=total, dtype=torch.uint8)
         return self.buffer
 

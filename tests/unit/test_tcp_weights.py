@@ -167,3 +167,24 @@ def test_an_actor_that_dies_or_stalls_mid_transfer_holds_up_neither_the_learner_
     asyncio.run(build_receiver(config()).apply(later, engine))  # another actor gets the new version whole
     assert engine.swaps == [4] and all(torch.equal(engine.loaded[k], v) for k, v in state.items())
     stalled.close()
+
+
+def test_weights_staged_by_a_dead_actor_are_swept_and_a_live_ones_kept():
+    import subprocess
+
+    from tidal.launcher import sweep_orphan_shm
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid now names no process
+    dead = tcp.staging_dir() / f"{tcp.STAGED_PREFIX}{gone.pid}-0123abcd.bin"
+    live = tcp.staging_dir() / f"{tcp.STAGED_PREFIX}{os.getpid()}-0123abcd.bin"
+    for path in (dead, live):
+        path.write_bytes(b"weights")
+    try:
+        orphans = tcp.orphaned_staging()
+        assert dead in orphans and live not in orphans
+        sweep_orphan_shm()
+        assert not dead.exists() and live.exists()
+    finally:
+        dead.unlink(missing_ok=True)
+        live.unlink(missing_ok=True)
