@@ -221,6 +221,27 @@ TINY_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% if m['role'] 
 
 # ---- a learner's tcp weight server that dies mid-transfer -----------------------------------------
 
+def weights_config(transport: str, **keys):
+    from tidal.config import WeightsConfig
+
+    return WeightsConfig(transport=transport, tcp_timeout_s=5.0, **keys)
+
+
+def served_weights(transport: str):
+    """A network weight channel's learner side serving the tiny model: yields (publisher with 4 KiB
+    buckets, the announcement of version 3, the model's state dict, its tokenizer); closed after."""
+    from tidal.broker.weights import build_publisher
+    from tidal.tiny import build_tiny_model
+
+    model, tokenizer = build_tiny_model(TINY, ALPHABET, seed=0)
+    publisher = build_publisher(weights_config(transport), "inc", "run", "/unused")
+    publisher.bucket_bytes = 4096  # several buckets even for the tiny model
+    try:
+        yield publisher, publisher.publish(model.state_dict(), version=3), model.state_dict(), tokenizer
+    finally:
+        publisher.close()
+
+
 class DyingWeightServer:
     """Answers tcp weight-bucket requests from a real payload `view` until bucket `cut_at`, then
     sends that bucket's reply header (announcing `announced` bytes, default the bucket's own) and

@@ -12,27 +12,20 @@ import msgspec
 import pytest
 import torch
 
-from conftest import ALPHABET, TINY, ScriptedEngine
+from conftest import ScriptedEngine, served_weights, weights_config
 from tidal.broker.schema import WeightUpdate
 from tidal.broker.weights import build_publisher, build_receiver, collective
 from tidal.broker.weights.tcp import tensors_of
 from tidal.config import WeightsConfig
-from tidal.tiny import build_tiny_model
 
 
 def config(**keys) -> WeightsConfig:
-    return WeightsConfig(transport="gloo", tcp_timeout_s=5.0, **keys)
+    return weights_config("gloo", **keys)
 
 
 @pytest.fixture
 def served():
-    """(publisher with 4 KiB buckets, the announcement of version 3, the tiny model's state dict, tokenizer)."""
-    model, tokenizer = build_tiny_model(TINY, ALPHABET, seed=0)
-    publisher = build_publisher(config(), "inc", "run", "/unused")
-    publisher.bucket_bytes = 4096  # several buckets even for the tiny model
-    update = publisher.publish(model.state_dict(), version=3)
-    yield publisher, update, model.state_dict(), tokenizer
-    publisher.close()
+    yield from served_weights("gloo")
     collective.leave()
 
 
