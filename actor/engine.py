@@ -106,6 +106,15 @@ class Engine:
                 await self._llm.resume_generation()
             return time.perf_counter() - start
 
+    async def prefetch_weights(self, update_info: dict, poll_s: float = 0.01) -> None:
+        """Every worker starts receiving an update in a thread of its own; returns once all have it.
+        The engine generates on meanwhile (each poll is a call between its steps, never one that
+        blocks them), and `transfer_weights` then only loads. A receive that fails ends too: the
+        load raises its error."""
+        await self._llm.collective_rpc("tidal_prefetch_weights", args=(update_info,))
+        while not all(await self._llm.collective_rpc("tidal_weights_prefetched")):
+            await asyncio.sleep(poll_s)
+
     async def sample(self, prompt_tokens: list[int], n: int, params: SamplingParams,
                      request_id: str, max_tokens: int | None = None) -> list[Completion]:
         """n samples of one prompt; `max_tokens` overrides params.max_tokens (thinking budgets, answers)."""

@@ -46,6 +46,18 @@ class TidalWorker:
 
         return load_in_worker(self, transport, payload)  # quiets the harmless reload warnings in this process
 
+    def tidal_prefetch_weights(self, update_info: dict) -> None:
+        """Start receiving a weight update in the background, before the engine pauses for it."""
+        from tidal.broker.weights.vllm_engine import prefetch_in_worker
+
+        prefetch_in_worker(update_info)
+
+    def tidal_weights_prefetched(self) -> bool:
+        """The background receive begun by `tidal_prefetch_weights` has ended."""
+        from tidal.broker.weights.vllm_engine import prefetched_in_worker
+
+        return prefetched_in_worker()
+
     def tidal_weight_layout(self) -> str:
         """How a weight update enters this worker's model: "copy" in place, or "reload" layer-wise
         where kernels hold some weights in a layout of their own."""

@@ -300,6 +300,11 @@ class ScriptedEngine:
         self.swaps.append(version)
         return 0.0
 
+    async def prefetch_weights(self, update_info: dict) -> None:
+        from tidal.broker.weights.vllm_engine import prefetch_in_worker
+
+        prefetch_in_worker(update_info)
+
     async def transfer_weights(self, version: int, transport: str, update_info: dict) -> float:
         return await self.swap_weights(version, transport, update_info)  # vLLM's weight-transfer path
 

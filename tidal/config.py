@@ -266,7 +266,7 @@ class WeightsConfig:
     tcp_advertise: str = ""  # the host actors dial; empty = tcp_host (this machine's name when it is 0.0.0.0)
     bucket_mib: int = 64  # a version is checked (and over the network sent) in byte ranges of this size
     tcp_timeout_s: float = 30.0  # an actor gives up on a learner that sends nothing for this long
-    tcp_prefetch: bool = True  # tcp: fetch a version before pausing the engine (false: inside the pause)
+    tcp_prefetch: bool = True  # fetch (tcp) or receive (nccl/gloo) a version before pausing the engine, not in it
 
 
 @dataclass(frozen=True)

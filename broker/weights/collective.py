@@ -4,10 +4,11 @@ of its buckets, straight into its own memory (the GPU's, with NCCL). The same co
 only torch's process group differs.
 
     learner  CollectivePublisher.publish ─► payload (one buffer on the learner's device) + buckets ─► GroupServer
-    worker   inside AsyncLLM.update_weights, the engine paused:
-             join once: a control connection to the learner ─► a process group over its TCPStore
-             ask for version v ─► every bucket by broadcast into a reused buffer (crc32 checked on CPU)
-             ─► load in place (the recorded copy plan, as the tcp channel)
+    worker   in a thread of its own while the engine generates (weights.tcp_prefetch):
+               join once: a control connection to the learner ─► a process group over its TCPStore
+               ask for version v ─► every bucket by broadcast into a reused buffer (crc32 checked on CPU)
+             inside AsyncLLM.update_weights, the engine paused: wait for it ─► load in place (the
+             recorded copy plan, as the tcp channel)
 
 A group per worker, not one per actor: a worker that dies or stalls fails only its own group (the
 learner's thread for it errors or times out and drops it), never the learner's loop or another
@@ -20,9 +21,11 @@ NCCL_SOCKET_IFNAME choose another.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import struct
+import threading
 import uuid
 import zlib
 from dataclasses import dataclass
@@ -35,7 +38,7 @@ from tidal.broker.weights.vllm_engine import VLLM_BACKEND, load_in_worker, updat
 from tidal.config import WeightsConfig
 
 __all__ = ["BACKENDS", "CollectivePublisher", "CollectiveReceiver", "leave", "load_in_worker", "load_received",
-           "receive"]
+           "prefetch", "prefetched", "receive"]
 
 BACKENDS = ("gloo", "nccl")  # the transports this module carries: torch's process-group backends
 CONTROL = struct.Struct("<4sBQ")  # magic, op, version
@@ -163,13 +166,15 @@ class CollectivePublisher(WeightPublisher):
 # ---- the actor's side ------------------------------------------------------------------------
 
 class CollectiveReceiver(WeightReceiver):
-    """The workers receive each version themselves, inside the engine's pause: the broadcast lands
-    in the memory the model loads from (no staging on the actor's side)."""
+    """The workers receive each version themselves, into the memory the model loads from (no
+    staging on the actor's side): by default in a thread of each worker's own while the engine
+    generates (`weights.tcp_prefetch`), so the pause holds only the load; else inside the pause."""
 
     vllm_backend = VLLM_BACKEND
 
     def __init__(self, cfg: WeightsConfig):
         self.cfg = cfg
+        self.lock = asyncio.Lock()  # one version at a time through the workers' buffers
 
     async def apply(self, update: WeightUpdate, engine) -> float:
         if update.transport != self.cfg.transport:
@@ -177,7 +182,10 @@ class CollectiveReceiver(WeightReceiver):
                              f"this actor takes {self.cfg.transport!r}")
         payload_bytes(update)  # a malformed announcement is refused before the engine pauses
         info = update_info(update.transport, update, "", self.cfg.tcp_timeout_s)
-        return await engine.transfer_weights(update.version, update.transport, info)
+        async with self.lock:
+            if self.cfg.tcp_prefetch:
+                await engine.prefetch_weights(info)
+            return await engine.transfer_weights(update.version, update.transport, info)
 
 
 # ---- inside each vLLM worker ------------------------------------------------------------------
@@ -259,9 +267,62 @@ def receive(update: WeightUpdate, backend: str, timeout_s: float):
     return _member.buffer
 
 
+class Prefetch:
+    """One version being received in a thread of the worker's own while the engine generates: the
+    broadcast releases the GIL, so the model's steps go on; the load waits for it in the pause."""
+
+    def __init__(self, update: WeightUpdate, backend: str, timeout_s: float):
+        self.key = (update.location, update.incarnation, update.version)
+        self.payload, self.error = None, None
+        self.thread = threading.Thread(target=self._run, args=(update, backend, timeout_s),
+                                       name=f"tidal-weights-v{update.version}", daemon=True)
+        self.thread.start()
+
+    def _run(self, update: WeightUpdate, backend: str, timeout_s: float) -> None:
+        try:
+            self.payload = receive(update, backend, timeout_s)
+        except BaseException as err:  # handed to the load, which raises it in the pause
+            self.error = err
+
+    def result(self):
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.payload
+
+
+_prefetch: Prefetch | None = None
+
+
+def prefetch(info) -> None:
+    """In a worker: start receiving `info`'s version in the background (after any receive still
+    running: one group, one buffer)."""
+    global _prefetch
+    import msgspec
+
+    if _prefetch is not None:
+        _prefetch.thread.join()
+    update = msgspec.convert(info.update, WeightUpdate)
+    _prefetch = Prefetch(update, info.transport, info.timeout_s)
+
+
+def prefetched() -> bool:
+    """In a worker: no background receive is still running (done, failed, or none begun)."""
+    return _prefetch is None or not _prefetch.thread.is_alive()
+
+
 def load_received(model, model_config, info) -> str:
-    """Receive one update into this worker and load it into `model`; returns how it loaded."""
+    """Load one update into `model`, received in the background beforehand (`prefetch`) or here;
+    returns how it loaded."""
+    global _prefetch
     import msgspec
 
     update = msgspec.convert(info.update, WeightUpdate)
-    return load_payload(model, model_config, update, receive(update, info.transport, info.timeout_s))
+    pending, _prefetch = _prefetch, None
+    if pending is not None and pending.key == (update.location, update.incarnation, update.version):
+        payload = pending.result()
+    else:
+        if pending is not None:
+            pending.thread.join()  # another version's receive: done with the group before this one uses it
+        payload = receive(update, info.transport, info.timeout_s)
+    return load_payload(model, model_config, update, payload)

@@ -45,6 +45,24 @@ def receive(model, model_config, info: UpdateInfo) -> str:
     return channel.load_received(model, model_config, info)
 
 
+def prefetch_in_worker(info: dict) -> None:
+    """In a worker, before the engine pauses: start receiving the update where its channel can do
+    that in the background (the collective one); elsewhere nothing."""
+    from tidal.broker.weights import TRANSPORTS
+
+    update = UpdateInfo(**info)
+    channel = TRANSPORTS.get(update.transport)
+    if channel is not None and hasattr(channel, "prefetch"):
+        channel.prefetch(update)
+
+
+def prefetched_in_worker() -> bool:
+    """In a worker: whatever `prefetch_in_worker` began has ended (the load then only loads)."""
+    from tidal.broker.weights import collective
+
+    return collective.prefetched()
+
+
 def load_in_worker(worker, info: dict) -> float:
     """Through tidal's own worker entry point (and the scripted engine of the tests): the same
     update, received and loaded as the weight-transfer engine does it; returns seconds spent."""

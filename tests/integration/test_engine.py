@@ -226,8 +226,9 @@ def test_a_learner_that_dies_mid_transfer_leaves_the_engine_serving_its_weights(
 
 def test_a_version_broadcast_over_gloo_reaches_the_engine_exactly_while_a_request_runs(exported, engine):
     """The collective channel's worker side in a real vLLM worker process: it joins a gloo group with
-    this (learner) process inside the engine's pause, receives v10 by broadcast, loads it in flight;
-    a version the learner does not serve is refused by name and the engine keeps v10."""
+    this (learner) process and receives v10 by broadcast in a thread of its own while the request
+    runs, then loads it in the pause; a version the learner does not serve is refused by name and
+    the engine keeps v10."""
     folder, policy = exported
     new_policy = perturbed(policy, seed=11)
     publisher, receiver = channel("gloo")
@@ -235,8 +236,8 @@ def test_a_version_broadcast_over_gloo_reaches_the_engine_exactly_while_a_reques
         update = publisher.publish(new_policy.state_dict(), version=10)
         out, paused_s = on_engine(engine, update_in_flight(engine, tokenize(folder, "12+34="), receiver, update, 8))
         spans = [(int(s.version), s.start, s.end) for s in out.weight_versions]
-        print(f"\ngloo v10 ({tcp_payload_mib(update):.1f} MiB, {len(update.buckets)} buckets, group formed in the "
-              f"pause): engine paused {paused_s:.4f} s; in-flight request spans {spans}")
+        print(f"\ngloo v10 ({tcp_payload_mib(update):.1f} MiB, {len(update.buckets)} buckets, group formed on its "
+              f"first update): engine paused {paused_s:.4f} s; in-flight request spans {spans}")
         assert len(spans) == 2 and spans[1][0] == 10 and 8 <= spans[1][1] < spans[1][2] == 58
         assert_serves(engine, folder, new_policy, 10, "gloo-after")
         with pytest.raises(Exception, match=r"weights v11 .* by gloo: refused by the learner: version 11 is not"):

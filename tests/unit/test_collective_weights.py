@@ -29,9 +29,11 @@ def served():
     collective.leave()
 
 
-def test_versions_reach_the_engine_by_broadcast_into_one_reused_buffer(served):
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_versions_reach_the_engine_by_broadcast_into_one_reused_buffer(served, prefetch):
+    """Prefetch: received in a worker thread before the pause, loaded in it. No prefetch: both in it."""
     publisher, update, state, tokenizer = served
-    engine, receiver = ScriptedEngine(tokenizer), build_receiver(config())
+    engine, receiver = ScriptedEngine(tokenizer), build_receiver(config(tcp_prefetch=prefetch))
     assert update.transport == "gloo" and len(update.buckets) > 1
     asyncio.run(receiver.apply(update, engine))
     assert engine.swaps == [3] and engine.loaded.keys() == state.keys()
