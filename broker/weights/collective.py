@@ -62,6 +62,13 @@ def new_group(backend: str, store, name: str, rank: int, timeout_s: float):
     return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
 
 
+def device_for(backend: str):
+    """Where a version's payload lives for `backend`: this process's GPU for NCCL, else host memory."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
 def broadcast(group, tensor) -> None:
     """Rank 0's `tensor` into every other rank's; an error (a peer gone, a timeout) raises RuntimeError."""
     import torch.distributed as dist
@@ -111,7 +118,6 @@ class GroupServer(WeightServer):
                 name = f"tidal-weights-{uuid.uuid4().hex[:12]}"
                 spec = json.dumps({"backend": self.backend, "store_port": self.store.port, "group": name}).encode()
                 conn.sendall(tcp.REPLY.pack(tcp.MAGIC, tcp.OK, len(spec)) + spec)
-                group = None  # a worker that joins again has dropped its old group
                 group = new_group(self.backend, self.store, name, 0, self.timeout_s)
                 continue
             with self.lock:
@@ -146,10 +152,7 @@ class CollectivePublisher(WeightPublisher):
         self.location = tcp.advertised(cfg, self.server.port)
 
     def publish(self, named_tensors: dict, version: int) -> WeightUpdate:
-        import torch
-
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
-        payload, manifest = pack(named_tensors, self.dtype, device)
+        payload, manifest = pack(named_tensors, self.dtype, device_for(self.backend))
         if payload.is_cuda:  # a crc32 would mean copying the payload to the host: NCCL's transfers are checked
             buckets = [WeightBucket(offset=o, nbytes=min(self.bucket_bytes, payload.numel() - o), crc32=0)
                        for o in range(0, payload.numel(), self.bucket_bytes)]
@@ -250,7 +253,7 @@ def receive(update: WeightUpdate, backend: str, timeout_s: float):
             _member = join(update, backend, timeout_s)
         _member.conn.sendall(CONTROL.pack(CONTROL_MAGIC, FETCH, update.version))
         read_reply(_member.conn, where)
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        device = device_for(backend)
         if _member.buffer is None or _member.buffer.numel() != total or _member.buffer.device != device:
             _member.buffer = torch.empty(total, dtype=torch.uint8, device=device)
         damaged = []

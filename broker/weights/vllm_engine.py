@@ -46,14 +46,13 @@ def receive(model, model_config, info: UpdateInfo) -> str:
 
 
 def prefetch_in_worker(info: dict) -> None:
-    """In a worker, before the engine pauses: start receiving the update where its channel can do
-    that in the background (the collective one); elsewhere nothing."""
-    from tidal.broker.weights import TRANSPORTS
+    """In a worker, before the engine pauses: start receiving the update in the background where its
+    channel is the collective one (the tcp channel prefetches in the actor instead)."""
+    from tidal.broker.weights import collective
 
     update = UpdateInfo(**info)
-    channel = TRANSPORTS.get(update.transport)
-    if channel is not None and hasattr(channel, "prefetch"):
-        channel.prefetch(update)
+    if update.transport in collective.BACKENDS:
+        collective.prefetch(update)
 
 
 def prefetched_in_worker() -> bool:
