@@ -173,14 +173,26 @@ def main(cfg: RunConfig, resume: str | None = None) -> int:
     if rank > 0:  # under torchrun: only rank 0 talks to actors and MLflow, and picks the checkpoint
         from tidal.learner.ranks import follow
 
-        return follow(cfg)
+        return leave_group(follow(cfg))
     try:
         checkpoint = find_checkpoint(run_dir, resume)
     except FileNotFoundError as err:
         print(f"tidal learner: {err}", file=sys.stderr)
         return 2
     learner = build(cfg, checkpoint)
-    return serve(learner, run_dir)
+    return leave_group(serve(learner, run_dir))
+
+
+def leave_group(rc: int) -> int:
+    """A finished rank leaves its training process group before the interpreter ends: gloo's threads
+    outlive Python's teardown otherwise, and the process can abort (SIGABRT) after a run that succeeded.
+    Only on success, as `serve` and `follow` return: after a failure a peer may still be inside a
+    collective."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    return rc
 
 
 def start_ranks(cfg: LearnerConfig) -> int:

@@ -78,6 +78,7 @@ def main() -> None:
                 torch.save(straight, args.out_dir / f"{case}{tag}.pt")
                 torch.save(after, args.out_dir / f"{case}{tag}-resumed.pt")
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # leave the process group: exiting inside it can abort at teardown
 
 
 if __name__ == "__main__":

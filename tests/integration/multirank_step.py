@@ -38,6 +38,7 @@ def main() -> None:
     except ValueError as err:
         (args.out_dir / f"too_few_groups_rank{accelerator.process_index}.txt").write_text(str(err))
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # leave the process group: exiting inside it can abort at teardown
 
 
 if __name__ == "__main__":
