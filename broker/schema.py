@@ -264,6 +264,9 @@ class TensorSpec(msgspec.Struct, frozen=True):
     shape: Annotated[tuple[Dim, ...], Meta(max_length=MAX_DIMS)]
     offset: Count  # byte offset of the data inside the file
     nbytes: Count
+    # a sharded learner's piece of a tensor (WeightSource): the index along dim 0 of the whole
+    # tensor where this piece's rows begin
+    start: Count = 0
 
 
 class WeightBucket(msgspec.Struct, frozen=True):
@@ -272,6 +275,15 @@ class WeightBucket(msgspec.Struct, frozen=True):
     offset: Count  # where the range starts in the payload
     nbytes: Count
     crc32: Annotated[int, Meta(ge=0, le=2**32 - 1)]  # zlib.crc32 of the range's bytes
+
+
+class WeightSource(msgspec.Struct, frozen=True):
+    """One learner rank's part of a version (a sharded learner on a collective channel): that rank's
+    rows of every tensor, in a payload it serves itself at `location`."""
+
+    location: Annotated[str, Meta(max_length=4096)]  # host:port
+    manifest: Annotated[list[TensorSpec], Meta(max_length=1_000_000)]  # offsets inside this rank's payload
+    buckets: Annotated[list[WeightBucket], Meta(max_length=1_000_000)]
 
 
 class WeightUpdate(Message, tag="weight_update"):
@@ -287,6 +299,9 @@ class WeightUpdate(Message, tag="weight_update"):
     # the payload's (network channels) or file's (file) byte ranges in order, each with its own
     # crc32 (0 and unchecked for nccl, whose payload never leaves the GPUs)
     buckets: Annotated[list[WeightBucket], Meta(max_length=1_000_000)] = []
+    # a sharded learner (gloo, nccl): each rank serves its own rows of every tensor, and `manifest`
+    # lays out the whole tensors as the worker assembles them (no buckets of its own)
+    sources: Annotated[list[WeightSource], Meta(max_length=65_536)] = []
 
 
 class Heartbeat(Message, tag="heartbeat"):

@@ -29,6 +29,7 @@ from tidal.learner.curriculum import CurriculumExhausted
 from tidal.learner.evaluation import Evaluator
 from tidal.learner.groups import DUPLICATE, NEW, GroupBook
 from tidal.learner.inbox import Inbox
+from tidal.learner.ranks import push_weights
 from tidal.learner.resume import MetricsLog, learner_state, restore_learner_state
 from tidal.learner.trainer import Trainer
 from tidal.learner.validation import Validator
@@ -166,8 +167,7 @@ class Learner:
 
     def publish_weights(self) -> float:
         start = time.perf_counter()
-        named = self.trainer.full_state_dict()  # includes tied entries such as lm_head.weight
-        self.transport.publish_weights(self.parts.publisher.publish(named, self.version))
+        self.transport.publish_weights(push_weights(self.trainer, self.parts.publisher, self.version))
         return time.perf_counter() - start
 
     def on_dead_letter(self, group_id: str) -> None:

@@ -83,6 +83,41 @@ def broadcast_bytes(frame: bytes | None, device) -> bytes:
     return buf.cpu().numpy().tobytes()
 
 
+def gather_bytes(frame: bytes, device) -> list[bytes]:
+    """Every rank's `frame`, by rank, on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [frame]
+    world = dist.get_world_size()
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([len(frame)], dtype=torch.int64, device=device))
+    longest = max(int(size.item()) for size in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    mine[:len(frame)] = torch.from_numpy(np.frombuffer(frame, dtype=np.uint8).copy()).to(device)
+    frames = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(frames, mine)
+    return [f.cpu().numpy()[:int(n.item())].tobytes() for f, n in zip(frames, sizes)]
+
+
+def push_weights(trainer, publisher, version: int):
+    """A new version onto the weight channel: every rank calls this at the same point, and rank 0 gets
+    the announcement (None on the others). A sharded learner on a channel that takes a part from each
+    rank (gloo, nccl) serves every rank's own rows and gathers nothing but their descriptions;
+    otherwise the model is gathered on rank 0, which publishes it."""
+    from tidal.broker.schema import WeightSource
+
+    if trainer.sharded and hasattr(publisher, "publish_shards"):
+        source = publisher.publish_shards(trainer.local_shards(), version)
+        frames = gather_bytes(msgspec.msgpack.encode(source), trainer.accelerator.device)
+        if trainer.accelerator.process_index:
+            return None
+        return publisher.announce([msgspec.msgpack.decode(f, type=WeightSource) for f in frames], version)
+    named = trainer.full_state_dict()  # includes tied entries such as lm_head.weight
+    return publisher.publish(named, version) if named else None
+
+
 def broadcast_tensors(named: dict | None, device) -> dict:
     """Rank 0's named tensors on every rank, in host memory, one tensor at a time (the others pass None)."""
     import torch
@@ -131,19 +166,38 @@ def follow(cfg: RunConfig) -> int:
     ranks = BatchBroadcast(accelerator)
     log.info("rank %d of %d follows rank 0 from version %d", ranks.rank, ranks.world, version)
     # Wherever rank 0 reads the whole model (each weight push, checkpoint and the final export), a
-    # sharded model is gathered, so this rank takes part in the same calls in the same order.
-    trainer.full_state_dict()  # the starting weights' push
-    health = HealthFile(cfg.learner.health_file, every_s=0.0)  # a pod's probe: a step went by (or began)
-    while version < cfg.learner.max_steps:
-        health.touch()
-        groups, masks = ranks.recv()
-        if not groups:  # rank 0 ended the run early (the curriculum ran out of prompts)
-            break
-        trainer.step(groups, masks, version)
-        version += 1
-        trainer.full_state_dict()  # the new version's push
-        if checkpointer.due(version):
-            checkpointer.save(version, {})
-    checkpointer.save(version, {})  # rank 0's final save, after its last evaluation
-    trainer.full_state_dict()  # the final export
+    # sharded model is gathered or served in parts, so this rank takes part in the same calls in the
+    # same order.
+    publisher = rank_publisher(cfg, trainer)
+    try:
+        push_weights(trainer, publisher, version)  # the starting weights
+        health = HealthFile(cfg.learner.health_file, every_s=0.0)  # a pod's probe: a step went by (or began)
+        while version < cfg.learner.max_steps:
+            health.touch()
+            groups, masks = ranks.recv()
+            if not groups:  # rank 0 ended the run early (the curriculum ran out of prompts)
+                break
+            trainer.step(groups, masks, version)
+            version += 1
+            push_weights(trainer, publisher, version)
+            if checkpointer.due(version):
+                checkpointer.save(version, {})
+        checkpointer.save(version, {})  # rank 0's final save, after its last evaluation
+        trainer.full_state_dict()  # the final export
+    finally:
+        if publisher is not None:
+            publisher.close()
     return 0
+
+
+def rank_publisher(cfg: RunConfig, trainer):
+    """A rank other than 0 serves weights itself only where the model is sharded and the channel takes
+    a part from each rank; None otherwise (rank 0 publishes the gathered model)."""
+    import os
+
+    from tidal.broker.weights import build_publisher, serves_shards
+
+    if not (trainer.sharded and serves_shards(cfg.weights)):  # the publishers that have publish_shards
+        return None
+    return build_publisher(cfg.weights, "", cfg.name, cfg.run_dir, cfg.model.dtype,
+                           local_rank=int(os.environ.get("LOCAL_RANK", "0")))

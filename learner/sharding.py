@@ -6,10 +6,12 @@ rank holds more than its shard plus one layer. `fully_shard` is called directly 
 Accelerate's plugin, so the same code shards on CPU (gloo) and on GPUs (NCCL); Accelerate still
 launches the ranks, sets up the process group and supplies the autocast of mixed precision.
 
-Everything that reads the whole model (a weight push, a checkpoint, the final export) goes through
-the collectives below, which every rank must call at the same point: the full tensors arrive on
-rank 0 only, in host memory. Checkpoints keep the unsharded layout (parameters under the model's own
-names, optimizer state by parameter index), so a run saved sharded resumes unsharded and back.
+Everything that reads the whole model (a checkpoint, the final export, a weight push over a channel
+with one source) goes through the collectives below, which every rank must call at the same point:
+the full tensors arrive on rank 0 only, in host memory. On the collective weight channels each rank
+serves its own rows instead (`local_shards`), and nothing is gathered. Checkpoints keep the
+unsharded layout (parameters under the model's own names, optimizer state by parameter index), so a
+run saved sharded resumes unsharded and back.
 """
 from __future__ import annotations
 
@@ -61,6 +63,31 @@ def full_model_state(module) -> dict[str, torch.Tensor]:
     """Collective: the policy's whole state dict (its own names) on rank 0, empty on the others."""
     state = get_model_state_dict(module, options=FULL)
     return {k.removeprefix(PREFIX): v for k, v in state.items()}
+
+
+def local_shards(module) -> dict[str, tuple[torch.Tensor, int]]:
+    """This rank's own part of the policy's state dict, with no communication: name -> (its rows of
+    the tensor, the index of the first of them in the whole tensor). A tensor that is not sharded
+    (a buffer) is rank 0's alone; a rank with no rows of a tensor leaves it out."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    out = {}
+    for name, value in module.state_dict().items():
+        name = name.removeprefix(PREFIX)
+        if not isinstance(value, DTensor):
+            if rank == 0:
+                out[name] = (value, 0)
+            continue
+        if tuple(value.placements) != (Shard(0),):
+            raise ValueError(f"{name}: sharded as {value.placements}; tidal serves rows of tensors sharded on dim 0")
+        rows, chunk = value.to_local(), -(-value.shape[0] // world)  # FSDP splits as torch.chunk: the last short
+        start = min(rank * chunk, value.shape[0])
+        if rows.shape[0] != min(chunk, value.shape[0] - start):
+            raise ValueError(f"{name}: rank {rank} holds {rows.shape[0]} of {value.shape[0]} rows, not torch.chunk's")
+        if rows.shape[0]:
+            out[name] = (rows, start)
+    return out
 
 
 def full_optimizer_state(module, optimizer) -> dict:

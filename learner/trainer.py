@@ -130,6 +130,10 @@ class Trainer:
             return sharding.full_model_state(self.model)
         return self.policy.state_dict() if self.accelerator.is_main_process else {}
 
+    def local_shards(self) -> dict[str, tuple[torch.Tensor, int]]:
+        """Sharded: this rank's rows of each tensor of the policy and where they start (no communication)."""
+        return sharding.local_shards(self.model)
+
     def checkpoint_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict] | None:
         """Everything needed to continue training, as tensors (model, optimizer) and JSON (the rest), on
         the main rank (None on the others). Sharded, every rank must call this at the same point."""

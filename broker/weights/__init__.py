@@ -20,19 +20,27 @@ from tidal.config import WeightsConfig
 TRANSPORTS = {"file": file, "tcp": tcp, **{backend: collective for backend in collective.BACKENDS}}
 default_dir = file.default_dir  # where a run's weights live when weights.dir is empty
 
-__all__ = ["WeightPublisher", "WeightReceiver", "build_publisher", "build_receiver", "default_dir", "load_in_worker"]
+__all__ = ["WeightPublisher", "WeightReceiver", "build_publisher", "build_receiver", "default_dir", "load_in_worker",
+           "serves_shards"]
 
 
 def build_publisher(cfg: WeightsConfig, incarnation: str, run_name: str, run_dir: str,
-                    dtype: str | None = None) -> WeightPublisher:
+                    dtype: str | None = None, local_rank: int = 0) -> WeightPublisher:
     """`incarnation` names the learner process, so actors tell a resumed learner's versions apart;
-    weights travel in `dtype`, what the actors serve (model.dtype)."""
+    weights travel in `dtype`, what the actors serve (model.dtype). `local_rank`: which of a
+    machine's learner ranks serves (a sharded learner's, where every rank serves its part)."""
     transport = check_transport(cfg)
     if transport == "tcp":
         return tcp.TcpPublisher(cfg, incarnation, dtype=dtype)
     if transport in collective.BACKENDS:
-        return collective.CollectivePublisher(cfg, incarnation, dtype=dtype)
+        return collective.CollectivePublisher(cfg, incarnation, dtype=dtype, local_rank=local_rank)
     return file.FilePublisher(cfg, incarnation, owns_dir=cfg.dir == default_dir(run_name, run_dir), dtype=dtype)
+
+
+def serves_shards(cfg: WeightsConfig) -> bool:
+    """Whether each rank of a sharded learner serves its own part of every version (else rank 0
+    gathers the model and publishes it whole)."""
+    return cfg.transport in collective.BACKENDS
 
 
 def build_receiver(cfg: WeightsConfig) -> WeightReceiver:

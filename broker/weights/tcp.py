@@ -22,6 +22,7 @@ import socket
 import struct
 import tempfile
 import threading
+import time
 import uuid
 import weakref
 import zlib
@@ -55,6 +56,17 @@ def torch_dtype(name: str):
 
 # ---- the payload: one buffer per version ------------------------------------------------------
 
+def layout(tensors) -> tuple[list[TensorSpec], int]:
+    """(manifest, payload bytes) of one aligned buffer holding `tensors`, (name, dtype name as the
+    manifest writes it, shape) each, in order."""
+    specs, offset = [], 0
+    for name, dtype, shape in tensors:
+        nbytes = math.prod(shape) * torch_dtype(dtype).itemsize
+        specs.append(TensorSpec(name=name, dtype=dtype, shape=tuple(shape), offset=offset, nbytes=nbytes))
+        offset += -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+    return specs, offset
+
+
 def pack(named_tensors: dict, dtype: str | None = None, device=None):
     """(payload [total] uint8 on `device` (None: the CPU), manifest): every tensor copied once, in
     `dtype` (None: as it is), into one aligned buffer; tied tensors (lm_head = embed_tokens) travel
@@ -63,16 +75,14 @@ def pack(named_tensors: dict, dtype: str | None = None, device=None):
 
     target = getattr(torch, dtype) if dtype else None
     names = {v: k for k, v in DTYPE_NAMES.items()}
-    specs, offset = [], 0
+    entries = []
     for name, tensor in named_tensors.items():
-        t_dtype = target or tensor.dtype
-        if str(t_dtype).removeprefix("torch.") not in names:
+        t_dtype = str(target or tensor.dtype).removeprefix("torch.")
+        if t_dtype not in names:
             raise ValueError(f"weight tensor {name!r} is {t_dtype}, which the tcp channel does not carry")
-        nbytes = tensor.numel() * t_dtype.itemsize
-        specs.append(TensorSpec(name=name, dtype=names[str(t_dtype).removeprefix("torch.")],
-                                shape=tuple(tensor.shape), offset=offset, nbytes=nbytes))
-        offset += -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
-    payload = torch.empty(offset, dtype=torch.uint8, device=device)
+        entries.append((name, names[t_dtype], tuple(tensor.shape)))
+    specs, total = layout(entries)
+    payload = torch.empty(total, dtype=torch.uint8, device=device)
     for spec, tensor in zip(specs, named_tensors.values()):
         view = payload[spec.offset:spec.offset + spec.nbytes].view(torch_dtype(spec.dtype)).view(spec.shape)
         view.copy_(tensor.detach())  # converts dtype and device on the way
@@ -82,15 +92,21 @@ def pack(named_tensors: dict, dtype: str | None = None, device=None):
 
 def payload_bytes(update: WeightUpdate) -> int:
     """The payload's size, after checking that the buckets tile it and every tensor lies inside it."""
+    return checked_size(update.version, update.manifest, update.buckets)
+
+
+def checked_size(version: int, manifest: list[TensorSpec], buckets: list[WeightBucket], where: str = "") -> int:
+    """The size of the payload `buckets` tile, after checking that they do and that every tensor of
+    `manifest` lies inside it; errors name `where` in the version (a learner rank's part)."""
     end = 0
-    for i, bucket in enumerate(update.buckets):
+    for i, bucket in enumerate(buckets):
         if bucket.offset != end:
-            raise ValueError(f"weights v{update.version}: bucket {i} starts at byte {bucket.offset}, expected {end}")
+            raise ValueError(f"weights v{version}{where}: bucket {i} starts at byte {bucket.offset}, expected {end}")
         end += bucket.nbytes
-    for spec in update.manifest:
+    for spec in manifest:
         size = math.prod(spec.shape) * torch_dtype(spec.dtype).itemsize
         if spec.nbytes != size or spec.offset % ALIGN_BYTES or spec.offset + spec.nbytes > end:
-            raise ValueError(f"weights v{update.version}: tensor {spec.name!r} ({spec.dtype} {list(spec.shape)}) at "
+            raise ValueError(f"weights v{version}{where}: tensor {spec.name!r} ({spec.dtype} {list(spec.shape)}) at "
                              f"bytes [{spec.offset}, {spec.offset + spec.nbytes}) does not fit a {end}-byte payload")
     return end
 
@@ -120,6 +136,7 @@ class WeightServer:
         self.versions: dict[int, Served] = {}
         self.lock = threading.Lock()
         self.connections: set[socket.socket] = set()
+        self.handlers: set[threading.Thread] = set()  # one per connection, while it lasts
         self.listener = socket.create_server((host, port), reuse_port=False)
         self.port = self.listener.getsockname()[1]
         self.thread = threading.Thread(target=self._accept, name="tidal-weight-server", daemon=True)
@@ -139,9 +156,11 @@ class WeightServer:
                 return
             conn.settimeout(self.timeout_s)  # an actor that stops reading frees its thread
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a reply's header must not wait for an ACK
+            handler = threading.Thread(target=self._serve, args=(conn,), name="tidal-weight-send", daemon=True)
             with self.lock:
                 self.connections.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="tidal-weight-send", daemon=True).start()
+                self.handlers.add(handler)
+            handler.start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -151,7 +170,17 @@ class WeightServer:
         finally:
             with self.lock:
                 self.connections.discard(conn)
+                self.handlers.discard(threading.current_thread())
             conn.close()
+
+    def wait_for_handlers(self, timeout_s: float) -> bool:
+        """Whether every connection's thread ended within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        with self.lock:
+            handlers = list(self.handlers)
+        for handler in handlers:
+            handler.join(max(0.0, deadline - time.monotonic()))
+        return not any(handler.is_alive() for handler in handlers)
 
     def _handle(self, conn: socket.socket) -> None:
         while (request := recv_exact(conn, REQUEST.size, eof_ok=True)) is not None:

@@ -300,7 +300,7 @@ def test_learner_resumes_from_its_volume_and_shares_weights(rendered, overlay):
     assert find(objects, "PersistentVolumeClaim", claims["learner"])["spec"]["accessModes"] == ["ReadWriteMany"]
 
 
-def test_a_learner_on_several_pods_meets_at_pod_0_and_streams_weights(rendered):
+def test_a_learner_on_several_pods_meets_at_pod_0_and_streams_weights_from_every_pod(rendered):
     objects = rendered["gpu-multinode"]
     learner = find(objects, "StatefulSet", "tidal-learner")
     spec, container = role_container(objects, "learner")
@@ -311,7 +311,11 @@ def test_a_learner_on_several_pods_meets_at_pod_0_and_streams_weights(rendered):
     service = find(objects, "Service", learner["spec"]["serviceName"])
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
     pod0 = f"{learner['metadata']['name']}-0.{service['metadata']['name']}"
-    assert args["learner.master_addr"] == args["weights.tcp_advertise"] == pod0
+    assert args["learner.master_addr"] == pod0
+    # every pod's ranks serve their own rows of each version, announced by the pod's own name
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert args["weights.tcp_advertise"] == f"$(POD_NAME).{service['metadata']['name']}"
     assert args["learner.node_rank"] == "$(POD_INDEX)" and "--resume" in container["args"]
     gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
     assert int(args["learner.num_ranks"]) == learner["spec"]["replicas"] * gpus
