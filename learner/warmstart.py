@@ -43,12 +43,13 @@ def build_tiny(model: ModelConfig, task: TaskConfig, path: Path, progress=print)
 def warm_start(net, tokenizer, train: list[Prompt], val: list[Prompt], reward, slip: Slip, cfg: WarmStartConfig,
                progress) -> float:
     """SFT on `train` (a `cfg.format_noise` share of answers with the teacher's slip) until greedy decoding
-    passes cfg.target_greedy_pass_rate of `val`; returns that greedy pass rate."""
+    passes cfg.target_greedy_pass_rate of `val` at cfg.stable_checks checks in a row; returns that greedy
+    pass rate."""
     rng = random.Random(cfg.seed)
     # room for the longest answer, its <eos> and a slip's characters (at least the 6 tokens used before)
     max_new = max(6, max(len(encode_prompt(tokenizer, p.payload["answer"])) for p in val) + 2)
     optim = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.99))
-    start, greedy = time.monotonic(), 0.0
+    start, greedy, in_a_row = time.monotonic(), 0.0, 0
     for step in range(1, cfg.max_steps + 1):
         batch = [Prompt(p.prompt_id, p.text, {**p.payload, "answer": slip(p.payload["answer"], rng)})
                  if rng.random() < cfg.format_noise else p for p in (rng.choice(train) for _ in range(cfg.batch_size))]
@@ -60,7 +61,8 @@ def warm_start(net, tokenizer, train: list[Prompt], val: list[Prompt], reward, s
             greedy = pass_rate(net, tokenizer, val, reward, temperature=0.0, max_new_tokens=max_new)
             progress(f"warm start step {step}: loss {loss.item():.3f}, greedy val pass rate {greedy:.3f} "
                      f"({time.monotonic() - start:.0f} s)")
-            if greedy >= cfg.target_greedy_pass_rate:
+            in_a_row = in_a_row + 1 if greedy >= cfg.target_greedy_pass_rate else 0
+            if in_a_row >= cfg.stable_checks:
                 break
     sampled = pass_rate(net, tokenizer, val, reward, temperature=1.0, max_new_tokens=max_new)
     progress(f"warm start done: greedy val pass rate {greedy:.3f}, sampled (temperature 1.0) {sampled:.3f}")

@@ -62,6 +62,9 @@ class WarmStartConfig:
 
     max_steps: int = 2000  # upper bound on SFT steps
     target_greedy_pass_rate: float = 0.9  # stop once greedy decoding solves this fraction of val prompts
+    # ... at this many checks in a row: one pass can be a lucky jump (0.52 -> 0.93 in 25 steps) that
+    # leaves the model short of what RL needs
+    stable_checks: int = 1
     format_noise: float = 0.0  # fraction of SFT answers followed by stray characters before <eos>
     check_every: int = 25  # SFT steps between pass-rate checks
     batch_size: int = 256  # sequences per SFT step

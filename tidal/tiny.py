@@ -43,7 +43,10 @@ def cache_key(tiny: TinyModelConfig, task: TaskConfig, alphabet: str, positions:
     # enters the hash only where it differs from the one every earlier model was built with
     shaping = {k: getattr(task, k) for k in ("name", "max_operand", "num_val", "seed")}
     extra = {"positions": positions} if positions != DEFAULT_POSITIONS else {}
-    blob = json.dumps({"tiny": asdict(tiny), "task": shaping, "alphabet": alphabet, "format": 2, **extra},
+    described = asdict(tiny)
+    if described["warmstart"]["stable_checks"] == 1:  # as every model before the key existed was built
+        del described["warmstart"]["stable_checks"]
+    blob = json.dumps({"tiny": described, "task": shaping, "alphabet": alphabet, "format": 2, **extra},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -161,3 +161,29 @@ def test_the_warm_start_loss_is_the_same_however_a_batch_is_chunked():
         out = out[:out.index(tok.eos_token_id)] if tok.eos_token_id in out else out
         expected.append(Prompt(p.prompt_id, p.text, {"answer": tok.decode(out, skip_special_tokens=True)}))
     assert pass_rate(net, tok, expected, count.reward, temperature=0.0, max_new_tokens=20) == 1.0
+
+
+def test_the_warm_start_stops_only_after_its_target_holds_at_stable_checks_in_a_row(monkeypatch):
+    """A single greedy pass can be a lucky jump: with stable_checks=2 the SFT goes on until two
+    checks in a row reach the target (the checks' results scripted here; the SFT steps are real)."""
+    from tidal.config import TinyModelConfig, WarmStartConfig
+    from tidal.learner import warmstart
+    from tidal.tasks import arithmetic
+
+    split = arithmetic.load_prompts(TaskConfig(name="arithmetic", max_operand=9, num_val=8))
+    net, tok = build_tiny_model(TinyModelConfig(num_layers=1), arithmetic.ALPHABET, seed=0)
+    for stable_checks, expected_checks in ((1, 1), (2, 4)):
+        greedy = iter([0.95, 0.5, 0.92, 0.91, 0.99, 0.99])  # passes at checks 1, 3 and 4
+        checks = []
+
+        def scripted(net, tokenizer, prompts, reward, temperature, max_new_tokens, results=greedy, seen=checks):
+            if temperature == 0.0:
+                seen.append(1)
+                return next(results)
+            return 0.0
+
+        monkeypatch.setattr(warmstart, "pass_rate", scripted)
+        cfg = WarmStartConfig(check_every=1, batch_size=4, max_steps=10, stable_checks=stable_checks)
+        done = warmstart.warm_start(net, tok, split.train, split.val, arithmetic.reward,
+                                    warmstart.stray_suffix(arithmetic.ALPHABET), cfg, progress=lambda _: None)
+        assert len(checks) == expected_checks and done >= cfg.target_greedy_pass_rate
