@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from tidal.broker.schema import RolloutGroup
-from tidal.config import LearnerConfig, LossType, LrScaling
+from tidal.config import LearnerConfig, LossType, LrScaling, LrSchedule
 from tidal.kernels import logprobs as fused_logprobs
 from tidal.learner import sharding
 from tidal.learner.batch import (
@@ -100,6 +100,20 @@ def effective_lr(cfg: LearnerConfig) -> float:
     return optim.lr
 
 
+def lr_factor(cfg: LearnerConfig, step: int) -> float:
+    """The multiple of the peak lr at optimizer step `step` (0-based): a linear warmup over
+    optim.warmup_steps, then constant or decaying to optim.min_lr_ratio at learner.max_steps."""
+    optim = cfg.optim
+    warmup = max(optim.warmup_steps, 0)
+    if step < warmup:
+        return (step + 1) / warmup
+    if optim.schedule is LrSchedule.constant:
+        return 1.0
+    done = min(1.0, (step - warmup) / max(cfg.max_steps - warmup, 1))  # 0 at the peak, 1 at the last step
+    decay = 0.5 * (1.0 + math.cos(math.pi * done)) if optim.schedule is LrSchedule.cosine else 1.0 - done
+    return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * decay
+
+
 class Trainer:
     def __init__(self, cfg: LearnerConfig, model, accelerator, temperature: float):
         self.cfg = cfg
@@ -110,11 +124,9 @@ class Trainer:
             module = sharding.shard(module, decoder_layers(model), cfg.fsdp, accelerator.device)
         optim = torch.optim.AdamW(module.parameters(), lr=effective_lr(cfg), betas=tuple(cfg.optim.betas),
                                   eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
-        warmup = max(cfg.optim.warmup_steps, 0)
         # Not passed to accelerator.prepare: Accelerate's scheduler wrapper advances once per rank
-        # per step, which would make warmup depend on the number of ranks.
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optim, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+        # per step, which would make the schedule depend on the number of ranks.
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: lr_factor(cfg, s))
         # A sharded module is not given to Accelerate (on CPU it would wrap it in DDP): it runs under
         # Accelerate's autocast, and its gradients are reduced by FSDP itself.
         self.model, self.optimizer = (module, optim) if self.sharded else accelerator.prepare(module, optim)

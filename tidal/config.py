@@ -39,6 +39,12 @@ class LrScaling(enum.Enum):
     sqrt = "sqrt"
 
 
+class LrSchedule(enum.Enum):
+    constant = "constant"
+    cosine = "cosine"
+    linear = "linear"
+
+
 class AdvantageNorm(enum.Enum):
     batch = "batch"
     group = "group"
@@ -313,6 +319,9 @@ class OptimConfig:
     eps: float = 1e-8  # AdamW epsilon
     weight_decay: float = 0.0  # AdamW weight decay
     warmup_steps: int = 0  # linear warmup steps
+    # after warmup: constant, or a cosine / linear decay that reaches lr * min_lr_ratio at learner.max_steps
+    schedule: LrSchedule = LrSchedule.constant
+    min_lr_ratio: float = 0.0  # the decayed schedules' floor, as a fraction of the peak lr
     max_grad_norm: float = 1.0  # clip; 0 disables
     lr_scaling: LrScaling = LrScaling.none  # sqrt: lr = optim.lr * sqrt(learner.groups_per_step / ref_groups_per_step)
     ref_groups_per_step: int = 0  # B_ref, the groups per step at which optim.lr was tuned (lr_scaling=sqrt needs it)
@@ -634,6 +643,8 @@ def check_learner(cfg: RunConfig) -> None:
     _require(1 <= loss.minibatches_per_step <= lc.groups_per_step, "learner.loss.minibatches_per_step",
              loss.minibatches_per_step, f"must be in [1, learner.groups_per_step = {lc.groups_per_step}]")
     _require(optim.lr > 0, "learner.optim.lr", optim.lr, "must be > 0")
+    _require(0.0 <= optim.min_lr_ratio <= 1.0, "learner.optim.min_lr_ratio", optim.min_lr_ratio,
+             "a fraction of the peak lr, in [0, 1]")
     _require(optim.lr_scaling is LrScaling.none or optim.ref_groups_per_step >= 1, "learner.optim.ref_groups_per_step",
              optim.ref_groups_per_step, "lr_scaling=sqrt needs the groups per step at which optim.lr was tuned (>= 1)")
     _require(cfg.actor.replicas >= 1, "actor.replicas", cfg.actor.replicas, "must be >= 1")

@@ -300,6 +300,26 @@ def test_lr_scaling_sets_the_effective_lr(scaling, ref, expected, accelerator):
     assert metrics["optim/lr"] == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("schedule", ["constant", "cosine", "linear"])
+def test_lr_schedule_warms_up_then_holds_or_decays_to_its_floor(schedule):
+    from tidal.config import LearnerConfig, LrSchedule, OptimConfig
+    from tidal.learner.trainer import lr_factor
+
+    cfg = LearnerConfig(max_steps=110, optim=OptimConfig(warmup_steps=10, schedule=LrSchedule(schedule),
+                                                         min_lr_ratio=0.1))
+    factors = [lr_factor(cfg, s) for s in range(130)]
+    assert factors[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])
+    assert factors[10] == 1.0
+    after = factors[10:]
+    if schedule == "constant":
+        assert set(after) == {1.0}
+        return
+    assert all(a >= b for a, b in zip(after, after[1:])) and factors[110] == factors[129] == pytest.approx(0.1)
+    assert factors[60] == pytest.approx(0.55)  # halfway through the decay both are halfway to the floor
+    assert factors[35] == pytest.approx(0.1 + 0.9 * (0.5 * (1 + math.cos(math.pi / 4)) if schedule == "cosine"
+                                                     else 0.75))
+
+
 def test_step_metrics_are_floats_and_describe_the_batch(accelerator):
     _, metrics = run_step(learner_config(LossType.cispo, Aggregation.prompt_mean, 10_000, 1), accelerator)
     assert all(type(v) is float for v in metrics.values())
