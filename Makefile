@@ -29,6 +29,8 @@ test-unit: $(STAMP)
 # GRPOTrainer on the same seeds (several hours on 2 cores); then tidal's parts against the raw thing
 bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[cpu,dev,bench]"
+	# TRL brings PyPI's torchvision back, which breaks `import vllm` beside the CPU torch (as in install)
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
 	$(BIN)/python bench/async.py --trl --out runs/bench-async
 	$(BIN)/python bench/ratios.py
 

@@ -1,5 +1,5 @@
-"""The in-process anchor: TRL's GRPOTrainer on the same warm-started model, task, split, learning rate,
-warmup, batch and loss as a tidal config, evaluated the same way (eval.n samples of every held-out
+"""The in-process anchor: TRL's GRPOTrainer on the same warm-started model, task, split, learning-rate
+schedule, optimizer, batch and loss as a tidal config, evaluated the same way (eval.n samples of every held-out
 prompt at eval.temperature, every eval.every steps), its history in the shape bench/runs.py reads.
 
 Optional: `pip install -e ".[bench]"` brings TRL. HF `generate` samples in the training process on
@@ -24,6 +24,7 @@ def trl_history(config: str, seed: int, overrides: list[str]) -> dict[str, dict[
     from trl import GRPOConfig, GRPOTrainer
 
     from tidal.config import load_config, preset_path
+    from tidal.learner.trainer import lr_factor
     from tidal.learner.warmstart import pass_rate
     from tidal.models import resolve_model_path
     from tidal.tasks import get_reward, get_task
@@ -73,14 +74,16 @@ def trl_history(config: str, seed: int, overrides: list[str]) -> dict[str, dict[
             max_steps=cfg.learner.max_steps, per_device_train_batch_size=samples_per_step,
             num_generations=cfg.sampling.n, max_completion_length=cfg.sampling.max_tokens,
             temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
-            learning_rate=optim.lr, warmup_steps=optim.warmup_steps, lr_scheduler_type="constant_with_warmup",
-            adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_epsilon=optim.eps,
-            weight_decay=optim.weight_decay, max_grad_norm=optim.max_grad_norm or 1e9,
+            max_grad_norm=optim.max_grad_norm or 1e9,
             beta=0.0, loss_type=loss.type.value if loss.type.value in ("cispo",) else "dapo",
             epsilon_high=loss.eps_max if loss.type.value == "cispo" else None,
             scale_rewards=cfg.learner.advantage_norm.value)
+        # tidal's own optimizer and lr schedule (warmup, then constant or decaying), stepped once per step
+        adamw = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                                  weight_decay=optim.weight_decay)
+        schedule = torch.optim.lr_scheduler.LambdaLR(adamw, lambda s: lr_factor(cfg.learner, s))
         trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=dataset,
-                              processing_class=tokenizer, callbacks=[Evaluate()])
+                              processing_class=tokenizer, callbacks=[Evaluate()], optimizers=(adamw, schedule))
         trainer.train()
     return history
 
