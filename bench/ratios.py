@@ -90,9 +90,12 @@ async def tidal_actor(spec: dict, rollouts: dict, ready, done) -> None:
     side = actor_transport(cfg.broker, ACTOR_ID, spec["run"])
     await side.heartbeat(Heartbeat(actor_id=ACTOR_ID, version=0, engine={}, outstanding=[], hello=True))
     ready.set()
+    sending: set[asyncio.Task] = set()  # the actor runs each group as a task of its own, which sends its rollout
     while not done.is_set():
         for group in await side.request_work(spec["window"] * spec["n"], timeout_s=0.2):
-            await side.send_rollout(rollouts[group.group_id])
+            task = asyncio.create_task(side.send_rollout(rollouts[group.group_id]))
+            sending.add(task)
+            task.add_done_callback(sending.discard)
     side.close()
 
 

@@ -517,6 +517,46 @@ class RedisLearnerTransport(LearnerTransport):
 
 # ---- actor side -------------------------------------------------------------------------------
 
+class RolloutOutbox:
+    """Rollouts sent while a pipeline is in flight go out together in the next: an actor finishing
+    many groups at once pays one round trip for them, not one each. Every sender waits until its own
+    rollout is written (or the pipeline failed), so `send_rollout` keeps its meaning."""
+
+    def __init__(self, write):
+        self._write = write  # async (list of frames) -> None: one pipeline
+        self._queue: list[tuple[bytes, asyncio.Future]] = []
+        self._flusher: asyncio.Task | None = None
+
+    async def send(self, frame: bytes) -> None:
+        done = asyncio.get_running_loop().create_future()
+        self._queue.append((frame, done))
+        if self._flusher is None:
+            self._flusher = asyncio.create_task(self._flush())
+        await done
+
+    async def _flush(self) -> None:
+        batch: list[tuple[bytes, asyncio.Future]] = []
+        try:
+            while self._queue:
+                batch, self._queue = self._queue, []
+                try:
+                    await self._write([frame for frame, _ in batch])
+                    error = None
+                except Exception as err:  # each sender raises it: none of these frames is known to be written
+                    error = err
+                for _, done in batch:
+                    if done.done():  # its sender was cancelled meanwhile
+                        continue
+                    if error is None:
+                        done.set_result(None)
+                    else:
+                        done.set_exception(error)
+        finally:  # cancelled (the actor stops): whoever still waits is cancelled too
+            self._flusher = None
+            for _, done in batch + self._queue:
+                done.cancel()
+
+
 class RedisActorTransport(ActorTransport):
     def __init__(self, cfg: RedisConfig, codec: WireCodec, actor_id: str, run: str):
         self.cfg, self.codec, self.actor_id = cfg, codec, actor_id
@@ -529,6 +569,7 @@ class RedisActorTransport(ActorTransport):
         self._next_claim = 0.0
         self._claim_cursor: bytes | str = "0-0"
         self._largest_n: int | None = None  # largest group seen: how many entries fit the free slots
+        self._outbox = RolloutOutbox(self._write_rollouts)
 
     async def request_work(self, max_samples: int, timeout_s: float) -> list[PromptGroup]:
         """Own pending prompts first (after a restart), then idle ones of silent actors, then new
@@ -636,7 +677,15 @@ class RedisActorTransport(ActorTransport):
 
     async def send_rollout(self, group: RolloutGroup) -> None:
         """The prompt stays pending at this actor (claim renewed by heartbeats) until the learner acknowledges it."""
-        await self.link.acall(self.r.xadd, self.keys.rollouts, {"m": self.codec.encode(group)})
+        await self._outbox.send(self.codec.encode(group))
+
+    async def _write_rollouts(self, frames: list[bytes]) -> None:
+        async def write():
+            async with self.r.pipeline(transaction=False) as pipe:
+                for frame in frames:
+                    pipe.xadd(self.keys.rollouts, {"m": frame})
+                await pipe.execute()
+        await self.link.acall(write)
 
     async def next_announcement(self) -> WeightUpdate | Shutdown:
         if self._weights_cursor is None:

@@ -241,6 +241,41 @@ def test_a_request_too_small_for_any_group_yields_to_the_event_loop(redis_server
     assert run(scenario()) > 0  # the actor's other tasks (heartbeats, rollouts) got to run
 
 
+def test_rollouts_finished_together_go_out_in_one_pipeline_and_share_its_failure(redis_server):
+    cfg = config(redis_server)
+    side = learner(cfg)
+    side.submit_prompts([prompt(i) for i in range(12)])
+
+    async def send_together(t, groups) -> tuple[list, list[int]]:
+        writes, write = [], t._outbox._write
+
+        async def counted(frames):
+            writes.append(len(frames))
+            await write(frames)
+
+        t._outbox._write = counted
+        results = await asyncio.gather(*(t.send_rollout(reply_for(g, t.actor_id)) for g in groups),
+                                       return_exceptions=True)
+        t._outbox._write = write
+        return results, writes
+
+    async def scenario():
+        t = RedisActorTransport(cfg, WireCodec(1 << 20), "a0", "t")
+        groups = await t.request_work(48, timeout_s=2.0)
+        sent = await send_together(t, groups)
+        # a rollouts key that is not a stream: every XADD of the pipeline fails, and every sender hears it
+        t.keys.rollouts = "not-a-stream"
+        await t.r.set(t.keys.rollouts, "x")
+        failed = await send_together(t, groups[:3])
+        await t.r.aclose()
+        return len(groups), sent, failed
+
+    n, (results, writes), (errors, failed_writes) = run(scenario())
+    assert n == 12 and results == [None] * 12 and writes == [12]  # twelve rollouts, one round trip
+    assert sorted(drain(side, 12)) == sorted(f"r-{i}" for i in range(12))
+    assert failed_writes == [3] and all(isinstance(e, redis.ResponseError) and "WRONGTYPE" in str(e) for e in errors)
+
+
 def test_a_group_left_pending_is_not_acknowledged_by_the_next_commit(redis_server):
     cfg = config(redis_server)
     side = learner(cfg)
