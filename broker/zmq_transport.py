@@ -16,14 +16,16 @@ Peers: with CURVE (`broker.zmq.curve`, on by default beyond loopback) every conn
 encrypted and its key says which actor it is; a message claiming another actor's id is refused.
 A second connection under a live actor's id is refused by the ROUTER itself. Every buffer is
 bounded: frames by ZMQ_MAXMSGSIZE, control messages by broker.max_control_bytes and a rate per
-identity, received rollouts by count and bytes (past that the stream pushes back on the actors).
+identity, rollouts by the stream's high-water mark: the training thread reads the PULL socket
+itself, and what it has not read yet stays there and pushes back on the actors.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
+import math
 import os
-import queue
 import threading
 import time
 
@@ -56,6 +58,9 @@ ANNOUNCE_EVERY_S = 1.0  # the newest announcement is repeated this often, for ac
 POLL_MS = 50
 CONTROL_RATE = 200.0  # control messages per second and identity, sustained (bursts up to twice that)
 MAX_IDENTITIES = 8192  # identities whose rate is tracked; the oldest is forgotten first
+# an actor's work request unanswered this long is sent again; the learner answers each within LONG_POLL_S
+REQUEST_AGAIN_S = 5.0
+PUSH_RETRY_S = 0.002  # how often an actor retries a rollout the learner's high-water mark holds back
 
 
 def _bind(sock: zmq.Socket, host: str, port: int) -> int:
@@ -93,8 +98,6 @@ class ZmqLearnerTransport(LearnerTransport):
         self._grants = GrantTable(cfg.actor_timeout_s, cfg.max_actors)
         self._rate = _RateLimit(CONTROL_RATE)
         self._parked: collections.deque[tuple[bytes, WorkRequest, float]] = collections.deque()
-        self._rollouts: queue.Queue[tuple[RolloutGroup, int]] = queue.Queue()
-        self._queued_bytes = 0
         self._announcement: bytes | None = None  # the newest WeightUpdate or Shutdown, encoded
         self._announce_at = 0.0  # when the I/O thread sends it next
         self._lock = threading.Lock()
@@ -102,12 +105,18 @@ class ZmqLearnerTransport(LearnerTransport):
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self.ports: dict[str, int] = {}
+        self._ctx = zmq.Context()
+        self._pull: zmq.Socket | None = None  # made and bound by the I/O thread, read by the training thread
+        self._authenticated = False
         self._waker_r, self._waker_w = os.pipe()  # other threads wake the I/O thread's poll through it
         os.set_blocking(self._waker_w, False)
         os.set_blocking(self._waker_r, False)
         self._thread = threading.Thread(target=self._run, name="zmq-learner-io", daemon=True)
         self._thread.start()
         self._ready.wait()
+        if self._error is not None:
+            self._thread.join()
+            self._ctx.destroy(linger=0)
         self._raise_if_failed()
 
     # ---- public, any thread ----------------------------------------------------------------
@@ -118,14 +127,22 @@ class ZmqLearnerTransport(LearnerTransport):
         self._wake()  # an actor's parked request may be waiting for exactly these
 
     def recv_rollout(self, timeout_s: float) -> RolloutGroup | None:
+        """Read by the calling thread itself, as the Redis transport reads: no rollout waits on the I/O
+        thread or crosses to this one, and what is not read yet stays in the socket, whose high-water
+        mark pushes back on the actors."""
         self._raise_if_failed()
-        try:
-            group, nbytes = self._rollouts.get(timeout=timeout_s)
-        except queue.Empty:
-            return None
-        with self._lock:
-            self._queued_bytes -= nbytes
-        return group
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                frame = self._pull.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                remaining_ms = math.ceil((deadline - time.monotonic()) * 1000)
+                if remaining_ms <= 0 or not self._pull.poll(remaining_ms):
+                    return None
+                continue
+            group = self._accept(frame)
+            if group is not None:
+                return group
 
     def publish_weights(self, update: WeightUpdate) -> None:
         self._announce(update)
@@ -151,14 +168,13 @@ class ZmqLearnerTransport(LearnerTransport):
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
-            out = self._grants.metrics(self._codec.rejected)
-            return out | {"broker/queued_rollouts": float(self._rollouts.qsize()),
-                          "broker/queued_rollout_bytes": float(self._queued_bytes)}
+            return self._grants.metrics(self._codec.rejected)
 
     def close(self) -> None:
         self._closed.set()
         self._wake()
         self._thread.join(timeout=5)
+        self._ctx.destroy(linger=0)  # here, not in the I/O thread: the training thread may be reading the PULL socket
         for fd in (self._waker_r, self._waker_w):
             os.close(fd)
         self._waker_r = self._waker_w = -1
@@ -176,12 +192,13 @@ class ZmqLearnerTransport(LearnerTransport):
     # ---- the I/O thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        ctx = zmq.Context()
-        keys = None
+        ctx = self._ctx
+        keys, own = None, []
         try:
             if curve_on(self._zmq):
                 keys = ActorKeys(ctx, self._zmq.keys_dir).begin()
             router, pull, pub = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
+            own = [router, pub]  # the PULL socket is the training thread's once bound; close() closes it
             # no ROUTER_HANDOVER: a second connection under a live actor's id is refused, not handed the first's work
             router.setsockopt(zmq.MAXMSGSIZE, self._cfg.max_control_bytes)
             pull.setsockopt(zmq.MAXMSGSIZE, self._cfg.max_message_bytes)  # bigger frames drop the connection
@@ -193,8 +210,9 @@ class ZmqLearnerTransport(LearnerTransport):
             self.ports = {"control": _bind(router, self._zmq.host, self._zmq.control_port),
                           "rollout": _bind(pull, self._zmq.host, self._zmq.rollout_port),
                           "weights": _bind(pub, self._zmq.host, self._zmq.weights_port)}
+            self._pull, self._authenticated = pull, keys is not None
             self._ready.set()
-            self._loop(router, pull, pub, authenticated=keys is not None)
+            self._loop(router, pub, authenticated=keys is not None)
         except BaseException as err:  # surfaces in the training thread via _raise_if_failed
             self._error = err
             log.exception("zmq learner I/O thread failed")
@@ -202,31 +220,23 @@ class ZmqLearnerTransport(LearnerTransport):
             self._ready.set()
             if keys is not None:
                 keys.stop()
-            ctx.destroy(linger=0)
+            for sock in own:
+                sock.close(linger=0)
 
-    def _loop(self, router: zmq.Socket, pull: zmq.Socket, pub: zmq.Socket, authenticated: bool) -> None:
+    def _loop(self, router: zmq.Socket, pub: zmq.Socket, authenticated: bool) -> None:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(self._waker_r, zmq.POLLIN)
         while not self._closed.is_set():
-            # a full queue leaves rollouts in the socket: its high-water mark then pushes back on the actors
-            poller.register(pull, zmq.POLLIN if self._has_room() else 0)
             events = dict(poller.poll(timeout=POLL_MS))
             if self._waker_r in events:
                 os.read(self._waker_r, 4096)
-            if pull in events:
-                self._drain_rollouts(pull, authenticated)
             if router in events:
                 self._drain_control(router, authenticated)
             self._repeat_announcement(pub)
             self._serve_parked(router)
             with self._lock:
                 self._grants.expire_silent_actors()
-
-    def _has_room(self) -> bool:
-        with self._lock:
-            return (self._rollouts.qsize() < self._cfg.max_queued_rollouts
-                    and self._queued_bytes < self._cfg.max_queued_bytes)
 
     def _repeat_announcement(self, pub: zmq.Socket) -> None:
         with self._lock:
@@ -236,29 +246,23 @@ class ZmqLearnerTransport(LearnerTransport):
         if frame is not None and due:
             pub.send(frame)
 
-    def _drain_rollouts(self, pull: zmq.Socket, authenticated: bool) -> None:
-        while self._has_room():
-            try:
-                frame = pull.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                group = self._codec.decode(frame.buffer, expect=RolloutGroup)
-            except WireError as err:
-                log.warning("rejected a frame on the rollout stream: %s", err)
-                continue
-            if authenticated and frame.get("User-Id") != group.actor_id:
-                self._refuse("impersonation", f"rollout {group.group_id} claims {group.actor_id!r} "
-                             f"from the key of {frame.get('User-Id')!r}")
-                continue
-            with self._lock:
-                why = self._grants.returned(group.group_id, group.actor_id)
-                if why is None:
-                    self._queued_bytes += len(frame.buffer)
-            if why is not None:
-                self._refuse(why, f"rollout {group.group_id[:80]} from {group.actor_id}")
-                continue
-            self._rollouts.put((group, len(frame.buffer)))
+    def _accept(self, frame: zmq.Frame) -> RolloutGroup | None:
+        """The frame's rollout, if it decodes, comes from the actor it names and was granted to it."""
+        try:
+            group = self._codec.decode(frame.buffer, expect=RolloutGroup)
+        except WireError as err:
+            log.warning("rejected a frame on the rollout stream: %s", err)
+            return None
+        if self._authenticated and frame.get("User-Id") != group.actor_id:
+            self._refuse("impersonation", f"rollout {group.group_id} claims {group.actor_id!r} "
+                         f"from the key of {frame.get('User-Id')!r}")
+            return None
+        with self._lock:
+            why = self._grants.returned(group.group_id, group.actor_id)
+        if why is not None:
+            self._refuse(why, f"rollout {group.group_id[:80]} from {group.actor_id}")
+            return None
+        return group
 
     def _drain_control(self, router: zmq.Socket, authenticated: bool) -> None:
         while True:
@@ -341,20 +345,32 @@ class ZmqActorTransport(ActorTransport):
             if curve_on(z):
                 secure_client(sock, z.keys_dir, actor_id)
             sock.connect(f"tcp://{z.host}:{port}")
-        self._request_open = False
+        # the PUSH socket driven directly: a send needs none of the asyncio socket's futures and
+        # event-loop callbacks, which were most of a send's cost at 5 KB
+        self._push_now = zmq.Socket.shadow(self._push.underlying)
+        self._request_open, self._request_sent_at = False, 0.0
         self._actor_id = actor_id
 
     async def request_work(self, max_samples: int, timeout_s: float) -> list[PromptGroup]:
-        if not self._request_open:
+        now = time.monotonic()
+        if not self._request_open or now - self._request_sent_at > REQUEST_AGAIN_S:
+            # asked again when unanswered for long: the learner dropped it (rate limit) or restarted
             await self._dealer.send(self._codec.encode(WorkRequest(actor_id=self._actor_id, max_samples=max_samples)))
-            self._request_open = True
+            self._request_open, self._request_sent_at = True, now
         if not await self._dealer.poll(timeout=int(timeout_s * 1000)):
             return []  # the request stays open; its grant is taken by the next call
         self._request_open = False
         return self._codec.decode(await self._dealer.recv(), expect=WorkGrant).groups
 
     async def send_rollout(self, group: RolloutGroup) -> None:
-        await self._push.send(self._codec.encode(group), copy=False)
+        frame = self._codec.encode(group)
+        while True:
+            try:
+                return self._push_now.send(frame, zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # at the high-water mark (or not yet connected): the learner pushes back
+                # retried on a timer, not awaited on the asyncio socket: its edge-triggered wake-up can be
+                # consumed by the direct sends of other groups, and then it would never come
+                await asyncio.sleep(PUSH_RETRY_S)
 
     async def next_announcement(self) -> WeightUpdate | Shutdown:
         while True:

@@ -252,8 +252,6 @@ class BrokerConfig:
     type: BrokerType = BrokerType.zmq  # zmq (embedded, no server) | redis (durable, multi-node)
     max_message_bytes: int = 64 * 1024 * 1024  # frames above this are rejected and counted
     max_control_bytes: int = 4 * 1024 * 1024  # hellos, heartbeats and work requests above this are refused
-    max_queued_rollouts: int = 4096  # rollouts received and not yet taken by the learner, at most
-    max_queued_bytes: int = 512 * 1024 * 1024  # and at most this many bytes of them (then the stream pushes back)
     max_actors: int = 1024  # live actor ids at once; hellos beyond are refused
     actor_timeout_s: float = 10.0  # an actor silent this long counts as gone (zmq: its groups are re-dispatched)
     zmq: ZmqConfig = field(default_factory=ZmqConfig)
@@ -687,7 +685,7 @@ def check_broker(cfg: RunConfig) -> None:
     _require(not curve_on(z) or bool(z.keys_dir), "broker.zmq.keys_dir", z.keys_dir,
              f"CURVE is on (broker.zmq.curve = {z.curve}, host {z.host}): name the keys folder "
              "(make one with `tidal keys DIR --actors actor-0,actor-1`)")
-    for key in ("max_message_bytes", "max_control_bytes", "max_queued_rollouts", "max_queued_bytes", "max_actors"):
+    for key in ("max_message_bytes", "max_control_bytes", "max_actors"):
         _require(getattr(cfg.broker, key) >= 1, f"broker.{key}", getattr(cfg.broker, key), "must be >= 1")
     r = cfg.broker.redis
     _require(r.url.startswith(("redis://", "rediss://", "unix://")), "broker.redis.url", redact_url(r.url),
