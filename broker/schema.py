@@ -249,9 +249,13 @@ class RolloutGroup(Message, tag="rollout_group"):
                 s.check()
             except WireError as err:
                 raise WireError(err.reason, f"samples[{i}]: {err.detail}") from None
-        # one pass over every logprob of the group: per sample it cost more than the rest of the check
-        finite = np.isfinite(np.frombuffer(b"".join(s.logprobs.data for s in self.samples), dtype="<f4")).all()
-        if not finite or not all(math.isfinite(s.reward) and math.isfinite(s.task_reward) for s in self.samples):
+        # one float64 sum over every logprob of the group: NaN or an infinity anywhere makes it non-finite,
+        # and float32 values cannot overflow it (per sample, or through isfinite().all(), it cost more
+        # than the rest of the check)
+        logprobs = np.frombuffer(b"".join([s.logprobs.data for s in self.samples]), dtype="<f4")
+        finite = math.isfinite(logprobs.sum(dtype=np.float64))
+        rewards = [s.reward for s in self.samples] + [s.raw_reward for s in self.samples if s.raw_reward is not None]
+        if not finite or not all(map(math.isfinite, rewards)):
             bad = next(i for i, s in enumerate(self.samples) if not (
                 math.isfinite(s.reward) and math.isfinite(s.task_reward)
                 and np.isfinite(s.logprobs.numpy("f4", "logprobs")).all()))
