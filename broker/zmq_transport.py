@@ -56,10 +56,13 @@ ANNOUNCE_EVERY_S = 1.0  # the newest announcement is repeated this often, for ac
 # the I/O thread's longest wait: for long-poll deadlines, repeated announcements and silent actors.
 # New prompts and announcements wake it at once (`_wake`), so this bounds no grant's latency.
 POLL_MS = 50
-CONTROL_RATE = 200.0  # control messages per second and identity, sustained (bursts up to twice that)
+CONTROL_RATE = 1000.0  # control messages per second and identity, sustained (bursts up to twice that)
 MAX_IDENTITIES = 8192  # identities whose rate is tracked; the oldest is forgotten first
 # an actor's work request unanswered this long is sent again; the learner answers each within LONG_POLL_S
 REQUEST_AGAIN_S = 5.0
+# an actor asks at most this often, at half the rate that is refused: a busy actor that finishes
+# groups faster gathers the freed slots into its next request instead of losing requests to the limit
+REQUEST_EVERY_S = 2 / CONTROL_RATE
 PUSH_RETRY_S = 0.002  # how often an actor retries a rollout the learner's high-water mark holds back
 
 
@@ -355,6 +358,9 @@ class ZmqActorTransport(ActorTransport):
         now = time.monotonic()
         if not self._request_open or now - self._request_sent_at > REQUEST_AGAIN_S:
             # asked again when unanswered for long: the learner dropped it (rate limit) or restarted
+            if (wait := self._request_sent_at + REQUEST_EVERY_S - now) > 0:
+                await asyncio.sleep(wait)
+            now = time.monotonic()
             await self._dealer.send(self._codec.encode(WorkRequest(actor_id=self._actor_id, max_samples=max_samples)))
             self._request_open, self._request_sent_at = True, now
         if not await self._dealer.poll(timeout=int(timeout_s * 1000)):

@@ -308,3 +308,26 @@ def test_a_work_request_the_learner_lost_is_asked_again(monkeypatch):
         return groups
 
     assert [g.group_id for g in asyncio.run(scenario())] == ["r-0"]
+
+
+def test_a_flood_of_control_messages_is_refused_but_an_actor_asking_at_its_pace_never_is(monkeypatch, learner_side):
+    monkeypatch.setattr("tidal.broker.zmq_transport.REQUEST_EVERY_S", 2 / 10)
+    learner_side._rate.rate = 10.0  # bursts of 20
+    learner_side.submit_prompts([prompt(i, n=1) for i in range(24)])
+
+    async def ask_as_fast_as_it_can():
+        t = actor(learner_side, "a")
+        await t.heartbeat(hello("a"))
+        got = [g for _ in range(24) for g in await t.request_work(1, timeout_s=2)]
+        t.close()
+        return got
+
+    assert len(asyncio.run(ask_as_fast_as_it_can())) == 24
+    assert "broker/rejected/rate_limited" not in learner_side.metrics()
+    ctx = zmq.Context()
+    flood = raw_dealer(ctx, learner_side, b"a")
+    for _ in range(40):
+        flood.send(WireCodec(4096).encode(hello("a")))
+    time.sleep(0.3)
+    ctx.destroy(linger=0)
+    assert learner_side.metrics()["broker/rejected/rate_limited"] >= 15
