@@ -91,7 +91,8 @@ class _RateLimit:
 
 
 class ZmqLearnerTransport(LearnerTransport):
-    """Owns the learner's three sockets on one I/O thread; the public methods are thread-safe."""
+    """Control and weight sockets on one I/O thread; the rollout socket is read by the one thread that
+    calls recv_rollout (the training loop). The other public methods are thread-safe."""
 
     def __init__(self, cfg: BrokerConfig, codec: WireCodec):
         self._cfg, self._zmq = cfg, cfg.zmq
