@@ -153,3 +153,18 @@ def test_a_sweep_is_one_parent_run_with_a_child_per_point_and_the_fit(tmp_path, 
     assert fit.data.tags["tidal.fitted_runs"] == ",".join(runs.values())
     assert {fit.data.params[f"run.{r}"] for r in runs.values()} == set(runs.values())
     assert fit.data.params["compute_metric"] == "compute/flops"
+
+
+def test_step_metrics_reach_mlflow_in_order_from_the_background_and_a_failed_write_is_raised(tracker, tmp_path):
+    from mlflow.exceptions import MlflowException
+
+    for step in range(1, 31):
+        tracker.log_metrics({"learner/version": float(step), "learner/loss": 0.5, "skipped": float("nan")}, step=step)
+    assert tracker.last_step() == 30  # reads wait for the writes before them
+    history = tracker._client.get_metric_history(tracker.run_id, "learner/version")
+    assert sorted((m.step, m.value) for m in history) == [(s, float(s)) for s in range(1, 31)]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, 31))
+    tracker.log_metrics({"not a valid name!": 1.0}, step=31)  # MLflow refuses the name, in the writer's thread
+    with pytest.raises(MlflowException, match="not a valid name"):
+        tracker.settle()
