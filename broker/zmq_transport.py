@@ -111,7 +111,7 @@ class ZmqLearnerTransport(LearnerTransport):
         self.ports: dict[str, int] = {}
         self._ctx = zmq.Context()
         self._pull: zmq.Socket | None = None  # made and bound by the I/O thread, read by the training thread
-        self._authenticated = False
+        self._authenticated = False  # CURVE is on: each connection's key names its actor
         self._waker_r, self._waker_w = os.pipe()  # other threads wake the I/O thread's poll through it
         os.set_blocking(self._waker_w, False)
         os.set_blocking(self._waker_r, False)
@@ -216,7 +216,7 @@ class ZmqLearnerTransport(LearnerTransport):
                           "weights": _bind(pub, self._zmq.host, self._zmq.weights_port)}
             self._pull, self._authenticated = pull, keys is not None
             self._ready.set()
-            self._loop(router, pub, authenticated=keys is not None)
+            self._loop(router, pub)
         except BaseException as err:  # surfaces in the training thread via _raise_if_failed
             self._error = err
             log.exception("zmq learner I/O thread failed")
@@ -227,7 +227,7 @@ class ZmqLearnerTransport(LearnerTransport):
             for sock in own:
                 sock.close(linger=0)
 
-    def _loop(self, router: zmq.Socket, pub: zmq.Socket, authenticated: bool) -> None:
+    def _loop(self, router: zmq.Socket, pub: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(self._waker_r, zmq.POLLIN)
@@ -236,7 +236,7 @@ class ZmqLearnerTransport(LearnerTransport):
             if self._waker_r in events:
                 os.read(self._waker_r, 4096)
             if router in events:
-                self._drain_control(router, authenticated)
+                self._drain_control(router)
             self._repeat_announcement(pub)
             self._serve_parked(router)
             with self._lock:
@@ -268,7 +268,7 @@ class ZmqLearnerTransport(LearnerTransport):
             return None
         return group
 
-    def _drain_control(self, router: zmq.Socket, authenticated: bool) -> None:
+    def _drain_control(self, router: zmq.Socket) -> None:
         while True:
             try:
                 frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -286,7 +286,8 @@ class ZmqLearnerTransport(LearnerTransport):
             except WireError as err:
                 log.warning("rejected a frame on the control socket from %r: %s", identity.bytes[:40], err)
                 continue
-            if msg.actor_id.encode() != identity.bytes or (authenticated and frame.get("User-Id") != msg.actor_id):
+            wrong_key = self._authenticated and frame.get("User-Id") != msg.actor_id
+            if msg.actor_id.encode() != identity.bytes or wrong_key:
                 self._refuse("impersonation", f"{type(msg).__name__} claims {msg.actor_id!r} from connection "
                              f"{identity.bytes[:40]!r}")
                 continue
