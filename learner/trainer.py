@@ -26,6 +26,7 @@ from tidal.learner.batch import (
     assign_groups,
     build_rows,
     collate,
+    computed_positions,
     group_advantages,
     micro_batches,
 )
@@ -59,11 +60,16 @@ def decoder_layers(policy) -> torch.nn.ModuleList:
     return layers
 
 
-def packs(packing: str, policy) -> bool:
-    """learner.packing, with auto resolved: pack exactly where the attention runs variable-length sequences."""
+def micro_batch_layout(packing: str, policy) -> str:
+    """learner.packing resolved: auto packs where the attention runs variable-length sequences
+    (flash-attn) and elsewhere leaves each step to pick between padded and shared (`Trainer.step`)."""
+    attention = getattr(policy.config, "_attn_implementation", "")
+    if packing == "shared" and attention == "flash_attention_2":
+        raise ValueError("learner.packing = shared needs attention that takes a mask; flash_attention_2 does "
+                         "not: use learner.attention = sdpa or learner.packing = packed")
     if packing != "auto":
-        return packing == "packed"
-    return getattr(policy.config, "_attn_implementation", "") == "flash_attention_2"
+        return packing
+    return "packed" if attention == "flash_attention_2" else "auto"
 
 
 class PolicyLogprobs(torch.nn.Module):
@@ -132,7 +138,8 @@ class Trainer:
         self.model, self.optimizer = (module, optim) if self.sharded else accelerator.prepare(module, optim)
         self.autocast = accelerator.autocast if self.sharded else contextlib.nullcontext
         self.num_updates = cfg.loss.epochs_per_step * cfg.loss.minibatches_per_step
-        self.packed = packs(cfg.packing, model)
+        self.layout = micro_batch_layout(cfg.packing, model)
+        self.step_layout = "padded" if self.layout == "auto" else self.layout  # this step's micro-batch layout
         self.last_tokens: TokenSample | None = None  # the latest step's lags and logprob pairs, for the figures
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -195,6 +202,9 @@ class Trainer:
         with local_batch=True each rank passes its own groups instead."""
         start = time.perf_counter()
         minibatches = self._build_minibatches(groups, token_masks, local_batch)
+        if self.layout == "auto":  # whichever layout computes fewer positions for this step's rows
+            self.step_layout = min(("padded", "shared"), key=lambda layout: sum(
+                computed_positions(rows, self.cfg.micro_batch_tokens, layout) for rows in minibatches))
         self.model.train()
         stats = _StepStats(version)
         for rows in minibatches:
@@ -211,6 +221,7 @@ class Trainer:
             "learner/grad_norm": float(np.mean(grad_norms)), "optim/lr": float(lr),
             "learner/num_updates": float(self.num_updates), "timing/train_step_s": elapsed,
             "learner/tokens_per_s": summary["learner/computed_tokens"] / elapsed,
+            "learner/shared_prompt_layout": float(self.step_layout == "shared"),
         }
 
     def _build_minibatches(self, groups, token_masks, local_batch: bool) -> list[list[Row]]:
@@ -242,7 +253,7 @@ class Trainer:
         module = self.accelerator.unwrap_model(self.model)
         with self.accelerator.autocast():  # the same compute dtype as the updates' forward passes
             for rows_mb, real in self._even([mb for rows in minibatches for mb in self._micro_batches(rows)]):
-                mb = collate(rows_mb, self.packed).to(self.accelerator.device)
+                mb = collate(rows_mb, self.step_layout).to(self.accelerator.device)
                 logp, entropy = module(mb.input_ids, mb.attention_mask, mb.predict_at, mb.targets, mb.position_ids)
                 if not real:
                     continue
@@ -257,7 +268,7 @@ class Trainer:
         """Forward and backward over the micro-batches of one mini-batch, then one optimizer update."""
         batches = self._even(self._micro_batches(rows))
         for i, (rows_mb, real) in enumerate(batches):
-            mb = collate(rows_mb, self.packed).to(self.accelerator.device)
+            mb = collate(rows_mb, self.step_layout).to(self.accelerator.device)
             # DDP all-reduces once, on the last micro-batch; the others accumulate gradients locally.
             # FSDP reduce-scatters every micro-batch into the gradient shards.
             sync = self.sharded or i == len(batches) - 1
@@ -275,7 +286,7 @@ class Trainer:
         return self._optimizer_step()
 
     def _micro_batches(self, rows: list[Row]) -> list[list[Row]]:
-        return micro_batches(rows, self.cfg.micro_batch_tokens, self.packed)
+        return micro_batches(rows, self.cfg.micro_batch_tokens, self.step_layout)
 
     def _even(self, batches: list[list[Row]]) -> list[tuple[list[Row], bool]]:
         """(micro-batch, real) pairs. Sharded, every forward and backward is a collective, so a rank

@@ -364,9 +364,10 @@ class LearnerConfig:
     mixed_precision: str = "no"
     # auto: flash_attention_2 on CUDA where flash-attn is installed, sdpa elsewhere
     attention: str = "auto"  # auto | sdpa | flash_attention_2
-    # micro-batches packed end to end without padding (variable-length attention) or padded per micro-batch;
-    # auto: packed under flash_attention_2, padded otherwise
-    packing: str = "auto"  # auto | packed | padded
+    # micro-batches packed end to end without padding (variable-length attention), padded per micro-batch, or
+    # shared: a prompt group's prompt computed once with all its completions after it (not with flash-attn);
+    # auto: packed under flash_attention_2, otherwise padded or shared, whichever computes less each step
+    packing: str = "auto"  # auto | packed | padded | shared
     torch_threads: int = 1  # intra-op threads of the learner
     rollout_timeout_s: float = 600.0  # no rollout for this long means the actors are gone: the learner fails
     health_file: str = ""  # touched while the loop makes progress, for liveness probes; empty = off
@@ -620,8 +621,8 @@ def check_learner(cfg: RunConfig) -> None:
              "expected no, bf16 or fp16")
     _require(lc.attention in ("auto", "sdpa", "flash_attention_2"), "learner.attention", lc.attention,
              "expected auto, sdpa or flash_attention_2")
-    _require(lc.packing in ("auto", "packed", "padded"), "learner.packing", lc.packing,
-             "expected auto, packed or padded")
+    _require(lc.packing in ("auto", "packed", "padded", "shared"), "learner.packing", lc.packing,
+             "expected auto, packed, padded or shared")
     _require(lc.nodes >= 1 and lc.num_ranks % lc.nodes == 0, "learner.nodes", lc.nodes,
              f"must be >= 1 and divide learner.num_ranks = {lc.num_ranks} (the same number of ranks on each machine)")
     _require(0 <= lc.node_rank < lc.nodes, "learner.node_rank", lc.node_rank,

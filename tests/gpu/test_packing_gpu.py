@@ -23,10 +23,10 @@ def test_packed_flash_attention_matches_padded_sdpa_in_bf16():
     rows = build_rows(groups, masks, [np.zeros(len(g.samples)) for g in groups],
                       [[np.ones(s.num_tokens) for s in g.samples] for g in groups])
     results = {}
-    for attention, packed in (("sdpa", False), ("flash_attention_2", True)):
+    for attention, layout in (("sdpa", "padded"), ("flash_attention_2", "packed")):
         model.config._attn_implementation = attention
         module = PolicyLogprobs(model.to("cuda", torch.bfloat16), temperature=1.0, backend="triton").eval()
-        mb = collate(rows, packed).to("cuda")
+        mb = collate(rows, layout).to("cuda")
         with torch.no_grad():
-            results[packed] = module(mb.input_ids, mb.attention_mask, mb.predict_at, mb.targets, mb.position_ids)
-    torch.testing.assert_close(results[True][0], results[False][0], atol=1e-3, rtol=0)
+            results[layout] = module(mb.input_ids, mb.attention_mask, mb.predict_at, mb.targets, mb.position_ids)
+    torch.testing.assert_close(results["packed"][0], results["padded"][0], atol=1e-3, rtol=0)

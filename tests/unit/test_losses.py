@@ -272,7 +272,7 @@ def test_micro_batches_pad_within_themselves_and_report_packing(accelerator):
     rows = build_rows(groups, masks, group_advantages(groups, AdvantageNorm.none),
                       aggregation_weights(masks, Aggregation.prompt_mean))
     assert [[len(r.input_ids) for r in b] for b in micro_batches(rows, 12)] == [[3, 3, 4], [4, 5]]
-    cfg = learner_config(LossType.cispo, Aggregation.prompt_mean, 12, 1, num_groups=2)
+    cfg = replace(learner_config(LossType.cispo, Aggregation.prompt_mean, 12, 1, num_groups=2), packing="padded")
     _, metrics = run_step(cfg, accelerator, groups, masks)
     assert metrics["learner/computed_tokens"] == 22
     assert metrics["learner/packing_efficiency"] == pytest.approx(19 / 22)
