@@ -10,7 +10,9 @@ times sooner; above 1 is faster) with a bootstrap 90% interval over seeds, and t
 rate's difference from max_lag 0's. With --trl, TRL's GRPOTrainer runs the same seeds in process
 (bench/trl_anchor.py; `pip install -e ".[bench]"`) and every line also gets its ratio to TRL's.
 The target is the max_lag-0 runs' median final pass rate minus --margin (or --target). Times count
-from the end of the step-0 evaluation (start-up left out). A PNG per config draws the pass rate
+from the end of the step-0 evaluation (start-up left out) to the moment the weights that first reached
+the target existed (tidal's evaluations run beside training, TRL's block it: each is charged for the
+evaluations before, neither for the one that measured). A PNG per config draws the pass rate
 against wall time for every run, coloured by max_lag.
 
     python bench/async.py                                         # demo and long task, k 0,1,2,4,8, 3 seeds

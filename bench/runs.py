@@ -26,18 +26,26 @@ def mlflow_run(run_dir: Path) -> tuple[str, str]:
 
 
 def history(run_dir: Path, names: tuple[str, ...] = METRICS) -> dict[str, dict[int, float]]:
-    """metric -> {step: value} of the run's MLflow record."""
+    """metric -> {step: value} of the run's MLflow record. A compute axis is logged at a step twice, when the
+    step ends and when its evaluation completes: the earlier point is kept, the moment the weights of that
+    version existed (an in-process loop's evaluation is timed the same way: from before it runs)."""
     from mlflow.tracking import MlflowClient
 
     uri, run_id = mlflow_run(run_dir)
     client = MlflowClient(uri)
-    return {name: {m.step: m.value for m in client.get_metric_history(run_id, name)} for name in names}
+    out: dict[str, dict[int, float]] = {}
+    for name in names:
+        points = out.setdefault(name, {})
+        for m in client.get_metric_history(run_id, name):
+            keep_first = name.startswith("compute/") and m.step in points
+            points[m.step] = min(points[m.step], m.value) if keep_first else m.value
+    return out
 
 
 def time_to_target(hist: dict[str, dict[int, float]], target: float) -> dict:
-    """Samples and seconds until eval/pass_rate first reached `target` (None when it never did). Seconds
-    count from the end of the step-0 evaluation, so start-up is left out; the learner's steps and the
-    evaluations on the way are in."""
+    """Samples and seconds until the weights whose eval/pass_rate first reached `target` existed (None when
+    none did). Seconds count from the end of the step-0 evaluation, so start-up is left out; the learner's
+    steps and the evaluations on the way are in."""
     evals = sorted(hist["eval/pass_rate"].items())
     start = hist["compute/wall_s"].get(0, 0.0)
     hit = next(((step, rate) for step, rate in evals if step > 0 and rate >= target), None)
