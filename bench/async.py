@@ -1,14 +1,16 @@
 """Does asynchrony pay? Time to a target pass rate against the staleness bound, side by side in one run.
 
-Runs tidal at every staleness.max_lag and seed (learner and actor each on a core of their own, as the
-launcher pins them), on each config, and prints one JSON line per run:
+Runs tidal at every staleness.max_lag and seed (the learner on a core of its own, the engine threads of
+the actor on another, as the launcher places them), on each config, and prints one JSON line per run:
 
     task, system, max_lag, seed, wall_s, steps, samples, time_to_target_s, final_pass_rate
+    (and time_to_<rate>_s for each fixed pass rate of --also, 0.6 by default)
 
 then one summary line per max_lag: the median time to target, its ratio to max_lag 0's (how many
-times sooner; above 1 is faster) with a bootstrap 90% interval over seeds, and the median final pass
-rate's difference from max_lag 0's. With --trl, TRL's GRPOTrainer runs the same seeds in process
-(bench/trl_anchor.py; `pip install -e ".[bench]"`) and every line also gets its ratio to TRL's.
+times sooner; above 1 is faster) with a bootstrap 90% interval over seeds, the same for each --also
+rate, and the median final pass rate's difference from max_lag 0's. With --trl, TRL's GRPOTrainer
+runs the same seeds in process (bench/trl_anchor.py; `pip install -e ".[bench]"`; its histories are
+kept beside tidal's runs) and every line also gets its ratio to TRL's.
 The target is the max_lag-0 runs' median final pass rate minus --margin (or --target). Times count
 from the end of the step-0 evaluation (start-up left out) to the moment the weights that first reached
 the target existed (tidal's evaluations run beside training, TRL's block it: each is charged for the
@@ -45,8 +47,9 @@ def run_grid(config: str, lags: list[int], seeds: int, extra: list[str], folder:
             runs.append({"task": Path(config).stem, "system": "tidal", "max_lag": lag, "seed": seed,
                          "history": history(run_dir)})
     for seed in range(seeds if trl else 0):
-        runs.append({"task": Path(config).stem, "system": "trl", "max_lag": None, "seed": seed,
-                     "history": trl_run(config, seed, extra)})
+        hist = trl_run(config, seed, extra)
+        (folder / f"{Path(config).stem}-trl-s{seed}.json").write_text(json.dumps(hist))  # tidal's are in run dirs
+        runs.append({"task": Path(config).stem, "system": "trl", "max_lag": None, "seed": seed, "history": hist})
     return runs
 
 
@@ -68,34 +71,44 @@ def bootstrap_ratio(base: list[float], other: list[float], rng: np.random.Genera
     return [round(float(q), 3) for q in np.quantile(ratios, [0.05, 0.95])]
 
 
-def summarize(runs: list[dict], target: float, rng: np.random.Generator) -> list[dict]:
+def summarize(runs: list[dict], target: float, also: list[float], rng: np.random.Generator) -> list[dict]:
     """Per max_lag (and TRL): median time to target, its ratio to max_lag 0's and to TRL's with
-    intervals, final pass rates."""
+    intervals, the same for each fixed rate of `also`, final pass rates."""
     by_lag: dict[int | None, list[dict]] = {}
     for run in runs:
         by_lag.setdefault(run["max_lag"], []).append(run)
-
-    def times(group: list[dict]) -> list[float]:
-        return [r["time_to_target_s"] for r in group if r["time_to_target_s"] is not None]
-
     base, trl = by_lag.get(0, []), by_lag.get(None, [])
     base_final = statistics.median(r["final_pass_rate"] for r in base) if base else None
     lines = []
     for lag, group in sorted(by_lag.items(), key=lambda item: -1 if item[0] is None else item[0]):
         final = statistics.median(r["final_pass_rate"] for r in group)
         line = {"task": group[0]["task"], "system": group[0]["system"], "max_lag": lag, "target": round(target, 4),
-                "runs": len(group), "reached": len(times(group)),
-                "median_time_to_target_s": statistics.median(times(group)) if times(group) else None,
-                "median_final_pass_rate": round(final, 4)}
-        for name, reference in (("k0", base), ("trl", trl)):
-            if times(reference) and times(group):
-                ratio = statistics.median(times(reference)) / statistics.median(times(group))
-                line[f"speedup_vs_{name}"] = round(ratio, 3)
-                line[f"speedup_vs_{name}_90ci"] = bootstrap_ratio(times(reference), times(group), rng)
+                "runs": len(group), "reached": len(_times(group, "time_to_target_s"))}
+        for key in ["time_to_target_s", *(f"time_to_{rate}_s" for rate in also)]:
+            line |= _time_summary(key, group, base, trl, rng)
+        line["median_final_pass_rate"] = round(final, 4)
         if base_final is not None:
             line["final_minus_k0"] = round(final - base_final, 4)
         lines.append(line)
     return lines
+
+
+def _times(group: list[dict], key: str) -> list[float]:
+    return [r[key] for r in group if r[key] is not None]
+
+
+def _time_summary(key: str, group: list[dict], base: list[dict], trl: list[dict], rng: np.random.Generator) -> dict:
+    """The group's median of `key` and how many times sooner than max_lag 0 and TRL it is, with intervals."""
+    times = _times(group, key)
+    suffix = key.removeprefix("time_to").removesuffix("_s")  # "_target" or "_0.6"
+    line = {f"median_{key}": statistics.median(times) if times else None}
+    for name, reference in (("k0", base), ("trl", trl)):
+        if _times(reference, key) and times:
+            ratio = statistics.median(_times(reference, key)) / statistics.median(times)
+            label = f"speedup_vs_{name}" + ("" if suffix == "_target" else f"_at{suffix}")
+            line[label] = round(ratio, 3)
+            line[f"{label}_90ci"] = bootstrap_ratio(_times(reference, key), times, rng)
+    return line
 
 
 def plot(runs: list[dict], target: float, png: Path) -> None:
@@ -129,11 +142,13 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--margin", type=float, default=0.05, help="target = median k=0 final pass rate - margin")
     parser.add_argument("--target", type=float, help="a fixed target pass rate instead")
+    parser.add_argument("--also", default="0.6", help="fixed pass rates also timed, comma-separated (empty: none)")
     parser.add_argument("--trl", action="store_true", help="also TRL's GRPOTrainer per seed (the in-process anchor)")
     parser.add_argument("--out", help="keep runs and plots here (default: a temporary folder; plots to .)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = parser.parse_args()
     lags = [int(k) for k in args.max_lag.split(",")]
+    also = [float(rate) for rate in args.also.split(",") if rate]
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.out or tmp)
@@ -142,11 +157,14 @@ def main() -> int:
             base = [time_to_target(r["history"], 1.0)["final_pass_rate"] for r in runs if r["max_lag"] == 0]
             target = args.target if args.target is not None else (
                 statistics.median(base) - args.margin if base else 0.6)
+            fixed = [f"time_to_{rate}_s" for rate in also]
             for r in runs:
                 r.update(time_to_target(r["history"], target))
+                r.update({key: time_to_target(r["history"], rate)["time_to_target_s"]
+                          for key, rate in zip(fixed, also)})
                 print(json.dumps({k: r[k] for k in ("task", "system", "max_lag", "seed", "wall_s", "steps", "samples",
-                                                     "time_to_target_s", "final_pass_rate")}), flush=True)
-            for line in summarize(runs, target, rng):
+                                                     "time_to_target_s", *fixed, "final_pass_rate")}), flush=True)
+            for line in summarize(runs, target, also, rng):
                 print(json.dumps({"summary": True, **line}), flush=True)
             png = (Path(args.out) if args.out else Path(".")) / f"async-{runs[0]['task']}.png"
             plot(runs, target, png)
