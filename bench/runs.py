@@ -33,13 +33,17 @@ def history(run_dir: Path, names: tuple[str, ...] = METRICS) -> dict[str, dict[i
 
     uri, run_id = mlflow_run(run_dir)
     client = MlflowClient(uri)
-    out: dict[str, dict[int, float]] = {}
-    for name in names:
-        points = out.setdefault(name, {})
-        for m in client.get_metric_history(run_id, name):
-            keep_first = name.startswith("compute/") and m.step in points
-            points[m.step] = min(points[m.step], m.value) if keep_first else m.value
-    return out
+    return {name: by_step(name, client.get_metric_history(run_id, name)) for name in names}
+
+
+def by_step(name: str, metrics) -> dict[int, float]:
+    """{step: value} of one metric's logged points (objects with .step and .value, in logging order): the
+    last value of a step, but the smallest of a compute axis, which only grows."""
+    points: dict[int, float] = {}
+    for m in metrics:
+        keep_first = name.startswith("compute/") and m.step in points
+        points[m.step] = min(points[m.step], m.value) if keep_first else m.value
+    return points
 
 
 def time_to_target(hist: dict[str, dict[int, float]], target: float) -> dict:

@@ -1,6 +1,7 @@
 """The bench scripts' arithmetic on made-up histories: time to a target, ratios to max_lag 0."""
 import importlib.util
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
-from runs import time_to_target  # noqa: E402
+from runs import by_step, time_to_target  # noqa: E402
 
 
 def _bench_async():
@@ -40,8 +41,9 @@ def test_summary_ratios_to_max_lag_0_and_to_trl_with_intervals():
         for seed in range(3):
             run = {"task": "long", "system": "tidal" if lag is not None else "trl", "max_lag": lag, "seed": seed,
                    "history": _history([0.3, 0.6, 0.8 + 0.01 * seed], seconds + 0.1 * seed)}
-            runs.append(run | time_to_target(run["history"], 0.75))
-    lines = {line["max_lag"]: line for line in bench.summarize(runs, 0.75, np.random.default_rng(0))}
+            run |= time_to_target(run["history"], 0.75)
+            runs.append(run | {"time_to_0.5_s": time_to_target(run["history"], 0.5)["time_to_target_s"]})
+    lines = {line["max_lag"]: line for line in bench.summarize(runs, 0.75, [0.5], np.random.default_rng(0))}
     assert lines[4]["speedup_vs_trl"] == pytest.approx(12.2 / 4.2, abs=1e-3)
     assert lines[None]["system"] == "trl" and lines[None]["speedup_vs_k0"] == pytest.approx(8.2 / 12.2, abs=1e-3)
     assert lines[0]["speedup_vs_k0"] == 1.0
@@ -49,3 +51,15 @@ def test_summary_ratios_to_max_lag_0_and_to_trl_with_intervals():
     low, high = lines[4]["speedup_vs_k0_90ci"]
     assert low <= lines[4]["speedup_vs_k0"] <= high
     assert lines[4]["final_minus_k0"] == 0.0 and lines[4]["reached"] == 3
+    # the fixed rate 0.5 is first reached at the second evaluation
+    assert lines[4]["median_time_to_0.5_s"] == pytest.approx(2.1)
+    assert lines[4]["speedup_vs_k0_at_0.5"] == pytest.approx(4.1 / 2.1, abs=1e-3)
+    assert lines[4]["speedup_vs_trl_at_0.5"] == pytest.approx(6.1 / 2.1, abs=1e-3)
+
+
+def test_a_compute_axis_keeps_the_step_end_not_the_evaluation_that_completed_later():
+    logged = [SimpleNamespace(step=10, value=40.0), SimpleNamespace(step=10, value=43.0),
+              SimpleNamespace(step=20, value=45.0)]  # step 10's end, then its evaluation's completion
+    assert by_step("compute/wall_s", logged) == {10: 40.0, 20: 45.0}
+    assert by_step("eval/pass_rate", [SimpleNamespace(step=10, value=0.5), SimpleNamespace(step=10, value=0.6)]) \
+        == {10: 0.6}
