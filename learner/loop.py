@@ -205,11 +205,12 @@ class Learner:
 
     def summary(self) -> dict:
         results, tracker = self.evals.results, self.parts.tracker
+        broker = self.transport.metrics()
         return {"val_pass_rate_initial": results.get(0), "val_pass_rate_final": results.get(self.version),
                 "val_pass_rate_by_version": {str(k): v for k, v in sorted(results.items())},
                 "steps": self.version, "samples": self.accounting.totals["samples"],
                 "gen_tokens": self.accounting.totals["gen_tokens"], "wall_s": self.accounting.wall_s(),
                 "mlflow_run_id": tracker.run_id, "mlflow_uri": tracker.uri,
-                "rejected_frames": self.transport.metrics()["broker/rejected_frames"],
+                "rejected_frames": broker["broker/rejected_frames"], "broker": broker,  # as at shutdown
                 "stopped_early": self.stopped_early, "groups_by_actor": dict(self.accounting.by_actor),
                 "groups": dict(self.book.counts), "outstanding_groups": sorted(self.book.outstanding)}
