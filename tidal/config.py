@@ -6,6 +6,7 @@ whole tree. Unknown keys and wrong types fail at load time with one line naming 
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -668,9 +669,23 @@ def check_devices(cfg: RunConfig) -> None:
     _require(vc.max_model_len >= 0, "actor.vllm.max_model_len", vc.max_model_len, "must be >= 0 (0 = the model's)")
     _require(vc.cpu_linear in CPU_LINEAR_LAYOUTS, "actor.vllm.cpu_linear", vc.cpu_linear,
              f"expected {' or '.join(CPU_LINEAR_LAYOUTS)}")
+    _require(not ac.cpu_cores or re.fullmatch(CORES_PATTERN, ac.cpu_cores) is not None, "actor.cpu_cores",
+             ac.cpu_cores, "expected core ids like 1, 0-3 or 0,2-3 (empty: vLLM picks)")
     taken = sorted(set(vc.engine_kwargs) & set(TIDAL_ENGINE_ARGS))
     _require(not taken, "actor.vllm.engine_kwargs", taken,
              "tidal sets these engine arguments itself (use the actor.* / actor.vllm.* keys where there is one)")
+
+
+CORES_PATTERN = r"\d+(-\d+)?(,\d+(-\d+)?)*"
+
+
+def parse_cores(spec: str) -> list[int]:
+    """A core list as actor.cpu_cores and taskset write it ("1", "0-3", "0,2-3"), as core ids."""
+    cores = []
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cores.extend(range(int(first), int(last or first) + 1))
+    return cores
 
 
 def check_curriculum(cfg: RunConfig) -> None:
@@ -724,7 +739,6 @@ def field_help(cls: type) -> dict[str, str]:
     """Each field's help, from the schema's own source: the comment lines just above the field and
     the comment on its line (one source for the code, the docs and `tidal config explain`)."""
     import inspect
-    import re
 
     helps, above = {}, []
     for line in inspect.getsource(cls).splitlines()[1:]:

@@ -11,6 +11,7 @@ The weight-channel tests come last and put the exported weights back (as version
 """
 import asyncio
 import copy
+import os
 import threading
 
 import msgspec
@@ -60,8 +61,11 @@ def engine(exported):
         from tidal.broker.weights.vllm_engine import VLLM_BACKEND
 
         # plain CPU linear layers: updates are copied in place (the packed layout's layer-wise reload
-        # is what every end-to-end run exercises)
-        actor = load_config(ROOT / "configs/tiny.yaml", ["actor.vllm.cpu_linear=plain"]).actor
+        # is what every end-to-end run exercises); pinned to a core, as `tidal run` pins its actors, the
+        # model runs in vLLM's engine-core process
+        core = max(os.sched_getaffinity(0))
+        overrides = ["actor.vllm.cpu_linear=plain", f"actor.cpu_cores={core}"]
+        actor = load_config(ROOT / "configs/tiny.yaml", overrides).actor
         e = Engine(actor, str(exported[0]), "float32", weight_transfer=VLLM_BACKEND)
         await e.set_version(0)
         return e

@@ -80,3 +80,22 @@ def test_colocated_actors_share_the_learners_gpu():
     c = cfg("actor.replicas=2", "actor.colocate=true")
     plan = place(c.learner, c.actor, ["0"], cores=[0, 1])
     assert plan.learner.gpus == ("0",) and [a.gpus for a in plan.actors] == [("0",), ("0",)]
+
+
+def test_a_pinned_cpu_engine_runs_its_model_in_the_engine_core_process_bound_to_its_cores():
+    from tidal.actor.engine import cpu_engine_env
+
+    assert cpu_engine_env(cfg("actor.cpu_cores=1").actor) == {
+        "OMP_NUM_THREADS": "1", "OMP_PLACES": "{1}", "OMP_PROC_BIND": "close"}
+    env = cpu_engine_env(cfg("actor.cpu_cores=0-1,3").actor)
+    assert (env["OMP_NUM_THREADS"], env["OMP_PLACES"]) == ("3", "{0},{1},{3}")
+    # left to vLLM: no cores given, or parallelism / an executor the user chose
+    for overrides in ([], ["actor.cpu_cores=1", "actor.vllm.tensor_parallel_size=2"],
+                      ["actor.cpu_cores=1", "actor.vllm.engine_kwargs.distributed_executor_backend=mp"]):
+        assert cpu_engine_env(cfg(*overrides).actor) == {}
+
+
+@pytest.mark.parametrize("cores", ["1-", "a", "0, 1", "1;2"])
+def test_a_bad_core_list_is_named(cores):
+    with pytest.raises(ConfigError, match="actor.cpu_cores"):
+        cfg(f"actor.cpu_cores={cores}")
