@@ -127,7 +127,7 @@ class Learner:
             self.transport.commit()  # no resume point to wait for
 
     def end(self) -> None:
-        """Stop releasing, evaluate the final weights, save the final checkpoint."""
+        """Stop releasing, evaluate the final weights, let the actors go, save the final checkpoint."""
         self.coordinator.stop()
         self.evaluator.start(self.version)
         self.inbox.restart_clock()
@@ -137,6 +137,9 @@ class Learner:
                 self.evaluator.on_group(group, self.version)
             elif group is not None:
                 self.transport.leave_pending(group)  # not trained: a longer resumed run still can
+        # only a finished run stops the actors (after a crash or an eviction they wait for the resumed
+        # learner); now, so that their engines shut down while the final checkpoint and export are written
+        self.transport.shutdown_actors("learner finished")
         self.save_checkpoint()
         state = self.trainer.full_state_dict()  # gathered when sharded: the other ranks take part
         if self.parts.export is not None:

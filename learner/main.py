@@ -215,9 +215,7 @@ def serve(learner, run_dir: Path) -> int:
     transport, tracker = learner.transport, learner.parts.tracker
     write_endpoints(run_dir, transport.ports)
     try:
-        summary = learner.run()
-        # only a finished run stops the actors: after a crash or an eviction they wait for the resumed learner
-        transport.shutdown_actors("learner finished")
+        summary = learner.run()  # which told the actors to stop once the final evaluation was in
         time.sleep(0.2)  # let the PUB socket flush the shutdown before closing
     except (KeyboardInterrupt, SystemExit):
         tracker.finish({"error": "learner stopped by a signal"}, status="KILLED")

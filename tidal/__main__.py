@@ -1,6 +1,4 @@
-import sys
-
-from tidal.cli import main
+from tidal.cli import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from tidal.config import ConfigError, load_config
@@ -135,6 +136,19 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as err:  # e.g. a preset whose model.path is still empty
         print(f"tidal {args.command}: {err}", file=sys.stderr)
         return 2
+
+
+def entry() -> None:
+    """The `tidal` command (and `python -m tidal`): `main`, then out without tearing the interpreter
+    down. With torch, transformers, vLLM or MLflow loaded, finalizing takes seconds (2.4 s for
+    `tidal run` on a 2-core machine) and every role's work is done and written by then: MLflow runs
+    ended, transports closed, child processes stopped. Logs and the standard streams are flushed
+    first. An exception still unwinds and exits the usual way."""
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
 
 
 def _role(cfg, args) -> int:
