@@ -143,6 +143,8 @@ def main() -> int:
     parser.add_argument("--margin", type=float, default=0.05, help="target = median k=0 final pass rate - margin")
     parser.add_argument("--target", type=float, help="a fixed target pass rate instead")
     parser.add_argument("--also", default="0.6", help="fixed pass rates also timed, comma-separated (empty: none)")
+    parser.add_argument("--eval-every", type=int, default=10,
+                        help="evaluate every this many steps (the resolution of times to a pass rate), tidal and TRL")
     parser.add_argument("--trl", action="store_true", help="also TRL's GRPOTrainer per seed (the in-process anchor)")
     parser.add_argument("--out", help="keep runs and plots here (default: a temporary folder; plots to .)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
@@ -153,7 +155,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.out or tmp)
         for config in args.config or ["tiny", "long"]:
-            runs = run_grid(config, lags, args.seeds, args.overrides, folder, args.trl)
+            overrides = [f"eval.every={args.eval_every}", *args.overrides]
+            runs = run_grid(config, lags, args.seeds, overrides, folder, args.trl)
             base = [time_to_target(r["history"], 1.0)["final_pass_rate"] for r in runs if r["max_lag"] == 0]
             target = args.target if args.target is not None else (
                 statistics.median(base) - args.margin if base else 0.6)
