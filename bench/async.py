@@ -84,8 +84,8 @@ def summarize(runs: list[dict], target: float, also: list[float], rng: np.random
         final = statistics.median(r["final_pass_rate"] for r in group)
         line = {"task": group[0]["task"], "system": group[0]["system"], "max_lag": lag, "target": round(target, 4),
                 "runs": len(group), "reached": len(_times(group, "time_to_target_s"))}
-        for key in ["time_to_target_s", *(f"time_to_{rate}_s" for rate in also)]:
-            line |= _time_summary(key, group, base, trl, rng)
+        for key, label in [("time_to_target_s", ""), *((f"time_to_{rate}_s", f"_at_{rate}") for rate in also)]:
+            line |= _time_summary(key, label, group, base, trl, rng)
         line["median_final_pass_rate"] = round(final, 4)
         if base_final is not None:
             line["final_minus_k0"] = round(final - base_final, 4)
@@ -97,17 +97,17 @@ def _times(group: list[dict], key: str) -> list[float]:
     return [r[key] for r in group if r[key] is not None]
 
 
-def _time_summary(key: str, group: list[dict], base: list[dict], trl: list[dict], rng: np.random.Generator) -> dict:
-    """The group's median of `key` and how many times sooner than max_lag 0 and TRL it is, with intervals."""
+def _time_summary(key: str, label: str, group: list[dict], base: list[dict], trl: list[dict],
+                  rng: np.random.Generator) -> dict:
+    """The group's median of `key` and how many times sooner than max_lag 0 and TRL it is, with
+    intervals, under speedup_vs_<k0|trl><label>."""
     times = _times(group, key)
-    suffix = key.removeprefix("time_to").removesuffix("_s")  # "_target" or "_0.6"
     line = {f"median_{key}": statistics.median(times) if times else None}
     for name, reference in (("k0", base), ("trl", trl)):
         if _times(reference, key) and times:
             ratio = statistics.median(_times(reference, key)) / statistics.median(times)
-            label = f"speedup_vs_{name}" + ("" if suffix == "_target" else f"_at{suffix}")
-            line[label] = round(ratio, 3)
-            line[f"{label}_90ci"] = bootstrap_ratio(_times(reference, key), times, rng)
+            line[f"speedup_vs_{name}{label}"] = round(ratio, 3)
+            line[f"speedup_vs_{name}{label}_90ci"] = bootstrap_ratio(_times(reference, key), times, rng)
     return line
 
 
