@@ -215,8 +215,9 @@ def test_async_run_with_two_actors_survives_junk_frames_and_a_killed_actor(tmp_p
     by_reason = lambda metrics: {k.removeprefix("broker/rejected/"): v for k, v in metrics.items()  # noqa: E731
                                  if k.startswith("broker/rejected/")}
     rejected, logged = by_reason(summary["broker"]), by_reason(steps[-1])
-    assert rejected.pop("malformed") == 1 and set(rejected) <= {"ungranted"}, rejected
-    assert summary["rejected_frames"] == 1 + rejected.get("ungranted", 0)
+    # (and a work request it may send before its heartbeat re-introduces it, once the learner expired it)
+    assert rejected.pop("malformed") == 1 and set(rejected) <= {"ungranted", "unknown_actor"}, rejected
+    assert summary["rejected_frames"] == 1 + sum(rejected.values())
     assert logged["malformed"] == 1 and logged.get("ungranted", 0) <= rejected.get("ungranted", 0), logged
     assert "val pass rate:" in out and summary["mlflow_run_id"] in out
     assert_mlflow_shows_the_run(summary)
