@@ -152,9 +152,8 @@ class PromptGroup(Message, tag="prompt_group"):
         return self.eval_version is not None
 
     def check(self) -> None:
-        tokens = self.prompt_tokens.numpy("i4", "prompt_tokens")
-        if tokens.ndim != 1 or tokens.size == 0:
-            raise WireError("bad_shape", f"prompt_tokens shape {tokens.shape}")
+        if self.prompt_tokens.vector_length("i4", "prompt_tokens", reason="bad_shape") == 0:
+            raise WireError("bad_shape", f"prompt_tokens shape {self.prompt_tokens.shape}")
         if self.n < 1:
             raise WireError("bad_value", f"n = {self.n}")
         self.sampling.check()
@@ -253,7 +252,7 @@ class RolloutGroup(Message, tag="rollout_group"):
         # and float32 values cannot overflow it (per sample, or through isfinite().all(), it cost more
         # than the rest of the check)
         logprobs = np.frombuffer(b"".join([s.logprobs.data for s in self.samples]), dtype="<f4")
-        finite = math.isfinite(logprobs.sum(dtype=np.float64))
+        finite = math.isfinite(np.add.reduce(logprobs, dtype=np.float64))  # the ufunc itself: .sum() wraps it in Python
         rewards = [s.reward for s in self.samples] + [s.raw_reward for s in self.samples if s.raw_reward is not None]
         if not finite or not all(map(math.isfinite, rewards)):
             bad = next(i for i, s in enumerate(self.samples) if not (

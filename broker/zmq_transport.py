@@ -56,12 +56,16 @@ ANNOUNCE_EVERY_S = 1.0  # the newest announcement is repeated this often, for ac
 # the I/O thread's longest wait: for long-poll deadlines, repeated announcements and silent actors.
 # New prompts and announcements wake it at once (`_wake`), so this bounds no grant's latency.
 POLL_MS = 50
-CONTROL_RATE = 1000.0  # control messages per second and identity, sustained (bursts up to twice that)
+# control messages per second and identity, sustained (bursts up to twice that). An accepted one costs
+# the I/O thread ~10 us, so a peer at this rate takes ~5% of it; an actor moving thousands of small
+# groups a second needs it this high, as one grant per request paces it (see REQUEST_EVERY_S)
+CONTROL_RATE = 5000.0
 MAX_IDENTITIES = 8192  # identities whose rate is tracked; the oldest is forgotten first
 # an actor's work request unanswered this long is sent again; the learner answers each within LONG_POLL_S
 REQUEST_AGAIN_S = 5.0
 # an actor asks at most this often, at half the rate that is refused: a busy actor that finishes
-# groups faster gathers the freed slots into its next request instead of losing requests to the limit
+# groups faster gathers the freed slots into its next request instead of losing requests to the limit.
+# Its grants come no faster either: at 2 ms it could not take more than ~15k groups/s of 64 in flight
 REQUEST_EVERY_S = 2 / CONTROL_RATE
 PUSH_RETRY_S = 0.002  # how often an actor retries a rollout the learner's high-water mark holds back
 
