@@ -58,6 +58,7 @@ class Engine:
             raise ValueError(f"config key 'actor.vllm.engine_kwargs' = {dict(cfg.vllm.engine_kwargs)}: {err}") from None
         with _environ(engine_env):  # the engine-core process is spawned with it; this process keeps its own
             self._llm = AsyncLLM.from_engine_args(args)
+        self._tokenizer = self._llm.tokenizer  # None when the engine runs without one
         self.version = 0
         self._swap_lock = asyncio.Lock()
         self._transfer_ready = False  # init_weight_transfer_engine has run
@@ -129,7 +130,9 @@ class Engine:
         sp = VllmSamplingParams(n=n, temperature=params.temperature, top_p=params.top_p,
                                 max_tokens=params.max_tokens if max_tokens is None else max_tokens,
                                 stop_token_ids=list(params.stop_token_ids),
-                                logprobs=0)  # logprobs=0: the sampled token's own logprob
+                                logprobs=0,  # the sampled token's own logprob
+                                flat_logprobs=True,  # kept as one list of floats, not a dict per token
+                                detokenize=False)  # a finished sample is decoded once: completion_texts
         self.num_requests += 1
         # With n > 1 each streamed output carries only the samples that changed in that engine
         # step, so samples that finished early are absent from the last one: keep each by index.
@@ -138,7 +141,9 @@ class Engine:
             latest.update((c.index, c) for c in out.outputs)
         if len(latest) != n or not all(c.finished() for c in latest.values()):
             raise RuntimeError(f"request {request_id}: vLLM returned {len(latest)} finished samples, expected {n}")
-        return [_completion(latest[i]) for i in range(n)]
+        outputs = [latest[i] for i in range(n)]
+        texts = completion_texts(self._tokenizer, prompt_tokens, [_text_tokens(c) for c in outputs])
+        return [_completion(c, text) for c, text in zip(outputs, texts)]
 
     async def weight_layout(self) -> str:
         """How weight updates enter the model: "copy" in place, or "reload" layer-wise (vLLM's CPU
@@ -214,9 +219,49 @@ def _environ(values: dict[str, str]):
                 os.environ[k] = v
 
 
-def _completion(c) -> Completion:
+def completion_texts(tokenizer, prompt: list[int], completions: list[list[int]]) -> list[str]:
+    """Each completion's text as vLLM's detokenizer writes it (special tokens skipped), in one batch
+    decode per group. vLLM, left to detokenize, decodes every token as it is generated and the token
+    of every sampled logprob too: on the demo that was a quarter of the actor process's time, for a
+    text tidal reads once, when the sample is finished. vLLM primes its decoder with the prompt, so
+    the prompt's last tokens go in front here as well (a completion's first token keeps a leading
+    space that depends on what precedes it) and their own text is cut off again."""
+    if tokenizer is None:
+        return [""] * len(completions)
+    fast = getattr(tokenizer, "_tokenizer", None)  # the Rust tokenizer decodes a batch in one call
+    decode = fast.decode_batch if fast is not None else tokenizer.batch_decode
+    context = list(prompt[-CONTEXT_TOKENS:])
+    head, *texts = decode([context] + [context + list(c) for c in completions], skip_special_tokens=True)
+    return [_cut(decode, context, head, list(c), text) for c, text in zip(completions, texts)]
+
+
+def _cut(decode, context: list[int], head: str, tokens: list[int], text: str) -> str:
+    """The completion's part of `text` (context + tokens decoded). A decode stream holds back a
+    character whose bytes are not all there yet, and a sample can end in one (cut at max_tokens): the
+    last tokens go until the text is whole, as the stream would have left it."""
+    while text.endswith("\ufffd") and tokens:
+        tokens = tokens[:-1]
+        text = decode([context + tokens], skip_special_tokens=True)[0]
+    # the context's own text changes only when a character's bytes span the prompt's end: decoded alone
+    return text[len(head):] if text.startswith(head) else decode([tokens], skip_special_tokens=True)[0]
+
+
+CONTEXT_TOKENS = 8
+
+
+def _text_tokens(c) -> list[int]:
+    """The tokens a completion's text is made of: vLLM leaves out the stop token that ended it."""
+    tokens = list(c.token_ids)
+    return tokens[:-1] if c.finish_reason == "stop" and tokens else tokens
+
+
+def _completion(c, text: str) -> Completion:
     tokens = np.asarray(list(c.token_ids), dtype=np.int32)
-    logprobs = np.asarray([lp[tok].logprob for lp, tok in zip(c.logprobs, c.token_ids)], dtype=np.float32)
+    flat = getattr(c.logprobs, "logprobs", None)  # flat logprobs with logprobs=0: one float per token
+    if flat is not None and len(flat) == len(tokens):
+        logprobs = np.asarray(flat, dtype=np.float32)
+    else:
+        logprobs = np.asarray([lp[tok].logprob for lp, tok in zip(c.logprobs, c.token_ids)], dtype=np.float32)
     spans = [(int(s.version), s.start, s.end) for s in (c.weight_versions or [])]
     finish = "stop" if c.finish_reason == "stop" else "length"
-    return Completion(tokens, logprobs, spans, c.text, finish)
+    return Completion(tokens, logprobs, spans, text, finish)

@@ -496,8 +496,8 @@ async def raw_generate(engine, groups) -> tuple[float, int]:
     async def one(group, request_id):
         s = group.sampling
         params = SamplingParams(n=group.n, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
-                                stop_token_ids=list(s.stop_token_ids), logprobs=0,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
+                                stop_token_ids=list(s.stop_token_ids), logprobs=0, flat_logprobs=True,
+                                detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)  # as tidal asks
         tokens, prompt = 0, {"prompt_token_ids": group.prompt_tokens.numpy("i4", "prompt_tokens").tolist()}
         async for out in engine._llm.generate(prompt, params, request_id=request_id):
             tokens = sum(len(c.token_ids) for c in out.outputs)
