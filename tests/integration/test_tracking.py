@@ -1,6 +1,7 @@
 """What a run shows besides scalars: completion tables at evaluations, figures at checkpoints,
 drawn from bounded samples; logged into a real MLflow store (sqlite in a temporary folder)."""
 import json
+import time
 
 import numpy as np
 import pytest
@@ -168,3 +169,22 @@ def test_step_metrics_reach_mlflow_in_order_from_the_background_and_a_failed_wri
     tracker.log_metrics({"not a valid name!": 1.0}, step=31)  # MLflow refuses the name, in the writer's thread
     with pytest.raises(MlflowException, match="not a valid name"):
         tracker.settle()
+
+
+def test_steps_logged_during_a_slow_write_go_out_together_in_order(tracker):
+    """A write that takes a while (a busy store) does not queue one write per step behind it: the
+    steps logged meanwhile share the next write, and every value arrives."""
+    calls, write = [], tracker._client.log_batch
+
+    def slow(run_id, metrics, synchronous):
+        calls.append(sorted({m.step for m in metrics}))
+        time.sleep(0.05)
+        write(run_id, metrics=metrics, synchronous=synchronous)
+
+    tracker._client.log_batch = slow
+    for step in range(1, 21):
+        tracker.log_metrics({"learner/version": float(step)}, step=step)
+    tracker.settle()
+    assert len(calls) < 20 and sum(calls, []) == list(range(1, 21))
+    history = tracker._client.get_metric_history(tracker.run_id, "learner/version")
+    assert sorted((m.step, m.value) for m in history) == [(s, float(s)) for s in range(1, 21)]
