@@ -31,7 +31,8 @@ def test_a_synchronous_run_learns_then_an_actor_out_of_restarts_stops_it(tmp_pat
 
     run_dir = tmp_path / "sync"
     cmd = [sys.executable, "-m", "tidal", "run", str(ROOT / "configs/tiny.yaml"), f"run_dir={run_dir}",
-           "staleness.max_lag=0", "learner.max_steps=1000", "eval.every=16", "actor.max_restarts=0"]
+           "staleness.max_lag=0", "learner.max_steps=1000", "eval.every=16", "actor.max_restarts=0",
+           "actor.vllm.cpu_linear=packed"]  # the default layout's layer-wise reload (the demo copies in place)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 360
     while len(found := evals(run_dir)) < 2 or max(found.values()) <= found[0] + 0.05:
