@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import os
 import time
@@ -163,6 +164,7 @@ class Engine:
         # Collected now, not at interpreter exit: vLLM's __del__ shuts down again, and at exit it
         # finds its module's globals gone and prints a TypeError traceback into every actor's log.
         del llm
+        gc.unfreeze()  # the actor froze its start-up heap, the engine in it: frozen objects are never collected
         gc.collect()
 
 
@@ -228,25 +230,36 @@ def completion_texts(tokenizer, prompt: list[int], completions: list[list[int]])
     space that depends on what precedes it) and their own text is cut off again."""
     if tokenizer is None:
         return [""] * len(completions)
-    fast = getattr(tokenizer, "_tokenizer", None)  # the Rust tokenizer decodes a batch in one call
-    decode = fast.decode_batch if fast is not None else tokenizer.batch_decode
+    from transformers import TokenizersBackend
+
+    if isinstance(tokenizer, TokenizersBackend):  # what vLLM decodes incrementally with the Rust tokenizer
+        decode = functools.partial(tokenizer._tokenizer.decode_batch, skip_special_tokens=True)
+    else:  # as vLLM's slow detokenizer joins tokens: no clean-up of spaces around punctuation
+        decode = functools.partial(tokenizer.batch_decode, skip_special_tokens=True,
+                                   clean_up_tokenization_spaces=False)
     context = list(prompt[-CONTEXT_TOKENS:])
-    head, *texts = decode([context] + [context + list(c) for c in completions], skip_special_tokens=True)
+    head, *texts = decode([context] + [context + list(c) for c in completions])
     return [_cut(decode, context, head, list(c), text) for c, text in zip(completions, texts)]
+
+
+# Enough prompt for a completion's first token to decode as it does after the whole prompt: a UTF-8
+# character spans at most 4 bytes (tokens), and a leading space depends on the token before alone
+CONTEXT_TOKENS = 8
+MAX_HELD_BACK = 3  # a character's bytes that can be missing at a sample's end: at most 3 of its 4
 
 
 def _cut(decode, context: list[int], head: str, tokens: list[int], text: str) -> str:
     """The completion's part of `text` (context + tokens decoded). A decode stream holds back a
     character whose bytes are not all there yet, and a sample can end in one (cut at max_tokens): the
-    last tokens go until the text is whole, as the stream would have left it."""
-    while text.endswith("\ufffd") and tokens:
+    last tokens go until the text is whole, as the stream would have left it. At most MAX_HELD_BACK:
+    a policy emitting invalid bytes keeps its replacement characters instead of a decode per token."""
+    for _ in range(MAX_HELD_BACK):
+        if not (text.endswith("\ufffd") and tokens):
+            break
         tokens = tokens[:-1]
-        text = decode([context + tokens], skip_special_tokens=True)[0]
+        text = decode([context + tokens])[0]
     # the context's own text changes only when a character's bytes span the prompt's end: decoded alone
-    return text[len(head):] if text.startswith(head) else decode([tokens], skip_special_tokens=True)[0]
-
-
-CONTEXT_TOKENS = 8
+    return text[len(head):] if text.startswith(head) else decode([tokens])[0]
 
 
 def _text_tokens(c) -> list[int]:

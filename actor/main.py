@@ -26,7 +26,9 @@ async def serve(cfg: RunConfig) -> str:
     log.info("actor %s: engine up; weight updates enter it by %s", cfg.actor.id, await engine.weight_layout())
     # what start-up left (torch, vLLM, the tokenizer: ~600k objects) is kept out of the collector's full
     # passes: in a demo run one came every ~7 s of training and took ~0.4 s with this event loop (every
-    # request's intake and output) stopped; without those objects a pass takes ~2 ms
+    # request's intake and output) stopped; without those objects a pass takes ~2 ms. Collected first, so
+    # that no garbage is frozen with them (Engine.shutdown unfreezes before it collects the engine)
+    gc.collect()
     gc.freeze()
     actor = Actor(cfg.actor, engine, transport, receiver, {cfg.task.name: get_reward(cfg.task)})
     loop = asyncio.get_running_loop()

@@ -60,11 +60,11 @@ def engine(exported):
     async def start():
         from tidal.broker.weights.vllm_engine import VLLM_BACKEND
 
-        # plain CPU linear layers: updates are copied in place (the packed layout's layer-wise reload
-        # is what every end-to-end run exercises); pinned to a core, as `tidal run` pins its actors, the
-        # model runs in vLLM's engine-core process
+        # the demo's plain CPU linear layers: updates are copied in place (the packed layout's layer-wise
+        # reload runs in test_run's synchronous run); pinned to a core, as `tidal run` pins its actors,
+        # the model runs in vLLM's engine-core process
         core = max(os.sched_getaffinity(0))
-        overrides = ["actor.vllm.cpu_linear=plain", f"actor.cpu_cores={core}"]
+        overrides = [f"actor.cpu_cores={core}"]
         actor = load_config(ROOT / "configs/tiny.yaml", overrides).actor
         e = Engine(actor, str(exported[0]), "float32", weight_transfer=VLLM_BACKEND)
         await e.set_version(0)
@@ -184,7 +184,7 @@ def test_a_version_published_over_tcp_reaches_the_engine_exactly_while_a_request
     import time
 
     folder, policy = exported
-    assert on_engine(engine, engine.weight_layout()) == "copy"  # actor.vllm.cpu_linear=plain took effect
+    assert on_engine(engine, engine.weight_layout()) == "copy"  # the preset's actor.vllm.cpu_linear=plain took effect
     new_policy = perturbed(policy, seed=7)
     publisher, receiver = channel()
     try:
