@@ -94,6 +94,7 @@ class Tracker:
         self._written: Future | None = None  # the newest metrics write
         self._pending: list = []  # metrics logged, not yet taken by a write
         self._queued = False  # a write is submitted and has not taken the pending metrics yet
+        self._failed: BaseException | None = None  # the first error of a write since the last settle
         self._lock = threading.Lock()
 
     def log_config(self, cfg: RunConfig, split=None) -> None:
@@ -153,7 +154,7 @@ class Tracker:
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Written to metrics.jsonl at once and to MLflow in the background; a failed MLflow write
-        is raised by the next call (or by `settle`), and the steps it carried are not in MLflow."""
+        is raised by the next call (or by `settle`), and the chunk of steps it failed on is not in MLflow."""
         from mlflow.entities import Metric
 
         if self._written is not None and self._written.done():
@@ -163,15 +164,18 @@ class Tracker:
         with self._lock:
             self._pending.extend(clean)
             if not self._queued:  # else the write already waiting takes these too
-                self._queued = True
                 self._written = self._writer.submit(self._write_pending)
+                self._queued = True  # only once submitted: a refused submit (after finish) raises here
         self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
 
     def _write_pending(self) -> None:
         with self._lock:
             batch, self._pending, self._queued = self._pending, [], False
         for i in range(0, len(batch), MAX_BATCH_METRICS):
-            self._client.log_batch(self.run_id, metrics=batch[i:i + MAX_BATCH_METRICS], synchronous=True)
+            try:
+                self._client.log_batch(self.run_id, metrics=batch[i:i + MAX_BATCH_METRICS], synchronous=True)
+            except Exception as err:  # a write carries many steps: one bad chunk does not cost the others
+                self._failed = self._failed or err
 
     def settle(self) -> None:
         """Wait until every metric logged so far is in MLflow; raises the error of a write that failed
@@ -179,6 +183,9 @@ class Tracker:
         written, self._written = self._written, None
         if written is not None:
             written.result()
+        failed, self._failed = self._failed, None  # kept by the writes, so an earlier one's error is not lost
+        if failed is not None:
+            raise failed
 
     def finish(self, summary: dict, status: str = "FINISHED") -> None:
         """The summary, and the run's files as they are now (also for a failed run: they say why)."""

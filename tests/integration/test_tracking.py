@@ -1,6 +1,7 @@
 """What a run shows besides scalars: completion tables at evaluations, figures at checkpoints,
 drawn from bounded samples; logged into a real MLflow store (sqlite in a temporary folder)."""
 import json
+import threading
 import time
 
 import numpy as np
@@ -188,3 +189,29 @@ def test_steps_logged_during_a_slow_write_go_out_together_in_order(tracker):
     assert len(calls) < 20 and sum(calls, []) == list(range(1, 21))
     history = tracker._client.get_metric_history(tracker.run_id, "learner/version")
     assert sorted((m.step, m.value) for m in history) == [(s, float(s)) for s in range(1, 21)]
+
+
+def test_a_refused_chunk_costs_only_its_own_steps_and_its_error_is_raised_once(tracker, monkeypatch):
+    """A write that carries several chunks (steps logged during a slow write) goes on past one the
+    store refuses: the steps of the other chunks arrive, and settle raises the refusal once."""
+    import tidal.learner.tracking as tracking
+    from mlflow.exceptions import MlflowException
+
+    monkeypatch.setattr(tracking, "MAX_BATCH_METRICS", 1)  # one metric per chunk
+    release, write = threading.Event(), tracker._client.log_batch
+
+    def held(run_id, metrics, synchronous):
+        release.wait(5)  # the first write waits, so the steps after it share the second
+        write(run_id, metrics=metrics, synchronous=synchronous)
+
+    tracker._client.log_batch = held
+    tracker.log_metrics({"learner/version": 1.0}, step=1)
+    tracker.log_metrics({"learner/version": 2.0}, step=2)
+    tracker.log_metrics({"bad name!": 3.0}, step=3)
+    tracker.log_metrics({"learner/version": 4.0}, step=4)
+    release.set()
+    with pytest.raises(MlflowException, match="bad name"):
+        tracker.settle()
+    tracker.settle()  # raised once: the writes after it go on
+    history = tracker._client.get_metric_history(tracker.run_id, "learner/version")
+    assert sorted((m.step, m.value) for m in history) == [(1, 1.0), (2, 2.0), (4, 4.0)]
