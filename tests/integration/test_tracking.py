@@ -194,8 +194,9 @@ def test_steps_logged_during_a_slow_write_go_out_together_in_order(tracker):
 def test_a_refused_chunk_costs_only_its_own_steps_and_its_error_is_raised_once(tracker, monkeypatch):
     """A write that carries several chunks (steps logged during a slow write) goes on past one the
     store refuses: the steps of the other chunks arrive, and settle raises the refusal once."""
-    import tidal.learner.tracking as tracking
     from mlflow.exceptions import MlflowException
+
+    import tidal.learner.tracking as tracking
 
     monkeypatch.setattr(tracking, "MAX_BATCH_METRICS", 1)  # one metric per chunk
     release, write = threading.Event(), tracker._client.log_batch
