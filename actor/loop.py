@@ -39,6 +39,8 @@ class Actor:
         self.receiver = receiver
         self.reward_fns = reward_fns  # task name -> reward(text, payload)
         self.inflight_samples = 0
+        # samples held at once: the engine runs max_inflight, the rest wait in its queue for a free slot
+        self.capacity = cfg.max_inflight + (cfg.max_inflight if cfg.max_queued < 0 else cfg.max_queued)
         self.outstanding: dict[str, PromptGroup] = {}
         self.tasks: set[asyncio.Task] = set()  # the loop holds tasks weakly: keep every one until it ends
         self.latest: WeightUpdate | None = None  # newest announcement heard
@@ -83,7 +85,7 @@ class Actor:
     async def fill_slots(self) -> None:
         """Ask for groups whenever slots are free; start each granted group as its own task."""
         while True:
-            free = self.cfg.max_inflight - self.inflight_samples
+            free = self.capacity - self.inflight_samples
             if free <= 0:
                 self.slots_freed.clear()
                 await self.slots_freed.wait()

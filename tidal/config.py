@@ -195,7 +195,12 @@ class ActorConfig:
     replicas: int = 1  # actor processes the launcher starts
     index: int = 0  # this actor's number: its sampling seed is actor.seed + index; the launcher sets it
     id: str = ""  # this actor's id, unique among live actors; empty = actor-<index>
-    max_inflight: int = 256  # generation requests in flight at once (samples, not groups)
+    max_inflight: int = 256  # samples the engine generates at once (its max_num_seqs; samples, not groups)
+    # samples the actor takes beyond actor.max_inflight, waiting in the engine's queue to start once a running
+    # one finishes: a group holds its slots until its longest sample is done, so without a queue a
+    # long-tailed batch leaves the engine below max_inflight (the long task's actor generated 0.8x the
+    # tokens/s of vLLM fed every request at once; with as many queued, 0.99x). -1: as many as max_inflight
+    max_queued: int = -1
     kv_cache_gib: float = 1.0  # CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)
     enforce_eager: bool = True  # skip graph capture (CPU and debugging)
     cpu_cores: str = ""  # cores for the engine's OpenMP threads, e.g. "1" or "0-1"; empty = auto
@@ -585,6 +590,8 @@ def check_sampling(cfg: RunConfig) -> None:
     _require(s.max_tokens >= 1, "sampling.max_tokens", s.max_tokens, "must be >= 1")
     _require(cfg.actor.max_inflight >= s.n, "actor.max_inflight", cfg.actor.max_inflight,
              f"must hold at least one group (sampling.n = {s.n})")
+    _require(cfg.actor.max_queued >= -1, "actor.max_queued", cfg.actor.max_queued,
+             "must be >= 0, or -1 for as many as actor.max_inflight")
 
 
 def check_length_control(cfg: RunConfig) -> None:
