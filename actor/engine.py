@@ -59,7 +59,7 @@ class Engine:
             raise ValueError(f"config key 'actor.vllm.engine_kwargs' = {dict(cfg.vllm.engine_kwargs)}: {err}") from None
         with _environ(engine_env):  # the engine-core process is spawned with it; this process keeps its own
             self._llm = AsyncLLM.from_engine_args(args)
-        self._tokenizer = self._llm.tokenizer  # None when the engine runs without one
+        self._decode = batch_decoder(self._llm.tokenizer)  # None when the engine runs without a tokenizer
         self.version = 0
         self._swap_lock = asyncio.Lock()
         self._transfer_ready = False  # init_weight_transfer_engine has run
@@ -143,7 +143,7 @@ class Engine:
         if len(latest) != n or not all(c.finished() for c in latest.values()):
             raise RuntimeError(f"request {request_id}: vLLM returned {len(latest)} finished samples, expected {n}")
         outputs = [latest[i] for i in range(n)]
-        texts = completion_texts(self._tokenizer, prompt_tokens, [_text_tokens(c) for c in outputs])
+        texts = completion_texts(self._decode, prompt_tokens, [_text_tokens(c) for c in outputs])
         return [_completion(c, text) for c, text in zip(outputs, texts)]
 
     async def weight_layout(self) -> str:
@@ -164,7 +164,6 @@ class Engine:
         # Collected now, not at interpreter exit: vLLM's __del__ shuts down again, and at exit it
         # finds its module's globals gone and prints a TypeError traceback into every actor's log.
         del llm
-        gc.unfreeze()  # the actor froze its start-up heap, the engine in it: frozen objects are never collected
         gc.collect()
 
 
@@ -221,22 +220,28 @@ def _environ(values: dict[str, str]):
                 os.environ[k] = v
 
 
-def completion_texts(tokenizer, prompt: list[int], completions: list[list[int]]) -> list[str]:
-    """Each completion's text as vLLM's detokenizer writes it (special tokens skipped), in one batch
-    decode per group. vLLM, left to detokenize, decodes every token as it is generated and the token
-    of every sampled logprob too: on the demo that was a quarter of the actor process's time, for a
-    text tidal reads once, when the sample is finished. vLLM primes its decoder with the prompt, so
-    the prompt's last tokens go in front here as well (a completion's first token keeps a leading
-    space that depends on what precedes it) and their own text is cut off again."""
+def batch_decoder(tokenizer):
+    """How completion_texts decodes a batch with this tokenizer (chosen once per engine): the Rust
+    decoder for the tokenizers vLLM decodes with it, else `batch_decode` without clean-up of spaces
+    around punctuation, as vLLM's slow detokenizer joins tokens. None without a tokenizer."""
     if tokenizer is None:
-        return [""] * len(completions)
+        return None
     from transformers import TokenizersBackend
 
-    if isinstance(tokenizer, TokenizersBackend):  # what vLLM decodes incrementally with the Rust tokenizer
-        decode = functools.partial(tokenizer._tokenizer.decode_batch, skip_special_tokens=True)
-    else:  # as vLLM's slow detokenizer joins tokens: no clean-up of spaces around punctuation
-        decode = functools.partial(tokenizer.batch_decode, skip_special_tokens=True,
-                                   clean_up_tokenization_spaces=False)
+    if isinstance(tokenizer, TokenizersBackend):
+        return functools.partial(tokenizer._tokenizer.decode_batch, skip_special_tokens=True)
+    return functools.partial(tokenizer.batch_decode, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def completion_texts(decode, prompt: list[int], completions: list[list[int]]) -> list[str]:
+    """Each completion's text as vLLM's detokenizer writes it (special tokens skipped), in one batch
+    decode per group (`decode`: from batch_decoder). vLLM, left to detokenize, decodes every token as it
+    is generated and the token of every sampled logprob too: on the demo that was a quarter of the actor
+    process's time, for a text tidal reads once, when the sample is finished. vLLM primes its decoder
+    with the prompt, so the prompt's last tokens go in front here as well (a completion's first token
+    keeps a leading space that depends on what precedes it) and their own text is cut off again."""
+    if decode is None:
+        return [""] * len(completions)
     context = list(prompt[-CONTEXT_TOKENS:])
     head, *texts = decode([context] + [context + list(c) for c in completions])
     return [_cut(decode, context, head, list(c), text) for c, text in zip(completions, texts)]

@@ -27,7 +27,7 @@ async def serve(cfg: RunConfig) -> str:
     # what start-up left (torch, vLLM, the tokenizer: ~600k objects) is kept out of the collector's full
     # passes: in a demo run one came every ~7 s of training and took ~0.4 s with this event loop (every
     # request's intake and output) stopped; without those objects a pass takes ~2 ms. Collected first, so
-    # that no garbage is frozen with them (Engine.shutdown unfreezes before it collects the engine)
+    # that no garbage is frozen with them; unfrozen at the end, so that Engine.shutdown can collect the engine
     gc.collect()
     gc.freeze()
     actor = Actor(cfg.actor, engine, transport, receiver, {cfg.task.name: get_reward(cfg.task)})
@@ -42,6 +42,7 @@ async def serve(cfg: RunConfig) -> str:
     try:
         reason = await actor.run()
     finally:
+        gc.unfreeze()
         engine.shutdown()
         transport.close()
     log.info("actor %s stopped: %s (%d groups, %d tokens, %d weight updates)", cfg.actor.id, reason,

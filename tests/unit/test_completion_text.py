@@ -7,7 +7,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerFast
 
-from tidal.actor.engine import completion_texts
+from tidal.actor.engine import batch_decoder, completion_texts
 
 CORPUS = ["the sum of 12 and 34 is 46", "naïve café au lait, déjà vu", "日本語のテキスト と 数字 42",
           "  leading spaces and\ttabs\nnew lines", "<eos> ends a sample"]
@@ -45,7 +45,7 @@ def test_group_decoding_matches_the_streamed_text_of_every_sample(tokenizer):
         completions += [[rng.choice(whole) for _ in range(rng.randint(0, 8))] + [tokenizer.eos_token_id]
                         for _ in range(4)]
         expected = [streamed(tokenizer, line[:cut], c) for c in completions]
-        assert completion_texts(tokenizer, line[:cut], completions) == expected
+        assert completion_texts(batch_decoder(tokenizer), line[:cut], completions) == expected
         checked += sum(len(c) for c in completions)
     assert checked > 1000
 
@@ -53,5 +53,5 @@ def test_group_decoding_matches_the_streamed_text_of_every_sample(tokenizer):
 def test_a_completion_after_a_space_keeps_its_leading_space(tokenizer):
     prompt = tokenizer("the sum of 12 and 34 is", add_special_tokens=False)["input_ids"]
     answer = tokenizer(" 46", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    assert completion_texts(tokenizer, prompt, [answer]) == [" 46"]
+    assert completion_texts(batch_decoder(tokenizer), prompt, [answer]) == [" 46"]
     assert completion_texts(None, prompt, [answer]) == [""]
