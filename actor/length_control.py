@@ -21,7 +21,7 @@ import random
 import numpy as np
 
 from tidal.actor.engine import Completion
-from tidal.broker.schema import InterruptParams, PromptGroup, Sample, SamplingParams, float32s, int32s
+from tidal.broker.schema import InterruptParams, PromptGroup, SampleArrays, SamplingParams
 
 Span = tuple[int, int, int]  # (version, start, end) over completion tokens
 
@@ -92,13 +92,12 @@ def overlong_penalty(num_tokens: int, max_tokens: int, buffer_tokens: int) -> fl
     return -min(max(over, 0) / buffer_tokens, 1.0)
 
 
-def to_sample(completion: Completion, raw_reward: float, params: SamplingParams) -> Sample:
+def to_sample(completion: Completion, raw_reward: float, params: SamplingParams) -> SampleArrays:
     """The wire sample: reward = task reward + overlong penalty (when the group asks for one)."""
     penalty = overlong_penalty(len(completion.tokens), params.max_tokens, params.overlong_buffer_tokens)
-    return Sample(tokens=int32s(completion.tokens), logprobs=float32s(completion.logprobs),
-                  version_spans=completion.version_spans, reward=raw_reward + penalty,
-                  finish_reason=completion.finish_reason, injected_spans=completion.injected_spans,
-                  raw_reward=raw_reward)
+    return SampleArrays.of(completion.tokens, completion.logprobs, version_spans=completion.version_spans,
+                           reward=raw_reward + penalty, finish_reason=completion.finish_reason,
+                           injected_spans=completion.injected_spans, raw_reward=raw_reward)
 
 
 async def generate(engine, group: PromptGroup) -> list[Completion]:

@@ -116,9 +116,9 @@ class Actor:
         # off the event loop: a slow verifier must not stall heartbeats, claims and weight swaps
         rewards = await asyncio.to_thread(lambda: [float(reward(c.text, group.payload)) for c in completions])
         samples = [to_sample(c, r, group.sampling) for c, r in zip(completions, rewards)]
-        await self.transport.send_rollout(RolloutGroup(
-            group_id=group.group_id, prompt_id=group.prompt_id, actor_id=self.cfg.id,
-            prompt_tokens=group.prompt_tokens, samples=samples, eval_version=group.eval_version,
+        await self.transport.send_rollout(RolloutGroup.pack(
+            samples, group_id=group.group_id, prompt_id=group.prompt_id, actor_id=self.cfg.id,
+            prompt_tokens=group.prompt_tokens, eval_version=group.eval_version,
             gen_seconds=time.perf_counter() - start, queue_seconds=start - queued))
         self.stats["groups"] += 1
         injected = sum(end - start for c in completions for start, end in c.injected_spans)

@@ -56,18 +56,17 @@ def median_pair(raw: list[float], tidal: list[float]) -> dict:
 def frames_for(n_groups: int, sample_tokens: int, n: int):
     """Prompt groups and, per group id, the rollout an actor sends back (n samples of
     `sample_tokens` tokens with logprobs and a version span); the same in every process (seeded)."""
-    from tidal.broker.schema import PromptGroup, RolloutGroup, Sample, SamplingParams, float32s, int32s
+    from tidal.broker.schema import PromptGroup, RolloutGroup, SampleArrays, SamplingParams, int32s
 
     rng = np.random.default_rng(0)
     params = SamplingParams(1.0, 1.0, sample_tokens, (0,))
     groups = [PromptGroup(run_id="bench", group_id=f"g{i}", prompt_id=i, prompt_tokens=int32s(rng.integers(1, 40, 12)),
                           task="count", payload={"answer": "1 2 3"}, n=n, sampling=params, min_version=0)
               for i in range(n_groups)]
-    rollouts = {g.group_id: RolloutGroup(
+    rollouts = {g.group_id: RolloutGroup.pack(
+        [SampleArrays.of(rng.integers(1, 40, sample_tokens), -rng.random(sample_tokens),
+                         version_spans=[(0, 0, sample_tokens)], reward=1.0, finish_reason="stop") for _ in range(n)],
         group_id=g.group_id, prompt_id=g.prompt_id, actor_id=ACTOR_ID, prompt_tokens=g.prompt_tokens,
-        samples=[Sample(tokens=int32s(rng.integers(1, 40, sample_tokens)),
-                        logprobs=float32s(-rng.random(sample_tokens)), version_spans=[(0, 0, sample_tokens)],
-                        reward=1.0, finish_reason="stop") for _ in range(n)],
         gen_seconds=0.0, queue_seconds=0.0) for g in groups}
     return groups, rollouts
 

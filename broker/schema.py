@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NamedTuple
 
 import msgspec
 import numpy as np
 from msgspec import Meta
 
-SCHEMA_VERSION = 2  # 2: eval groups carry eval_version; grants no longer carry weights
+SCHEMA_VERSION = 3  # 2: eval groups carry eval_version; grants no longer carry weights. 3: a rollout's
+# token ids and logprobs are one buffer per group
 
 
 # Bounds every decoded value must keep: a frame that breaks one is rejected at decode ("malformed",
@@ -159,9 +160,12 @@ class PromptGroup(Message, tag="prompt_group"):
         self.sampling.check()
 
 
-class Sample(msgspec.Struct, kw_only=True):
-    tokens: Array  # int32 [completion_len]
-    logprobs: Array  # float32 [completion_len], behavior logprobs after temperature
+class Sample(msgspec.Struct, kw_only=True, gc=False):
+    """One completion's own fields. Its token ids and logprobs are a slice of its group's buffers
+    (`RolloutGroup.tokens`, `.logprobs`): one buffer per group costs a decoder a fraction of one per
+    sample, at thousands of groups a second. gc=False: a sample refers to nothing that refers back."""
+
+    num_tokens: Count  # completion tokens: its slice of the group's buffers, in sample order
     # (version, start, end) over completion tokens
     version_spans: Annotated[list[tuple[Version, Count, Count]], Meta(max_length=65_536)]
     reward: float  # what the learner trains on: the task reward plus any overlong penalty
@@ -172,10 +176,6 @@ class Sample(msgspec.Struct, kw_only=True):
     # sequence the model read, never trained on; their behavior logprobs are 0.0
     injected_spans: Annotated[list[tuple[Count, Count]], Meta(max_length=1024)] = []
     raw_reward: float | None = None  # the task's reward before length shaping; None: equal to `reward`
-
-    @property
-    def num_tokens(self) -> int:
-        return self.tokens.num_elements
 
     @property
     def task_reward(self) -> float:
@@ -194,12 +194,9 @@ class Sample(msgspec.Struct, kw_only=True):
         return len({version for version, _, _ in self.version_spans}) > 1
 
     def check(self) -> None:
-        """Shapes, dtypes and spans; errors name fields within the sample (the group adds which one).
-        Finiteness is the group's check, over all its samples at once."""
-        size = self.tokens.vector_length("i4", "tokens")
-        if self.logprobs.vector_length("f4", "logprobs") != size:
-            raise WireError("bad_length", f"{self.tokens.shape} tokens, {self.logprobs.shape} logprobs")
-        covered = 0
+        """Spans and finish reason; errors name fields within the sample (the group adds which one).
+        Its buffers' lengths and finiteness are the group's checks, over all its samples at once."""
+        size, covered = self.num_tokens, 0
         for version, start, end in self.version_spans:
             if start != covered or end < start or version < 0:
                 raise WireError("bad_spans", f"version_spans {self.version_spans}")
@@ -222,15 +219,54 @@ class Sample(msgspec.Struct, kw_only=True):
         return out
 
 
+class SampleArrays(NamedTuple):
+    """A sample with its completion's token ids (int32) and behavior logprobs (float32): how a
+    group is built (`RolloutGroup.pack`) and read (`RolloutGroup.unpack`)."""
+
+    sample: Sample
+    tokens: np.ndarray
+    logprobs: np.ndarray
+
+    @classmethod
+    def of(cls, tokens, logprobs, **fields) -> SampleArrays:
+        """From any array-likes and the sample's other fields (its num_tokens is counted here)."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        return cls(Sample(num_tokens=len(tokens), **fields), tokens, np.asarray(logprobs, dtype=np.float32))
+
+
 class RolloutGroup(Message, tag="rollout_group"):
     group_id: Id
     prompt_id: Count
     actor_id: ActorId
     prompt_tokens: Array  # int32 [prompt_len]
     samples: Annotated[list[Sample], Meta(min_length=1, max_length=4096)]
+    tokens: Array  # int32 [sum of num_tokens]: every sample's completion token ids, in sample order
+    logprobs: Array  # float32, the same layout: behavior logprobs after temperature
     eval_version: Version | None = None  # copied from the PromptGroup: the policy version being evaluated
     gen_seconds: Seconds = 0.0  # wall time from the first request to the last sample
     queue_seconds: Seconds = 0.0  # wall time the group waited at the actor before starting
+
+    @classmethod
+    def pack(cls, samples: list[SampleArrays], **fields) -> RolloutGroup:
+        """A group of `samples`, each one's arrays laid end to end in the group's buffers."""
+        for i, (s, tokens, logprobs) in enumerate(samples):
+            if not len(tokens) == len(logprobs) == s.num_tokens:
+                raise ValueError(f"samples[{i}]: {len(tokens)} tokens, {len(logprobs)} logprobs, "
+                                 f"num_tokens {s.num_tokens}")
+        return cls(samples=[s.sample for s in samples],
+                   tokens=Array.of(np.concatenate([s.tokens for s in samples]).astype(np.int32, copy=False)),
+                   logprobs=Array.of(np.concatenate([s.logprobs for s in samples]).astype(np.float32, copy=False)),
+                   **fields)
+
+    def unpack(self) -> list[SampleArrays]:
+        """Each sample with read-only views of its slice of the group's buffers."""
+        tokens, logprobs = self.tokens.numpy("i4", "tokens"), self.logprobs.numpy("f4", "logprobs")
+        out, start = [], 0
+        for s in self.samples:
+            end = start + s.num_tokens
+            out.append(SampleArrays(s, tokens[start:end], logprobs[start:end]))
+            start = end
+        return out
 
     @property
     def is_eval(self) -> bool:
@@ -243,21 +279,25 @@ class RolloutGroup(Message, tag="rollout_group"):
     def check(self) -> None:
         if self.prompt_tokens.vector_length("i4", "prompt_tokens", reason="bad_shape") == 0:
             raise WireError("bad_shape", f"prompt_tokens shape {self.prompt_tokens.shape}")
+        size = self.tokens.vector_length("i4", "tokens")
+        if self.logprobs.vector_length("f4", "logprobs") != size:
+            raise WireError("bad_length", f"{self.tokens.shape} tokens, {self.logprobs.shape} logprobs")
+        total = 0
         for i, s in enumerate(self.samples):
             try:
                 s.check()
             except WireError as err:
                 raise WireError(err.reason, f"samples[{i}]: {err.detail}") from None
+            total += s.num_tokens
+        if total != size:
+            raise WireError("bad_length", f"samples count {total} tokens, the group's buffers hold {size}")
         # one float64 sum over every logprob of the group: NaN or an infinity anywhere makes it non-finite,
-        # and float32 values cannot overflow it (per sample, or through isfinite().all(), it cost more
-        # than the rest of the check)
-        logprobs = np.frombuffer(b"".join([s.logprobs.data for s in self.samples]), dtype="<f4")
-        finite = math.isfinite(np.add.reduce(logprobs, dtype=np.float64))  # the ufunc itself: .sum() wraps it in Python
+        # and float32 values cannot overflow it (the ufunc itself: .sum() wraps it in Python)
+        finite = math.isfinite(np.add.reduce(np.frombuffer(self.logprobs.data, dtype="<f4"), dtype=np.float64))
         rewards = [s.reward for s in self.samples] + [s.raw_reward for s in self.samples if s.raw_reward is not None]
         if not finite or not all(map(math.isfinite, rewards)):
-            bad = next(i for i, s in enumerate(self.samples) if not (
-                math.isfinite(s.reward) and math.isfinite(s.task_reward)
-                and np.isfinite(s.logprobs.numpy("f4", "logprobs")).all()))
+            bad = next(i for i, (s, _, logprobs) in enumerate(self.unpack()) if not (
+                math.isfinite(s.reward) and math.isfinite(s.task_reward) and np.isfinite(logprobs).all()))
             raise WireError("bad_value", f"samples[{bad}]: non-finite reward or logprob")
 
 

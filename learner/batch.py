@@ -93,11 +93,10 @@ def build_rows(groups: list[RolloutGroup], token_masks: list[list[np.ndarray]], 
     rows = []
     for index, (g, adv, masks, ws) in enumerate(zip(groups, advantages, token_masks, weights, strict=True)):
         prompt = g.prompt_tokens.numpy("i4", "prompt_tokens").astype(np.int64)
-        for s, a, m, w in zip(g.samples, adv, masks, ws, strict=True):
-            completion = s.tokens.numpy("i4", "tokens").astype(np.int64)
+        for (s, tokens, logprobs), a, m, w in zip(g.unpack(), adv, masks, ws, strict=True):
             # tokens the actor injected (forced interruptions) are read as context, never trained on
             keep = np.asarray(m, dtype=bool) & ~s.injected_mask()
-            rows.append(Row(np.concatenate([prompt, completion]), len(prompt), s.logprobs.numpy("f4", "logprobs"),
+            rows.append(Row(np.concatenate([prompt, tokens.astype(np.int64)]), len(prompt), logprobs,
                             s.versions(), keep, float(a), np.where(keep, w, 0.0).astype(np.float64), group=index))
     return rows
 

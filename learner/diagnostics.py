@@ -81,10 +81,10 @@ class Diagnostics:
         if group.group_id not in self.shown.get(group.eval_version, ()):
             return
         prompt = self.decode(group.prompt_tokens.numpy("i4", "prompt_tokens"))
-        for sample in group.samples:
+        for sample, tokens, _ in group.unpack():
             versions = [v for v, _, _ in sample.version_spans] or [group.eval_version]
             self.rows[group.eval_version].append({
-                "prompt": prompt, "completion": self.decode(sample.tokens.numpy("i4", "tokens")),
+                "prompt": prompt, "completion": self.decode(tokens),
                 "reward": sample.task_reward, "finish_reason": sample.finish_reason, "tokens": sample.num_tokens,
                 "versions": f"{min(versions)}..{max(versions)}" if min(versions) != max(versions) else str(versions[0]),
                 "lag": arrived_at - min(versions), "actor": group.actor_id, "group_id": group.group_id})

@@ -46,17 +46,17 @@ class Validator:
             return "sample_count"
         if prompt_digest(group.prompt_tokens.data) != release.digest:
             return "prompt"
+        if any(s.num_tokens > self.max_tokens for s in group.samples):
+            return "length"
+        tokens, logprobs = group.tokens.numpy("i4", "tokens"), group.logprobs.numpy("f4", "logprobs")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+            return "token_id"
+        if tokens.size and not (LOGPROB_FLOOR <= float(logprobs.min()) and float(logprobs.max()) <= LOGPROB_SLACK):
+            return "logprob"
         low, high = self.reward_range
         for s in group.samples:
-            tokens, versions = s.tokens.numpy("i4", "tokens"), s.versions()
-            if tokens.size > self.max_tokens:
-                return "length"
-            if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
-                return "token_id"
-            logprobs = s.logprobs.numpy("f4", "logprobs")
-            if tokens.size and not (LOGPROB_FLOOR <= float(logprobs.min()) and float(logprobs.max()) <= LOGPROB_SLACK):
-                return "logprob"
-            if versions.size and (versions.min() < release.min_version or versions.max() > version):
+            versions = [v for v, start, end in s.version_spans if end > start]
+            if versions and (min(versions) < release.min_version or max(versions) > version):
                 return "version"
             if not (low <= s.reward <= high and low <= s.task_reward <= high):
                 return "reward"

@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tidal.broker.schema import PromptGroup, RolloutGroup, Sample, SamplingParams, float32s, int32s  # noqa: E402
+from tidal.broker.schema import PromptGroup, RolloutGroup, SampleArrays, SamplingParams, int32s  # noqa: E402
 from tidal.config import Aggregation, LearnerConfig, LossConfig, LossType, OptimConfig, TinyModelConfig  # noqa: E402
 from tidal.kernels import logprobs  # noqa: E402
 
@@ -138,19 +138,19 @@ def prompt_group(i: int, n: int = 4, eval_version: int | None = None) -> PromptG
 
 def rollout(tokens=(3, 4, 1), logprobs=(-0.5, -1.0, -0.1), spans=((0, 0, 1), (1, 1, 3)), reward=1.0,
             group_id="g1", actor_id="actor-0") -> RolloutGroup:
-    return RolloutGroup(group_id=group_id, prompt_id=7, actor_id=actor_id, prompt_tokens=int32s([5, 6]),
-                        samples=[Sample(tokens=int32s(tokens), logprobs=float32s(logprobs),
-                                        version_spans=[tuple(s) for s in spans], reward=reward, finish_reason="stop")])
+    return RolloutGroup.pack([SampleArrays.of(tokens, logprobs, version_spans=[tuple(s) for s in spans], reward=reward,
+                                              finish_reason="stop")],
+                             group_id=group_id, prompt_id=7, actor_id=actor_id, prompt_tokens=int32s([5, 6]))
 
 
-def sample(spans, reward, finish_reason="stop", **extra) -> Sample:
+def sample(spans, reward, finish_reason="stop", **extra) -> SampleArrays:
     """A sample whose tokens were produced by the versions of `spans` [(version, num_tokens), ...]."""
     version_spans, start = [], 0
     for version, n in spans:
         version_spans.append((version, start, start + n))
         start += n
-    return Sample(tokens=int32s([5] * start), logprobs=float32s([-1.0] * start), version_spans=version_spans,
-                  reward=reward, finish_reason=finish_reason, **extra)
+    return SampleArrays.of([5] * start, [-1.0] * start, version_spans=version_spans, reward=reward,
+                           finish_reason=finish_reason, **extra)
 
 
 # ---- one training step of a tiny model (unit tests, and the multi-rank script under torchrun) -----
@@ -176,12 +176,12 @@ def step_batch(num_groups: int = 6, seed: int = 0) -> tuple[list[RolloutGroup], 
         for i in range(2 + g % 2):
             n = int(rng.integers(1, 7))
             version = STEP_VERSION - int(rng.integers(0, 2))
-            behavior = float32s(-2.4 + 0.3 * rng.standard_normal(n))
-            samples.append(Sample(tokens=int32s(rng.integers(2, 14, n)), logprobs=behavior,
-                                  version_spans=[(version, 0, n)], reward=float((g + i) % 2), finish_reason="stop"))
+            behavior = -2.4 + 0.3 * rng.standard_normal(n)
+            samples.append(SampleArrays.of(rng.integers(2, 14, n), behavior, version_spans=[(version, 0, n)],
+                                           reward=float((g + i) % 2), finish_reason="stop"))
         prompt = int32s(rng.integers(2, 14, 2 + g % 3))
-        groups.append(RolloutGroup(group_id=f"g{g}", prompt_id=g, actor_id="a", prompt_tokens=prompt, samples=samples))
-        masks.append([np.ones(s.num_tokens, dtype=bool) for s in samples])
+        groups.append(RolloutGroup.pack(samples, group_id=f"g{g}", prompt_id=g, actor_id="a", prompt_tokens=prompt))
+        masks.append([np.ones(s.sample.num_tokens, dtype=bool) for s in samples])
     masks[-1][0][0] = False  # a token the staleness rule masked out
     return groups, masks
 

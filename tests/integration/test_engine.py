@@ -123,15 +123,14 @@ def test_interruptions_on_the_real_engine_line_up_with_the_model(exported, engin
     completions = on_engine(engine, generate(engine, group))
 
     assert sum(bool(c.injected_spans) for c in completions) >= 1  # budgets of 1-2 tokens cut "46<eos>" short
-    rollout = RolloutGroup(group_id="r-int", prompt_id=0, actor_id="a", prompt_tokens=int32s(prompt),
-                           samples=[to_sample(c, 0.0, sampling) for c in completions])
+    rollout = RolloutGroup.pack([to_sample(c, 0.0, sampling) for c in completions], group_id="r-int", prompt_id=0,
+                                actor_id="a", prompt_tokens=int32s(prompt))
     rollout.check()
-    for s in rollout.samples:
-        tokens = s.tokens.numpy("i4", "tokens")
+    for s, tokens, logprobs in rollout.unpack():
         mine = learner_logprobs(policy, prompt, tokens)
         generated = ~s.injected_mask()
-        np.testing.assert_allclose(s.logprobs.numpy("f4", "l")[generated], mine[generated], atol=1e-4)
-        assert np.all(s.logprobs.numpy("f4", "l")[~generated] == 0.0)
+        np.testing.assert_allclose(logprobs[generated], mine[generated], atol=1e-4)
+        assert np.all(logprobs[~generated] == 0.0)
         assert s.version_spans == [(0, 0, s.num_tokens)]
 
 

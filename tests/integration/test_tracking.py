@@ -29,9 +29,9 @@ def decode(ids) -> str:
 
 
 def eval_group(i: int, version: int, reward: float) -> RolloutGroup:
-    return RolloutGroup(group_id=f"eval{version}-{i}", prompt_id=i, actor_id="actor-1", prompt_tokens=int32s([1, 10]),
-                        samples=[sample([(version, 2), (version + 1, 1)], reward), sample([(version, 3)], 0.0)],
-                        eval_version=version)
+    return RolloutGroup.pack([sample([(version, 2), (version + 1, 1)], reward), sample([(version, 3)], 0.0)],
+                             group_id=f"eval{version}-{i}", prompt_id=i, actor_id="actor-1",
+                             prompt_tokens=int32s([1, 10]), eval_version=version)
 
 
 def test_eval_table_shows_the_first_dispatched_groups_with_their_versions(tracker, tmp_path):

@@ -4,16 +4,16 @@ import pytest
 import torch
 
 from conftest import step_batch
-from tidal.broker.schema import RolloutGroup, Sample, float32s, int32s
+from tidal.broker.schema import RolloutGroup, SampleArrays, int32s
 from tidal.config import AdvantageNorm, Aggregation, LossConfig
 from tidal.learner.batch import aggregation_weights, assign_groups, build_rows, collate, group_advantages, micro_batches
 from tidal.learner.loss import LossInputs, policy_loss
 
 
 def group(rewards, lengths, gid="g"):
-    return RolloutGroup(group_id=gid, prompt_id=0, actor_id="a", prompt_tokens=int32s([2, 3]), samples=[
-        Sample(tokens=int32s([4] * n), logprobs=float32s([-1.0] * n), version_spans=[(0, 0, n)], reward=r,
-               finish_reason="stop") for r, n in zip(rewards, lengths)])
+    return RolloutGroup.pack([SampleArrays.of([4] * n, [-1.0] * n, version_spans=[(0, 0, n)], reward=r,
+                                              finish_reason="stop") for r, n in zip(rewards, lengths)],
+                             group_id=gid, prompt_id=0, actor_id="a", prompt_tokens=int32s([2, 3]))
 
 
 # Prompt A: rewards [1, 0], lengths [2, 3]. Prompt B: rewards [1, 1, 0], lengths [1, 1, 2].

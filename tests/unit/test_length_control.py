@@ -47,13 +47,13 @@ def test_overlong_penalty_off_and_uneven_buffer():
 
 def test_to_sample_shapes_reward_and_keeps_raw():
     c = completion([4] * 14, [-0.5] * 14, [(0, 0, 14)], finish="stop")
-    shaped = to_sample(c, 1.0, SamplingParams(max_tokens=16, overlong_buffer_tokens=4))
+    shaped = to_sample(c, 1.0, SamplingParams(max_tokens=16, overlong_buffer_tokens=4)).sample
     assert shaped.reward == pytest.approx(0.5)  # 1 + (12 - 14) / 4
     assert shaped.raw_reward == 1.0 and shaped.task_reward == 1.0
-    plain = to_sample(c, 1.0, SamplingParams(max_tokens=16))
+    plain = to_sample(c, 1.0, SamplingParams(max_tokens=16)).sample
     assert plain.reward == 1.0 and plain.task_reward == 1.0
     wrong = to_sample(completion([4] * 16, [-0.5] * 16, [(0, 0, 16)], finish="length"), 0.0,
-                      SamplingParams(max_tokens=16, overlong_buffer_tokens=4))
+                      SamplingParams(max_tokens=16, overlong_buffer_tokens=4)).sample
     assert (wrong.reward, wrong.task_reward, wrong.finish_reason) == (-1.0, 0.0, "length")
 
 
@@ -152,8 +152,8 @@ def test_injected_tokens_cross_the_wire_and_never_train():
                          completion([31], [-0.4], [(0, 0, 1)], finish="stop"))
     plain = completion([21, 22, EOS], [-0.1, -0.2, -0.3], [(0, 0, 3)])
     params = SamplingParams(max_tokens=12, interrupt=INTERRUPT)
-    group = RolloutGroup(group_id="g", prompt_id=1, actor_id="a", prompt_tokens=int32s([7, 8]),
-                         samples=[to_sample(interrupted, 1.0, params), to_sample(plain, 0.0, params)])
+    group = RolloutGroup.pack([to_sample(interrupted, 1.0, params), to_sample(plain, 0.0, params)],
+                              group_id="g", prompt_id=1, actor_id="a", prompt_tokens=int32s([7, 8]))
     codec = WireCodec(1 << 20)
     back = codec.decode(codec.encode(group), expect=RolloutGroup)
     assert back.samples[0].injected_spans == [(2, 4)] and back.samples[0].finish_reason == "interrupted"

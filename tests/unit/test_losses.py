@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import ALPHABET, STEP_VERSION, TINY, learner_config, run_step, step_batch
-from tidal.broker.schema import RolloutGroup, Sample, float32s, int32s
+from tidal.broker.schema import RolloutGroup, SampleArrays, int32s
 from tidal.config import AdvantageNorm, Aggregation, ConfigError, LossConfig, LossType, load_config
 from tidal.learner.batch import aggregation_weights, build_rows, collate, group_advantages, micro_batches
 from tidal.learner.loss import LossInputs, policy_loss
@@ -39,11 +39,11 @@ def hand_batch(rho, how, prox_ratio=None):
     for g, (lengths, rewards) in enumerate(zip(LENGTHS, REWARDS)):
         samples = []
         for n, reward in zip(lengths, rewards):
-            samples.append(Sample(tokens=int32s([4] * n), logprobs=float32s(behavior[start:start + n]),
-                                  version_spans=[(0, 0, n)], reward=reward, finish_reason="stop"))
+            samples.append(SampleArrays.of([4] * n, behavior[start:start + n], version_spans=[(0, 0, n)], reward=reward,
+                                           finish_reason="stop"))
             start += n
-        groups.append(RolloutGroup(group_id=f"g{g}", prompt_id=g, actor_id="a", prompt_tokens=int32s([2, 3]),
-                                   samples=samples))
+        groups.append(RolloutGroup.pack(samples, group_id=f"g{g}", prompt_id=g, actor_id="a",
+                                        prompt_tokens=int32s([2, 3])))
     masks = [[np.ones(n, dtype=bool) for n in lengths] for lengths in LENGTHS]
     rows = build_rows(groups, masks, group_advantages(groups, AdvantageNorm.none), aggregation_weights(masks, how))
     mb = collate(rows)
@@ -171,9 +171,8 @@ def test_aggregation_counts_come_from_every_rank_and_skip_masked_tokens():
 def test_batch_advantage_std_comes_from_every_rank():
     # this rank: rewards [1, 0] -> centred [0.5, -0.5]; the other: [1, 1, 0] -> [1/3, 1/3, -2/3], whose
     # [count, sum, sum of squares] = [3, 0, 6/9]; std = sqrt((0.5 + 6/9) / 5) = 0.483046
-    group = RolloutGroup(group_id="a", prompt_id=0, actor_id="a", prompt_tokens=int32s([2]), samples=[
-        Sample(tokens=int32s([4]), logprobs=float32s([-1.0]), version_spans=[(0, 0, 1)], reward=r, finish_reason="stop")
-        for r in (1.0, 0.0)])
+    group = RolloutGroup.pack([SampleArrays.of([4], [-1.0], version_spans=[(0, 0, 1)], reward=r, finish_reason="stop")
+                               for r in (1.0, 0.0)], group_id="a", prompt_id=0, actor_id="a", prompt_tokens=int32s([2]))
 
     def all_sum(local):
         return local + np.array([3.0, 0.0, 6 / 9])
@@ -199,10 +198,10 @@ def test_on_policy_losses_reduce_to_reinforce(loss_type, how):
 
 def with_behavior(groups, logprobs):
     """The same groups with behavior logprobs replaced (logprobs[group][sample] -> float32 [tokens])."""
-    return [RolloutGroup(group_id=g.group_id, prompt_id=g.prompt_id, actor_id=g.actor_id, prompt_tokens=g.prompt_tokens,
-                         samples=[Sample(tokens=s.tokens, logprobs=float32s(lp), version_spans=s.version_spans,
-                                         reward=s.reward, finish_reason=s.finish_reason)
-                                  for s, lp in zip(g.samples, lps)]) for g, lps in zip(groups, logprobs)]
+    return [RolloutGroup.pack([SampleArrays(s, tokens, np.asarray(lp, dtype=np.float32))
+                               for (s, tokens, _), lp in zip(g.unpack(), lps)],
+                              group_id=g.group_id, prompt_id=g.prompt_id, actor_id=g.actor_id,
+                              prompt_tokens=g.prompt_tokens) for g, lps in zip(groups, logprobs)]
 
 
 @pytest.mark.parametrize("loss_type", [LossType.cispo, LossType.tis, LossType.ppo])
@@ -221,8 +220,8 @@ def test_trainer_step_is_reinforce_when_behavior_is_the_current_policy(loss_type
         rewards = [s.reward for s in g.samples]
         group_tokens = sum(s.num_tokens for s in g.samples)
         behavior.append([])
-        for s in g.samples:
-            completion = s.tokens.numpy("i4", "t").tolist()
+        for s, tokens, _ in g.unpack():
+            completion = tokens.tolist()
             ids = torch.tensor([prompt + completion])
             logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()  # [completion, vocab]
             logp = logits.log_softmax(-1).gather(1, torch.tensor(completion)[:, None])[:, 0]
@@ -282,10 +281,10 @@ def test_micro_batches_pad_within_themselves_and_report_packing(accelerator):
 def hand_groups():
     groups = []
     for g, (lengths, rewards) in enumerate(zip(LENGTHS, REWARDS)):
-        samples = [Sample(tokens=int32s([4] * n), logprobs=float32s([-2.0] * n), version_spans=[(STEP_VERSION, 0, n)],
-                          reward=r, finish_reason="stop") for n, r in zip(lengths, rewards)]
-        groups.append(RolloutGroup(group_id=f"g{g}", prompt_id=g, actor_id="a", prompt_tokens=int32s([2, 3]),
-                                   samples=samples))
+        samples = [SampleArrays.of([4] * n, [-2.0] * n, version_spans=[(STEP_VERSION, 0, n)], reward=r,
+                                   finish_reason="stop") for n, r in zip(lengths, rewards)]
+        groups.append(RolloutGroup.pack(samples, group_id=f"g{g}", prompt_id=g, actor_id="a",
+                                        prompt_tokens=int32s([2, 3])))
     return groups
 
 

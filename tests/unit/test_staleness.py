@@ -22,8 +22,8 @@ MAX_LAG = 2
 
 
 def group(samples, gid="g", prompt_id=1):
-    return RolloutGroup(group_id=gid, prompt_id=prompt_id, actor_id="actor-0", prompt_tokens=int32s([2, 3, 4]),
-                        samples=samples)
+    return RolloutGroup.pack(samples, group_id=gid, prompt_id=prompt_id, actor_id="actor-0",
+                             prompt_tokens=int32s([2, 3, 4]))
 
 
 # lags at version 10: sample 0 -> [1, 1, 0] (fresh enough); sample 1 -> [3, 3, 2, 2] (two tokens too old)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from tidal.broker.inproc import InprocBroker
-from tidal.broker.schema import RolloutGroup, Sample, SamplingParams, WireCodec, float32s, int32s
+from tidal.broker.schema import RolloutGroup, SampleArrays, SamplingParams, WireCodec, int32s
 from tidal.config import EvalConfig, LearnerConfig, StalenessConfig
 from tidal.learner.admission import Admission, StepBatch
 from tidal.learner.coordinator import Coordinator, DispatchPlan, release_of
@@ -45,10 +45,10 @@ def learner(tmp_path):
 
 def rollout(group_id="r-0", tokens=(5, 6, 1), logprobs=(-0.5, -1.0, -0.1), version=VERSION - 1, rewards=(1.0, 0.0),
             prompt=(2, 3, 4), n=2, eval_version=None) -> RolloutGroup:
-    samples = [Sample(tokens=int32s(tokens), logprobs=float32s(logprobs), version_spans=[(version, 0, len(tokens))],
-                      reward=r, finish_reason="stop") for r in rewards[:n]]
-    return RolloutGroup(group_id=group_id, prompt_id=0, actor_id="actor-0", prompt_tokens=int32s(prompt),
-                        samples=samples, eval_version=eval_version)
+    samples = [SampleArrays.of(tokens, logprobs, version_spans=[(version, 0, len(tokens))], reward=r,
+                               finish_reason="stop") for r in rewards[:n]]
+    return RolloutGroup.pack(samples, group_id=group_id, prompt_id=0, actor_id="actor-0", prompt_tokens=int32s(prompt),
+                             eval_version=eval_version)
 
 
 def take(learner, group) -> StepBatch:

@@ -14,7 +14,8 @@ from conftest import prompt_group, rollout
 from tidal.broker.schema import (
     Heartbeat,
     InterruptParams,
-    Sample,
+    RolloutGroup,
+    SampleArrays,
     SamplingParams,
     Shutdown,
     TensorSpec,
@@ -23,8 +24,6 @@ from tidal.broker.schema import (
     WireError,
     WorkGrant,
     WorkRequest,
-    float32s,
-    int32s,
 )
 
 FRAMES_PER_KIND = 10_000
@@ -34,11 +33,11 @@ def valid_messages() -> dict[str, object]:
     interrupt = InterruptParams((3, 4), "==", 1, 2, 2)
     group = prompt_group(1)
     group.sampling = SamplingParams(0.9, 1.0, 8, (1,), interrupt, 2)
-    sample = Sample(tokens=int32s([3, 4, 5, 1]), logprobs=float32s([-0.1, 0.0, 0.0, -0.3]),
-                    version_spans=[(2, 0, 1), (3, 1, 4)], reward=1.0, finish_reason="interrupted",
-                    injected_spans=[(1, 3)], raw_reward=1.0)
-    two = rollout()
-    two.samples.append(sample)
+    sample = SampleArrays.of([3, 4, 5, 1], [-0.1, 0.0, 0.0, -0.3], version_spans=[(2, 0, 1), (3, 1, 4)], reward=1.0,
+                             finish_reason="interrupted", injected_spans=[(1, 3)], raw_reward=1.0)
+    one = rollout()
+    two = RolloutGroup.pack([*one.unpack(), sample], group_id=one.group_id, prompt_id=one.prompt_id,
+                            actor_id=one.actor_id, prompt_tokens=one.prompt_tokens)
     return {
         "prompt_group": group,
         "rollout_group": two,

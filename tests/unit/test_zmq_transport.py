@@ -10,7 +10,7 @@ import zmq
 
 from conftest import prompt_group as prompt
 from conftest import rollout
-from tidal.broker.schema import Heartbeat, RolloutGroup, Shutdown, WeightUpdate, WireCodec, WorkRequest
+from tidal.broker.schema import SCHEMA_VERSION, Heartbeat, RolloutGroup, Shutdown, WeightUpdate, WireCodec, WorkRequest
 from tidal.broker.zmq_keys import generate
 from tidal.broker.zmq_transport import ZmqActorTransport, ZmqLearnerTransport
 from tidal.config import BrokerConfig, ZmqConfig
@@ -275,8 +275,8 @@ def test_oversized_hellos_and_heartbeats_are_refused_and_hold_nothing():
     many = [f"r-{i}" for i in range(100_000)]  # about 1 MB: above broker.max_control_bytes, dropped by the socket
     big.send(codec.encode(Heartbeat(actor_id="big", version=0, engine={}, outstanding=many, hello=True)))
     huge_id = raw_dealer(ctx, learner_side, b"y" * 200)
-    huge_id.send(msgspec.msgpack.encode({"kind": "heartbeat", "schema_version": 2, "actor_id": "y" * 200, "version": 0,
-                                         "engine": {}, "outstanding": [], "hello": True}))
+    huge_id.send(msgspec.msgpack.encode({"kind": "heartbeat", "schema_version": SCHEMA_VERSION, "actor_id": "y" * 200,
+                                         "version": 0, "engine": {}, "outstanding": [], "hello": True}))
     time.sleep(0.5)
     m = learner_side.metrics()
     assert m["broker/live_actors"] == 0 and learner_side.take_joins() == []
