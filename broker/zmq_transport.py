@@ -117,6 +117,10 @@ class ZmqLearnerTransport(LearnerTransport):
         self._pull: zmq.Socket | None = None  # made and bound by the I/O thread, read by the training thread
         self._authenticated = False  # CURVE is on: each connection's key names its actor
         self._waker_r, self._waker_w = os.pipe()  # other threads wake the I/O thread's poll through it
+        # a wake-up is written and not yet taken: the next is not written (a write is a syscall and a GIL
+        # round trip). The I/O thread clears it after it drains the pipe and before it serves anything, so a
+        # submission that finds it set is served by that turn, and one that writes after the drain wakes the next
+        self._wake_pending = False
         os.set_blocking(self._waker_w, False)
         os.set_blocking(self._waker_r, False)
         self._thread = threading.Thread(target=self._run, name="zmq-learner-io", daemon=True)
@@ -188,6 +192,9 @@ class ZmqLearnerTransport(LearnerTransport):
         self._waker_r = self._waker_w = -1
 
     def _wake(self) -> None:
+        if self._wake_pending:
+            return
+        self._wake_pending = True
         try:
             os.write(self._waker_w, b"\0")
         except (BlockingIOError, OSError):  # full: a wake-up is pending anyway; closed: nothing to wake
@@ -239,6 +246,7 @@ class ZmqLearnerTransport(LearnerTransport):
             events = dict(poller.poll(timeout=POLL_MS))
             if self._waker_r in events:
                 os.read(self._waker_r, 4096)
+                self._wake_pending = False  # after the drain: cleared first, a write in between would be lost
             if router in events:
                 self._drain_control(router)
             self._repeat_announcement(pub)
