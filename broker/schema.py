@@ -253,10 +253,8 @@ class RolloutGroup(Message, tag="rollout_group"):
             if not len(tokens) == len(logprobs) == s.num_tokens:
                 raise ValueError(f"samples[{i}]: {len(tokens)} tokens, {len(logprobs)} logprobs, "
                                  f"num_tokens {s.num_tokens}")
-        return cls(samples=[s.sample for s in samples],
-                   tokens=Array.of(np.concatenate([s.tokens for s in samples]).astype(np.int32, copy=False)),
-                   logprobs=Array.of(np.concatenate([s.logprobs for s in samples]).astype(np.float32, copy=False)),
-                   **fields)
+        return cls(samples=[s.sample for s in samples], tokens=int32s(np.concatenate([s.tokens for s in samples])),
+                   logprobs=float32s(np.concatenate([s.logprobs for s in samples])), **fields)
 
     def unpack(self) -> list[SampleArrays]:
         """Each sample with read-only views of its slice of the group's buffers."""
