@@ -106,6 +106,11 @@ class ZmqLearnerTransport(LearnerTransport):
         self._grants = GrantTable(cfg.actor_timeout_s, cfg.max_actors)
         self._rate = _RateLimit(CONTROL_RATE)
         self._parked: collections.deque[tuple[bytes, WorkRequest, float]] = collections.deque()
+        # a parked request found no prompts at its last try: new ones must wake the I/O thread. Set and
+        # read under the lock, in the same section as that try and as the submission, so a submitter that
+        # reads False either comes before a try (which then sees its prompts) or after one that got some
+        self._starving = False
+        self._expire_at = 0.0  # when the I/O thread next looks for silent actors
         self._announcement: bytes | None = None  # the newest WeightUpdate or Shutdown, encoded
         self._announce_at = 0.0  # when the I/O thread sends it next
         self._lock = threading.Lock()
@@ -115,6 +120,7 @@ class ZmqLearnerTransport(LearnerTransport):
         self.ports: dict[str, int] = {}
         self._ctx = zmq.Context()
         self._pull: zmq.Socket | None = None  # made and bound by the I/O thread, read by the training thread
+        self._recv_timeout_ms = -1  # the PULL socket's RCVTIMEO, as the training thread last set it
         self._authenticated = False  # CURVE is on: each connection's key names its actor
         self._waker_r, self._waker_w = os.pipe()  # other threads wake the I/O thread's poll through it
         # a wake-up is written and not yet taken: the next is not written (a write is a syscall and a GIL
@@ -136,7 +142,9 @@ class ZmqLearnerTransport(LearnerTransport):
     def submit_prompts(self, groups: list[PromptGroup]) -> None:
         with self._lock:
             self._grants.submit(groups)
-        self._wake()  # an actor's parked request may be waiting for exactly these
+            starving = self._starving
+        if starving:  # a parked request found the queue empty: these may be what it waits for
+            self._wake()
 
     def recv_rollout(self, timeout_s: float) -> RolloutGroup | None:
         """Read by the calling thread itself, as the Redis transport reads: no rollout waits on the I/O
@@ -144,17 +152,22 @@ class ZmqLearnerTransport(LearnerTransport):
         mark pushes back on the actors."""
         self._raise_if_failed()
         deadline = time.monotonic() + timeout_s
+        wait_ms = min(max(0, math.ceil(timeout_s * 1000)), 2**31 - 1)
         while True:
+            # a blocking receive under the socket's own timeout: when a rollout is waiting (the busy case)
+            # that is one call, where a non-blocking try, a poll and a second try were three, and a miss
+            # raised (and built) an exception each time
+            if wait_ms != self._recv_timeout_ms:
+                self._pull.setsockopt(zmq.RCVTIMEO, wait_ms)  # 0: return at once; never -1 (forever)
+                self._recv_timeout_ms = wait_ms
             try:
-                frame = self._pull.recv(zmq.NOBLOCK, copy=False)
+                frame = self._pull.recv(copy=False)
             except zmq.Again:
-                remaining_ms = math.ceil((deadline - time.monotonic()) * 1000)
-                if remaining_ms <= 0 or not self._pull.poll(remaining_ms):
-                    return None
-                continue
+                return None
             group = self._accept(frame)
             if group is not None:
                 return group
+            wait_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
 
     def publish_weights(self, update: WeightUpdate) -> None:
         self._announce(update)
@@ -251,8 +264,10 @@ class ZmqLearnerTransport(LearnerTransport):
                 self._drain_control(router)
             self._repeat_announcement(pub)
             self._serve_parked(router)
-            with self._lock:
-                self._grants.expire_silent_actors()
+            if (now := time.monotonic()) >= self._expire_at:
+                self._expire_at = now + POLL_MS / 1000
+                with self._lock:
+                    self._grants.expire_silent_actors()
 
     def _repeat_announcement(self, pub: zmq.Socket) -> None:
         with self._lock:
@@ -281,11 +296,8 @@ class ZmqLearnerTransport(LearnerTransport):
         return group
 
     def _drain_control(self, router: zmq.Socket) -> None:
-        while True:
-            try:
-                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        while router.get(zmq.EVENTS) & zmq.POLLIN:  # asked, not tried: a miss would raise (and build) an error
+            frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
             if len(frames) != 2:  # not [identity, frame]: a foreign peer
                 self._refuse("malformed", "a control message with an unexpected number of frames")
                 continue
@@ -326,12 +338,17 @@ class ZmqLearnerTransport(LearnerTransport):
 
     def _serve_parked(self, router: zmq.Socket) -> None:
         """Grant parked requests in arrival order; answer empty ones whose long poll ran out."""
+        with self._lock:
+            self._starving = False
+        if not self._parked:
+            return
         now = time.monotonic()
         still_parked = collections.deque()
         while self._parked:
             identity, request, deadline = self._parked.popleft()
             with self._lock:
                 groups = self._grants.take(request.actor_id, request.max_samples)
+                self._starving |= not groups
             if groups or now >= deadline:
                 router.send_multipart([identity, self._codec.encode(WorkGrant(groups=groups))])
             else:

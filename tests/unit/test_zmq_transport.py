@@ -87,6 +87,32 @@ def test_actor_gets_whole_groups_that_fit_and_hears_weights(learner_side):
     assert learner_side.recv_rollout(timeout_s=5).group_id == "r-0"
 
 
+def test_prompts_submitted_while_a_request_waits_wake_the_learner_to_grant_them(monkeypatch):
+    # the I/O thread's own turns come only every 30 s here, and a request's long poll lasts as long: a grant
+    # within the actor's 10 s wait can only come from the submission waking it
+    monkeypatch.setattr("tidal.broker.zmq_transport.POLL_MS", 30_000)
+    monkeypatch.setattr("tidal.broker.zmq_transport.LONG_POLL_S", 30.0)
+    side = ZmqLearnerTransport(BrokerConfig(), WireCodec(1 << 20))
+
+    async def scenario():
+        t = actor(side, "a")
+        await t.heartbeat(hello("a"))
+        granted = []
+        for i in range(2):  # once with the queue empty from the start, once emptied by the first grant
+            asking = asyncio.ensure_future(t.request_work(4, timeout_s=10))
+            while not side._parked:  # the request is parked, and found nothing to take
+                await asyncio.sleep(0.01)
+            side.submit_prompts([prompt(i)])
+            granted.append([g.group_id for g in await asking])
+        t.close()
+        return granted
+
+    try:
+        assert asyncio.run(scenario()) == [["r-0"], ["r-1"]]
+    finally:
+        side.close()
+
+
 def test_an_actor_that_joins_late_hears_the_current_weights_first(learner_side):
     learner_side.publish_weights(WeightUpdate(version=5, transport="file", location="/w", manifest=[], checksum="c"))
 
