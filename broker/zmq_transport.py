@@ -348,11 +348,12 @@ class ZmqLearnerTransport(LearnerTransport):
             identity, request, deadline = self._parked.popleft()
             with self._lock:
                 groups = self._grants.take(request.actor_id, request.max_samples)
-                self._starving |= not groups
-            if groups or now >= deadline:
-                router.send_multipart([identity, self._codec.encode(WorkGrant(groups=groups))])
-            else:
+                waits = not groups and now < deadline
+                self._starving |= waits
+            if waits:
                 still_parked.append((identity, request, deadline))
+            else:
+                router.send_multipart([identity, self._codec.encode(WorkGrant(groups=groups))])
         self._parked = still_parked
 
 
