@@ -48,6 +48,9 @@ def parse_args(argv=None):
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions per case")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--chunk-size", default=None, help="torch backend tiles, e.g. 1024,8192")
+    parser.add_argument("--blocks", default=None,
+                        help="triton tile sizes to compare, tokens x vocab x dim x warps each, e.g. "
+                             "64x128x32x8,128x128x64x8 (default: the kernels' own per dtype)")
     parser.add_argument("--err-tokens", type=int, default=128)
     parser.add_argument("--max-seconds", type=float, default=120.0,
                         help="skip cpu cases whose estimated fwd+bwd time per rep exceeds this")
@@ -71,9 +74,9 @@ def main(argv=None) -> None:
     for shape in args.shapes.split(","):
         num_tokens, dim, vocab = (int(x) for x in shape.lower().split("x"))
         for dtype in args.dtypes.split(","):
-            for backend in args.backends.split(","):
+            for backend, blocks in backend_variants(args):
                 case = dict(backend=backend, device=args.device, T=num_tokens, D=dim, V=vocab,
-                            dtype=dtype, reps=args.reps, chunk_size=args.chunk_size,
+                            dtype=dtype, reps=args.reps, chunk_size=args.chunk_size, blocks=blocks,
                             err_tokens=args.err_tokens)
                 reason = skip_reason(case, flops_per_s, args.max_seconds)
                 result = dict(case, skipped=reason) if reason else run_in_subprocess(case)
@@ -81,6 +84,15 @@ def main(argv=None) -> None:
                 results.append(result)
     for line in ratio_lines(results):
         print(json.dumps(line), flush=True)
+
+
+def backend_variants(args) -> list[tuple[str, str | None]]:
+    """(backend, triton tile sizes or None) for every case of one shape and dtype."""
+    variants = []
+    for backend in args.backends.split(","):
+        tiles = args.blocks.split(",") if backend == "triton" and args.blocks else [None]
+        variants += [(backend, blocks) for blocks in tiles]
+    return variants
 
 
 def measure_matmul_flops(device: str) -> float:
@@ -138,7 +150,7 @@ def run_case(case) -> dict:
     """Subprocess body: time fwd+bwd, measure peak extra memory, then the error."""
     device, dtype = case["device"], getattr(torch, case["dtype"])
     inputs = make_inputs(case["T"], case["D"], case["V"], dtype, device)
-    fn = build_backend(case["backend"], case["chunk_size"])
+    fn = build_backend(case["backend"], case["chunk_size"], case.get("blocks"))
     probe = CudaMemoryProbe() if device == "cuda" else RssProbe()
     times_ms, peaks = [], []
     for rep in range(1 + case["reps"]):  # rep 0 warms up (and compiles torch_compile)
@@ -172,9 +184,16 @@ def make_inputs(num_tokens, dim, vocab, dtype, device) -> dict:
     )
 
 
-def build_backend(name: str, chunk_size):
+def build_backend(name: str, chunk_size, blocks=None):
     """fn(hidden, weight, targets) -> (logprob, entropy) for one benchmarked backend."""
     from tidal.kernels import logprobs
+
+    if blocks:  # the triton kernels at other tile sizes, called directly (no mask to compact here)
+        from tidal.kernels import triton_kernels
+
+        tokens, vocab, dim, warps = (int(x) for x in blocks.lower().split("x"))
+        tiles = triton_kernels.Blocks(tokens=tokens, vocab=vocab, dim=dim, num_warps=warps)
+        return lambda h, w, y: triton_kernels.logprobs(h, w, y, 1.0, w.shape[0], blocks=tiles)
 
     chunks = tuple(int(c) for c in chunk_size.split(",")) if chunk_size else None
     if chunks and len(chunks) == 1:
@@ -220,8 +239,9 @@ def ratio_lines(results) -> list[dict]:
             if other is ref or (other["T"], other["D"], other["V"], other["dtype"],
                                 other["device"]) != key:
                 continue
+            name = other["backend"] + (f"[{other['blocks']}]" if other.get("blocks") else "")
             lines.append(dict(
-                ratios=f"{other['backend']}/naive", device=ref["device"], T=ref["T"],
+                ratios=f"{name}/naive", device=ref["device"], T=ref["T"],
                 D=ref["D"], V=ref["V"], dtype=ref["dtype"],
                 time_ratio=round(other["time_ms"] / ref["time_ms"], 3),
                 peak_mem_ratio=round(other["peak_mem_bytes"] / ref["peak_mem_bytes"], 4),

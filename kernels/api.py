@@ -59,7 +59,10 @@ def _resolve_backend(backend: str, hidden: torch.Tensor) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
     if backend == "auto":
-        return "triton" if getattr(hidden, "is_cuda", False) else "torch"
+        # On a GPU the Triton kernels win in half precision; in fp32 their exact ("ieee") dots run
+        # on the FMA units, several times slower than the chunked backend's cuBLAS matmuls.
+        on_gpu = getattr(hidden, "is_cuda", False)
+        return "triton" if on_gpu and getattr(hidden, "dtype", None) in _HALF_DTYPES else "torch"
     on_cpu = not getattr(hidden, "is_cuda", True)
     if backend == "triton" and on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(

@@ -36,14 +36,15 @@ class Blocks:
 
 # Small tiles under the interpreter so the tests cross many tile edges in small shapes.
 INTERPRET_BLOCKS = Blocks(tokens=16, vocab=32, dim=32)
-# Not timed on hardware yet (no GPU was available when written). Chosen by compiling every
-# kernel for sm_90a offline (triton.compile + the bundled ptxas -v): these are the largest
-# tiles whose kernels spill no registers (half) or under 40 bytes (fp32, whose exact "ieee"
-# dots run on FMA units and need more registers).
+# Timed on an H200 (bench/kernels.py --blocks) at T x D x V = 8192 x 4096 x 151936 and
+# 4096 x 896 x 151936: 64 x 256 x 64 with 8 warps took 0.62-0.64 of the time of the 64 x 128 x 32
+# tiles first chosen offline in bf16 (0.69-0.71 of the naive backend's), with the same errors;
+# in fp32, 128 x 128 x 32 took 0.70 of 64 x 64 x 32, still 6.7x the naive backend (whose cuBLAS
+# matmuls beat exact-fp32 tl.dot), which is why backend "auto" takes the chunked torch one in fp32.
 GPU_BLOCKS = {
-    torch.bfloat16: Blocks(tokens=64, vocab=128, dim=32, num_warps=8),
-    torch.float16: Blocks(tokens=64, vocab=128, dim=32, num_warps=8),
-    torch.float32: Blocks(tokens=64, vocab=64, dim=32, num_warps=8),
+    torch.bfloat16: Blocks(tokens=64, vocab=256, dim=64, num_warps=8),
+    torch.float16: Blocks(tokens=64, vocab=256, dim=64, num_warps=8),
+    torch.float32: Blocks(tokens=128, vocab=128, dim=32, num_warps=8),
 }
 
 

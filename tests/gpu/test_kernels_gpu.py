@@ -29,3 +29,10 @@ def test_gpu_triton_uses_far_less_memory_than_naive():
         run_kernel(backend, hidden, weight, targets)
         peaks[backend] = torch.cuda.max_memory_allocated() - base
     assert peaks["triton"] < 0.25 * peaks["naive"]
+
+
+@pytest.mark.parametrize("dtype, expected", [(torch.bfloat16, "triton"), (torch.float32, "torch")])
+def test_gpu_auto_takes_triton_in_bf16_and_the_chunked_backend_in_fp32(dtype, expected):
+    hidden, weight, targets = kernel_inputs(300, 256, 5003, dtype, "cuda")
+    picked, auto = (run_kernel(backend, hidden, weight, targets) for backend in (expected, "auto"))
+    assert all(torch.equal(a, b) for a, b in zip(picked, auto))

@@ -154,6 +154,16 @@ def test_auto_is_torch_on_cpu():
     assert all(torch.equal(a, c) for a, c in zip(auto, chunked))
 
 
+@pytest.mark.parametrize("dtype, expected", [(torch.bfloat16, "triton"), (torch.float16, "triton"),
+                                             (torch.float32, "torch")])
+def test_auto_on_a_gpu_is_triton_in_half_precision_and_torch_in_fp32(dtype, expected):
+    from types import SimpleNamespace
+
+    from tidal.kernels.api import _resolve_backend
+
+    assert _resolve_backend("auto", SimpleNamespace(is_cuda=True, dtype=dtype)) == expected
+
+
 @pytest.mark.parametrize(
     "change, name",
     [
