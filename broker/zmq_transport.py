@@ -196,6 +196,8 @@ class ZmqLearnerTransport(LearnerTransport):
             return self._grants.metrics(self._codec.rejected)
 
     def close(self) -> None:
+        if self._waker_w < 0:  # closed already: a second close (a finally after an explicit one) does nothing
+            return
         self._closed.set()
         self._wake()
         self._thread.join(timeout=5)

@@ -37,6 +37,12 @@ def actor(learner, actor_id: str, **zmq) -> ZmqActorTransport:
     return ZmqActorTransport(actor_config(learner, **zmq), WireCodec(1 << 20), actor_id)
 
 
+def test_a_learner_side_closed_twice_closes_once():
+    transport = ZmqLearnerTransport(BrokerConfig(), WireCodec(4096))
+    transport.close()
+    transport.close()  # used to fail on its wake-up pipe, closed by the first
+
+
 def test_bad_frames_on_the_rollout_stream_are_dropped_and_the_stream_goes_on(learner_side):
     learner_side.submit_prompts([prompt(0)])
 
