@@ -22,8 +22,8 @@ def test_a_bf16_step_on_cuda_moves_every_weight_and_tracks_fp32(fresh_accelerato
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    # With a tiny Adam eps the first step moves every weight with a gradient by about lr = 5e-7 of
-    # its sign: an update fp32 master weights keep and bf16 weights (8 bits of mantissa) would lose.
+    # With a tiny Adam eps the first step moves every weight that has a gradient by about lr = 5e-7,
+    # against its gradient's sign: a change fp32 master weights keep and bf16 ones (8 bits) would lose.
     base = learner_config(*CASES["cispo_prompt_mean"])
     cfg = replace(base, kernel_backend="auto", optim=replace(base.optim, lr=5e-7, eps=1e-8))
     params, metrics = run_step(cfg, Accelerator(mixed_precision="bf16"))
