@@ -93,6 +93,24 @@ def test_inconsistent_rollouts_are_rejected(bad, reason):
     assert err.value.reason == reason
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in dot")  # silenced by the schema outside pytest
+def test_logprobs_are_checked_finite_whatever_their_magnitude():
+    """The check sums the squares: NaN or an infinity anywhere makes that non-finite, and so do huge
+    finite values, which are then accepted after a test of each."""
+    codec = WireCodec(1 << 20)
+    one = SampleArrays.of([3], [-0.5], version_spans=[(0, 0, 1)], reward=1.0, finish_reason="stop")
+
+    def group(logprobs):
+        two = SampleArrays.of([3, 4], logprobs, version_spans=[(0, 0, 2)], reward=0.0, finish_reason="stop")
+        return RolloutGroup.pack([one, two], group_id="g", prompt_id=1, actor_id="a", prompt_tokens=int32s([5]))
+
+    huge = group([-3e38, -3e38])
+    assert codec.decode(codec.encode(huge)) == huge
+    for bad in ([-0.5, float("nan")], [float("-inf"), -0.5], [-3e38, float("inf")]):
+        with pytest.raises(WireError, match=r"samples\[1\]: non-finite logprob"):
+            codec.decode(codec.encode(group(bad)))
+
+
 def test_unexpected_kind_is_rejected():
     codec = WireCodec(1 << 20)
     update = WeightUpdate(version=1, transport="file", location="/x", manifest=[], checksum="0")
