@@ -77,6 +77,11 @@ def _bind(sock: zmq.Socket, host: str, port: int) -> int:
     return sock.bind_to_random_port(f"tcp://{host}")
 
 
+def _resolve(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class _RateLimit:
     """A token bucket per identity: a peer flooding the control socket is throttled, not obeyed."""
 
@@ -369,7 +374,10 @@ class ZmqActorTransport(ActorTransport):
                              "(the launcher fills them in; on a cluster set them in the config)")
         self._codec = codec
         self._ctx = zmq.asyncio.Context()
-        self._dealer = self._ctx.socket(zmq.DEALER)
+        # the DEALER is a plain socket driven without the asyncio socket's futures and callbacks, which
+        # cost more than the request itself; the event loop watches its FD (`_readable`). Not made by
+        # the context, so close() closes it
+        self._dealer = zmq.Socket(self._ctx, zmq.DEALER)
         self._dealer.setsockopt(zmq.IDENTITY, actor_id.encode())
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, z.rollout_hwm)
@@ -382,9 +390,13 @@ class ZmqActorTransport(ActorTransport):
             if curve_on(z):
                 secure_client(sock, z.keys_dir, actor_id)
             sock.connect(f"tcp://{z.host}:{port}")
-        # the PUSH socket driven directly: a send needs none of the asyncio socket's futures and
-        # event-loop callbacks, which were most of a send's cost at 5 KB
+        # the PUSH socket driven directly too: a send needs none of the asyncio socket's machinery,
+        # which was most of a send's cost at 5 KB
         self._push_now = zmq.Socket.shadow(self._push.underlying)
+        self._dealer_fd = self._dealer.FD
+        self._watching: asyncio.AbstractEventLoop | None = None  # the loop that watches the DEALER's FD
+        self._waiter: asyncio.Future | None = None  # a request waiting for its grant
+        self._control_full = False  # the last control message found the queue to the learner full
         self._request_open, self._request_sent_at = False, 0.0
         self._actor_id = actor_id
 
@@ -395,12 +407,53 @@ class ZmqActorTransport(ActorTransport):
             if (wait := self._request_sent_at + REQUEST_EVERY_S - now) > 0:
                 await asyncio.sleep(wait)
             now = time.monotonic()
-            await self._dealer.send(self._codec.encode(WorkRequest(actor_id=self._actor_id, max_samples=max_samples)))
-            self._request_open, self._request_sent_at = True, now
-        if not await self._dealer.poll(timeout=int(timeout_s * 1000)):
+            if self._send_control(WorkRequest(actor_id=self._actor_id, max_samples=max_samples)):
+                self._request_open, self._request_sent_at = True, now
+        if not await self._readable(timeout_s):
             return []  # the request stays open; its grant is taken by the next call
         self._request_open = False
-        return self._codec.decode(await self._dealer.recv(), expect=WorkGrant).groups
+        return self._codec.decode(self._dealer.recv(zmq.NOBLOCK), expect=WorkGrant).groups
+
+    def _send_control(self, msg: Heartbeat | WorkRequest) -> bool:
+        """Queued for the learner; False when its queue is full (the learner has been unreachable for
+        a thousand messages): a heartbeat is repeated anyway, and a request is sent again next time."""
+        try:
+            self._dealer.send(self._codec.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            if not self._control_full:
+                log.warning("the learner takes no control messages (unreachable?): %s dropped, and every "
+                            "one until it does", type(msg).__name__)
+            self._control_full = True
+            return False
+        self._control_full = False
+        return True
+
+    async def _readable(self, timeout_s: float) -> bool:
+        """Whether a message waits on the DEALER, waiting up to `timeout_s` on the event loop. The FD
+        only says that something may have changed; the socket's EVENTS says what."""
+        deadline = time.monotonic() + timeout_s
+        while not self._dealer.get(zmq.EVENTS) & zmq.POLLIN:
+            if (remaining := deadline - time.monotonic()) <= 0:
+                return False
+            loop = asyncio.get_running_loop()
+            if self._watching is not loop:
+                self._unwatch()
+                loop.add_reader(self._dealer_fd, self._dealer_changed)
+                self._watching = loop
+            self._waiter = waiter = loop.create_future()
+            timer = loop.call_later(remaining, _resolve, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+        return True
+
+    def _dealer_changed(self) -> None:
+        # reading EVENTS takes the socket's pending commands, which clears its FD: a level-triggered
+        # selector would otherwise call this on every turn of the loop while nobody waits
+        if self._dealer.get(zmq.EVENTS) & zmq.POLLIN and self._waiter is not None:
+            _resolve(self._waiter)
 
     async def send_rollout(self, group: RolloutGroup) -> None:
         frame = self._codec.encode(group)
@@ -421,7 +474,14 @@ class ZmqActorTransport(ActorTransport):
                 log.warning("rejected a frame on the weight channel: %s", err)
 
     async def heartbeat(self, beat: Heartbeat) -> None:
-        await self._dealer.send(self._codec.encode(beat))
+        self._send_control(beat)
+
+    def _unwatch(self) -> None:
+        if self._watching is not None and not self._watching.is_closed():
+            self._watching.remove_reader(self._dealer_fd)
+        self._watching = None
 
     def close(self) -> None:
+        self._unwatch()
+        self._dealer.close(linger=0)
         self._ctx.destroy(linger=0)

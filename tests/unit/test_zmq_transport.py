@@ -37,6 +37,35 @@ def actor(learner, actor_id: str, **zmq) -> ZmqActorTransport:
     return ZmqActorTransport(actor_config(learner, **zmq), WireCodec(1 << 20), actor_id)
 
 
+def test_an_unreachable_learner_never_blocks_the_actor(caplog):
+    """Nothing listens: heartbeats and requests queue until the DEALER's high-water mark, then are
+    dropped with one warning; no call waits longer than it was told to."""
+    with zmq.Context() as ctx:  # three ports bound and closed again: nothing listens there
+        socks = [ctx.socket(zmq.PULL) for _ in range(3)]
+        ports = [sock.bind_to_random_port("tcp://127.0.0.1") for sock in socks]
+        for sock in socks:
+            sock.close(linger=0)
+    cfg = BrokerConfig(zmq=ZmqConfig(control_port=ports[0], rollout_port=ports[1], weights_port=ports[2]))
+
+    async def scenario():
+        t = ZmqActorTransport(cfg, WireCodec(1 << 20), "lonely")
+        t._dealer.setsockopt(zmq.SNDHWM, 4)  # full after a few messages, not a thousand
+        start = time.monotonic()
+        for _ in range(8):
+            await asyncio.wait_for(t.heartbeat(hello("lonely")), 1)
+        waited = time.monotonic() - start
+        start = time.monotonic()
+        groups = await t.request_work(4, timeout_s=0.2)
+        asked = time.monotonic() - start
+        t.close()
+        return waited, groups, asked
+
+    waited, groups, asked = asyncio.run(scenario())
+    assert waited < 1 and groups == [] and 0.15 < asked < 2
+    assert [r.message for r in caplog.records].count(
+        "the learner takes no control messages (unreachable?): Heartbeat dropped, and every one until it does") == 1
+
+
 def test_a_learner_side_closed_twice_closes_once():
     transport = ZmqLearnerTransport(BrokerConfig(), WireCodec(4096))
     transport.close()
