@@ -16,8 +16,10 @@ Peers: with CURVE (`broker.zmq.curve`, on by default beyond loopback) every conn
 encrypted and its key says which actor it is; a message claiming another actor's id is refused.
 A second connection under a live actor's id is refused by the ROUTER itself. Every buffer is
 bounded: frames by ZMQ_MAXMSGSIZE, control messages by broker.max_control_bytes and a rate per
-identity, rollouts by the stream's high-water mark: the training thread reads the PULL socket
-itself, and what it has not read yet stays there and pushes back on the actors.
+identity, rollouts by the PULL socket's high-water mark per actor: the training thread reads it
+itself, and what it has not read yet stays there; beyond that mark an actor's rollouts wait in the
+actor. An actor's own queue has no mark: it holds at most the groups it was granted, and the learner
+grants no more than its admission control releases.
 """
 from __future__ import annotations
 
@@ -67,7 +69,7 @@ REQUEST_AGAIN_S = 5.0
 # groups faster gathers the freed slots into its next request instead of losing requests to the limit.
 # Its grants come no faster either: at 2 ms it could not take more than ~15k groups/s of 64 in flight
 REQUEST_EVERY_S = 2 / CONTROL_RATE
-PUSH_RETRY_S = 0.002  # how often an actor retries a rollout the learner's high-water mark holds back
+PUSH_RETRY_S = 0.002  # how often an actor retries a rollout its socket would not queue (it queues all it is given)
 
 
 def _bind(sock: zmq.Socket, host: str, port: int) -> int:
@@ -153,8 +155,8 @@ class ZmqLearnerTransport(LearnerTransport):
 
     def recv_rollout(self, timeout_s: float) -> RolloutGroup | None:
         """Read by the calling thread itself, as the Redis transport reads: no rollout waits on the I/O
-        thread or crosses to this one, and what is not read yet stays in the socket, whose high-water
-        mark pushes back on the actors."""
+        thread or crosses to this one, and what is not read yet stays in the socket, up to its high-water
+        mark per actor; the rest waits in the actors."""
         self._raise_if_failed()
         deadline = time.monotonic() + timeout_s
         wait_ms = min(max(0, math.ceil(timeout_s * 1000)), 2**31 - 1)
@@ -380,7 +382,11 @@ class ZmqActorTransport(ActorTransport):
         self._dealer = zmq.Socket(self._ctx, zmq.DEALER)
         self._dealer.setsockopt(zmq.IDENTITY, actor_id.encode())
         self._push = self._ctx.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.SNDHWM, z.rollout_hwm)
+        # no high-water mark on the actor's side: a rollout it finished is queued at once. A mark here
+        # stalled sends that had room: the socket learns that its I/O thread took messages only every
+        # ~1 ms of sending, and a busy actor sends more than a mark of 64 in that time (6-11% of the
+        # broker bench's groups waited a retry). The queue holds at most the groups granted to this actor
+        self._push.setsockopt(zmq.SNDHWM, 0)
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.CONFLATE, 1)  # only the newest announcement matters
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -460,7 +466,7 @@ class ZmqActorTransport(ActorTransport):
         while True:
             try:
                 return self._push_now.send(frame, zmq.NOBLOCK, copy=False)
-            except zmq.Again:  # at the high-water mark (or not yet connected): the learner pushes back
+            except zmq.Again:  # not expected without a high-water mark; kept as the safe answer if it comes
                 # retried on a timer, not awaited on the asyncio socket: its edge-triggered wake-up can be
                 # consumed by the direct sends of other groups, and then it would never come
                 await asyncio.sleep(PUSH_RETRY_S)

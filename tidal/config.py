@@ -226,7 +226,8 @@ class ZmqConfig:
     control_port: int = 0  # ROUTER: hello, heartbeats, work requests, prompt grants
     rollout_port: int = 0  # PULL: rollout groups from actors
     weights_port: int = 0  # PUB: weight announcements
-    rollout_hwm: int = 64  # high-water mark (messages) of the rollout stream, each side
+    # rollouts the learner holds unread per actor connection (messages); beyond it they wait in the actor
+    rollout_hwm: int = 64
     # CURVE encryption and authentication (each actor's id bound to its key): auto = on when broker.zmq.host is
     # not a loopback address | on | off
     curve: str = "auto"
