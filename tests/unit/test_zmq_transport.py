@@ -280,7 +280,7 @@ def test_a_learner_that_reads_nothing_holds_only_its_high_water_mark():
     side.submit_prompts([prompt(i, n=1) for i in range(200)])
 
     async def flood():
-        t = actor(side, "a", rollout_hwm=4)
+        t = actor(side, "a")  # an actor's own queue has no mark
         await t.heartbeat(hello("a"))
         groups = await t.request_work(200, timeout_s=5)
         big = (3,) * 65_536  # 512 KiB a frame, as in a flood that once grew the learner past 1 GiB
