@@ -69,7 +69,6 @@ REQUEST_AGAIN_S = 5.0
 # groups faster gathers the freed slots into its next request instead of losing requests to the limit.
 # Its grants come no faster either: at 2 ms it could not take more than ~15k groups/s of 64 in flight
 REQUEST_EVERY_S = 2 / CONTROL_RATE
-PUSH_RETRY_S = 0.002  # how often an actor retries a rollout its socket would not queue (it queues all it is given)
 
 
 def _bind(sock: zmq.Socket, host: str, port: int) -> int:
@@ -462,14 +461,8 @@ class ZmqActorTransport(ActorTransport):
             _resolve(self._waiter)
 
     async def send_rollout(self, group: RolloutGroup) -> None:
-        frame = self._codec.encode(group)
-        while True:
-            try:
-                return self._push_now.send(frame, zmq.NOBLOCK, copy=False)
-            except zmq.Again:  # not expected without a high-water mark; kept as the safe answer if it comes
-                # retried on a timer, not awaited on the asyncio socket: its edge-triggered wake-up can be
-                # consumed by the direct sends of other groups, and then it would never come
-                await asyncio.sleep(PUSH_RETRY_S)
+        # queued at once: without a high-water mark the socket never refuses, so nothing waits or retries
+        self._push_now.send(self._codec.encode(group), zmq.NOBLOCK, copy=False)
 
     async def next_announcement(self) -> WeightUpdate | Shutdown:
         while True:
