@@ -34,13 +34,10 @@ class Completion:
 
 class Engine:
     """One vLLM AsyncLLM per actor process. The actor loop needs only `version`, `set_version`,
-    `swap_weights` (or `transfer_weights`), `sample`, `info` and `shutdown`: a scripted engine with
-    those runs the loop in tests."""
+    `init_weight_transfer`, `num_workers`, `transfer_weights`, `sample`, `info` and `shutdown`: a
+    scripted engine with those runs the loop in tests."""
 
-    def __init__(self, cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int | None = None,
-                 weight_transfer: str | None = None):
-        """`weight_transfer`: the vLLM weight-transfer backend the weight channel loads through (its
-        receiver's `vllm_backend`); None: the channel loads through tidal's worker extension only."""
+    def __init__(self, cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int | None = None):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.kv_cache_gib))))
         if cfg.cpu_cores:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_cores
@@ -49,7 +46,7 @@ class Engine:
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        kwargs = engine_args(cfg, model_path, dtype, max_num_seqs, weight_transfer)
+        kwargs = engine_args(cfg, model_path, dtype, max_num_seqs)
         engine_env = cpu_engine_env(cfg) if current_platform.is_cpu() else {}
         if engine_env:
             kwargs["distributed_executor_backend"] = IN_PROCESS_EXECUTOR
@@ -62,66 +59,77 @@ class Engine:
         self._decode = batch_decoder(self._llm.tokenizer)  # None when the engine runs without a tokenizer
         self.version = 0
         self._swap_lock = asyncio.Lock()
-        self._transfer_ready = False  # init_weight_transfer_engine has run
+        self._transport = ""  # the weight channel the workers were set up for (init_weight_transfer)
+        self.torn = False  # an update failed part-way: paused until one loads whole
         self.num_requests = 0
 
     async def set_version(self, version: int) -> None:
         await self._llm.update_weight_version(str(version))
         self.version = version
 
-    async def swap_weights(self, version: int, transport: str, payload) -> float:
-        """Pause (in-flight requests keep their place), load in every worker by the weight channel's
-        own means, label the version, resume. Returns seconds the engine was paused."""
+    async def init_weight_transfer(self, init_info: dict) -> None:
+        """Every worker sets up the weight channel `init_info` names (a collective one forms its
+        group with the learner here); again whenever the channel's learner changes."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+        self._transport = init_info["transport"]
+
+    def num_workers(self) -> int:
+        """The engine's worker processes (tensor x pipeline parallel): each receives every update."""
+        return self._llm.vllm_config.parallel_config.world_size
+
+    async def transfer_weights(self, version: int, update_info: dict, streaming: bool = False) -> float:
+        """Pause (in-flight requests keep their place), load the update in every worker through
+        vLLM's weight-transfer API (tidal's engine, fixed when this engine started), label the
+        version, resume; returns seconds paused. A `streaming` update loads as its bytes arrive:
+        one that fails part-way leaves the model torn, so the engine stays paused (its requests
+        waiting) until a later update loads whole; any other failure leaves the weights as they were."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
         async with self._swap_lock:
+            if self._transport != update_info["transport"]:  # the first update, or another channel's
+                await self.init_weight_transfer({"transport": update_info["transport"]})
             start = time.perf_counter()
-            await self._pause()
+            if not self.torn:
+                await self._pause()
             try:
-                await self._llm.collective_rpc("tidal_load_weights", args=(transport, payload))
+                await self._llm.start_weight_update()
+                try:
+                    await self._llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+                except BaseException:
+                    await self._end_failed_update()
+                    raise
+                await self._llm.finish_weight_update()
                 await self.set_version(version)
-            finally:
-                await self._llm.resume_generation()
+            except BaseException:
+                self.torn = self.torn or streaming
+                if not self.torn:
+                    await self._llm.resume_generation()
+                raise
+            self.torn = False
+            await self._llm.resume_generation()
             return time.perf_counter() - start
+
+    async def _end_failed_update(self) -> None:
+        """A worker whose update raised has ended its session; one whose update went through has not:
+        end those, so that the next update can start."""
+        try:
+            await self._llm.finish_weight_update()
+        except Exception:
+            pass  # the workers whose session had ended already say so; the update's own error is raised
 
     async def _pause(self) -> None:
         """Requests in flight stop between engine steps and keep their place (their KV cache too).
         The engine core is asked directly: AsyncLLM.pause_generation adds a fixed 20 ms sleep,
         only so that outputs already produced reach their callers first (our version spans do not
-        depend on it), and 20 ms is a large share of a small model's whole pause."""
+        depend on it), and 20 ms is a large share of a small model's whole pause. The prefix cache is
+        cleared: a prompt's cached keys and values were computed by the weights being replaced."""
         core = getattr(self._llm, "engine_core", None)
         if core is None or not hasattr(core, "pause_scheduler_async"):
             await self._llm.pause_generation(mode="keep", clear_cache=True)
             return
         await core.pause_scheduler_async(mode="keep", clear_cache=True)
-
-    async def transfer_weights(self, version: int, transport: str, update_info: dict) -> float:
-        """Like swap_weights, through vLLM's weight-transfer API: the engine registered for the
-        channel (fixed when this engine started; `transport` names it for scripted engines) receives
-        `update_info` in every worker. Returns seconds the engine was paused."""
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
-
-        async with self._swap_lock:
-            if not self._transfer_ready:
-                await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
-                self._transfer_ready = True
-            start = time.perf_counter()
-            await self._pause()
-            try:
-                await self._llm.start_weight_update()
-                await self._llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
-                await self._llm.finish_weight_update()
-                await self.set_version(version)
-            finally:
-                await self._llm.resume_generation()
-            return time.perf_counter() - start
-
-    async def prefetch_weights(self, update_info: dict, poll_s: float = 0.01) -> None:
-        """Every worker starts receiving an update in a thread of its own; returns once all have it.
-        The engine generates on meanwhile (each poll is a call between its steps, never one that
-        blocks them), and `transfer_weights` then only loads. A receive that fails ends too: the
-        load raises its error."""
-        await self._llm.collective_rpc("tidal_prefetch_weights", args=(update_info,))
-        while not all(await self._llm.collective_rpc("tidal_weights_prefetched")):
-            await asyncio.sleep(poll_s)
 
     async def sample(self, prompt_tokens: list[int], n: int, params: SamplingParams,
                      request_id: str, max_tokens: int | None = None) -> list[Completion]:
@@ -167,9 +175,10 @@ class Engine:
         gc.collect()
 
 
-def engine_args(cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int | None = None,
-                weight_transfer: str | None = None) -> dict:
+def engine_args(cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int | None = None) -> dict:
     """AsyncEngineArgs for an actor: what tidal's correctness needs, then the user's engine settings."""
+    from tidal.broker.weights.vllm_engine import VLLM_BACKEND
+
     vllm = cfg.vllm
     return {
         "model": model_path, "dtype": dtype, "enforce_eager": cfg.enforce_eager, "seed": cfg.seed + cfg.index,
@@ -179,7 +188,7 @@ def engine_args(cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int
         "enable_prefix_caching": False,  # a cached prefix would outlive a weight update
         "tensor_parallel_size": vllm.tensor_parallel_size, "gpu_memory_utilization": vllm.gpu_memory_utilization,
         **({"max_model_len": vllm.max_model_len} if vllm.max_model_len else {}),
-        **({"weight_transfer_config": {"backend": weight_transfer}} if weight_transfer else {}),
+        "weight_transfer_config": {"backend": VLLM_BACKEND},  # every weight channel enters through tidal's engine
         **vllm.engine_kwargs,
     }
 

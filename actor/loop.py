@@ -186,9 +186,8 @@ class Actor:
         self.stats["weight_updates"] += 1
         self.stats["weight_load_failures_in_a_row"] = 0
         self.last_swap_paused_s = paused_s
-        parts = f" from {len(update.sources)} learner ranks" if update.sources else ""  # a sharded learner's
-        log.info("weights v%d loaded%s (engine paused %.3f s, %d samples in flight)",
-                 update.version, parts, paused_s, self.inflight_samples)
+        log.info("weights v%d loaded (engine paused %.3f s, %d samples in flight)",
+                 update.version, paused_s, self.inflight_samples)
         async with self.version_changed:
             self.version_changed.notify_all()
         return True

@@ -1,9 +1,6 @@
-"""Runs inside vLLM's processes: the plugin vLLM loads in each of them, and the worker's entry point
-for a weight update.
-
-Tensors cannot travel through `collective_rpc` in multiprocess mode (they do not pickle), so
-each weight channel sends only what its worker side needs (a file path, an address) and loads
-the tensors itself (`tidal.broker.weights.base.load_into_model`).
+"""Runs inside vLLM's processes: the plugin vLLM loads in each of them, and what the actor asks its
+workers directly. Weight updates themselves enter through vLLM's weight-transfer API, with the engine
+the plugin registers (tidal.broker.weights.vllm_engine).
 """
 from __future__ import annotations
 
@@ -20,7 +17,7 @@ log = logging.getLogger("tidal.actor")
 
 def vllm_plugin() -> None:
     """The `vllm.general_plugins` entry point: vLLM calls it in each of its processes before it
-    builds the model. Registers tidal's weight-transfer engine (the network channels'), and keeps
+    builds the model. Registers tidal's weight-transfer engine (every weight channel's), and keeps
     the CPU backend's linear weights in their plain layout where the actor asked for it."""
     from tidal.broker.weights import vllm_engine
 
@@ -40,25 +37,7 @@ def vllm_plugin() -> None:
 class TidalWorker:
     """Mixed into vLLM's worker class via `worker_extension_cls`."""
 
-    def tidal_load_weights(self, transport: str, payload) -> float:
-        """Load one version by the named weight channel's means; returns seconds spent."""
-        from tidal.broker.weights import load_in_worker
-
-        return load_in_worker(self, transport, payload)  # quiets the harmless reload warnings in this process
-
-    def tidal_prefetch_weights(self, update_info: dict) -> None:
-        """Start receiving a weight update in the background, before the engine pauses for it."""
-        from tidal.broker.weights.vllm_engine import prefetch_in_worker
-
-        prefetch_in_worker(update_info)
-
-    def tidal_weights_prefetched(self) -> bool:
-        """The background receive begun by `tidal_prefetch_weights` has ended."""
-        from tidal.broker.weights.vllm_engine import prefetched_in_worker
-
-        return prefetched_in_worker()
-
     def tidal_weight_layout(self) -> str:
         """How a weight update enters this worker's model: "copy" in place, or "reload" layer-wise
-        where kernels hold some weights in a layout of their own."""
+        where kernels hold some weights in a layout of their own or a quantization method rewrites them."""
         return weight_layout(self.get_model())

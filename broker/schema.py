@@ -17,8 +17,8 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-SCHEMA_VERSION = 3  # 2: eval groups carry eval_version; grants no longer carry weights. 3: a rollout's
-# token ids and logprobs are one buffer per group
+SCHEMA_VERSION = 4  # 2: eval groups carry eval_version; grants no longer carry weights. 3: a rollout's
+# token ids and logprobs are one buffer per group. 4: a weight update comes from one learner rank (no sources)
 
 
 # Bounds every decoded value must keep: a frame that breaks one is rejected at decode ("malformed",
@@ -309,11 +309,8 @@ class TensorSpec(msgspec.Struct, frozen=True):
     name: Annotated[str, Meta(max_length=1024)]
     dtype: Annotated[str, Meta(max_length=16)]
     shape: Annotated[tuple[Dim, ...], Meta(max_length=MAX_DIMS)]
-    offset: Count  # byte offset of the data inside the file
+    offset: Count  # byte offset of the data inside the file (the network channels: the payload)
     nbytes: Count
-    # a sharded learner's piece of a tensor (WeightSource): the index along dim 0 of the whole
-    # tensor where this piece's rows begin
-    start: Count = 0
 
 
 class WeightBucket(msgspec.Struct, frozen=True):
@@ -322,15 +319,6 @@ class WeightBucket(msgspec.Struct, frozen=True):
     offset: Count  # where the range starts in the payload
     nbytes: Count
     crc32: Annotated[int, Meta(ge=0, le=2**32 - 1)]  # zlib.crc32 of the range's bytes
-
-
-class WeightSource(msgspec.Struct, frozen=True):
-    """One learner rank's part of a version (a sharded learner on a collective channel): that rank's
-    rows of every tensor, in a payload it serves itself at `location`."""
-
-    location: Annotated[str, Meta(max_length=4096)]  # host:port
-    manifest: Annotated[list[TensorSpec], Meta(max_length=1_000_000)]  # offsets inside this rank's payload
-    buckets: Annotated[list[WeightBucket], Meta(max_length=1_000_000)]
 
 
 class WeightUpdate(Message, tag="weight_update"):
@@ -343,12 +331,9 @@ class WeightUpdate(Message, tag="weight_update"):
     # which learner process announced it: a resumed learner counts versions again from its
     # checkpoint, and actors that outlived the crash must load those over higher, abandoned ones
     incarnation: Annotated[str, Meta(max_length=64)] = ""
-    # the payload's (network channels) or file's (file) byte ranges in order, each with its own
-    # crc32 (0 and unchecked for nccl, whose payload never leaves the GPUs)
+    # the payload's (tcp, gloo) or file's (file) byte ranges in order, each with its own crc32; gloo's
+    # hold whole tensors. None for nccl, whose chunks vLLM's packing cuts from the manifest
     buckets: Annotated[list[WeightBucket], Meta(max_length=1_000_000)] = []
-    # a sharded learner (gloo, nccl): each rank serves its own rows of every tensor, and `manifest`
-    # lays out the whole tensors as the worker assembles them (no buckets of its own)
-    sources: Annotated[list[WeightSource], Meta(max_length=65_536)] = []
 
 
 class Heartbeat(Message, tag="heartbeat"):

@@ -170,7 +170,9 @@ class Learner:
 
     def publish_weights(self) -> float:
         start = time.perf_counter()
-        self.transport.publish_weights(push_weights(self.trainer, self.parts.publisher, self.version))
+        publisher = self.parts.publisher
+        self.transport.publish_weights(push_weights(self.trainer, publisher, self.version, publisher.dtype,
+                                                    publisher.with_aliases))
         return time.perf_counter() - start
 
     def on_dead_letter(self, group_id: str) -> None:

@@ -11,6 +11,7 @@ rank 0 alone reads and writes the files, so ranks on different machines need no 
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import msgspec
 import numpy as np
@@ -83,39 +84,18 @@ def broadcast_bytes(frame: bytes | None, device) -> bytes:
     return buf.cpu().numpy().tobytes()
 
 
-def gather_bytes(frame: bytes, device) -> list[bytes]:
-    """Every rank's `frame`, by rank, on every rank."""
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [frame]
-    world = dist.get_world_size()
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([len(frame)], dtype=torch.int64, device=device))
-    longest = max(int(size.item()) for size in sizes)
-    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
-    mine[:len(frame)] = torch.from_numpy(np.frombuffer(frame, dtype=np.uint8).copy()).to(device)
-    frames = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
-    dist.all_gather(frames, mine)
-    return [f.cpu().numpy()[:int(n.item())].tobytes() for f, n in zip(frames, sizes)]
-
-
-def push_weights(trainer, publisher, version: int):
-    """A new version onto the weight channel: every rank calls this at the same point, and rank 0 gets
-    the announcement (None on the others). A sharded learner on a channel that takes a part from each
-    rank (gloo, nccl) serves every rank's own rows and gathers nothing but their descriptions;
-    otherwise the model is gathered on rank 0, which publishes it."""
-    from tidal.broker.schema import WeightSource
-
-    if trainer.sharded and hasattr(publisher, "publish_shards"):
-        source = publisher.publish_shards(trainer.local_shards(), version)
-        frames = gather_bytes(msgspec.msgpack.encode(source), trainer.accelerator.device)
-        if trainer.accelerator.process_index:
-            return None
-        return publisher.announce([msgspec.msgpack.decode(f, type=WeightSource) for f in frames], version)
-    named = trainer.full_state_dict()  # includes tied entries such as lm_head.weight
-    return publisher.publish(named, version) if named else None
+def push_weights(trainer, publisher, version: int, dtype: str, with_aliases: bool):
+    """A new version onto the weight channel, in `dtype` (what the actors serve), tied tensors under
+    each name or once (`with_aliases`, the channel's): every rank calls this at the same point, and
+    rank 0 (which holds the publisher) gets the announcement, None the others. The tensors reach rank
+    0's host memory one at a time, a sharded model's each gathered in `dtype` just before it is
+    copied, so no rank ever holds the whole model on its device."""
+    entries, tensors = trainer.weights(dtype, with_aliases)
+    if publisher is None:
+        for _ in tensors:  # a sharded model's gathers are collectives: take part in each
+            pass
+        return None
+    return publisher.publish(tensors, version, entries)
 
 
 def broadcast_tensors(named: dict | None, device) -> dict:
@@ -159,6 +139,7 @@ def gather_tensors(named: dict, device) -> list[dict]:
 def follow(cfg: RunConfig) -> int:
     """A rank other than 0: the same trainer and checkpoints, batches from rank 0, nothing else.
     Rank 0 chooses the checkpoint to continue from and sends it: this rank reads no file of the run."""
+    from tidal.broker.weights import transport
     from tidal.learner.main import setup_trainer
 
     accelerator, trainer, checkpointer, checkpoint = setup_trainer(cfg)
@@ -166,38 +147,21 @@ def follow(cfg: RunConfig) -> int:
     ranks = BatchBroadcast(accelerator)
     log.info("rank %d of %d follows rank 0 from version %d", ranks.rank, ranks.world, version)
     # Wherever rank 0 reads the whole model (each weight push, checkpoint and the final export), a
-    # sharded model is gathered or served in parts, so this rank takes part in the same calls in the
-    # same order.
-    publisher = rank_publisher(cfg, trainer)
-    try:
-        push_weights(trainer, publisher, version)  # the starting weights
-        health = HealthFile(cfg.learner.health_file, every_s=0.0)  # a pod's probe: a step went by (or began)
-        while version < cfg.learner.max_steps:
-            health.touch()
-            groups, masks = ranks.recv()
-            if not groups:  # rank 0 ended the run early (the curriculum ran out of prompts)
-                break
-            trainer.step(groups, masks, version)
-            version += 1
-            push_weights(trainer, publisher, version)
-            if checkpointer.due(version):
-                checkpointer.save(version, {})
-        checkpointer.save(version, {})  # rank 0's final save, after its last evaluation
-        trainer.full_state_dict()  # the final export
-    finally:
-        if publisher is not None:
-            publisher.close()
+    # sharded model is gathered, so this rank takes part in the same calls in the same order.
+    push = partial(push_weights, trainer, None, dtype=cfg.model.dtype,
+                   with_aliases=transport(cfg.weights.transport).with_aliases)
+    push(version=version)  # the starting weights
+    health = HealthFile(cfg.learner.health_file, every_s=0.0)  # a pod's probe: a step went by (or began)
+    while version < cfg.learner.max_steps:
+        health.touch()
+        groups, masks = ranks.recv()
+        if not groups:  # rank 0 ended the run early (the curriculum ran out of prompts)
+            break
+        trainer.step(groups, masks, version)
+        version += 1
+        push(version=version)
+        if checkpointer.due(version):
+            checkpointer.save(version, {})
+    checkpointer.save(version, {})  # rank 0's final save, after its last evaluation
+    trainer.full_state_dict()  # the final export
     return 0
-
-
-def rank_publisher(cfg: RunConfig, trainer):
-    """A rank other than 0 serves weights itself only where the model is sharded and the channel takes
-    a part from each rank; None otherwise (rank 0 publishes the gathered model)."""
-    import os
-
-    from tidal.broker.weights import build_publisher, serves_shards
-
-    if not (trainer.sharded and serves_shards(cfg.weights)):  # the publishers that have publish_shards
-        return None
-    return build_publisher(cfg.weights, "", cfg.name, cfg.run_dir, cfg.model.dtype,
-                           local_rank=int(os.environ.get("LOCAL_RANK", "0")))

@@ -6,10 +6,9 @@ rank holds more than its shard plus one layer. `fully_shard` is called directly 
 Accelerate's plugin, so the same code shards on CPU (gloo) and on GPUs (NCCL); Accelerate still
 launches the ranks, sets up the process group and supplies the autocast of mixed precision.
 
-Everything that reads the whole model (a checkpoint, the final export, a weight push over a channel
-with one source) goes through the collectives below, which every rank must call at the same point:
-the full tensors arrive on rank 0 only, in host memory. On the collective weight channels each rank
-serves its own rows instead (`local_shards`), and nothing is gathered. Checkpoints keep the
+Everything that reads the whole model (a checkpoint, the final export, a weight push) goes through
+the collectives below, which every rank must call at the same point: a weight push gathers one
+tensor at a time, in the dtype the actors serve, for rank 0 to copy into its payload. Checkpoints keep the
 unsharded layout (parameters under the model's own names, optimizer state by parameter index), so a
 run saved sharded resumes unsharded and back.
 """
@@ -65,29 +64,28 @@ def full_model_state(module) -> dict[str, torch.Tensor]:
     return {k.removeprefix(PREFIX): v for k, v in state.items()}
 
 
-def local_shards(module) -> dict[str, tuple[torch.Tensor, int]]:
-    """This rank's own part of the policy's state dict, with no communication: name -> (its rows of
-    the tensor, the index of the first of them in the whole tensor). A tensor that is not sharded
-    (a buffer) is rank 0's alone; a rank with no rows of a tensor leaves it out."""
-    from torch.distributed.tensor import DTensor, Shard
+def gathered_weights(module, dtype: str | None, with_aliases: bool = True):
+    """Collective, every rank iterating: (entries [(name, dtype, shape)], (name, tensor) pairs) of the
+    policy's state (a tied tensor under each name, or once), each tensor cast to `dtype` (None: as it
+    is) on its shard and gathered whole just before it is yielded: a rank holds one whole tensor at a time."""
+    from torch.distributed.tensor import DTensor
 
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    out = {}
-    for name, value in module.state_dict().items():
-        name = name.removeprefix(PREFIX)
-        if not isinstance(value, DTensor):
-            if rank == 0:
-                out[name] = (value, 0)
-            continue
-        if tuple(value.placements) != (Shard(0),):
-            raise ValueError(f"{name}: sharded as {value.placements}; tidal serves rows of tensors sharded on dim 0")
-        rows, chunk = value.to_local(), -(-value.shape[0] // world)  # FSDP splits as torch.chunk: the last short
-        start = min(rank * chunk, value.shape[0])
-        if rows.shape[0] != min(chunk, value.shape[0] - start):
-            raise ValueError(f"{name}: rank {rank} holds {rows.shape[0]} of {value.shape[0]} rows, not torch.chunk's")
-        if rows.shape[0]:
-            out[name] = (rows, start)
-    return out
+    from tidal.broker.weights.payload import without_aliases
+
+    target = getattr(torch, dtype) if dtype else None
+    state = module.state_dict() if with_aliases else without_aliases(module.state_dict())
+
+    def cast(value):
+        return value.to(target) if target is not None and value.is_floating_point() else value
+
+    entries = [(name.removeprefix(PREFIX), target if target is not None and value.is_floating_point() else value.dtype,
+                tuple(value.shape)) for name, value in state.items()]
+
+    def pairs():
+        for name, value in state.items():
+            value = cast(value)
+            yield name.removeprefix(PREFIX), value.full_tensor() if isinstance(value, DTensor) else value
+    return entries, pairs()
 
 
 def full_optimizer_state(module, optimizer) -> dict:

@@ -149,9 +149,18 @@ class Trainer:
             return sharding.full_model_state(self.model)
         return self.policy.state_dict() if self.accelerator.is_main_process else {}
 
-    def local_shards(self) -> dict[str, tuple[torch.Tensor, int]]:
-        """Sharded: this rank's rows of each tensor of the policy and where they start (no communication)."""
-        return sharding.local_shards(self.model)
+    def weights(self, dtype: str | None, with_aliases: bool = True):
+        """(entries [(name, dtype, shape)], (name, tensor) pairs): the policy's tensors as a weight push
+        copies them, tied ones (lm_head.weight) under each name or (`with_aliases` False) once, on the
+        main rank; sharded, each is gathered in `dtype` as it is asked for, and every rank must iterate
+        them at the same point."""
+        from tidal.broker.weights.payload import without_aliases
+
+        if self.sharded:
+            return sharding.gathered_weights(self.model, dtype, with_aliases)
+        state = self.policy.state_dict() if self.accelerator.is_main_process else {}
+        state = state if with_aliases else without_aliases(state)
+        return [(name, t.dtype, tuple(t.shape)) for name, t in state.items()], iter(state.items())
 
     def checkpoint_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict] | None:
         """Everything needed to continue training, as tensors (model, optimizer) and JSON (the rest), on

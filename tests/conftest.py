@@ -11,6 +11,7 @@ here, first.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -224,7 +225,7 @@ TINY_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% if m['role'] 
 def weights_config(transport: str, **keys):
     from tidal.config import WeightsConfig
 
-    return WeightsConfig(transport=transport, tcp_timeout_s=5.0, **keys)
+    return WeightsConfig(transport=transport, **{"tcp_timeout_s": 5.0, **keys})
 
 
 def served_weights(transport: str):
@@ -276,37 +277,57 @@ class DyingWeightServer:
 class ScriptedEngine:
     """Stands in for the vLLM engine in unit tests of the actor loop and the whole pipeline: answers
     `a+b=` prompts right with probability `p_correct` (else off by one), stamps each token with the
-    version it runs, and loads weights through the weight channel's worker side, as vLLM's workers do."""
+    version it runs, and loads weights through tidal's weight-transfer engine, as a vLLM worker does:
+    on one thread of its own (`worker_setup` runs first on it), reading each tensor with `read`."""
 
-    def __init__(self, tokenizer, p_correct: float = 0.5, seed: int = 0):
+    def __init__(self, tokenizer, p_correct: float = 0.5, seed: int = 0, read=None, worker_setup=None,
+                 vllm_config=None):
         import random
+        from concurrent.futures import ThreadPoolExecutor
 
         self.tokenizer = tokenizer
         self.p_correct = p_correct
         self.rng = random.Random(seed)
         self.version = 0
-        self.loaded: dict = {}  # name -> tensor, what the last weight update brought
+        self.loaded: dict = {}  # name -> tensor, what the weight updates brought
         self.swaps: list[int] = []  # versions loaded, in order
+        self.torn = False  # an update failed part-way: the engine stays paused
         self.num_requests = 0
+        self.read = read or (lambda t: t.clone())  # a model copies what it loads into its parameters
+        self.transport = ""  # the weight channel the worker was set up for
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="scripted-worker", initializer=worker_setup)
+        from tidal.broker.weights.vllm_engine import build_engine
+
+        self.worker = build_engine(self, None, vllm_config=vllm_config)  # as in a vLLM worker
 
     async def set_version(self, version: int) -> None:
         self.version = version
 
-    async def swap_weights(self, version: int, transport: str, payload) -> float:
-        from tidal.broker.weights import load_in_worker
+    async def in_worker(self, fn, *args):
+        return await asyncio.wrap_future(self.thread.submit(fn, *args))
 
-        load_in_worker(self, transport, payload)
+    async def init_weight_transfer(self, init_info: dict) -> None:
+        await self.in_worker(self.worker.init_transfer_engine, self.worker.parse_init_info(init_info))
+        self.transport = init_info["transport"]
+
+    def num_workers(self) -> int:
+        return 1
+
+    async def transfer_weights(self, version: int, update_info: dict, streaming: bool = False) -> float:
+        """vLLM's weight-transfer cycle on tidal's worker-side engine, as one worker runs it."""
+        if self.transport != update_info["transport"]:
+            await self.init_weight_transfer({"transport": update_info["transport"]})
+        try:
+            await self.in_worker(self.worker.start_weight_update)
+            await self.in_worker(self.worker.update_weights, update_info)
+            await self.in_worker(self.worker.finish_weight_update)
+        except BaseException:
+            self.torn = self.torn or streaming
+            raise
+        self.torn = False
         self.version = version
         self.swaps.append(version)
         return 0.0
-
-    async def prefetch_weights(self, update_info: dict) -> None:
-        from tidal.broker.weights.vllm_engine import prefetch_in_worker
-
-        prefetch_in_worker(update_info)
-
-    async def transfer_weights(self, version: int, transport: str, update_info: dict) -> float:
-        return await self.swap_weights(version, transport, update_info)  # vLLM's weight-transfer path
 
     # what the weight channel's worker side reaches in a vLLM worker: the model, and its config
     model_config = None
@@ -320,9 +341,13 @@ class ScriptedEngine:
     def named_parameters(self):
         return iter(())
 
+    def modules(self):
+        return iter((self,))
+
     def load_weights(self, weights) -> set[str]:
-        self.loaded = {name: t.clone() for name, t in weights}  # a model copies into its parameters
-        return set(self.loaded)
+        loaded = {name: self.read(t) for name, t in weights}
+        self.loaded.update(loaded)  # a collective channel loads a version piece by piece
+        return set(loaded)
 
     async def sample(self, prompt_tokens, n, params, request_id, max_tokens=None):
         import asyncio
@@ -346,7 +371,8 @@ class ScriptedEngine:
         return {"engine": "scripted"}
 
     def shutdown(self) -> None:
-        pass
+        self.worker.shutdown()
+        self.thread.shutdown(wait=False)
 
 
 # ---- fused logprob kernels against the naive reference -------------------------------------------

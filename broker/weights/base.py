@@ -6,6 +6,7 @@ import abc
 import logging
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from tidal.broker.schema import WeightBucket, WeightUpdate
 
@@ -13,22 +14,86 @@ from tidal.broker.schema import WeightBucket, WeightUpdate
 class WeightPublisher(abc.ABC):
     """Learner side: makes a version's tensors available to the actors."""
 
+    dtype: str | None = None  # what the actors serve, and weights travel in (None: as the learner holds them)
+    # whether tied tensors (lm_head = embed_tokens) travel under each of their names: a channel that
+    # loads a version in pieces sends each once, as vLLM's loaders expect (they skip a tied alias, and
+    # refuse one whose canonical tensor is not in the same load)
+    with_aliases: bool = True
+
     @abc.abstractmethod
-    def publish(self, named_tensors: dict, version: int) -> WeightUpdate:
-        """Make the tensors available; returns the announcement for the broker to carry."""
+    def publish(self, named_tensors, version: int, entries=None) -> WeightUpdate:
+        """Make the tensors available (a mapping, or (name, tensor) pairs described by `entries` as
+        payload.pack takes them); returns the announcement for the broker to carry."""
 
     def close(self) -> None:
-        """Release what the channel holds for this run (files, sockets)."""
+        """Release what the channel holds for this run (files, sockets, groups)."""
 
 
 class WeightReceiver(abc.ABC):
-    """Actor side: brings an announced version into the engine."""
-
-    vllm_backend: str | None = None  # the vLLM weight-transfer engine this channel loads through, if any
+    """Actor side: brings an announced version into the engine, through vLLM's weight-transfer API."""
 
     @abc.abstractmethod
     async def apply(self, update: WeightUpdate, engine) -> float:
         """Load `update` into `engine` while its requests in flight wait; returns seconds paused."""
+
+
+class Transport(abc.ABC):
+    """One weight channel: its two sides, and its part inside vLLM's workers (tidal's weight-transfer
+    engine, vllm_engine.py, asks the registry for it by the update's transport)."""
+
+    name: str
+    with_aliases: bool = True  # as WeightPublisher.with_aliases: every learner rank must know it
+
+    @abc.abstractmethod
+    def publisher(self, cfg, incarnation: str, dtype: str | None, owns_dir: bool = False) -> WeightPublisher:
+        """The learner's side; weights travel in `dtype` (None: as they are). `owns_dir`: weights.dir
+        is the run's own folder, to be removed when the publisher closes (a channel that writes one)."""
+
+    @abc.abstractmethod
+    def receiver(self, cfg) -> WeightReceiver:
+        """The actor's side."""
+
+    def join(self, engine, init: InitInfo):
+        """In a worker: form this channel's group with the learner (InitInfo.group), returning the
+        member that receives every later update into the model; None where the channel keeps none."""
+        return None
+
+    def load(self, model, model_config, info: UpdateInfo) -> str:
+        """In a worker, for a channel without a group: load one update, every byte of it in hand and
+        checked first; returns how it loaded."""
+        raise ValueError(f"weights over {self.name!r} arrive through a group formed beforehand "
+                         "(init_weight_transfer_engine with its spec): none is formed")
+
+
+@dataclass
+class InitInfo:
+    """What `AsyncLLM.init_weight_transfer_engine` carries to every worker: the channel of the updates
+    that follow, and for a collective channel the group to form with the learner (its spec)."""
+
+    transport: str = ""
+    group: dict = field(default_factory=dict)
+    timeout_s: float = 30.0  # a worker gives up on a learner silent this long
+
+
+@dataclass
+class UpdateInfo:
+    """What `AsyncLLM.update_weights` carries to every worker (plain values: it must serialize)."""
+
+    transport: str  # the channel that carries this update
+    update: dict  # the WeightUpdate announcement, as plain values
+    staged: str = ""  # tcp: the prefetched payload's path; file: the file; empty: fetch in the worker
+    timeout_s: float = 30.0  # a worker gives up on a learner silent this long
+
+
+def update_info(transport: str, update: WeightUpdate, staged: str = "", timeout_s: float = 30.0) -> dict:
+    import msgspec
+
+    return {"transport": transport, "update": msgspec.to_builtins(update), "staged": staged, "timeout_s": timeout_s}
+
+
+def check_transport(update: WeightUpdate, expected: str) -> None:
+    if update.transport != expected:
+        raise ValueError(f"weights v{update.version} came by {update.transport!r}; this actor takes {expected!r}")
 
 
 # ---- integrity: a crc32 per byte range (never one hash of a multi-GB whole) ---------------------
@@ -62,9 +127,63 @@ RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
 def weight_layout(model) -> str:
-    """"reload" where a kernel has moved some parameter's weights into a layout of its own and left
-    the parameter empty, else "copy"."""
-    return "reload" if any(param.numel() == 0 for param in model.parameters()) else "copy"
+    """"reload" where loading a checkpoint's tensors is not a copy into the parameters: a kernel has
+    moved some parameter's weights into a layout of its own and left the parameter empty (the CPU
+    backend's packed linear layers), or a quantization method post-processes what is loaded (fp8
+    and the like: raw weights copied in place would be served as they are); else "copy"."""
+    if any(param.numel() == 0 for param in model.parameters()):
+        return "reload"
+    return "reload" if any(post_processed(module) for module in model.modules()) else "copy"
+
+
+def post_processed(module) -> bool:
+    """Whether a vLLM layer's quantization method rewrites its weights after loading them."""
+    method = getattr(module, "quant_method", None)
+    return method is not None and not type(method).__name__.startswith("Unquantized")
+
+
+class StreamedLoad:
+    """One version loaded piece by piece as its bytes arrive (the collective channels), into the
+    model's own storage: by copies where they serve, else inside one layer-wise reload. Nothing of
+    the version is held beyond the piece in hand, so a transfer that fails part-way leaves the model
+    torn (some layers new, some old): `abandon` puts the reload's bookkeeping back, and the actor
+    serves nothing from the model until a whole version has loaded."""
+
+    def __init__(self, model, model_config):
+        self.model, self.model_config = model, model_config
+        self.reload = False
+        self.loaded: set[str] = set()
+
+    def start(self) -> None:
+        quiet_harmless_reload_warnings()
+        self.reload, self.loaded = weight_layout(self.model) == "reload", set()
+        if self.reload:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+
+    def load(self, weights) -> None:
+        loaded = self.model.load_weights(weights)
+        self.loaded |= set(loaded or ())
+
+    def finish(self) -> None:
+        if self.reload:
+            self._finalize()
+            return
+        missing = sorted({name for name, _ in self.model.named_parameters()} - self.loaded)
+        if missing:  # the learner sends every tensor: a short update is a bug, and must not pass quietly
+            raise ValueError(f"the weight update left {len(missing)} parameters of the engine's model unloaded "
+                             f"(e.g. {missing[:3]}); the engine now mixes two versions")
+
+    def abandon(self) -> None:
+        if self.reload:
+            self._finalize()
+
+    def _finalize(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        self.reload = False
+        finalize_layerwise_reload(self.model, self.model_config)
 
 
 def load_into_model(model, weights, model_config, payload=None, key=None) -> str:

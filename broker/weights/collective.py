@@ -1,462 +1,332 @@
-"""The collective weight channel (`weights.transport`: `gloo` on CPU, `nccl` on GPU): each vLLM
-worker forms a two-rank process group with the learner and receives every version as a broadcast
-of its buckets, straight into its own memory (the GPU's, with NCCL). The same code runs both;
-only torch's process group differs.
+"""The collective weight channels (`weights.transport`: `nccl` on GPUs, `gloo` on CPUs): each actor's
+engine forms a group of its own with the learner (the learner's sender as rank 0, the engine's
+workers after it) and every version travels through that group by broadcast, straight into the
+workers' models, a bounded piece at a time. Learner and actor agree on each step over a small
+control connection; the data plane (gloo.py, nccl.py) is the only part that differs.
 
-    learner  CollectivePublisher.publish ─► payload (one buffer on the learner's device) + buckets ─► GroupServer
-    worker   in a thread of its own while the engine generates (weights.tcp_prefetch):
-               join once: a control connection to the learner ─► a process group over its TCPStore
-               ask for version v ─► every bucket by broadcast into a reused buffer (crc32 checked on CPU)
-             inside AsyncLLM.update_weights, the engine paused: wait for it ─► load in place (the
-             recorded copy plan, as the tcp channel)
+    learner  CollectivePublisher.publish ─► payload in host memory (page-locked on GPUs) ─► GroupServer
+             per actor connection, on a thread of its own bound to the learner's device:
+               JOIN n   ─► the new group's spec ─► form the group as rank 0 with the actor's n workers
+               FETCH v  ─► yes, or why not ─► send v through the group (streams of its own) ─► done, or failed
+    actor    CollectiveReceiver.apply: join once (engine.init_weight_transfer: every worker forms its
+             side) ─► FETCH v ─► engine.transfer_weights: pause(keep) ─► each worker receives the pieces
+             and loads each as it lands ─► version label ─► resume ─► the learner's "done"
 
-A group per worker, not one per actor: a worker that dies or stalls fails only its own group (the
-learner's thread for it errors or times out and drops it), never the learner's loop or another
-actor; a joining or restarted worker forms a new one on its first update; a new learner process
-(a new incarnation) makes every worker form its group again. Pull, not push: a worker asks for the
-version it was told of, so an actor that joins late is sent the current one like any other.
-
-A sharded learner (learner.fsdp) gathers nothing to publish: every rank serves its own rows of each
-tensor from a server of its own (`publish_shards`), rank 0 announces the version with each rank's
-part (`WeightUpdate.sources`), and each worker forms a group with every rank, receives each part,
-and puts the pieces together before the load. No rank holds more than its shard.
-
-The gloo and NCCL groups pick their network interface by the host's name; GLOO_SOCKET_IFNAME and
-NCCL_SOCKET_IFNAME choose another.
+A group per actor engine, formed when it joins: actors come and go at any time, and a joining
+actor is sent the current version like any other. A transfer that makes no progress for
+weights.tcp_timeout_s is aborted by the side that waits (its communicator destroyed: on a GPU the
+pending NCCL work ends) and the group is formed again on the next update, so a dead or stalled actor
+costs the learner one connection's thread for that long and nothing else, and a learner that dies
+mid-transfer costs the actor the version. The learner's training never waits for a transfer: sends
+run on the connection's own thread and streams, from the payload in host memory, outside the
+process group of the training ranks. Nothing is kept on the actor beyond the pieces in flight, so a
+transfer that fails part-way leaves the engine paused on a torn model until a whole version loads
+(requests in flight keep their place).
 """
 from __future__ import annotations
 
+import abc
 import asyncio
 import json
 import socket
 import struct
 import threading
-import uuid
-import zlib
-from dataclasses import dataclass
+import time
+from collections.abc import Mapping
+from functools import partial
 
-import msgspec
-
-from tidal.broker.schema import TensorSpec, WeightBucket, WeightSource, WeightUpdate
-from tidal.broker.weights import tcp
-from tidal.broker.weights.base import WeightPublisher, WeightReceiver, split_buckets
-from tidal.broker.weights.tcp import Served, WeightServer, checked_size, layout, load_payload, pack, payload_bytes
-from tidal.broker.weights.vllm_engine import VLLM_BACKEND, load_in_worker, update_info
+from tidal.broker.schema import WeightUpdate
+from tidal.broker.weights import server
+from tidal.broker.weights.base import (
+    InitInfo,
+    Transport,
+    WeightPublisher,
+    WeightReceiver,
+    check_transport,
+    update_info,
+)
+from tidal.broker.weights.payload import pack, payload_bytes, tensor_buckets, without_aliases
+from tidal.broker.weights.server import Served, WeightServer, error_reply, read_reply, recv_exact, reply
 from tidal.config import WeightsConfig
 
-__all__ = ["BACKENDS", "CollectivePublisher", "CollectiveReceiver", "leave", "load_in_worker", "load_received",
-           "prefetch", "prefetched", "receive"]
-
-BACKENDS = ("gloo", "nccl")  # the transports this module carries: torch's process-group backends
-CONTROL = struct.Struct("<4sBQ")  # magic, op, version
-CONTROL_MAGIC = b"TDG1"
+CONTROL = struct.Struct("<4sBQ")  # magic, op, argument (JOIN: the engine's workers; FETCH: the version)
+CONTROL_MAGIC = b"TDG2"
 JOIN, FETCH = 1, 2
+MAX_WORKERS = 4096  # workers of one engine (tensor x pipeline parallel)
 
 
-def new_group(backend: str, store, name: str, rank: int, timeout_s: float):
-    """A two-rank process group (the learner is rank 0) under `name` in `store`; blocks until both
-    ranks are in, or `timeout_s`. Built directly, not through init_process_group: the learner's own
-    default group (its training ranks) stays untouched."""
-    import datetime
+class Plane(abc.ABC):
+    """A collective channel's data plane: how a group forms and carries a version. An instance is
+    the learner's side, one per publisher; `join` is a worker's side."""
 
-    import torch.distributed as dist
+    name: str
+    pin: bool = False  # payloads in page-locked host memory (copied to a GPU as they are sent)
+    checksums: bool = False  # each bucket carries a crc32 the worker checks (host memory only)
 
-    prefixed, timeout = dist.PrefixStore(name, store), datetime.timedelta(seconds=timeout_s)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, 2, options)
-    return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+    def __init__(self, cfg: WeightsConfig):
+        self.cfg = cfg
+
+    @classmethod
+    def check_learner(cls) -> None:
+        """Raise ValueError naming the key where this machine cannot serve the channel."""
+
+    def device_index(self) -> int:
+        """The device the learner sends from: the constructing thread's."""
+        return 0
+
+    def bind(self, device_index: int) -> None:
+        """Make `device_index` the current device of a connection's thread (a new thread starts on 0)."""
+
+    @abc.abstractmethod
+    def mint(self, num_workers: int, bucket_bytes: int) -> dict:
+        """A new group's spec (plain values), for the learner and an engine of `num_workers` workers."""
+
+    @abc.abstractmethod
+    def form(self, spec: dict, timeout_s: float):
+        """The learner's side of the group (rank 0), on the connection's thread; has `abort()`."""
+
+    @abc.abstractmethod
+    def send(self, group, served: Served, progress) -> None:
+        """Every byte of `served` through `group`, calling `progress()` as pieces go out; returns
+        once sent, or once the group was aborted."""
+
+    @classmethod
+    @abc.abstractmethod
+    def join(cls, engine, init: InitInfo):
+        """In a worker: its side of the group `init.group` names; returns the member that receives
+        (start, receive, finish, close)."""
 
 
-def device_for(backend: str):
-    """Where a version's payload lives for `backend`: this process's GPU for NCCL, else host memory."""
-    import torch
+class Watchdog:
+    """Calls `on_stall()` once, from a thread of its own, when `progress()` has not been called for
+    `timeout_s` while the watchdog is entered; `fired` says whether it did."""
 
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    def __init__(self, timeout_s: float, on_stall):
+        self.timeout_s, self.on_stall = timeout_s, on_stall
+        self.last = time.monotonic()
+        self.fired = False
+        self.done = threading.Event()
 
+    def progress(self) -> None:
+        self.last = time.monotonic()
 
-def broadcast(group, tensor) -> None:
-    """Rank 0's `tensor` into every other rank's; an error (a peer gone, a timeout) raises RuntimeError."""
-    import torch.distributed as dist
+    def __enter__(self) -> Watchdog:
+        self.last = time.monotonic()
+        threading.Thread(target=self._watch, name="tidal-weights-watchdog", daemon=True).start()
+        return self
 
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    group.broadcast([tensor], options).wait()
+    def __exit__(self, *_) -> None:
+        self.done.set()
 
-
-def read_reply(conn: socket.socket, where: str) -> bytes:
-    """The learner's reply body; its refusal raises ValueError with the learner's reason."""
-    magic, status, nbytes = tcp.REPLY.unpack(tcp.recv_exact(conn, tcp.REPLY.size))
-    if magic != tcp.MAGIC:
-        raise ValueError(f"{where}: not a tidal weight server's reply (magic {magic!r})")
-    body = tcp.recv_exact(conn, nbytes) if nbytes else b""
-    if status != tcp.OK:
-        raise ValueError(f"{where}: refused by the learner: {body.decode(errors='replace')}")
-    return body
+    def _watch(self) -> None:
+        while not self.done.wait(min(1.0, self.timeout_s / 4)):
+            if time.monotonic() - self.last > self.timeout_s:
+                self.fired = True
+                self.on_stall()
+                return
 
 
 # ---- the learner's side ------------------------------------------------------------------------
 
 class GroupServer(WeightServer):
-    """Serves the newest `keep` versions to the workers connected to it, one thread and one process
-    group per worker. A worker's control connection carries JOIN (the reply names the group; both
-    sides then form it) and FETCH version (the reply says yes or why not; on yes every bucket follows
-    by broadcast)."""
+    """Answers each actor's JOIN and FETCH on the connection's own thread; the connection's group
+    lives as long as the connection and ends with it."""
 
-    def __init__(self, backend: str, host: str, port: int, keep: int, timeout_s: float):
-        import datetime
-
-        import torch.distributed as dist
-
-        super().__init__(host, port, keep, timeout_s)
-        self.backend = backend
-        self.store = dist.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
-                                   wait_for_workers=False)
-        self.groups: set = set()  # every worker's group, taken down on close
+    def __init__(self, plane: Plane, cfg: WeightsConfig):
+        super().__init__(cfg.tcp_host, cfg.tcp_port, max(cfg.keep, 2), cfg.tcp_timeout_s)
+        self.plane, self.bucket_bytes = plane, cfg.bucket_mib << 20
+        self.device_index = plane.device_index()  # the training thread's device, where sends start from
+        self.groups: set = set()  # every live group, aborted on close
 
     def _handle(self, conn: socket.socket) -> None:
+        self.plane.bind(self.device_index)
         group = None
         try:
-            while (request := tcp.recv_exact(conn, CONTROL.size, eof_ok=True)) is not None:
-                magic, op, version = CONTROL.unpack(request)
+            while (request := recv_exact(conn, CONTROL.size, eof_ok=True)) is not None:
+                magic, op, arg = CONTROL.unpack(request)
                 if magic != CONTROL_MAGIC or op not in (JOIN, FETCH):
-                    conn.sendall(tcp.error_reply(tcp.BAD_REQUEST, f"not a tidal group request (magic {magic!r}, "
-                                                                  f"op {op})"))
+                    conn.sendall(error_reply(server.BAD_REQUEST, f"not a tidal weight group request "
+                                                                 f"(magic {magic!r}, op {op})"))
                     return
                 if op == JOIN:
                     self._drop(group)
-                    group = self._form(conn)
-                    continue
-                with self.lock:
-                    served, known = self.versions.get(version), sorted(self.versions)
-                if group is None or served is None:
-                    why = "join first" if group is None else f"version {version} is not served here (served: {known})"
-                    conn.sendall(tcp.error_reply(tcp.NOT_SERVED, why))
-                    continue
-                conn.sendall(tcp.REPLY.pack(tcp.MAGIC, tcp.OK, 0))
-                for bucket in served.buckets:
-                    broadcast(group, served.payload[bucket.offset:bucket.offset + bucket.nbytes])
-                if served.payload.is_cuda:  # NCCL's wait() only orders streams: done before the payload may go
-                    import torch
-
-                    torch.cuda.current_stream(served.payload.device).synchronize()
+                    group = None
+                    group = self._join(conn, arg)
+                elif not self._fetch(conn, group, arg):
+                    return  # the transfer failed: the group is gone, and the actor joins again
         finally:
-            self._drop(group)  # the worker left or failed: its group goes with this thread
+            self._drop(group)
 
-    def _form(self, conn: socket.socket):
-        """A new group with the worker at the other end of `conn`: its name and the store go to the
-        worker, then both sides form it."""
-        name = f"tidal-weights-{uuid.uuid4().hex[:12]}"
-        spec = json.dumps({"backend": self.backend, "store_port": self.store.port, "group": name}).encode()
-        conn.sendall(tcp.REPLY.pack(tcp.MAGIC, tcp.OK, len(spec)) + spec)
-        group = new_group(self.backend, self.store, name, 0, self.timeout_s)
+    def _join(self, conn: socket.socket, num_workers: int):
+        if not 1 <= num_workers <= MAX_WORKERS:
+            conn.sendall(error_reply(server.BAD_REQUEST, f"an engine of {num_workers} workers (1..{MAX_WORKERS})"))
+            return None
+        spec = self.plane.mint(num_workers, self.bucket_bytes)
+        conn.sendall(reply(server.OK, json.dumps(spec).encode()))
+        group = self.plane.form(spec, self.timeout_s)
         with self.lock:
             self.groups.add(group)
         return group
 
+    def _fetch(self, conn: socket.socket, group, version: int) -> bool:
+        """Send `version` through the connection's group; False when the transfer failed."""
+        served, known = self.lease(version)
+        try:
+            if group is None or served is None:
+                why = "join first" if group is None else f"version {version} is not served here (served: {known})"
+                conn.sendall(error_reply(server.NOT_SERVED, why))
+                return True
+            conn.sendall(reply(server.OK))
+            with Watchdog(self.timeout_s, group.abort) as watchdog:
+                self.plane.send(group, served, watchdog.progress)
+            if watchdog.fired:
+                conn.sendall(error_reply(server.FAILED, f"version {version}: no progress for {self.timeout_s:.0f} s "
+                                                        "(weights.tcp_timeout_s); the transfer was aborted"))
+                return False
+            conn.sendall(reply(server.OK))
+            return True
+        except RuntimeError as err:  # the group failed (gloo: a peer gone or timed out)
+            conn.sendall(error_reply(server.FAILED, f"version {version}: {err}"))
+            return False
+        finally:
+            if served is not None:
+                self.release(served)
+
     def _drop(self, group) -> None:
+        if group is None:
+            return
         with self.lock:
             self.groups.discard(group)
+        group.abort()
 
     def close(self) -> None:
-        """As the tcp server's close, then wait for every worker's thread to end, so that its group
-        is destroyed while the interpreter is whole: one still being torn down as the process exits
-        aborts it (gloo's threads outlive Python's). A thread held up in a transfer has its group
-        aborted, which fails the transfer at once on both sides."""
+        """As the base close, then end every group: a transfer still running is aborted at once on
+        this side, and the threads end while the interpreter is whole (a group torn down at exit
+        aborts the process: gloo's threads outlive Python's)."""
         super().close()
-        if not self.wait_for_handlers(1.0):
-            with self.lock:
-                groups = list(self.groups)
-            for group in groups:
-                group.abort()
-            self.wait_for_handlers(self.timeout_s)
+        with self.lock:
+            groups = list(self.groups)
+        for group in groups:
+            group.abort()
+        self.wait_for_handlers(self.timeout_s)
 
 
 class CollectivePublisher(WeightPublisher):
-    """Keeps the newest `keep` versions in memory (the GPU's, with NCCL) and serves them to every
-    worker that asks, on weights.tcp_host:tcp_port."""
+    """Keeps the newest `keep` versions in host memory and serves them to every actor that joins,
+    on weights.tcp_host:tcp_port."""
 
-    def __init__(self, cfg: WeightsConfig, incarnation: str = "", dtype: str | None = None, local_rank: int = 0):
-        if cfg.transport == "nccl":
-            import torch
+    with_aliases = False  # the workers load a version chunk by chunk
 
-            if not torch.cuda.is_available():
-                raise ValueError("config key 'weights.transport' = 'nccl' needs CUDA on the learner and the actors; "
-                                 "on CPU use gloo")
-        self.backend, self.incarnation, self.dtype = cfg.transport, incarnation, dtype
+    def __init__(self, cfg: WeightsConfig, plane: Plane, incarnation: str = "", dtype: str | None = None):
+        self.plane, self.incarnation, self.dtype = plane, incarnation, dtype
         self.bucket_bytes = cfg.bucket_mib << 20
-        port = cfg.tcp_port + local_rank if cfg.tcp_port else 0  # one port per rank of a machine
-        self.server = GroupServer(cfg.transport, cfg.tcp_host, port, max(cfg.keep, 2), cfg.tcp_timeout_s)
-        self.location = tcp.advertised(cfg, self.server.port)
+        self.server = GroupServer(plane, cfg)
+        self.location = server.advertised(cfg, self.server.port)
 
-    def publish(self, named_tensors: dict, version: int) -> WeightUpdate:
-        manifest, buckets = self._serve(named_tensors, version)
-        return WeightUpdate(version=version, transport=self.backend, location=self.location, manifest=manifest,
+    def publish(self, named_tensors, version: int, entries=None) -> WeightUpdate:
+        if isinstance(named_tensors, Mapping):
+            named_tensors = without_aliases(named_tensors)
+        payload, manifest = pack(named_tensors, self.dtype, partial(self.server.buffer_for, pin=self.plane.pin),
+                                 entries)
+        buckets = tensor_buckets(payload, manifest, self.bucket_bytes) if self.plane.checksums else []
+        self.server.add(version, Served(payload, manifest, buckets))
+        return WeightUpdate(version=version, transport=self.plane.name, location=self.location, manifest=manifest,
                             checksum="", incarnation=self.incarnation, buckets=buckets)
-
-    def publish_shards(self, shards: dict, version: int) -> WeightSource:
-        """On every rank of a sharded learner: serve this rank's rows of each tensor, `shards` being
-        name -> (rows, index of the first row in the whole tensor); returns this rank's part of the
-        announcement, for rank 0 to gather (`announce`)."""
-        manifest, buckets = self._serve({name: rows for name, (rows, _) in shards.items()}, version)
-        manifest = [msgspec.structs.replace(spec, start=shards[spec.name][1]) for spec in manifest]
-        return WeightSource(location=self.location, manifest=manifest, buckets=buckets)
-
-    def announce(self, sources: list[WeightSource], version: int) -> WeightUpdate:
-        """On rank 0: one announcement of a version every rank serves its part of."""
-        return WeightUpdate(version=version, transport=self.backend, location=sources[0].location,
-                            manifest=whole_manifest(sources), checksum="", incarnation=self.incarnation,
-                            sources=sources)
-
-    def _serve(self, named_tensors: dict, version: int) -> tuple[list[TensorSpec], list[WeightBucket]]:
-        payload, manifest = pack(named_tensors, self.dtype, device_for(self.backend))
-        if payload.is_cuda:  # a crc32 would mean copying the payload to the host: NCCL's transfers are checked
-            buckets = [WeightBucket(offset=o, nbytes=min(self.bucket_bytes, payload.numel() - o), crc32=0)
-                       for o in range(0, payload.numel(), self.bucket_bytes)]
-        else:
-            buckets = split_buckets(memoryview(payload.numpy()), self.bucket_bytes)
-        self.server.add(version, Served(payload, None, buckets))
-        return manifest, buckets
 
     def close(self) -> None:
         self.server.close()
 
 
-def rows(shape) -> int:
-    return shape[0] if shape else 1
-
-
-def whole_manifest(sources: list[WeightSource]) -> list[TensorSpec]:
-    """The whole tensors the sources' pieces make, laid out in one buffer as the worker assembles
-    them: in the order they first appear, each piece's rows stacked along dim 0."""
-    whole: dict[str, list] = {}  # name -> [dtype, a piece's shape, rows of the whole]
-    for source in sources:
-        for piece in source.manifest:
-            entry = whole.setdefault(piece.name, [piece.dtype, piece.shape, 0])
-            entry[2] = max(entry[2], piece.start + rows(piece.shape))
-    return layout((name, dtype, (n, *shape[1:]) if shape else ()) for name, (dtype, shape, n) in whole.items())[0]
-
-
-def sharded_size(update: WeightUpdate) -> int:
-    """The assembled payload's size, after checking every source's buckets and pieces, and that the
-    pieces of each whole tensor in the manifest cover its rows exactly once."""
-    specs, total = layout((s.name, s.dtype, s.shape) for s in update.manifest)
-    if [(s.offset, s.nbytes) for s in specs] != [(s.offset, s.nbytes) for s in update.manifest]:
-        raise ValueError(f"weights v{update.version}: the whole tensors' manifest is not laid out as tidal lays "
-                         "out a payload")
-    whole, covered = {s.name: s for s in update.manifest}, {s.name: [] for s in update.manifest}
-    for source in update.sources:
-        where = f" (the part served at {source.location})"
-        checked_size(update.version, source.manifest, source.buckets, where)
-        for piece in source.manifest:
-            spec = whole.get(piece.name)
-            if (spec is None or spec.dtype != piece.dtype or tuple(spec.shape[1:]) != tuple(piece.shape[1:])
-                    or piece.start + rows(piece.shape) > rows(spec.shape)):
-                raise ValueError(f"weights v{update.version}{where}: piece of {piece.name!r} ({piece.dtype} "
-                                 f"{list(piece.shape)} from row {piece.start}) is not part of a whole tensor "
-                                 "in the manifest")
-            covered[piece.name].append((piece.start, rows(piece.shape)))
-    for name, pieces in covered.items():
-        end, tiled = 0, True
-        for start, n in sorted(pieces):
-            tiled, end = tiled and start == end, end + n
-        if not tiled or end != rows(whole[name].shape):
-            raise ValueError(f"weights v{update.version}: the pieces of {name!r} (rows from "
-                             f"{sorted(start for start, _ in pieces)}) do not cover its {rows(whole[name].shape)} "
-                             "rows exactly once")
-    return total
-
-
-def size_of(update: WeightUpdate) -> int:
-    """The payload's size as the worker loads it (assembled, for a sharded learner's), once checked."""
-    return sharded_size(update) if update.sources else payload_bytes(update)
-
-
 # ---- the actor's side ------------------------------------------------------------------------
 
+class Refused(ValueError):
+    """The learner answered, and said no: the connection and the group stay as they are."""
+
+
 class CollectiveReceiver(WeightReceiver):
-    """The workers receive each version themselves, into the memory the model loads from (no
-    staging on the actor's side): by default in a thread of each worker's own while the engine
-    generates (`weights.tcp_prefetch`), so the pause holds only the load; else inside the pause."""
+    """Joins the learner that announced a version (once per learner process) and has the engine's
+    workers receive each version through the group, inside the engine's pause."""
 
-    vllm_backend = VLLM_BACKEND
-
-    def __init__(self, cfg: WeightsConfig):
-        self.cfg = cfg
-        self.lock = asyncio.Lock()  # one version at a time through the workers' buffers
+    def __init__(self, cfg: WeightsConfig, transport: str):
+        self.cfg, self.transport = cfg, transport
+        self.lock = asyncio.Lock()  # one version at a time through the group
+        self.conn: socket.socket | None = None
+        self.learner: tuple[str, str] | None = None  # (location, incarnation) of the group's learner
 
     async def apply(self, update: WeightUpdate, engine) -> float:
-        if update.transport != self.cfg.transport:
-            raise ValueError(f"weights v{update.version} came by {update.transport!r}; "
-                             f"this actor takes {self.cfg.transport!r}")
-        size_of(update)  # a malformed announcement is refused before the engine pauses
-        info = update_info(update.transport, update, "", self.cfg.tcp_timeout_s)
+        check_transport(update, self.transport)
+        payload_bytes(update)  # a malformed announcement is refused before the engine is touched
+        where = f"weights v{update.version} from the learner at {update.location} by {self.transport}"
         async with self.lock:
-            if self.cfg.tcp_prefetch:
-                await engine.prefetch_weights(info)
-            return await engine.transfer_weights(update.version, update.transport, info)
+            try:
+                await self._join(update, engine, where)
+                await asyncio.to_thread(self._request, FETCH, update.version, where)
+                info = update_info(self.transport, update, "", self.cfg.tcp_timeout_s)
+                paused = await engine.transfer_weights(update.version, info, streaming=True)
+                await asyncio.to_thread(read_reply, self.conn, f"{where} (the learner's end of the transfer)")
+            except Refused:
+                raise
+            except (OSError, ValueError, RuntimeError) as err:
+                self.leave()
+                raise ConnectionError(f"{where}: {err}") from err
+            except BaseException:
+                self.leave()
+                raise
+            return paused
 
-
-# ---- inside each vLLM worker ------------------------------------------------------------------
-
-@dataclass
-class Membership:
-    """A worker's place in its group with one learner process: kept across versions."""
-
-    learner: tuple[str, str]  # (location, incarnation)
-    conn: socket.socket
-    store: object
-    group: object
-    buffer: object = None  # torch uint8 [payload bytes] on the worker's device, reused while the size holds
-
-
-_members: dict[str, Membership] = {}  # by the learner's location: one per rank of a sharded learner
-_assembled = None  # a sharded learner's version, its pieces put together: reused while the size holds
-
-
-def join(location: str, incarnation: str, backend: str, timeout_s: float) -> Membership:
-    import datetime
-
-    import torch.distributed as dist
-
-    host, port = tcp.parse_location(location)
-    conn = socket.create_connection((host, port), timeout=timeout_s)
-    try:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn.sendall(CONTROL.pack(CONTROL_MAGIC, JOIN, 0))
-        spec = json.loads(read_reply(conn, f"joining the learner at {location}"))
-        if spec["backend"] != backend:
-            raise ValueError(f"the learner at {location} serves weights by {spec['backend']}, not {backend}")
-        store = dist.TCPStore(host, spec["store_port"], None, False, timeout=datetime.timedelta(seconds=timeout_s))
-        group = new_group(backend, store, spec["group"], 1, timeout_s)
-    except BaseException:
-        conn.close()
-        raise
-    return Membership((location, incarnation), conn, store, group)
-
-
-def leave(location: str | None = None) -> None:
-    """Drop this worker's group and connection with the learner process at `location` (None: with
-    every one); the learner's thread for it ends."""
-    for where in [location] if location is not None else list(_members):
-        member = _members.pop(where, None)
-        if member is not None:
-            member.conn.close()
-
-
-def receive(update: WeightUpdate, backend: str, timeout_s: float):
-    """Every byte of `update` from the learner into this worker's memory (a torch uint8 tensor laid
-    out as the manifest says, returned), each bucket checked against its crc32 where it lands in host
-    memory. From a sharded learner, each rank's part comes from that rank and the pieces are put
-    together. Nothing is loaded: the caller loads once every byte is in hand. A learner that cannot
-    be reached, or a group that fails mid-way, raises ConnectionError naming the learner and version
-    (that group is dropped and formed again on the next update); a refusal or a damaged bucket
-    raises ValueError."""
-    global _assembled
-    import torch
-
-    if not update.sources:
-        payload_bytes(update)
-        return receive_part(update.version, update.incarnation, update.location, update.buckets, backend, timeout_s)
-    total = sharded_size(update)
-    device = device_for(backend)
-    if _assembled is None or _assembled.numel() != total or _assembled.device != device:
-        _assembled = torch.empty(total, dtype=torch.uint8, device=device)
-    whole = {spec.name: spec for spec in update.manifest}
-    for source in update.sources:  # one rank after another: the worker's own link is the narrow part
-        part = receive_part(update.version, update.incarnation, source.location, source.buckets, backend, timeout_s)
-        for piece in source.manifest:
-            spec = whole[piece.name]
-            begin = spec.offset + piece.start * (spec.nbytes // rows(spec.shape))
-            _assembled[begin:begin + piece.nbytes].copy_(part[piece.offset:piece.offset + piece.nbytes])
-    return _assembled
-
-
-def receive_part(version: int, incarnation: str, location: str, buckets: list[WeightBucket], backend: str,
-                 timeout_s: float):
-    """The payload the learner process at `location` serves for `version`, into this worker's buffer
-    for that process."""
-    import torch
-
-    total = sum(bucket.nbytes for bucket in buckets)
-    where = f"weights v{version} from the learner at {location} by {backend}"
-    try:
-        member = _members.get(location)
-        if member is None or member.learner != (location, incarnation):
-            leave(location)
-            member = _members[location] = join(location, incarnation, backend, timeout_s)
-        member.conn.sendall(CONTROL.pack(CONTROL_MAGIC, FETCH, version))
-        read_reply(member.conn, where)
-        device = device_for(backend)
-        if member.buffer is None or member.buffer.numel() != total or member.buffer.device != device:
-            member.buffer = torch.empty(total, dtype=torch.uint8, device=device)
-        damaged = []
-        for index, bucket in enumerate(buckets):
-            part = member.buffer[bucket.offset:bucket.offset + bucket.nbytes]
-            broadcast(member.group, part)  # all are received, even after a damaged one: the group stays in step
-            if not part.is_cuda and (crc := zlib.crc32(part.numpy())) != bucket.crc32:
-                damaged.append(f"bucket {index}: crc32 {crc:08x}, announced {bucket.crc32:08x}")
-    except (OSError, RuntimeError) as err:  # refused, reset, timed out; a peer of the group gone
-        leave(location)
-        raise ConnectionError(f"{where}: {err}") from err
-    if damaged:
-        raise ValueError(f"{where}: damaged in transit, refused ({'; '.join(damaged)})")
-    return member.buffer
-
-
-class Prefetch:
-    """One version being received in a thread of the worker's own while the engine generates: the
-    broadcast releases the GIL, so the model's steps go on; the load waits for it in the pause."""
-
-    def __init__(self, update: WeightUpdate, backend: str, timeout_s: float):
-        self.key = (update.location, update.incarnation, update.version)
-        self.payload, self.error = None, None
-        self.thread = threading.Thread(target=self._run, args=(update, backend, timeout_s),
-                                       name=f"tidal-weights-v{update.version}", daemon=True)
-        self.thread.start()
-
-    def _run(self, update: WeightUpdate, backend: str, timeout_s: float) -> None:
+    async def _join(self, update: WeightUpdate, engine, where: str) -> None:
+        learner = (update.location, update.incarnation)
+        if self.conn is not None and self.learner == learner:
+            return
+        self.leave()
+        host, port = server.parse_location(update.location)
+        conn = await asyncio.to_thread(socket.create_connection, (host, port), self.cfg.tcp_timeout_s)
         try:
-            self.payload = receive(update, backend, timeout_s)
-        except BaseException as err:  # handed to the load, which raises it in the pause
-            self.error = err
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.conn = conn
+            spec = json.loads(await asyncio.to_thread(self._request, JOIN, engine.num_workers(), where))
+            group = {**spec, "location": update.location}
+            # the workers form their side while the learner's connection thread forms its own
+            await asyncio.wait_for(engine.init_weight_transfer(
+                {"transport": self.transport, "group": group, "timeout_s": self.cfg.tcp_timeout_s}),
+                self.cfg.tcp_timeout_s * 2)
+        except BaseException:
+            self.leave()
+            raise
+        self.learner = learner
 
-    def result(self):
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.payload
+    def _request(self, op: int, arg: int, where: str) -> bytes:
+        self.conn.sendall(CONTROL.pack(CONTROL_MAGIC, op, arg))
+        try:
+            return read_reply(self.conn, where)
+        except ValueError as err:
+            if "refused by the learner" in str(err):
+                raise Refused(str(err)) from None
+            raise
+
+    def leave(self) -> None:
+        """Close the connection to the learner (its thread drops the group); the workers' side goes
+        with the next join."""
+        conn, self.conn, self.learner = self.conn, None, None
+        if conn is not None:
+            conn.close()
 
 
-_prefetch: Prefetch | None = None
+class CollectiveTransport(Transport):
+    """A collective channel in the registry: these two sides over its data plane."""
 
+    with_aliases = CollectivePublisher.with_aliases
 
-def prefetch(info) -> None:
-    """In a worker: start receiving `info`'s version in the background (after any receive still
-    running: one group, one buffer)."""
-    global _prefetch
-    if _prefetch is not None:
-        _prefetch.thread.join()
-    update = msgspec.convert(info.update, WeightUpdate)
-    _prefetch = Prefetch(update, info.transport, info.timeout_s)
+    def __init__(self, plane: type[Plane]):
+        self.plane, self.name = plane, plane.name
 
+    def publisher(self, cfg: WeightsConfig, incarnation: str, dtype: str | None, owns_dir: bool = False
+                  ) -> WeightPublisher:
+        self.plane.check_learner()
+        return CollectivePublisher(cfg, self.plane(cfg), incarnation, dtype)
 
-def prefetched() -> bool:
-    """In a worker: no background receive is still running (done, failed, or none begun)."""
-    return _prefetch is None or not _prefetch.thread.is_alive()
+    def receiver(self, cfg: WeightsConfig) -> WeightReceiver:
+        return CollectiveReceiver(cfg, self.name)
 
-
-def load_received(model, model_config, info) -> str:
-    """Load one update into `model`, received in the background beforehand (`prefetch`) or here;
-    returns how it loaded."""
-    global _prefetch
-    update = msgspec.convert(info.update, WeightUpdate)
-    pending, _prefetch = _prefetch, None
-    if pending is not None and pending.key == (update.location, update.incarnation, update.version):
-        payload = pending.result()
-    else:
-        if pending is not None:
-            pending.thread.join()  # another version's receive: done with the group before this one uses it
-        payload = receive(update, info.transport, info.timeout_s)
-    return load_payload(model, model_config, update, payload)
+    def join(self, engine, init: InitInfo):
+        return self.plane.join(engine, init)

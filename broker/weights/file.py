@@ -16,10 +16,20 @@ import struct
 from pathlib import Path
 
 from tidal.broker.schema import TensorSpec, WeightUpdate
-from tidal.broker.weights.base import WeightPublisher, WeightReceiver, bucket_problem, load_into_model, split_buckets
+from tidal.broker.weights.base import (
+    Transport,
+    UpdateInfo,
+    WeightPublisher,
+    WeightReceiver,
+    bucket_problem,
+    check_transport,
+    load_into_model,
+    split_buckets,
+    update_info,
+)
 from tidal.config import WeightsConfig
 
-TRANSPORT = "file"
+NAME = "file"
 
 
 def default_dir(run_name: str, run_dir: str | Path) -> str:
@@ -29,13 +39,14 @@ def default_dir(run_name: str, run_dir: str | Path) -> str:
     return f"/dev/shm/tidal-{run_name}-{run_dir.name}-{run_key}"
 
 
-def unshared(named_tensors: dict, dtype=None) -> dict:
+def unshared(named_tensors, dtype=None) -> dict:
     """Contiguous CPU tensors in `dtype` (None: as they are), tied ones (lm_head = embed_tokens)
     copied: safetensors refuses shared storage, and the engine must receive every name it serves
     (on vLLM's CPU backend a tied LM head is repacked on its own and keeps stale values if only the
-    embedding is sent)."""
+    embedding is sent). `named_tensors`: a mapping, or (name, tensor) pairs."""
     seen, out = set(), {}
-    for name, tensor in named_tensors.items():
+    pairs = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+    for name, tensor in pairs:
         t = tensor.detach().to(dtype or tensor.dtype).contiguous().cpu()
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
         out[name] = t.clone() if key in seen else t
@@ -67,19 +78,20 @@ class FilePublisher(WeightPublisher):
         self.directory.mkdir(parents=True, exist_ok=True)
         self.keep = max(cfg.keep, 2)  # an actor may still be reading the previous file
 
-    def publish(self, named_tensors: dict, version: int) -> WeightUpdate:
+    def publish(self, named_tensors, version: int, entries=None) -> WeightUpdate:
         import torch
         from safetensors.torch import save
 
         path = self.directory / f"weights-v{version:06d}.safetensors"
         tmp = path.with_suffix(".tmp")
         dtype = getattr(torch, self.dtype) if self.dtype else None
-        # serialized in memory, so the ranges' checksums come from the bytes written, not a second read
+        # serialized in memory, so the ranges' checksums come from the bytes written, not a second read;
+        # pairs made one at a time (a sharded learner's gathers) reach host memory one at a time
         data = save(unshared(named_tensors, dtype), metadata={"version": str(version)})
         tmp.write_bytes(data)
         os.replace(tmp, path)  # atomic: readers see the whole file or none
         self._prune(version)
-        return WeightUpdate(version=version, transport=TRANSPORT, location=str(path), manifest=read_manifest(path),
+        return WeightUpdate(version=version, transport=NAME, location=str(path), manifest=read_manifest(path),
                             checksum="", incarnation=self.incarnation,
                             buckets=split_buckets(memoryview(data), self.bucket_bytes))
 
@@ -99,8 +111,9 @@ class FileReceiver(WeightReceiver):
         self.cfg = cfg
 
     async def apply(self, update: WeightUpdate, engine) -> float:
+        check_transport(update, NAME)
         path = await asyncio.to_thread(verify_weight_file, update, self.cfg.dir)
-        return await engine.swap_weights(update.version, TRANSPORT, str(path))
+        return await engine.transfer_weights(update.version, update_info(NAME, update, str(path)))
 
 
 def verify_weight_file(update: WeightUpdate, weights_dir: str) -> Path:
@@ -126,14 +139,27 @@ def verify_weight_file(update: WeightUpdate, weights_dir: str) -> Path:
     return path
 
 
-def load_in_worker(worker, path: str) -> float:
-    """In a vLLM worker: load every tensor of the file at `path`; returns seconds spent."""
-    import time
-
+def load_received(model, model_config, info: UpdateInfo) -> str:
+    """In a vLLM worker: load every tensor of the checked file `info.staged`; returns how it loaded."""
     from safetensors import safe_open
 
-    start = time.perf_counter()
-    with safe_open(path, framework="pt") as f:
+    with safe_open(info.staged, framework="pt") as f:
         weights = [(name, f.get_tensor(name)) for name in f.keys()]
-    load_into_model(worker.get_model(), weights, worker.model_config)
-    return time.perf_counter() - start
+    return load_into_model(model, weights, model_config)
+
+
+class _File(Transport):
+    name = NAME
+
+    def publisher(self, cfg: WeightsConfig, incarnation: str, dtype: str | None, owns_dir: bool = False
+                  ) -> WeightPublisher:
+        return FilePublisher(cfg, incarnation, owns_dir=owns_dir, dtype=dtype)
+
+    def receiver(self, cfg: WeightsConfig) -> WeightReceiver:
+        return FileReceiver(cfg)
+
+    def load(self, model, model_config, info: UpdateInfo) -> str:
+        return load_received(model, model_config, info)
+
+
+TRANSPORT = _File()

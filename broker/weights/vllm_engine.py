@@ -1,118 +1,104 @@
-"""tidal's engine in vLLM's weight-transfer API, registered in every vLLM process by tidal's plugin.
-One engine serves every network channel: each update names its transport (`tcp`, `gloo`, `nccl`),
-and that channel's module receives and loads it in the worker. So an actor's engine takes updates
-from whichever network channel the learner announces, and one engine in the tests covers them all.
+"""tidal's engine in vLLM's weight-transfer API, registered in every vLLM process by tidal's plugin:
+every weight channel enters vLLM the same way, through `AsyncLLM.init_weight_transfer_engine` (the
+channel, and a collective channel's group) and `start_weight_update` / `update_weights` /
+`finish_weight_update` per version. The registry (`TRANSPORTS`) says what each channel does here:
+file and tcp load a whole version, checked first; gloo and nccl receive through the group formed
+at init (nccl with vLLM's own NCCL engine) and load each piece as it lands.
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 VLLM_BACKEND = "tidal"  # the name the worker-side engine is registered under in vLLM
 
 
-@dataclass
-class InitInfo:
-    """Nothing to set up at start: each update names its learner, and a channel that keeps a
-    connection forms it on its first update (and again after a failure or a new learner)."""
+class WorkerEngine:
+    """The worker's side of every weight channel. vLLM builds it (mixed with its WeightTransferEngine
+    base) in each worker; the unit tests build it around a scripted model."""
 
+    def init_engine(self, model, model_config, device=None, config=None, vllm_config=None) -> None:
+        self.model, self.model_config, self.device = model, model_config, device
+        self.config, self.vllm_config = config, vllm_config
+        self.transport = ""
+        self.member = None  # a collective channel's side of the group, while one is formed
 
-@dataclass
-class UpdateInfo:
-    transport: str  # the channel that carries this update: tcp, gloo or nccl
-    update: dict  # the WeightUpdate announcement, as plain values
-    staged: str = ""  # tcp: the prefetched payload's path; empty: fetch from the learner in the worker
-    timeout_s: float = 30.0  # a worker gives up on a learner silent this long
+    @property
+    def worker_rank(self) -> int:
+        """This worker's rank among its engine's workers (tensor x pipeline parallel)."""
+        return self.vllm_config.parallel_config.rank if self.vllm_config is not None else 0
 
+    def init_transfer_engine(self, init_info) -> None:
+        from tidal.broker.weights import transport
 
-def update_info(transport: str, update, staged: str = "", timeout_s: float = 30.0) -> dict:
-    """What `AsyncLLM.update_weights` carries to every worker (UpdateInfo's fields): plain values
-    only, as it must serialize."""
-    import msgspec
-
-    return {"transport": transport, "update": msgspec.to_builtins(update), "staged": staged, "timeout_s": timeout_s}
-
-
-def receive(model, model_config, info: UpdateInfo) -> str:
-    """In a worker: the update received and loaded by its channel's own means; returns how it loaded."""
-    from tidal.broker.weights import TRANSPORTS
-
-    channel = TRANSPORTS.get(info.transport)
-    if channel is None or not hasattr(channel, "load_received"):
-        known = ", ".join(t for t, m in TRANSPORTS.items() if hasattr(m, "load_received"))
-        raise ValueError(f"weight update over {info.transport!r}, which tidal's vLLM engine does not carry "
-                         f"(known: {known})")
-    return channel.load_received(model, model_config, info)
-
-
-def prefetch_in_worker(info: dict) -> None:
-    """In a worker, before the engine pauses: start receiving the update in the background where its
-    channel is the collective one (the tcp channel prefetches in the actor instead)."""
-    from tidal.broker.weights import collective
-
-    update = UpdateInfo(**info)
-    if update.transport in collective.BACKENDS:
-        collective.prefetch(update)
-
-
-def prefetched_in_worker() -> bool:
-    """In a worker: whatever `prefetch_in_worker` began has ended (the load then only loads)."""
-    from tidal.broker.weights import collective
-
-    return collective.prefetched()
-
-
-def load_in_worker(worker, info: dict) -> float:
-    """Through tidal's own worker entry point (and the scripted engine of the tests): the same
-    update, received and loaded as the weight-transfer engine does it; returns seconds spent."""
-    import time
-
-    start = time.perf_counter()
-    receive(worker.get_model(), worker.model_config, UpdateInfo(**info))
-    return time.perf_counter() - start
-
-
-class _TidalEngine:
-    """The worker side of tidal's network channels in vLLM's weight-transfer API. The load runs
-    inside `receive_weights`, once every byte is in hand and checked (vLLM's own engines begin a
-    layer-wise reload in `start_weight_update`, but a reload begun and then abandoned would leave
-    the model broken)."""
-
-    init_info_cls = InitInfo
-    update_info_cls = UpdateInfo
-    supports_draft_weight_update = False
-
-    def init_transfer_engine(self, init_info: InitInfo) -> None:
-        pass
+        self.leave()
+        self.transport = init_info.transport
+        if init_info.group:
+            self.member = transport(init_info.transport).join(self, init_info)
 
     def start_weight_update(self) -> None:
-        pass  # see the class docstring: nothing may change before the bytes are checked
+        if self.member is not None:
+            self.member.start()
 
     def finish_weight_update(self) -> None:
-        pass
+        if self.member is not None:
+            self.member.finish()
 
     def update_weights(self, update_info: dict) -> None:
         # the base class also synchronizes the accelerator, which raises on a CPU-only machine
         self.receive_weights(self.parse_update_info(update_info))
 
-    def receive_weights(self, info: UpdateInfo) -> None:
+    def receive_weights(self, info) -> None:
+        import msgspec
         import torch
 
-        receive(self.model, self.model_config, info)
+        from tidal.broker.schema import WeightUpdate
+        from tidal.broker.weights import transport
+
+        channel = transport(info.transport)
+        if self.member is not None and info.transport == self.transport:
+            self.member.receive(msgspec.convert(info.update, WeightUpdate))
+        else:
+            channel.load(self.model, self.model_config, info)
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
 
-    def shutdown(self) -> None:
-        from tidal.broker.weights import collective
+    def leave(self) -> None:
+        member, self.member = self.member, None
+        if member is not None:
+            member.close()
 
-        collective.leave()  # the one channel that holds a connection between updates
+    def shutdown(self) -> None:
+        self.leave()
+
+
+def build_engine(model, model_config, device=None, vllm_config=None) -> WorkerEngine:
+    """The worker's side around a model outside vLLM (the scripted engines of the tests)."""
+    from tidal.broker.weights.base import InitInfo, UpdateInfo
+
+    engine = type("ScriptedWorkerEngine", (WorkerEngine,), {
+        "parse_init_info": staticmethod(lambda info: InitInfo(**info)),
+        "parse_update_info": staticmethod(lambda info: UpdateInfo(**info))})()
+    engine.init_engine(model, model_config, device, vllm_config=vllm_config)
+    return engine
 
 
 @functools.cache
 def _vllm_engine_class() -> type:
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-    return type("TidalWeightTransferEngine", (_TidalEngine, WeightTransferEngine), {"__module__": __name__})
+    from tidal.broker.weights.base import InitInfo, UpdateInfo
+
+    class TidalWeightTransferEngine(WorkerEngine, WeightTransferEngine):
+        init_info_cls = InitInfo
+        update_info_cls = UpdateInfo
+        supports_draft_weight_update = False
+
+        def __init__(self, config, vllm_config, device, model):
+            WeightTransferEngine.__init__(self, config, vllm_config, device, model)
+            self.init_engine(model, self.model_config, device, config, vllm_config)
+
+    TidalWeightTransferEngine.__module__ = __name__
+    return TidalWeightTransferEngine
 
 
 def __getattr__(name: str):

@@ -5,7 +5,7 @@ and what the learner publishes over the tcp weight channel must reach it exactly
     cached tiny model ─► one training step ─► checkpoint ─► tidal export ─► vLLM engine (one, shared)
     learner's policy (perturbed) ─► TcpPublisher ─► TcpReceiver ─► vLLM weight-transfer API ─► engine
 
-    learner's policy (perturbed) ─► CollectivePublisher ─► gloo broadcast into the engine's worker ─► engine
+    learner's policy (perturbed) ─► CollectivePublisher ─► gloo group: broadcast into the engine's worker ─► engine
 
 The weight-channel tests come last and put the exported weights back (as version 0) when they are done.
 """
@@ -58,15 +58,13 @@ def engine(exported):
     thread.start()
 
     async def start():
-        from tidal.broker.weights.vllm_engine import VLLM_BACKEND
-
         # the demo's plain CPU linear layers: updates are copied in place (the packed layout's layer-wise
         # reload runs in test_run's synchronous run); pinned to a core, as `tidal run` pins its actors,
         # the model runs in vLLM's engine-core process
         core = max(os.sched_getaffinity(0))
         overrides = [f"actor.cpu_cores={core}"]
         actor = load_config(ROOT / "configs/tiny.yaml", overrides).actor
-        e = Engine(actor, str(exported[0]), "float32", weight_transfer=VLLM_BACKEND)
+        e = Engine(actor, str(exported[0]), "float32")
         await e.set_version(0)
         return e
 
@@ -228,10 +226,10 @@ def test_a_learner_that_dies_mid_transfer_leaves_the_engine_serving_its_weights(
 
 
 def test_a_version_broadcast_over_gloo_reaches_the_engine_exactly_while_a_request_runs(exported, engine):
-    """The collective channel's worker side in a real vLLM worker process: it joins a gloo group with
-    this (learner) process and receives v10 by broadcast in a thread of its own while the request
-    runs, then loads it in the pause; a version the learner does not serve is refused by name and
-    the engine keeps v10."""
+    """The collective channel's worker side in a real vLLM worker: the engine joins a gloo group with
+    this (learner) process through init_weight_transfer_engine, then receives v10 by broadcast inside
+    the pause, loading each bucket as it lands, while a request waits in flight; a version the learner
+    does not serve is refused by name and the engine keeps v10."""
     folder, policy = exported
     new_policy = perturbed(policy, seed=11)
     publisher, receiver = channel("gloo")

@@ -48,8 +48,8 @@ def test_two_ranks_make_the_same_update_as_one(tmp_path):
 
 
 # a sharded learner on two "machines" (two `tidal learner` commands, run folders apart) with one vLLM
-# actor whose worker receives each rank's rows of every version by gloo (the GPU overlay's nccl path, on CPU):
-# about a minute and a half on 2 cores
+# actor whose engine receives every version by gloo through a group of its own with rank 0 (the GPU
+# overlay's nccl path, on CPU): about a minute and a half on 2 cores
 def test_a_sharded_learner_on_two_nodes_trains_with_nothing_on_the_second_nodes_disk(tmp_path, tiny_model_path):
     root = Path(__file__).parents[2]
     run_dir, node1_dir = tmp_path / "node0-run", tmp_path / "node1-run"
@@ -74,11 +74,11 @@ def test_a_sharded_learner_on_two_nodes_trains_with_nothing_on_the_second_nodes_
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000004", "step-000008"]
     assert (run_dir / "model" / "config.json").is_file()
     assert list(node1_dir.rglob("*")) == []
-    # every version reached the actor's worker by broadcast from both ranks, each sending its own rows
-    # (no rank gathered the model), the first before it took work; put together, they are the
-    # learner's weights: the actor's logprobs match the learner's on tokens of the current version
+    # every version reached the actor's worker by broadcast from rank 0 (both ranks gathering each tensor in
+    # turn, never the whole model), the first before it took work: the actor's logprobs match the learner's on
+    # tokens of the current version
     actor_log = (run_dir / "logs" / "actor-0.log").read_text()
-    assert "weights v8 loaded from 2 learner ranks" in actor_log and "caught up to weights v" in actor_log
+    assert "weights v8 loaded" in actor_log and "caught up to weights v" in actor_log
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     fresh = [m["offpolicy/fresh_logprob_max_abs_diff"] for m in steps if "offpolicy/fresh_logprob_max_abs_diff" in m]
     assert fresh and max(fresh) < 1e-3, fresh

@@ -1,18 +1,16 @@
 """The weight channel under NCCL's semantics (tests/fake_nccl.py), which gloo does not have: work
 completes asynchronously on streams, the current device is per thread, and a dead peer raises
 nothing. First the fake itself, then the collective channel's worker side on it."""
+import asyncio
 import threading
 import time
 
-import msgspec
 import pytest
 import torch
 
 import fake_nccl
-from tidal.broker.schema import WeightUpdate
-from tidal.broker.weights import collective
-from tidal.broker.weights.tcp import pack
-from tidal.broker.weights.vllm_engine import UpdateInfo, update_info
+from conftest import ScriptedEngine, weights_config
+from tidal.broker.weights import build_receiver, collective
 
 
 @pytest.fixture
@@ -110,44 +108,154 @@ def test_a_collective_on_another_devices_stream_is_refused(fake):
         comm.broadcast(torch.ones(2), src=0)
 
 
-# ---- the collective channel's worker side ----------------------------------------------------------
+# ---- the nccl channel on the fake: tidal's control plane, vLLM's packed NCCL transfer --------------
 
-def nccl_update(expected: dict) -> tuple[WeightUpdate, torch.Tensor]:
-    payload, manifest = pack(expected)
-    return WeightUpdate(version=1, transport="nccl", location="learner:1", manifest=manifest, checksum="",
-                        incarnation="inc"), payload
+LEARNER_DEVICE, WORKER_DEVICE = 1, 2
 
 
-@pytest.mark.xfail(strict=True, reason="F1: the prefetch thread's wait() orders only that thread's stream, so the "
-                                       "load on vLLM's stream reads the buffer before the bytes land")
-def test_a_prefetched_version_is_loaded_only_once_it_has_landed(fake, monkeypatch):
-    expected = {"w": torch.arange(4096, dtype=torch.float32)}
-    update, payload = nccl_update(expected)
-    monkeypatch.setattr(collective, "receive", receive_on_side_stream(torch.cuda.Stream(), payload))
-    info = UpdateInfo(**update_info("nccl", update, "", 5.0))
-    torch.cuda.set_stream(torch.cuda.Stream())  # vLLM makes a stream of its own current in each worker
-    collective.prefetch(info)
-    while not collective.prefetched():
-        time.sleep(0.001)
-    model = FakeModel()
-    collective.load_received(model, None, info)
-    torch.cuda.synchronize()
-    assert torch.equal(model.loaded["w"], expected["w"])
+@pytest.fixture
+def channel(fake, monkeypatch):
+    """The nccl channel's three GPU calls replaced by the fake's; yields the communicators made, by rank."""
+    from tidal.broker.weights import nccl
+
+    made = []
+
+    def communicator(uid, rank, world_size, device_index):
+        comm = fake_nccl.communicator(uid, rank, world_size, device_index)
+        made.append(comm)
+        return comm
+    monkeypatch.setattr(nccl, "unique_id", fake_nccl.unique_id)
+    monkeypatch.setattr(nccl, "communicator", communicator)
+    monkeypatch.setattr(nccl, "tensor_device", lambda index: torch.device("cpu"))
+    torch.cuda.set_device(LEARNER_DEVICE)  # the learner's training thread
+    yield made
 
 
-@pytest.mark.xfail(strict=True, reason="F2: the prefetch thread receives onto cuda:0, a new thread's device")
-def test_a_worker_receives_on_its_own_device(fake, monkeypatch):
-    expected = {"w": torch.arange(16, dtype=torch.float32)}
-    update, payload = nccl_update(expected)
-    devices = []
+def nccl_publisher(timeout_s: float = 5.0):
+    from tidal.broker.weights import nccl
 
-    def receive_part(*_):
-        devices.append(collective.device_for("nccl").index)
-        return payload
-    monkeypatch.setattr(collective, "receive_part", receive_part)
-    monkeypatch.setattr(collective, "payload_bytes", lambda update: payload.numel())
-    torch.cuda.set_device(1)  # this worker is tensor-parallel rank 1
-    info = UpdateInfo(**update_info("nccl", msgspec.structs.replace(update), "", 5.0))
-    collective.prefetch(info)
-    collective.load_received(FakeModel(), None, info)
-    assert devices == [1]
+    cfg = weights_config("nccl", bucket_mib=1, tcp_timeout_s=timeout_s)
+    return collective.CollectivePublisher(cfg, nccl.NcclPlane(cfg), incarnation="inc")
+
+
+def worker_engine(**keys) -> ScriptedEngine:
+    """An actor's engine whose worker runs on a thread of its own on WORKER_DEVICE, with a stream of its
+    own made current (as vLLM makes one current in each worker), reading what it loads as a kernel would."""
+    from types import SimpleNamespace
+
+    def setup():
+        torch.cuda.set_device(WORKER_DEVICE)
+        torch.cuda.set_stream(torch.cuda.Stream())
+    return ScriptedEngine(None, read=fake_nccl.read, worker_setup=setup, vllm_config=SimpleNamespace(
+        parallel_config=SimpleNamespace(rank=0), model_config=None), **keys)
+
+
+def weights(seed: int) -> dict:
+    """Six tensors of 0.75 MiB: three chunks of vLLM's packing at weights.bucket_mib = 1."""
+    generator = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.w": torch.randn(384, 512, generator=generator) for i in range(6)}
+
+
+def test_every_piece_is_loaded_after_it_lands_on_the_workers_own_device(channel):
+    """F1: the worker loads each chunk on the stream it was received on, so it reads it whole. F2:
+    the learner's connection thread sends from the training device, not from cuda:0, a new thread's."""
+    publisher = nccl_publisher()
+    try:
+        engine, receiver = worker_engine(), build_receiver(weights_config("nccl"))
+        for version, seed in ((1, 0), (2, 1)):
+            state = weights(seed)
+            asyncio.run(receiver.apply(publisher.publish(state, version), engine))
+            assert engine.swaps[-1] == version and all(torch.equal(engine.loaded[k], v) for k, v in state.items())
+        learner, worker = sorted(channel, key=lambda comm: comm.rank)
+        assert (learner.device_index, worker.device_index) == (LEARNER_DEVICE, WORKER_DEVICE)
+        assert learner.num_ops == worker.num_ops == 1 + 2 * 3  # the warm-up, then three chunks a version
+    finally:
+        publisher.close()
+
+
+def test_the_learner_sends_off_its_training_stream(channel):
+    """S2: the sends run on streams of the group's own, so nothing is queued behind (or ahead of) the
+    learner's training kernels on its default stream."""
+    publisher = nccl_publisher()
+    try:
+        asyncio.run(build_receiver(weights_config("nccl")).apply(publisher.publish(weights(0), 1), worker_engine()))
+        training = fake_nccl.default_stream(LEARNER_DEVICE)
+        assert not [op for op in training.ops if op.writes is not None]
+    finally:
+        publisher.close()
+
+
+def test_a_worker_that_stops_mid_transfer_costs_the_learner_one_timeout_and_nothing_else(channel):
+    """F4: the worker takes the first chunk and goes silent. The learner's thread for it aborts the
+    transfer after weights.tcp_timeout_s while the training thread's kernels run on untouched; a new
+    actor then joins and receives the next version whole."""
+    publisher = nccl_publisher(timeout_s=1.0)
+    reading, release = threading.Event(), threading.Event()
+    try:
+        stuck = worker_engine()
+        stuck.read = lambda t: (reading.set(), release.wait(30), t.clone())[2]  # a dead worker: nothing after
+        receiver = build_receiver(weights_config("nccl", tcp_timeout_s=1.0))
+        loop = asyncio.new_event_loop()
+        transfer = loop.run_in_executor(None, lambda: asyncio.run(receiver.apply(publisher.publish(weights(0), 1),
+                                                                                  stuck)))
+        assert reading.wait(10)
+        worst = train_while(lambda: not publisher.server.groups, seconds=6)
+        assert not publisher.server.groups  # the learner's side of that group was aborted and dropped
+        assert worst < 0.5  # no training kernel waited on the stalled transfer
+        fresh = worker_engine()
+        state = weights(1)
+        asyncio.run(build_receiver(weights_config("nccl")).apply(publisher.publish(state, 2), fresh))
+        assert fresh.swaps == [2] and all(torch.equal(fresh.loaded[k], v) for k, v in state.items())
+    finally:
+        release.set()
+        with pytest.raises(ConnectionError):
+            loop.run_until_complete(transfer)  # the silent worker's own watchdog ends its side too
+        publisher.close()
+
+
+def train_while(done, seconds: float) -> float:
+    """Enqueue a kernel on the training stream and wait for it, over and over until `done()` or
+    `seconds`; returns the longest single wait."""
+    training, worst, deadline = fake_nccl.default_stream(LEARNER_DEVICE), 0.0, time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        start = time.monotonic()
+        training.enqueue(lambda op: None)
+        training.synchronize()
+        worst = max(worst, time.monotonic() - start)
+        time.sleep(0.01)
+    assert done(), f"not done within {seconds} s"
+    return worst
+
+
+def test_a_learner_gone_mid_transfer_leaves_the_engine_paused_until_a_whole_version_loads(channel, monkeypatch):
+    """The learner sends one chunk and goes silent: the worker aborts after weights.tcp_timeout_s
+    (raising nothing is NCCL's way: the watchdog is the one who notices), the engine stays paused on
+    its torn model, and the next learner process's version makes it whole."""
+    from tidal.broker.weights import nccl
+
+    publisher = nccl_publisher()
+    send = nccl.NcclPlane.send
+
+    def one_chunk_then_silence(self, group, served, progress):
+        sent = served.manifest[:2]  # the first chunk: two 0.75 MiB tensors
+        served = collective.Served(served.payload[:sent[-1].offset + sent[-1].nbytes], sent, [])
+        send(self, group, served, progress)
+    monkeypatch.setattr(nccl.NcclPlane, "send", one_chunk_then_silence)
+    engine = worker_engine()
+    receiver = build_receiver(weights_config("nccl", tcp_timeout_s=1.0))
+    try:
+        with pytest.raises(ConnectionError, match=r"weights v1 .* nothing arrived for 1 s"):
+            asyncio.run(receiver.apply(publisher.publish(weights(0), 1), engine))
+        assert engine.torn and engine.swaps == []
+    finally:
+        publisher.close()
+    monkeypatch.setattr(nccl.NcclPlane, "send", send)
+    resumed = nccl_publisher()
+    try:
+        resumed.incarnation = "inc-2"
+        state = weights(1)
+        asyncio.run(receiver.apply(resumed.publish(state, 1), engine))
+        assert engine.swaps == [1] and not engine.torn and all(torch.equal(engine.loaded[k], v)
+                                                                for k, v in state.items())
+    finally:
+        resumed.close()

@@ -11,7 +11,7 @@ import torch
 
 from conftest import DyingWeightServer, ScriptedEngine, served_weights, weights_config
 from tidal.actor.loop import Actor
-from tidal.broker.weights import build_receiver, tcp
+from tidal.broker.weights import build_receiver, payload, server, tcp
 from tidal.config import ActorConfig, WeightsConfig
 
 
@@ -58,13 +58,13 @@ def test_later_versions_reuse_the_staging_map_and_a_failed_fetch_spoils_none(ser
 
 def test_buckets_tile_the_payload_and_each_carries_its_crc(served):
     publisher, update, state, _ = served
-    payload = publisher.server.versions[3].view
-    total = tcp.payload_bytes(update)
-    assert len(payload) == total >= sum(t.numel() * t.element_size() for t in state.values())
+    view = publisher.server.versions[3].view
+    total = payload.payload_bytes(update)
+    assert len(view) == total >= sum(t.numel() * t.element_size() for t in state.values())
     assert len(update.buckets) == -(-total // 4096) > 1
     assert [b.offset for b in update.buckets] == list(range(0, total, 4096))
-    assert all(b.crc32 == zlib.crc32(payload[b.offset:b.offset + b.nbytes]) for b in update.buckets)
-    assert all(spec.offset % tcp.ALIGN_BYTES == 0 for spec in update.manifest)
+    assert all(b.crc32 == zlib.crc32(view[b.offset:b.offset + b.nbytes]) for b in update.buckets)
+    assert all(spec.offset % payload.ALIGN_BYTES == 0 for spec in update.manifest)
     assert publisher.publish(state, version=4).buckets == update.buckets  # padding included: same bytes, same crcs
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(update), type=type(update))
     assert decoded.buckets == update.buckets  # the bucket table travels in the announcement
@@ -84,7 +84,7 @@ def test_a_damaged_bucket_is_refused_and_the_engine_keeps_its_weights(served):
 def test_an_announcement_whose_tensors_leave_the_payload_is_refused_before_any_fetch(served):
     _, update, _, tokenizer = served
     manifest = list(update.manifest)
-    manifest[0] = msgspec.structs.replace(manifest[0], offset=tcp.payload_bytes(update))
+    manifest[0] = msgspec.structs.replace(manifest[0], offset=payload.payload_bytes(update))
     with pytest.raises(ValueError, match=f"tensor {manifest[0].name!r} .* does not fit"):
         asyncio.run(build_receiver(config(tcp_prefetch=False)).apply(
             msgspec.structs.replace(update, manifest=manifest), ScriptedEngine(tokenizer)))
@@ -148,11 +148,11 @@ def test_an_actor_that_dies_or_stalls_mid_transfer_holds_up_neither_the_learner_
     import socket
 
     publisher, update, state, tokenizer = served
-    host, port = tcp.parse_location(update.location)
+    host, port = server.parse_location(update.location)
     stalled = socket.create_connection((host, port))  # asks for a bucket and never reads it
-    stalled.sendall(tcp.REQUEST.pack(tcp.MAGIC, 3, 0))
+    stalled.sendall(tcp.REQUEST.pack(server.MAGIC, 3, 0))
     dying = socket.create_connection((host, port))  # reads a few bytes of a bucket, then is killed
-    dying.sendall(tcp.REQUEST.pack(tcp.MAGIC, 3, 1))
+    dying.sendall(tcp.REQUEST.pack(server.MAGIC, 3, 1))
     dying.recv(16)
     dying.close()
     later = publisher.publish(state, version=4)  # the learner's next push does not wait for either
