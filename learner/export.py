@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-CHECKPOINT_WEIGHTS = "model.safetensors"  # the policy's parameters in a checkpoint (tidal.learner.checkpoint)
+CHECKPOINT_WEIGHTS = "model"  # the policy's parameters in a checkpoint, every rank's shards (tidal.learner.checkpoint)
 
 
 def export_model(policy, tokenizer_from: str, out: Path, dtype: str, state: dict | None = None) -> Path:
@@ -51,23 +51,21 @@ class FinalExport:
 
 
 def load_checkpoint_policy(checkpoint: Path, model_path: str):
-    """The policy of a checkpoint, in fp32: the architecture from model_path, the weights from the checkpoint."""
-    from safetensors.torch import load_file
+    """The policy of a checkpoint, in fp32: the architecture from model_path, the weights from the
+    checkpoint (every rank's part, verified first: they must all be in this folder)."""
+    import torch.distributed.checkpoint as dcp
 
-    from tidal.learner.checkpoint import verify
+    from tidal.broker.weights.payload import without_aliases
+    from tidal.learner.checkpoint import MANIFEST, verify
     from tidal.learner.trainer import load_policy
 
-    weights = checkpoint / CHECKPOINT_WEIGHTS
-    if not weights.is_file():
-        raise FileNotFoundError(f"{checkpoint} has no {CHECKPOINT_WEIGHTS}: not a tidal checkpoint")
-    verify(checkpoint)
+    if not (checkpoint / CHECKPOINT_WEIGHTS).is_dir():
+        raise FileNotFoundError(f"{checkpoint} has no {CHECKPOINT_WEIGHTS}/: not a tidal checkpoint")
+    for manifest in [MANIFEST, *sorted(p.name for p in checkpoint.glob("MANIFEST-rank*.json"))]:
+        verify(checkpoint, manifest)
     policy = load_policy(model_path, "float32")
-    missing, unexpected = policy.load_state_dict(load_file(str(weights)), strict=False)
-    tied = set(getattr(policy, "all_tied_weights_keys", None) or getattr(policy, "_tied_weights_keys", None) or ())
-    missing = [k for k in missing if k not in tied]  # a tied LM head is stored once, as the embedding
-    if missing or unexpected:
-        raise ValueError(f"{weights} does not match the model at {model_path}: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
+    state = without_aliases(policy.state_dict())  # views of the parameters: loaded in place
+    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(checkpoint / CHECKPOINT_WEIGHTS)))
     policy.tie_weights()
     return policy
 

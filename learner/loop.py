@@ -141,7 +141,7 @@ class Learner:
         # learner); now, so that their engines shut down while the final checkpoint and export are written
         self.transport.shutdown_actors("learner finished")
         self.save_checkpoint()
-        state = self.trainer.full_state_dict()  # gathered when sharded: the other ranks take part
+        state = self.trainer.export_state(self.parts.publisher.dtype)  # gathered when sharded: every rank takes part
         if self.parts.export is not None:
             log.info("final policy exported to %s", self.parts.export(self.trainer.policy, state))
 

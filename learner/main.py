@@ -21,18 +21,38 @@ def setup_trainer(cfg: RunConfig, checkpoint: Path | None = None):
     checkpointer (saving is collective). Returns (accelerator, trainer, checkpointer, checkpoint):
     the checkpoint to continue from is rank 0's `checkpoint` on every rank."""
     import torch
-    from accelerate import Accelerator
 
+    from tidal.config import compute_dtype
     from tidal.learner.checkpoint import Checkpointer
     from tidal.learner.trainer import Trainer, load_policy
 
-    torch.set_num_threads(cfg.learner.torch_threads)
-    torch.manual_seed(cfg.learner.seed)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.learner.mixed_precision)
-    policy = load_policy(cfg.model.path, cfg.learner.param_dtype, cfg.learner.attention)
-    trainer = Trainer(cfg.learner, policy, accelerator, cfg.sampling.temperature)
+    lc = cfg.learner
+    torch.set_num_threads(lc.torch_threads)
+    torch.manual_seed(lc.seed)
+    accelerator = build_accelerator(lc)
+    # sharded, every rank builds the policy empty and reads only its own shards of the weights
+    policy = load_policy(cfg.model.path, lc.param_dtype, lc.attention, compute_dtype(lc), empty=lc.fsdp.enabled)
+    trainer = Trainer(lc, policy, accelerator, cfg.sampling.temperature, cfg.model.head, cfg.model.dtype,
+                      model_path=cfg.model.path if lc.fsdp.enabled else None)
     checkpointer = Checkpointer(cfg.checkpoint, Path(cfg.run_dir) / "checkpoints", accelerator, trainer)
     return accelerator, trainer, checkpointer, checkpointer.agree(checkpoint)
+
+
+def build_accelerator(cfg: LearnerConfig):
+    """Accelerate, with the learner ranks' process group waiting learner.dist_timeout_s in a collective
+    (rank 0 may spend that long on rollouts, the final evaluation or a checkpoint), and, where a
+    sharded learner offloads to host memory on GPUs, a CPU backend beside NCCL for its CPU tensors."""
+    import datetime
+
+    import torch
+    from accelerate import Accelerator, InitProcessGroupKwargs
+
+    cuda = torch.cuda.is_available()
+    group = {"timeout": datetime.timedelta(seconds=cfg.dist_timeout_s)}
+    if cuda and cfg.fsdp.enabled and cfg.fsdp.cpu_offload:
+        group["backend"] = "cuda:nccl,cpu:gloo"
+    return Accelerator(cpu=not cuda, mixed_precision=cfg.mixed_precision,
+                       kwargs_handlers=[InitProcessGroupKwargs(**group)])
 
 
 def build(cfg: RunConfig, checkpoint: Path | None = None, transport=None):
@@ -57,8 +77,8 @@ def build(cfg: RunConfig, checkpoint: Path | None = None, transport=None):
 
     run_dir = Path(cfg.run_dir)
     write_config(cfg, run_dir)
-    state = read_state(checkpoint) if checkpoint else None
     accelerator, trainer, checkpointer, checkpoint = setup_trainer(cfg, checkpoint)
+    state = read_state(checkpoint) if checkpoint else None
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     split = get_task(cfg.task.name).load_prompts(cfg.task)
     transport = transport or learner_transport(cfg.broker, cfg.name, fresh=state is None)
@@ -142,12 +162,14 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 
 def find_checkpoint(run_dir: Path, resume: str | None) -> Path | None:
-    """The checkpoint to continue from: None for a fresh start; raises when one is required and missing."""
-    from tidal.learner.checkpoint import latest_valid
+    """The newest finished checkpoint to continue from (its hashes are checked once, by every rank for
+    its own part, when the ranks agree on it): None for a fresh start; raises when one is required
+    and missing."""
+    from tidal.learner.checkpoint import candidates
 
     if resume is None:
         return None
-    found = latest_valid(run_dir / "checkpoints")
+    found = next(iter(candidates(run_dir / "checkpoints")), None)
     if found is None and resume == "required":
         raise FileNotFoundError(f"--resume: no finished checkpoint in {run_dir / 'checkpoints'} "
                                 "(set run_dir to the run to continue, or use --resume auto)")

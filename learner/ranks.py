@@ -90,12 +90,45 @@ def push_weights(trainer, publisher, version: int, dtype: str, with_aliases: boo
     rank 0 (which holds the publisher) gets the announcement, None the others. The tensors reach rank
     0's host memory one at a time, a sharded model's each gathered in `dtype` just before it is
     copied, so no rank ever holds the whole model on its device."""
-    entries, tensors = trainer.weights(dtype, with_aliases)
+    entries, tensors = checkpoint_format(trainer.policy, *trainer.weights(dtype, with_aliases))
     if publisher is None:
         for _ in tensors:  # a sharded model's gathers are collectives: take part in each
             pass
         return None
     return publisher.publish(tensors, version, entries)
+
+
+def checkpoint_format(policy, entries: list, tensors):
+    """(entries, pairs) under the names and shapes of the model's checkpoint files, which vLLM's loaders
+    read: transformers fuses some weights once loaded (a MoE layer's experts into one tensor per
+    projection) and its `revert_weight_conversion` splits them back, as save_pretrained does. A model
+    without such conversions passes through untouched."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    def split(name: str, tensor) -> list:
+        return list(revert_weight_conversion(policy, {name: tensor}).items())
+
+    converted = _converted_entries(policy, tuple(entries), split)
+    if converted is None:
+        return entries, tensors
+    return converted, (pair for name, tensor in tensors for pair in split(name, tensor))
+
+
+_conversions: dict = {}  # (the policy, its entries) -> their checkpoint entries, or None where they are the same
+
+
+def _converted_entries(policy, entries: tuple, split) -> list | None:
+    """`entries` in the checkpoint's format (worked out on the meta device, once per model: about 0.1 s
+    for 350 tensors), or None where nothing changes."""
+    import torch
+
+    key = (id(policy), entries)
+    if key not in _conversions:
+        converted = [pair for name, dtype, shape in entries
+                     for pair in split(name, torch.empty(shape, dtype=dtype, device="meta"))]
+        same = [name for name, _ in converted] == [name for name, _, _ in entries]
+        _conversions[key] = None if same else [(name, t.dtype, tuple(t.shape)) for name, t in converted]
+    return _conversions[key]
 
 
 def broadcast_tensors(named: dict | None, device) -> dict:
@@ -163,5 +196,5 @@ def follow(cfg: RunConfig) -> int:
         if checkpointer.due(version):
             checkpointer.save(version, {})
     checkpointer.save(version, {})  # rank 0's final save, after its last evaluation
-    trainer.full_state_dict()  # the final export
+    trainer.export_state(cfg.model.dtype)  # the final export
     return 0

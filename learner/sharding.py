@@ -6,49 +6,88 @@ rank holds more than its shard plus one layer. `fully_shard` is called directly 
 Accelerate's plugin, so the same code shards on CPU (gloo) and on GPUs (NCCL); Accelerate still
 launches the ranks, sets up the process group and supplies the autocast of mixed precision.
 
-Everything that reads the whole model (a checkpoint, the final export, a weight push) goes through
-the collectives below, which every rank must call at the same point: a weight push gathers one
-tensor at a time, in the dtype the actors serve, for rank 0 to copy into its payload. Checkpoints keep the
-unsharded layout (parameters under the model's own names, optimizer state by parameter index), so a
-run saved sharded resumes unsharded and back.
+Everything that reads the whole model (the final export, a weight push) goes through the
+collectives below, which every rank must call at the same point: a weight push gathers one tensor at
+a time, in the dtype the actors serve, for rank 0 to copy into its payload. A checkpoint is written
+by every rank, each its own shards (learner/state_files.py), so no rank ever holds the whole model.
 """
 from __future__ import annotations
 
 import logging
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from tidal.config import FsdpConfig
 
 log = logging.getLogger(__name__)
 
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered whole, on rank 0, in host memory
 PREFIX = "policy."  # the policy's names inside the module the trainer shards (PolicyLogprobs)
 
 
-def shard(module: torch.nn.Module, layers: torch.nn.ModuleList, cfg: FsdpConfig, device: torch.device):
-    """Shard `module` in place over every rank: each of `layers` its own unit, the rest the root's."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+def shard(module: torch.nn.Module, layers: torch.nn.ModuleList, head: torch.nn.Module | None, cfg: FsdpConfig,
+          device: torch.device, mixed_precision: str = "no", head_dtype: torch.dtype | None = torch.float32):
+    """Shard `module` in place over the ranks: each of `layers` its own unit, `head` (an untied LM head,
+    or None) its own unit in `head_dtype`, the rest the root's. Under learner.mixed_precision bf16 the
+    units gather their parameters in bf16 and reduce gradients in fp32 (the master weights stay fp32)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     offload = cfg.cpu_offload and device.type == "cuda"
     if cfg.cpu_offload and not offload:
         log.info("learner.fsdp.cpu_offload ignored: the learner already runs on the CPU")
-    kwargs = {"mesh": mesh, **({"offload_policy": CPUOffloadPolicy()} if offload else {})}
-    for layer in layers:
+    half = torch.bfloat16 if mixed_precision == "bf16" else None
+    kwargs = {"mesh": device_mesh(device, cfg), **({"offload_policy": CPUOffloadPolicy()} if offload else {})}
+    body = {"mp_policy": MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)} if half else {}
+    for i, layer in enumerate(layers):
         if cfg.activation_checkpointing:
             checkpoint_activations(layer)
-        fully_shard(layer, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
-    fully_shard(module, **kwargs)
+        # the last layer's backward comes right after its forward: keeping it gathered saves a gather
+        fully_shard(layer, reshard_after_forward=cfg.reshard_after_forward and i < len(layers) - 1, **kwargs, **body)
+    if head is not None:
+        policy = MixedPrecisionPolicy(param_dtype=head_dtype or half, reduce_dtype=torch.float32)
+        fully_shard(head, reshard_after_forward=False, mp_policy=policy, **kwargs)
+    # the root holds the embedding (and a tied head): under the fp32 head it stays fp32 too
+    root = {"mp_policy": MixedPrecisionPolicy(param_dtype=head_dtype, reduce_dtype=torch.float32)} \
+        if half and head is None and head_dtype is not None else body
+    fully_shard(module, **kwargs, **root)
     return module
+
+
+def head_dtype(head: str) -> torch.dtype | None:
+    """The dtype an LM head unit gathers its weight in: fp32 for model.head = fp32, else the body's."""
+    return torch.float32 if head == "fp32" else None
+
+
+def device_mesh(device: torch.device, cfg: FsdpConfig):
+    """Every rank in one dimension; with several machines (LOCAL_WORLD_SIZE ranks each) and
+    learner.fsdp.replicate_over_nodes, two: replicated across machines, sharded within each (HSDP)."""
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = torch.distributed.get_world_size()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if cfg.replicate_over_nodes and 1 < per_node < world and world % per_node == 0:
+        return init_device_mesh(device.type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device.type, (world,))
+
+
+def load_pretrained(module: torch.nn.Module, model_path: str, device: torch.device) -> None:
+    """Give an empty sharded `module` (parameters on the meta device, buffers real) storage on
+    `device` and its weights from the Hugging Face checkpoint in `model_path`: each rank reads only
+    the rows of its own shards, so no rank ever holds the whole model."""
+    import torch.distributed.checkpoint as dcp
+
+    from tidal.broker.weights.payload import without_aliases
+
+    buffers = {name: b for name, b in module.named_buffers() if b.device.type != "meta"}
+    module.to_empty(device=device)
+    for name, buffer in buffers.items():  # to_empty leaves every buffer uninitialized: the computed ones back
+        owner, _, attr = name.rpartition(".")
+        module.get_submodule(owner)._buffers[attr] = buffer.to(device)
+    state = {k.removeprefix(PREFIX): v for k, v in without_aliases(get_model_state_dict(module)).items()}
+    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(model_path))
+    set_model_state_dict(module, {PREFIX + k: v for k, v in state.items()}, options=StateDictOptions(strict=False))
 
 
 def checkpoint_activations(layer: torch.nn.Module) -> None:
@@ -56,12 +95,6 @@ def checkpoint_activations(layer: torch.nn.Module) -> None:
     from torch.distributed._composable import checkpoint
 
     checkpoint(layer)
-
-
-def full_model_state(module) -> dict[str, torch.Tensor]:
-    """Collective: the policy's whole state dict (its own names) on rank 0, empty on the others."""
-    state = get_model_state_dict(module, options=FULL)
-    return {k.removeprefix(PREFIX): v for k, v in state.items()}
 
 
 def gathered_weights(module, dtype: str | None, with_aliases: bool = True):
@@ -86,38 +119,6 @@ def gathered_weights(module, dtype: str | None, with_aliases: bool = True):
             value = cast(value)
             yield name.removeprefix(PREFIX), value.full_tensor() if isinstance(value, DTensor) else value
     return entries, pairs()
-
-
-def full_optimizer_state(module, optimizer) -> dict:
-    """Collective: AdamW's whole state on rank 0 as `optimizer.state_dict()` of an unsharded
-    model gives it (keyed by parameter index); empty on the others."""
-    state = get_optimizer_state_dict(module, optimizer, options=FULL)
-    if not state:
-        return {}
-    index = _parameter_index(module)
-    return {"state": {index[name]: value for name, value in state["state"].items()},
-            "param_groups": [g | {"params": [index[name] for name in g["params"]]} for g in state["param_groups"]]}
-
-
-def load_full_state(module, optimizer, model_state: dict | None, optimizer_state: dict | None) -> None:
-    """Collective: rank 0 passes a whole state in the layout of full_*_state (the others None) and
-    every rank keeps its shard of it; rank 0 sends each tensor, so no other rank reads a file."""
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    if model_state is None:
-        set_model_state_dict(module, {}, options=options)
-        set_optimizer_state_dict(module, optimizer, {}, options=options)
-        return
-    set_model_state_dict(module, {PREFIX + k: v for k, v in model_state.items()}, options=options)
-    name = {i: n for n, i in _parameter_index(module).items()}
-    groups = optimizer_state["param_groups"]
-    by_name = {"state": {name[i]: value for i, value in optimizer_state["state"].items()},
-               "param_groups": [g | {"params": [name[i] for i in g["params"]]} for g in groups]}
-    set_optimizer_state_dict(module, optimizer, by_name, options=options)
-
-
-def _parameter_index(module) -> dict[str, int]:
-    """Each parameter's name and its index in `module.parameters()`, the optimizer's order."""
-    return {name: i for i, (name, _) in enumerate(module.named_parameters())}
 
 
 def clip_grad_norm(parameters, max_norm: float) -> float:

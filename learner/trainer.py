@@ -18,7 +18,7 @@ import torch
 from tidal.broker.schema import RolloutGroup
 from tidal.config import LearnerConfig, LossType, LrScaling, LrSchedule
 from tidal.kernels import logprobs as fused_logprobs
-from tidal.learner import sharding
+from tidal.learner import sharding, state_files
 from tidal.learner.batch import (
     MicroBatch,
     Row,
@@ -34,21 +34,39 @@ from tidal.learner.diagnostics import TokenSample
 from tidal.learner.loss import LossInputs, policy_loss
 
 
-def load_policy(model_path: str, param_dtype: str, attention: str = "sdpa"):
-    """The policy with its parameters in `param_dtype` (the master weights the optimizer updates)."""
-    from transformers import AutoModelForCausalLM
+def load_policy(model_path: str, param_dtype: str, attention: str = "sdpa", compute_dtype: str | None = None,
+                empty: bool = False):
+    """The policy with its parameters in `param_dtype` (the master weights the optimizer updates),
+    computing in `compute_dtype` (default: `param_dtype`). `empty`: built without weights, its
+    parameters on the meta device (a sharded learner loads each rank's shard afterwards,
+    `sharding.load_pretrained`); its buffers (rotary frequencies) are real, and tied weights tied."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, param_dtype),
-                                                attn_implementation=attention_implementation(attention))
+    implementation = attention_implementation(attention, compute_dtype or param_dtype)
+    dtype = getattr(torch, param_dtype)
+    if not empty:
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=implementation)
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        policy = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype,
+                                                  attn_implementation=implementation)
+    policy.tie_weights()  # built empty, the head is not yet the embedding's parameter
+    return policy
 
 
-def attention_implementation(attention: str) -> str:
-    """learner.attention, with auto resolved: flash-attn's varlen kernels on CUDA where installed, else sdpa."""
+def attention_implementation(attention: str, compute_dtype: str = "bfloat16") -> str:
+    """learner.attention, with auto resolved: flash-attn's varlen kernels on CUDA where installed and
+    the compute is in half precision (flash-attn has no fp32 kernels), else sdpa."""
     if attention != "auto":
         return attention
     import importlib.util
 
-    return "flash_attention_2" if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") else "sdpa"
+    half = compute_dtype in ("bfloat16", "float16")
+    return "flash_attention_2" if half and torch.cuda.is_available() and importlib.util.find_spec("flash_attn") \
+        else "sdpa"
+
+
 
 
 def decoder_layers(policy) -> torch.nn.ModuleList:
@@ -72,18 +90,57 @@ def micro_batch_layout(packing: str, policy) -> str:
     return "packed" if attention == "flash_attention_2" else "auto"
 
 
+def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                  backend: str, served_dtype: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprob, entropy) [tokens] of `targets` under the LM head `weight` [V, D] on `hidden` [tokens, D],
+    outside any autocast of the body, so mixed precision never rounds a logprob. By default in the
+    weights' own dtype (fp32 master weights: the fp32 head); with `served_dtype` (model.head = served)
+    from the weights and hidden states rounded to the dtype the actors serve, their products summed in
+    fp32: what an actor computes with its head in fp32."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        if served_dtype is not None:
+            served = getattr(torch, served_dtype)
+            hidden, weight = hidden.to(served).float(), weight.to(served).float()
+        return fused_logprobs(hidden.to(weight.dtype), weight, targets, temperature, backend=backend)
+
+
+class LogprobHead(torch.nn.Module):
+    """The LM head as a module of its own whose forward is `head_logprobs`: a sharded learner makes it
+    an FSDP unit (its own precision), whose weight is gathered around exactly this forward. It holds
+    the policy's head parameter itself, so its name (lm_head.weight) stays the model's."""
+
+    def __init__(self, weight: torch.nn.Parameter, temperature: float, backend: str, served_dtype: str | None):
+        super().__init__()
+        self.weight = weight
+        self.temperature, self.backend, self.served_dtype = temperature, backend, served_dtype
+
+    def forward(self, hidden, targets) -> tuple[torch.Tensor, torch.Tensor]:
+        return head_logprobs(hidden, self.weight, targets, self.temperature, self.backend, self.served_dtype)
+
+
 class PolicyLogprobs(torch.nn.Module):
     """The policy, with a forward that returns (logprob [tokens], entropy [tokens]) of completion tokens.
 
     Accelerate wraps this module (DDP on several ranks): the forward that builds the loss runs
     through the wrapper, so every parameter it touches, the LM head included, has its gradient synced.
+    `head`: model.head (fp32 or served); `served_dtype`: model.dtype, what the actors serve.
     """
 
-    def __init__(self, policy, temperature: float, backend: str):
+    def __init__(self, policy, temperature: float, backend: str, head: str = "fp32", served_dtype: str | None = None):
         super().__init__()
         self.policy = policy
         self.temperature = temperature
         self.backend = backend
+        self.served_dtype = served_dtype if head == "served" else None
+
+    def separate_head(self) -> LogprobHead | None:
+        """Make an untied LM head a module of its own (the policy's lm_head); None where it is tied to
+        the embedding, whose unit it then shares."""
+        head = self.policy.lm_head
+        if head.weight is self.policy.get_input_embeddings().weight:
+            return None
+        self.policy.lm_head = LogprobHead(head.weight, self.temperature, self.backend, self.served_dtype)
+        return self.policy.lm_head
 
     def forward(self, input_ids, attention_mask, predict_at, targets,
                 position_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,11 +148,10 @@ class PolicyLogprobs(torch.nn.Module):
         hidden = self.policy.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                    use_cache=False).last_hidden_state  # [B, L, D]; a cache would hide packing
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, predict_at)  # [tokens, D]
-        weight = self.policy.lm_head.weight  # [V, D], in the master dtype
-        # The LM head in the weights' own dtype (fp32 master weights: fp32 logits), outside any autocast
-        # of the body, so mixed precision never rounds a logprob.
-        with torch.autocast(hidden.device.type, enabled=False):
-            return fused_logprobs(hidden.to(weight.dtype), weight, targets, self.temperature, backend=self.backend)
+        if isinstance(self.policy.lm_head, LogprobHead):
+            return self.policy.lm_head(hidden, targets)
+        return head_logprobs(hidden, self.policy.lm_head.weight, targets, self.temperature, self.backend,
+                             self.served_dtype)
 
 
 def effective_lr(cfg: LearnerConfig) -> float:
@@ -121,33 +177,41 @@ def lr_factor(cfg: LearnerConfig, step: int) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: LearnerConfig, model, accelerator, temperature: float):
+    def __init__(self, cfg: LearnerConfig, model, accelerator, temperature: float, head: str = "fp32",
+                 served_dtype: str | None = None, model_path: str | None = None):
+        """`model_path`: where an empty (meta-device) `model`'s weights are, each rank loading its shard."""
         self.cfg = cfg
         self.accelerator = accelerator
-        module = PolicyLogprobs(model, temperature, cfg.kernel_backend)
+        module = PolicyLogprobs(model, temperature, cfg.kernel_backend, head, served_dtype)
         self.sharded = cfg.fsdp.enabled
         if self.sharded:
-            module = sharding.shard(module, decoder_layers(model), cfg.fsdp, accelerator.device)
+            module = sharding.shard(module, decoder_layers(model), module.separate_head(), cfg.fsdp,
+                                    accelerator.device, cfg.mixed_precision, head_dtype=sharding.head_dtype(head))
+            if model_path is not None:
+                sharding.load_pretrained(module, model_path, accelerator.device)
         optim = torch.optim.AdamW(module.parameters(), lr=effective_lr(cfg), betas=tuple(cfg.optim.betas),
                                   eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
         # Not passed to accelerator.prepare: Accelerate's scheduler wrapper advances once per rank
         # per step, which would make the schedule depend on the number of ranks.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: lr_factor(cfg, s))
-        # A sharded module is not given to Accelerate (on CPU it would wrap it in DDP): it runs under
-        # Accelerate's autocast, and its gradients are reduced by FSDP itself.
+        # A sharded module is not given to Accelerate (on CPU it would wrap it in DDP): FSDP's mixed
+        # precision casts its parameters per unit (no autocast, whose cache would keep a half-precision copy
+        # of every gathered layer), and FSDP reduces its gradients itself.
         self.model, self.optimizer = (module, optim) if self.sharded else accelerator.prepare(module, optim)
-        self.autocast = accelerator.autocast if self.sharded else contextlib.nullcontext
         self.num_updates = cfg.loss.epochs_per_step * cfg.loss.minibatches_per_step
         self.layout = micro_batch_layout(cfg.packing, model)
         self.step_layout = "padded" if self.layout == "auto" else self.layout  # this step's micro-batch layout
         self.last_tokens: TokenSample | None = None  # the latest step's lags and logprob pairs, for the figures
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The policy's whole state dict (tied entries such as lm_head.weight included) on the main
-        rank, empty on the others. Sharded, it is gathered: every rank must call this at the same point."""
-        if self.sharded:
-            return sharding.full_model_state(self.model)
-        return self.policy.state_dict() if self.accelerator.is_main_process else {}
+    def export_state(self, dtype: str) -> dict[str, torch.Tensor]:
+        """The policy's whole state dict in `dtype`, in host memory, on the main rank ({} on the others).
+        Sharded, it is gathered one tensor at a time: every rank must call this at the same point."""
+        _, tensors = self.weights(dtype)
+        if not self.accelerator.is_main_process:
+            for _ in tensors:  # the gathers are collectives
+                pass
+            return {}
+        return {name: t.detach().to("cpu", getattr(torch, dtype)) for name, t in tensors}
 
     def weights(self, dtype: str | None, with_aliases: bool = True):
         """(entries [(name, dtype, shape)], (name, tensor) pairs): the policy's tensors as a weight push
@@ -162,39 +226,20 @@ class Trainer:
         state = state if with_aliases else without_aliases(state)
         return [(name, t.dtype, tuple(t.shape)) for name, t in state.items()], iter(state.items())
 
-    def checkpoint_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict] | None:
-        """Everything needed to continue training, as tensors (model, optimizer) and JSON (the rest), on
-        the main rank (None on the others). Sharded, every rank must call this at the same point."""
-        from tidal.broker.weights.file import unshared
+    def save_state(self, directory) -> dict:
+        """Collective: the policy and AdamW's state written into `directory`, every rank its own part
+        (state_files.save); returns the rest, as JSON values, for the main rank to keep."""
+        rest = state_files.save(self.accelerator.unwrap_model(self.model), self._optimizer, directory)
+        return rest | {"scheduler": self.scheduler.state_dict()}
 
-        if self.sharded:
-            model, optim = sharding.full_model_state(self.model), sharding.full_optimizer_state(self.model,
-                                                                                              self.optimizer)
-        elif self.accelerator.is_main_process:
-            model, optim = self.policy.state_dict(), self.optimizer.state_dict()
-        if not self.accelerator.is_main_process:
-            return None
-        tensors = {f"{pid}.{name}": t for pid, state in optim["state"].items() for name, t in state.items()}
-        # tied entries (lm_head = embed_tokens) become copies: safetensors refuses shared storage
-        return ({"model": unshared(model), "optimizer": tensors},
-                {"param_groups": optim["param_groups"], "scheduler": self.scheduler.state_dict()})
+    def load_state(self, directory, rest: dict) -> None:
+        """Collective: what `save_state` wrote (`rest` as it returned it), every rank reading its part."""
+        state_files.load(self.accelerator.unwrap_model(self.model), self._optimizer, directory, rest)
+        self.scheduler.load_state_dict(rest["scheduler"])
 
-    def load_checkpoint_state(self, tensors: dict[str, dict[str, torch.Tensor]] | None, meta: dict) -> None:
-        """Every rank calls this. Unsharded, each loads the whole state; sharded, rank 0 passes it (the
-        others None) and each rank receives its shard from there."""
-        optim = None
-        if tensors is not None:
-            state: dict[int, dict[str, torch.Tensor]] = {}
-            for key, value in tensors["optimizer"].items():
-                pid, name = key.split(".", 1)  # written by checkpoint_state: "<param index>.<state name>"
-                state.setdefault(int(pid), {})[name] = value
-            optim = {"state": state, "param_groups": meta["param_groups"]}
-        if self.sharded:
-            sharding.load_full_state(self.model, self.optimizer, tensors and tensors["model"], optim)
-        else:
-            self.policy.load_state_dict(tensors["model"])
-            self.optimizer.load_state_dict(optim)
-        self.scheduler.load_state_dict(meta["scheduler"])
+    @property
+    def _optimizer(self) -> torch.optim.Optimizer:
+        return getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate wraps it on one rank or DDP
 
     @property
     def num_params(self) -> int:
@@ -260,7 +305,9 @@ class Trainer:
         # Unsharded, the unwrapped module runs no collectives, so ranks may run different numbers of
         # micro-batches; sharded, every forward gathers parameters, so they are evened out.
         module = self.accelerator.unwrap_model(self.model)
-        with self.accelerator.autocast():  # the same compute dtype as the updates' forward passes
+        # the same compute dtype as the updates' forward passes: the unsharded module's Accelerate autocast
+        # (its forward is wrapped; unwrapped, it is asked for), the sharded one's FSDP mixed precision
+        with contextlib.nullcontext() if self.sharded else self.accelerator.autocast():
             for rows_mb, real in self._even([mb for rows in minibatches for mb in self._micro_batches(rows)]):
                 mb = collate(rows_mb, self.step_layout).to(self.accelerator.device)
                 logp, entropy = module(mb.input_ids, mb.attention_mask, mb.predict_at, mb.targets, mb.position_ids)
@@ -281,7 +328,7 @@ class Trainer:
             # DDP all-reduces once, on the last micro-batch; the others accumulate gradients locally.
             # FSDP reduce-scatters every micro-batch into the gradient shards.
             sync = self.sharded or i == len(batches) - 1
-            with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model), self.autocast():
+            with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
                 logp, entropy = self.model(mb.input_ids, mb.attention_mask, mb.predict_at, mb.targets, mb.position_ids)
                 loss, extra = policy_loss(self._loss_inputs(mb, logp), self.cfg.loss)
                 # The weights already average over every rank's tokens; the mean over ranks of DDP and

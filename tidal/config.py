@@ -20,6 +20,7 @@ class ConfigError(ValueError):
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+HEADS = ("fp32", "served")
 
 
 class LossType(enum.Enum):
@@ -101,6 +102,11 @@ class ModelConfig:
     revision: str = ""  # Hub ids: a branch, tag or commit; empty = main
     cache_dir: str = "~/.cache/tidal/models"  # where built tiny models are kept, keyed by config
     dtype: str = "float32"  # what the actors serve (and weights travel in): float32 | bfloat16 | float16
+    # the LM head's numerics, alike on both sides: fp32 = the learner computes logits from its fp32 master
+    # head weights; served = from the head weights in model.dtype, its hidden states rounded to model.dtype,
+    # products summed in fp32, which is what the actors compute. Either way an actor serving bfloat16 or
+    # float16 computes its head in fp32 (vLLM's head_dtype) instead of rounding its logits to model.dtype
+    head: str = "fp32"
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
 
@@ -341,6 +347,9 @@ class FsdpConfig:
     reshard_after_forward: bool = True  # free gathered layers after forward (less memory, gathered again in backward)
     activation_checkpointing: bool = False  # recompute each decoder layer's activations in the backward pass
     cpu_offload: bool = False  # keep sharded parameters, gradients and AdamW state in host memory (GPU only)
+    # with learner.nodes > 1: shard within each machine and replicate across machines (HSDP), so the layers'
+    # gathers stay on the machine's own links and only the gradients cross between machines
+    replicate_over_nodes: bool = True
 
 
 @dataclass(frozen=True)
@@ -377,6 +386,9 @@ class LearnerConfig:
     packing: str = "auto"  # auto | packed | padded | shared
     torch_threads: int = 1  # intra-op threads of the learner
     rollout_timeout_s: float = 600.0  # no rollout for this long means the actors are gone: the learner fails
+    # the learner ranks' process group timeout: a rank waits this long in a collective while rank 0 is busy
+    # elsewhere (waiting for rollouts, the final evaluation, writing a checkpoint) before the group gives up
+    dist_timeout_s: float = 7200.0
     health_file: str = ""  # touched while the loop makes progress, for liveness probes; empty = off
     seed: int = 0  # torch seed
 
@@ -579,6 +591,7 @@ def check_model(cfg: RunConfig) -> None:
     _require(tiny.num_heads % tiny.num_kv_heads == 0, "model.tiny.num_kv_heads", tiny.num_kv_heads,
              "must divide model.tiny.num_heads")
     _require(cfg.model.dtype in DTYPES, "model.dtype", cfg.model.dtype, f"expected one of {', '.join(DTYPES)}")
+    _require(cfg.model.head in HEADS, "model.head", cfg.model.head, f"expected {' or '.join(HEADS)}")
     _require(not cfg.model.revision or bool(cfg.model.path), "model.revision", cfg.model.revision,
              "names a version of a Hub model: set model.path to its id (org/name)")
 
@@ -642,6 +655,11 @@ def check_learner(cfg: RunConfig) -> None:
              "sharding needs learner.num_ranks >= 2 (one rank holds the whole model anyway)")
     _require(not lc.fsdp.enabled or lc.mixed_precision != "fp16", "learner.mixed_precision", lc.mixed_precision,
              "a sharded learner (learner.fsdp.enabled) computes in bf16 or the parameters' dtype, not fp16")
+    _require(lc.attention != "flash_attention_2" or compute_dtype(lc) != "float32", "learner.attention", lc.attention,
+             "flash-attn computes in bf16 or fp16 only: set learner.mixed_precision=bf16 or learner.attention=sdpa")
+    _require(lc.dist_timeout_s >= lc.rollout_timeout_s, "learner.dist_timeout_s", lc.dist_timeout_s,
+             f"must be >= learner.rollout_timeout_s = {lc.rollout_timeout_s}: the other ranks wait in a collective "
+             "while rank 0 waits for rollouts")
     loss, optim = lc.loss, lc.optim
     for key in ("eps_max", "tis_cap", "prox_cap", "gspo_clip_high"):
         _require(getattr(loss, key) > 0, f"learner.loss.{key}", getattr(loss, key), "must be > 0")
@@ -659,6 +677,12 @@ def check_learner(cfg: RunConfig) -> None:
     _require(cfg.actor.index >= 0, "actor.index", cfg.actor.index, "must be >= 0")
 
 
+def compute_dtype(cfg: LearnerConfig) -> str:
+    """The dtype the learner's forward and backward compute in: learner.mixed_precision's, else the
+    master weights'."""
+    return {"bf16": "bfloat16", "fp16": "float16"}.get(cfg.mixed_precision, cfg.param_dtype)
+
+
 def check_task(cfg: RunConfig) -> None:
     low, high = cfg.task.reward_range
     _require(low < high, "task.reward_range", list(cfg.task.reward_range), "expected [low, high] with low < high")
@@ -666,6 +690,9 @@ def check_task(cfg: RunConfig) -> None:
 
 def check_devices(cfg: RunConfig) -> None:
     lc, ac, vc = cfg.learner, cfg.actor, cfg.actor.vllm
+    _require(not (ac.colocate and cfg.weights.transport == "nccl"), "actor.colocate", ac.colocate,
+             "actors on the learner's GPUs cannot take weights by nccl (NCCL refuses two ranks of one "
+             "communicator on one GPU): use weights.transport=tcp or file")
     _require(lc.gpus in (-1, 0, lc.num_ranks), "learner.gpus", lc.gpus,
              f"one GPU per rank: -1 (auto), 0 (CPU) or learner.num_ranks = {lc.num_ranks}")
     _require(vc.tensor_parallel_size >= 1, "actor.vllm.tensor_parallel_size", vc.tensor_parallel_size, "must be >= 1")

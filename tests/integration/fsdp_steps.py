@@ -45,7 +45,7 @@ def train(trainer, first: int, last: int) -> dict[str, torch.Tensor]:
     for i in range(first, last):
         groups, masks = step_batch(trainer.cfg.groups_per_step, seed=i)
         trainer.step(groups, masks, STEP_VERSION)
-    return {k: v.detach().cpu().clone() for k, v in trainer.full_state_dict().items()}
+    return {k: v.clone() for k, v in trainer.export_state("float32").items()}
 
 
 def checkpointer(trainer, accelerator, directory: Path):
@@ -68,8 +68,8 @@ def main() -> None:
             straight = train(trainer_for(case, accelerator, sharded), 0, STEPS)
             first = trainer_for(case, accelerator, sharded)
             train(first, 0, 1)
-            # each rank its own checkpoint folder, as on machines that share no disk: only rank 0's fills
-            directory = args.out_dir / (f"{case}{tag}-checkpoint" if rank == 0 else f"rank{rank}-disk")
+            # each rank its own checkpoint folder, as on machines that share no disk: each writes its own part
+            directory = args.out_dir / (f"{case}{tag}-checkpoint" if rank == 0 else f"rank{rank}-disk-{case}{tag}")
             saved = checkpointer(first, accelerator, directory).save(1, {})
             resumed = trainer_for(case, accelerator, sharded)
             checkpointer(resumed, accelerator, directory).load(directory / saved.name)

@@ -2,6 +2,7 @@
 loss is normalised by counts over both ranks."""
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -50,7 +51,8 @@ def test_two_ranks_make_the_same_update_as_one(tmp_path):
 # a sharded learner on two "machines" (two `tidal learner` commands, run folders apart) with one vLLM
 # actor whose engine receives every version by gloo through a group of its own with rank 0 (the GPU
 # overlay's nccl path, on CPU): about a minute and a half on 2 cores
-def test_a_sharded_learner_on_two_nodes_trains_with_nothing_on_the_second_nodes_disk(tmp_path, tiny_model_path):
+def test_a_sharded_learner_on_two_nodes_trains_with_only_its_shards_on_the_second_nodes_disk(tmp_path,
+                                                                                             tiny_model_path):
     root = Path(__file__).parents[2]
     run_dir, node1_dir = tmp_path / "node0-run", tmp_path / "node1-run"
     common = ["learner.num_ranks=2", "learner.nodes=2", "learner.master_addr=127.0.0.1",
@@ -69,11 +71,14 @@ def test_a_sharded_learner_on_two_nodes_trains_with_nothing_on_the_second_nodes_
     assert node1.returncode == 0 and "rank 1 of 2 follows rank 0" in node1_log, node1_log[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 8
-    # both ranks saved every checkpoint together (saving is collective), the last after the final eval; rank 0
-    # wrote them all, and the second node's run folder holds nothing
+    # both ranks saved every checkpoint together, the last after the final eval, each writing its own shards
+    # to its own disk: the second node's run folder holds its rank's part of each and nothing else
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000004", "step-000008"]
     assert (run_dir / "model" / "config.json").is_file()
-    assert list(node1_dir.rglob("*")) == []
+    part = ["MANIFEST-rank1.json", "model/shard-00002-model-00001-of-00001.safetensors",
+            "optimizer/shard-00002-model-00001-of-00001.safetensors", "rng-rank1.safetensors"]
+    assert sorted(str(p.relative_to(node1_dir)) for p in node1_dir.rglob("*") if p.is_file()) == \
+        [f"checkpoints/step-{step:06d}/{name}" for step in (4, 8) for name in part]
     # every version reached the actor's worker by broadcast from rank 0 (both ranks gathering each tensor in
     # turn, never the whole model), the first before it took work: the actor's logprobs match the learner's on
     # tokens of the current version
@@ -85,7 +90,7 @@ def test_a_sharded_learner_on_two_nodes_trains_with_nothing_on_the_second_nodes_
 
 
 # three steps and a resume on two torchrun ranks, sharded and not, two cases: about a minute on 2 cores
-def test_a_sharded_learner_makes_the_updates_of_one_rank_and_ranks_resume_exactly_from_rank_0s_disk(tmp_path):
+def test_a_sharded_learner_makes_the_updates_of_one_rank_and_ranks_resume_exactly_from_their_own_disks(tmp_path):
     from accelerate import Accelerator
     from fsdp_steps import CASES, STEPS, checkpointer, train, trainer_for
 
@@ -104,11 +109,44 @@ def test_a_sharded_learner_makes_the_updates_of_one_rank_and_ranks_resume_exactl
             for key, value in expected.items():
                 torch.testing.assert_close(straight[key], value, atol=1e-5, rtol=0, msg=f"{case}{tag}: {key}")
                 assert torch.equal(resumed[key], straight[key]), f"{case}{tag}: {key} differs after a resume"
-        # the sharded run's checkpoint has the unsharded layout: one rank without FSDP continues from it
-        unsharded = trainer_for(case, accelerator, sharded=False)
+        # each rank wrote its own shards to its own disk, and nothing else: no rank gathered the model
         checkpoint = tmp_path / f"{case}-checkpoint" / "step-000001"
+        rank1 = tmp_path / f"rank1-disk-{case}" / "step-000001"
+        assert sorted(str(p.relative_to(rank1)) for p in rank1.rglob("*.safetensors")) == [
+            "model/shard-00002-model-00001-of-00001.safetensors",
+            "optimizer/shard-00002-model-00001-of-00001.safetensors", "rng-rank1.safetensors"]
+        assert not list(tmp_path.glob(f"rank1-disk-{case}-ddp/step-000001/*/shard-*"))  # DDP: rank 0 writes it all
+        # the parts put together in one folder, one rank without FSDP continues from it
+        shutil.copytree(rank1, checkpoint, dirs_exist_ok=True)
+        unsharded = trainer_for(case, accelerator, sharded=False)
         checkpointer(unsharded, accelerator, checkpoint.parent).load(checkpoint)
         for key, value in train(unsharded, 1, STEPS).items():
             torch.testing.assert_close(value, expected[key], atol=1e-5, rtol=0, msg=f"{case}: {key} (unsharded resume)")
-    # rank 1 saved and restored through rank 0 alone: it wrote nothing to its own disk
-    assert [p.name for p in (tmp_path / "rank1-disk").rglob("*")] == []
+
+
+# a sharded learner's ranks never hold the whole model in host memory: about 20 s on 2 cores
+def test_each_sharded_rank_builds_steps_and_checkpoints_within_a_few_times_its_shard(tmp_path):
+    from memory_ranks import write_model
+
+    model_bytes = write_model(tmp_path / "model")  # 50M parameters: 200 MB in fp32
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(SCRIPT.with_name("memory_ranks.py")), str(tmp_path / "model"),
+           str(tmp_path)]
+    env = os.environ | {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+                        "PYTHONPATH": os.pathsep.join([str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    for rank in (0, 1):
+        m = json.loads((tmp_path / f"memory-rank{rank}.json").read_text())
+        mb = {k: round(v / 1e6) for k, v in m.items() if k.endswith("_bytes")}
+        print(f"\nrank {rank}: shard {mb['shard_bytes']} MB of a {model_bytes / 1e6:.0f} MB model; peak growth loading "
+              f"it whole {mb['whole_load_peak_bytes']} MB, building {mb['build_peak_bytes']}, stepping "
+              f"{mb['step_peak_bytes']}, checkpointing {mb['checkpoint_peak_bytes']}")
+        assert m["shard_bytes"] == model_bytes // 2
+        assert m["whole_load_peak_bytes"] >= model_bytes  # what each rank held when it loaded the model whole
+        assert m["build_peak_bytes"] < 0.6 * model_bytes  # its shard, never the model
+        # an unsharded rank adds 3x the model (gradients and AdamW's two moments); a sharded one its share of
+        # them, and the units it gathers
+        assert m["step_peak_bytes"] < 3 * model_bytes
+        # its own files, never the model gathered: safetensors writes a file from memory, and its largest is AdamW's
+        assert m["checkpoint_peak_bytes"] < 3 * m["shard_bytes"]

@@ -61,7 +61,7 @@ def damage(path, how: str) -> None:
 def test_every_damaged_file_falls_back_to_the_previous_checkpoint(saved, tmp_path, caplog, how):
     directory, *_ = saved
     newest = directory / "step-000002"
-    for file in sorted(newest.iterdir()):
+    for file in sorted(p for p in newest.rglob("*") if p.is_file()):
         backup = file.read_bytes()
         damage(file, how)
         caplog.clear()

@@ -1,0 +1,132 @@
+"""The policy and AdamW's state as files, every learner rank writing its own part and reading what
+its own part needs (torch.distributed.checkpoint, in its safetensors layout: nothing pickled).
+
+    <dir>/model/shard-0000<r+1>-model-00001-of-00001.safetensors      the policy, under the model's own names
+    <dir>/optimizer/shard-0000<r+1>-model-00001-of-00001.safetensors  AdamW's tensors, by parameter name
+
+A sharded learner's rank writes its shards; a tensor every rank holds whole is written once, by rank
+0 (so an unsharded learner's rank 0 writes it all). The tensors' whole shapes travel beside the files
+(in the JSON `save` returns), so a rank can load from a folder that holds only its own machine's
+parts, as long as the layout is the one it was saved with; any other layout (a sharded run resumed
+unsharded, or on other ranks) reads from a folder with every rank's part, and a part missing for what
+a rank holds is an error naming the tensor, never a tensor loaded in part.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from tidal.broker.weights.payload import without_aliases
+from tidal.learner.sharding import PREFIX
+
+OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)  # AdamW's state keyed by parameter name
+
+
+def save(module, optimizer, directory: Path) -> dict:
+    """Collective: the policy and AdamW's tensors into `directory`, every rank its own part. Returns
+    the rest as JSON values for rank 0 to keep: AdamW's hyperparameters by parameter name, and every
+    tensor's whole shape."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    model, optim = _model_state(module), get_optimizer_state_dict(module, optimizer, options=OPTIMIZER)
+    tensors = {k: v for k, v in optim.items() if torch.is_tensor(v)}
+    for part, state in (("model", model), ("optimizer", tensors)):
+        dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(str(directory / part), save_distributed=True),
+                 planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True), no_dist=not _distributed())
+    hyper = {k: list(v) if isinstance(v, tuple) else v for k, v in optim.items() if not torch.is_tensor(v)}
+    return {"optimizer": hyper, "shapes": {k: list(v.shape) for k, v in (model | tensors).items()}}
+
+
+def load(module, optimizer, directory: Path, rest: dict) -> None:
+    """Collective: the policy and AdamW's state from what `save` wrote (`rest` as it returned it),
+    each rank reading what its own part needs."""
+    model = _model_state(module)
+    _load(model, directory / "model", rest["shapes"])
+    set_model_state_dict(module, {PREFIX + k: v for k, v in model.items()}, options=StateDictOptions(strict=False))
+    optim = get_optimizer_state_dict(module, optimizer, options=OPTIMIZER)  # makes AdamW's state to load into
+    tensors = {k: v for k, v in optim.items() if torch.is_tensor(v)}
+    _load(tensors, directory / "optimizer", rest["shapes"])
+    hyper = {k: tuple(v) if k.endswith(".betas") else v for k, v in rest["optimizer"].items()}
+    set_optimizer_state_dict(module, optimizer, {**tensors, **hyper}, options=OPTIMIZER)
+
+
+def _model_state(module) -> dict:
+    # a tied head is the embedding: stored once, as safetensors wants
+    return {k.removeprefix(PREFIX): v for k, v in without_aliases(get_model_state_dict(module)).items()}
+
+
+def _load(state: dict, path: Path, shapes: dict) -> None:
+    """`state`'s tensors in place from the folder `path`: a sharded tensor's part by every rank from its
+    own folder; a tensor every rank holds whole (all of an unsharded learner's, a sharded one's step
+    counts) by rank 0, which wrote it, and sent to the others."""
+    from tidal.learner.ranks import broadcast_tensors
+
+    sharded = {k: v for k, v in state.items() if hasattr(v, "to_local")}
+    whole = {k: v for k, v in state.items() if k not in sharded}
+    if sharded:
+        _read(sharded, path, shapes, alone=False)
+    rank0 = not _distributed() or torch.distributed.get_rank() == 0
+    if rank0 and whole:
+        _read(whole, path, shapes, alone=True)
+    if _distributed() and whole:
+        device = next(iter(sharded.values())).device if sharded else _device()
+        for name, value in broadcast_tensors(whole if rank0 else None, device).items():
+            whole[name].copy_(value)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _read(state: dict, path: Path, shapes: dict, alone: bool) -> None:
+    """`state` (all ranks together, or `alone` this one) from the parts in `path`, refusing a plan
+    that would leave part of a tensor unread."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class WholeShapes(dcp.HuggingFaceStorageReader):
+        """The folder's parts, with each tensor's whole shape (a folder may hold only some parts)."""
+
+        def read_metadata(self):
+            metadata = super().read_metadata()
+            for name, meta in metadata.state_dict_metadata.items():
+                meta.size = torch.Size(shapes.get(name, meta.size))
+            return metadata
+
+    class Complete(DefaultLoadPlanner):
+        """Refuses a plan that would leave part of a tensor this rank holds unread."""
+
+        def create_local_plan(self):
+            plan = super().create_local_plan()
+            read: dict[str, int] = {}
+            for item in plan.items:
+                read[item.dest_index.fqn] = read.get(item.dest_index.fqn, 0) + math.prod(item.lengths)
+            for name, value in state.items():
+                local = value.to_local() if hasattr(value, "to_local") else value
+                if read.get(name, 0) != local.numel():
+                    raise ValueError(f"{path}: the parts here hold {read.get(name, 0)} of the {local.numel()} elements "
+                                     f"this rank needs of {name!r}; resuming on another layout (or machines) needs "
+                                     "every rank's part of the checkpoint in one folder")
+            return plan
+
+    dcp.load(state, storage_reader=WholeShapes(str(path)), planner=Complete(), no_dist=alone or not _distributed())
+
+
+def _distributed() -> bool:
+    """Whether the learner runs several ranks (else torch.distributed.checkpoint works in this process
+    alone, and is told so: it would warn at every checkpoint)."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not distributed:
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    return distributed
