@@ -34,8 +34,8 @@ class Completion:
 
 class Engine:
     """One vLLM AsyncLLM per actor process. The actor loop needs only `version`, `set_version`,
-    `init_weight_transfer`, `num_workers`, `transfer_weights`, `sample`, `info` and `shutdown`: a
-    scripted engine with those runs the loop in tests."""
+    `init_weight_transfer`, `weight_transport`, `num_workers`, `transfer_weights`, `sample`, `info` and
+    `shutdown`: a scripted engine with those runs the loop in tests."""
 
     def __init__(self, cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int | None = None):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.kv_cache_gib))))
@@ -59,7 +59,7 @@ class Engine:
         self._decode = batch_decoder(self._llm.tokenizer)  # None when the engine runs without a tokenizer
         self.version = 0
         self._swap_lock = asyncio.Lock()
-        self._transport = ""  # the weight channel the workers were set up for (init_weight_transfer)
+        self.weight_transport = ""  # the weight channel the workers are set up for (init_weight_transfer)
         self.torn = False  # an update failed part-way: paused until one loads whole
         self.num_requests = 0
 
@@ -73,7 +73,7 @@ class Engine:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
-        self._transport = init_info["transport"]
+        self.weight_transport = init_info["transport"]
 
     def num_workers(self) -> int:
         """The engine's worker processes (tensor x pipeline parallel): each receives every update."""
@@ -88,7 +88,7 @@ class Engine:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         async with self._swap_lock:
-            if self._transport != update_info["transport"]:  # the first update, or another channel's
+            if self.weight_transport != update_info["transport"]:  # the first update, or another channel's
                 await self.init_weight_transfer({"transport": update_info["transport"]})
             start = time.perf_counter()
             if not self.torn:
@@ -185,12 +185,24 @@ def engine_args(cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int
         "max_num_seqs": max_num_seqs or cfg.max_inflight,
         "logprobs_mode": "processed_logprobs",  # behavior logprobs after temperature
         "worker_extension_cls": "tidal.actor.worker_ext.TidalWorker",
-        "enable_prefix_caching": False,  # a cached prefix would outlive a weight update
+        # a group's n samples share their prompt's cached keys and values; every weight update clears the cache
+        "enable_prefix_caching": True,
         "tensor_parallel_size": vllm.tensor_parallel_size, "gpu_memory_utilization": vllm.gpu_memory_utilization,
         **({"max_model_len": vllm.max_model_len} if vllm.max_model_len else {}),
         "weight_transfer_config": {"backend": VLLM_BACKEND},  # every weight channel enters through tidal's engine
         **vllm.engine_kwargs,
+        **head_overrides(dtype, vllm.engine_kwargs.get("hf_overrides")),
     }
+
+
+def head_overrides(dtype: str, chosen: dict | None) -> dict:
+    """Served in half precision, the LM head still computes in fp32 (vLLM's head_dtype: the weights as
+    served, products summed and logits kept in fp32), as the learner's does: rounded to bf16, logits of
+    magnitude 20-30 keep 3 significant digits, and the behaviour logprobs would differ from the
+    learner's by far more than their kernels do. What the user sets in hf_overrides stays."""
+    if dtype not in ("bfloat16", "float16"):
+        return {}
+    return {"hf_overrides": {"head_dtype": "float32", **(chosen or {})}}
 
 
 IN_PROCESS_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"

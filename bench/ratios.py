@@ -359,18 +359,18 @@ def copy_all(sources: dict, targets: dict) -> float:
 def weight_channels(cfg) -> dict:
     """name -> (publisher, receiver): the file channel, the tcp one with its fetch before the
     engine's pause (the default) and inside it, and the collective one over gloo (a broadcast into
-    the worker, inside the pause: NCCL's path on CPU)."""
+    the worker, loaded as it lands, inside the pause: NCCL's path on CPU)."""
     from dataclasses import replace
 
-    from tidal.broker.weights.collective import CollectivePublisher, CollectiveReceiver
-    from tidal.broker.weights.tcp import TcpPublisher, TcpReceiver
+    from tidal.broker.weights import TRANSPORTS
     from tidal.config import WeightsConfig
 
     tcp_cfg, gloo_cfg = WeightsConfig(transport="tcp"), WeightsConfig(transport="gloo")
-    tcp_publisher = TcpPublisher(tcp_cfg, "bench", dtype=cfg.model.dtype)
-    return {"file": file_channel(cfg), "tcp": (tcp_publisher, TcpReceiver(tcp_cfg)),
-            "tcp_fetch_in_pause": (tcp_publisher, TcpReceiver(replace(tcp_cfg, tcp_prefetch=False))),
-            "gloo": (CollectivePublisher(gloo_cfg, "bench", dtype=cfg.model.dtype), CollectiveReceiver(gloo_cfg))}
+    tcp, gloo = TRANSPORTS["tcp"], TRANSPORTS["gloo"]
+    tcp_publisher = tcp.publisher(tcp_cfg, "bench", cfg.model.dtype)
+    return {"file": file_channel(cfg), "tcp": (tcp_publisher, tcp.receiver(tcp_cfg)),
+            "tcp_fetch_in_pause": (tcp_publisher, tcp.receiver(replace(tcp_cfg, tcp_prefetch=False))),
+            "gloo": (gloo.publisher(gloo_cfg, "bench", cfg.model.dtype), gloo.receiver(gloo_cfg))}
 
 
 async def measure_channels(engine, channels: dict, state: dict, repeats: int, floor) -> tuple[dict, list]:
@@ -425,7 +425,6 @@ async def weights_case(cfg, label: str, repeats: int) -> list[dict]:
 
     from tidal.actor.engine import Engine
     from tidal.broker.weights.file import unshared
-    from tidal.broker.weights.vllm_engine import VLLM_BACKEND
     from tidal.config import CPU_LINEAR_LAYOUTS
 
     state = AutoModelForCausalLM.from_pretrained(cfg.model.path, torch_dtype=torch.float32).state_dict()
@@ -436,7 +435,7 @@ async def weights_case(cfg, label: str, repeats: int) -> list[dict]:
     try:
         for layout in CPU_LINEAR_LAYOUTS:
             actor = replace(cfg.actor, vllm=replace(cfg.actor.vllm, cpu_linear=layout))
-            engines[layout] = Engine(actor, cfg.model.path, cfg.model.dtype, weight_transfer=VLLM_BACKEND)
+            engines[layout] = Engine(actor, cfg.model.path, cfg.model.dtype)
             await engines[layout].set_version(0)
             by[layout] = await engines[layout].weight_layout()  # "reload" or "copy": the layout took effect
             await generation_rate(engines[layout], [5, 6, 7, 8], groups=2)  # warm-up

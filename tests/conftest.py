@@ -228,14 +228,15 @@ def weights_config(transport: str, **keys):
     return WeightsConfig(transport=transport, **{"tcp_timeout_s": 5.0, **keys})
 
 
-def served_weights(transport: str):
+def served_weights(transport: str, **keys):
     """A network weight channel's learner side serving the tiny model: yields (publisher with 4 KiB
-    buckets, the announcement of version 3, the model's state dict, its tokenizer); closed after."""
+    buckets, the announcement of version 3, the model's state dict, its tokenizer); closed after.
+    `keys`: WeightsConfig fields beyond weights_config's."""
     from tidal.broker.weights import build_publisher
     from tidal.tiny import build_tiny_model
 
     model, tokenizer = build_tiny_model(TINY, ALPHABET, seed=0)
-    publisher = build_publisher(weights_config(transport), "inc", "run", "/unused")
+    publisher = build_publisher(weights_config(transport, **keys), "inc", "run", "/unused")
     publisher.bucket_bytes = 4096  # several buckets even for the tiny model
     try:
         yield publisher, publisher.publish(model.state_dict(), version=3), model.state_dict(), tokenizer
@@ -281,7 +282,7 @@ class ScriptedEngine:
     on one thread of its own (`worker_setup` runs first on it), reading each tensor with `read`."""
 
     def __init__(self, tokenizer, p_correct: float = 0.5, seed: int = 0, read=None, worker_setup=None,
-                 vllm_config=None):
+                 vllm_config=None, device=None):
         import random
         from concurrent.futures import ThreadPoolExecutor
 
@@ -294,11 +295,11 @@ class ScriptedEngine:
         self.torn = False  # an update failed part-way: the engine stays paused
         self.num_requests = 0
         self.read = read or (lambda t: t.clone())  # a model copies what it loads into its parameters
-        self.transport = ""  # the weight channel the worker was set up for
+        self.weight_transport = ""  # the weight channel the worker is set up for
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="scripted-worker", initializer=worker_setup)
         from tidal.broker.weights.vllm_engine import build_engine
 
-        self.worker = build_engine(self, None, vllm_config=vllm_config)  # as in a vLLM worker
+        self.worker = build_engine(self, None, device, vllm_config)  # as in a vLLM worker, on its `device`
 
     async def set_version(self, version: int) -> None:
         self.version = version
@@ -308,14 +309,14 @@ class ScriptedEngine:
 
     async def init_weight_transfer(self, init_info: dict) -> None:
         await self.in_worker(self.worker.init_transfer_engine, self.worker.parse_init_info(init_info))
-        self.transport = init_info["transport"]
+        self.weight_transport = init_info["transport"]
 
     def num_workers(self) -> int:
         return 1
 
     async def transfer_weights(self, version: int, update_info: dict, streaming: bool = False) -> float:
         """vLLM's weight-transfer cycle on tidal's worker-side engine, as one worker runs it."""
-        if self.transport != update_info["transport"]:
+        if self.weight_transport != update_info["transport"]:
             await self.init_weight_transfer({"transport": update_info["transport"]})
         try:
             await self.in_worker(self.worker.start_weight_update)

@@ -137,9 +137,29 @@ def weight_layout(model) -> str:
 
 
 def post_processed(module) -> bool:
-    """Whether a vLLM layer's quantization method rewrites its weights after loading them."""
+    """Whether a vLLM layer rewrites its weights after loading them: a quantization method's doing, or
+    vLLM's CPU backend packing an unquantized MoE layer's experts for its grouped GEMM."""
     method = getattr(module, "quant_method", None)
-    return method is not None and not type(method).__name__.startswith("Unquantized")
+    if method is None:
+        return False
+    return not type(method).__name__.startswith("Unquantized") or cpu_packed_experts(module)
+
+
+def cpu_packed_experts(module) -> bool:
+    weight = getattr(module, "w13_weight", None)
+    return weight is not None and weight.device.type == "cpu"
+
+
+def begin_reload(model) -> None:
+    """vLLM's layer-wise reload, begun: every layer's loads are buffered until it has them all, then
+    processed as at start-up. vLLM's CPU backend packs a MoE layer's experts only when it first builds
+    the layer's kernel and treats a reload as an update in place, so that kernel is let go first."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    for module in model.modules():
+        if cpu_packed_experts(module) and hasattr(module.quant_method, "moe_kernel"):
+            module.quant_method.moe_kernel = None
+    initialize_layerwise_reload(model)
 
 
 class StreamedLoad:
@@ -158,9 +178,7 @@ class StreamedLoad:
         quiet_harmless_reload_warnings()
         self.reload, self.loaded = weight_layout(self.model) == "reload", set()
         if self.reload:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-            initialize_layerwise_reload(self.model)
+            begin_reload(self.model)
 
     def load(self, weights) -> None:
         loaded = self.model.load_weights(weights)
@@ -197,9 +215,9 @@ def load_into_model(model, weights, model_config, payload=None, key=None) -> str
     global _plan
     quiet_harmless_reload_warnings()
     if weight_layout(model) == "reload":
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        initialize_layerwise_reload(model)
+        begin_reload(model)
         model.load_weights(weights)
         finalize_layerwise_reload(model, model_config)
         return "reload"

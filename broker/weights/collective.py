@@ -276,8 +276,8 @@ class CollectiveReceiver(WeightReceiver):
 
     async def _join(self, update: WeightUpdate, engine, where: str) -> None:
         learner = (update.location, update.incarnation)
-        if self.conn is not None and self.learner == learner:
-            return
+        if self.conn is not None and self.learner == learner and engine.weight_transport == self.transport:
+            return  # joined, and the workers hold the group still
         self.leave()
         host, port = server.parse_location(update.location)
         conn = await asyncio.to_thread(socket.create_connection, (host, port), self.cfg.tcp_timeout_s)

@@ -22,13 +22,16 @@ from tidal.broker.weights.payload import without_aliases
 from tidal.config import WeightsConfig
 
 
+TIMEOUT_S = 2.0  # a transfer stalled this long is given up: the tests of failures wait for it
+
+
 def config(**keys) -> WeightsConfig:
-    return weights_config("gloo", **keys)
+    return weights_config("gloo", **{"tcp_timeout_s": TIMEOUT_S, **keys})
 
 
 @pytest.fixture
 def served():
-    yield from served_weights("gloo")
+    yield from served_weights("gloo", tcp_timeout_s=TIMEOUT_S)
 
 
 def test_versions_reach_the_engine_by_broadcast_through_one_group(served):
@@ -171,6 +174,6 @@ def test_a_stalled_peer_is_aborted_after_the_timeout_and_the_learner_serves_on(s
     started = time.monotonic()
     with pytest.raises(ValueError, match=r"refused by the learner: version 3: "):
         server.read_reply(conn, "the learner's end")
-    assert time.monotonic() - started < 15  # weights.tcp_timeout_s is 5 s here
+    assert time.monotonic() - started < 5 * TIMEOUT_S
     conn.close()
     assert os.getpid()  # this process (the learner's) lives on

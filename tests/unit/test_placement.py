@@ -72,7 +72,7 @@ def test_engine_settings_reach_vllm_and_tidal_keeps_its_own():
     args = engine_args(c.actor, "/m", "bfloat16")
     keys = ("gpu_memory_utilization", "tensor_parallel_size", "max_model_len", "enable_chunked_prefill")
     assert [args[k] for k in keys] == [0.5, 2, 4096, True]
-    assert (args["seed"], args["enable_prefix_caching"], args["logprobs_mode"]) == (2, False, "processed_logprobs")
+    assert (args["seed"], args["enable_prefix_caching"], args["logprobs_mode"]) == (2, True, "processed_logprobs")
     assert "max_model_len" not in engine_args(cfg().actor, "/m", "float32")  # 0: the model's own
 
 
