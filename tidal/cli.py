@@ -52,7 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     config = sub.add_parser("config", help="show, check or explain a config without starting anything")
     what = config.add_subparsers(dest="action", required=True)
     _layered(what.add_parser("show", help="print the resolved config as YAML"))
-    _layered(what.add_parser("check", help="load the config, the task's data, the model path and its tokenizer"))
+    check = what.add_parser("check", help="load the config, the task's data, the model path and its tokenizer; "
+                            "plan each GPU's and host's memory (docs/gpu.md)")
+    _layered(check)
+    check.add_argument("--gpu-gib", type=float, help="plan for GPUs of this size (default: the visible GPUs')")
+    check.add_argument("--gpus-per-node", type=int, help="GPUs a node (default: the visible ones, else 8)")
+    check.add_argument("--host-gib", type=float, help="host memory a node (default: this machine's)")
+    check.add_argument("--model-config", help="the model's config.json, where model.path is not on this machine")
     explain = what.add_parser("explain", help="a key's type, default and meaning (a section: its keys)")
     explain.add_argument("key", nargs="?", default="", help="e.g. staleness.max_lag, learner.loss or nothing")
     export = sub.add_parser("export", help="a run's checkpoint as a Hugging Face model folder (transformers, vLLM)")
@@ -155,7 +161,7 @@ def _role(cfg, args) -> int:
     from tidal.tasks import get_task
 
     if args.command == "config":
-        return _config(cfg, args.action)
+        return _config(cfg, args)
     get_task(cfg.task.name)  # an unknown or incomplete task is one line, before any process starts
     if args.command == "run":
         from tidal.launcher import launch
@@ -180,16 +186,20 @@ def _role(cfg, args) -> int:
     return 0
 
 
-def _config(cfg, action: str) -> int:
+def _config(cfg, args) -> int:
     """show: the resolved YAML (what a run's config.yaml would hold, before the launcher fills in
-    the model path and run_dir); check: everything `tidal run` checks before it starts anything."""
-    if action == "show":
+    the model path and run_dir); check: the memory plan first (it needs no data), then everything
+    `tidal run` checks before it starts anything."""
+    if args.action == "show":
         from tidal.config import to_yaml
 
         print(to_yaml(cfg), end="")
         return 0
+    from tidal.memory import check_lines
     from tidal.preflight import preflight
 
+    for line in check_lines(cfg, args.gpu_gib, args.gpus_per_node, args.host_gib, args.model_config):
+        print(line)
     for line in preflight(cfg):
         print(line)
     print("config ok")

@@ -27,6 +27,7 @@ from pathlib import Path
 from tidal.broker.zmq_keys import generate
 from tidal.config import BrokerType, RunConfig, curve_on, resolve
 from tidal.learner.tracking import log_final_logs
+from tidal.memory import check_gpus
 from tidal.placement import Placement, PlacementError, Slot, place, visible_gpus
 from tidal.preflight import preflight
 
@@ -314,6 +315,7 @@ def launch(cfg: RunConfig, resume: str | None = None) -> int:
     preflight(cfg)  # a bad dataset, model or tokenizer stops here, before anything is created
     try:
         placement = place(cfg.learner, cfg.actor, visible_gpus(), sorted(os.sched_getaffinity(0)))
+        check_gpus(cfg, visible_gpus())  # each GPU's and host's memory: a layout that cannot fit stops here
     except PlacementError as err:
         print(f"tidal run: {err}", file=sys.stderr)
         return 2

@@ -18,6 +18,8 @@ import yaml
 
 from tidal.cli import _split, parse
 from tidal.config import load_config
+from tidal.memory import Cluster, GiB, MiB, ModelShape, actor_host_terms, learner_host_terms, payload_bytes, plan
+from tidal.models import HUB_ID
 from tidal.tiny import cached_model_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -415,6 +417,99 @@ def test_keda_autoscaling_stays_outside_the_validated_overlays(tree):
     assert scaled["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "tidal-actor"}
     assert trigger["metadata"]["stream"] == f"{cfg.broker.redis.prefix}:{cfg.name}:prompts"
     assert trigger["metadata"]["consumerGroup"] == "actors" and "lagCount" in trigger["metadata"]
+
+
+# ---- memory: each GPU overlay holds what the plan of its model needs (tidal/memory.py, docs/gpu.md) ------
+
+GPU_OVERLAYS = ("gpu", "gpu-multinode")
+for_each_gpu_overlay = pytest.mark.parametrize("overlay", GPU_OVERLAYS, ids=[f"overlays/{o}" for o in GPU_OVERLAYS])
+PLANNED_FOR = "tidal/memory-planned-for"  # the pod annotation naming the model the sizes are planned for
+PLANNED_GPU = Cluster(81559 * MiB)  # an 80 GB GPU as its driver reports it, the smaller docs/gpu.md plans for
+
+
+def quantity_bytes(quantity: str) -> int:
+    """A Kubernetes quantity (64Gi, 500G, 512Mi) in bytes."""
+    number, suffix = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(quantity)).groups()
+    scale = {"": 1, "Ki": 2 ** 10, "Mi": 2 ** 20, "Gi": 2 ** 30, "Ti": 2 ** 40, "k": 10 ** 3, "M": 10 ** 6,
+             "G": 10 ** 9, "T": 10 ** 12}[suffix]
+    return int(float(number) * scale)
+
+
+def role_config(objects: list[dict], role: str, tmp_path: Path):
+    """The config a role's pod 0 runs: the mounted run.yaml with the container's overrides."""
+    spec, container = role_container(objects, role)
+    _, overrides = _split(parse(container["args"]))
+    overrides = [o.replace("$(POD_NAME)", f"tidal-{role}-0").replace("$(POD_INDEX)", "0") for o in overrides]
+    return load_config(run_config_of(objects, spec, container, tmp_path), overrides)
+
+
+def planned_shape(objects: list[dict], role: str, cfg) -> ModelShape:
+    """The shape of the model a pod's sizes are planned for (bench/models): the one its annotation
+    names, which is the one model.path names where that is a Hub id."""
+    sts = find(objects, "StatefulSet", f"tidal-{role}")
+    name = sts["spec"]["template"]["metadata"]["annotations"][PLANNED_FOR]
+    if HUB_ID.match(cfg.model.path):
+        assert cfg.model.path.split("/")[1].removesuffix("-Instruct") == name
+    return ModelShape.from_config(ROOT / "bench" / "models" / name)
+
+
+def volume_of(spec: dict, container: dict, path: str) -> tuple[dict | None, dict]:
+    """(the volume holding `path` in the container, its mount); None for a volume claim template."""
+    mount = max((m for m in container["volumeMounts"] if (path + "/").startswith(m["mountPath"].rstrip("/") + "/")),
+                key=lambda m: len(m["mountPath"]))
+    return next((v for v in spec["volumes"] if v["name"] == mount["name"]), None), mount
+
+
+def cache_bytes(objects: list[dict], role: str, spec: dict, container: dict) -> int | None:
+    """The size of the volume HF_HOME is on: an emptyDir's sizeLimit, a claim template's request;
+    None where the pod has no Hugging Face cache (its model comes from a mounted folder)."""
+    home = next((e["value"] for e in container.get("env", []) if e["name"] == "HF_HOME"), None)
+    if home is None:
+        return None
+    volume, mount = volume_of(spec, container, home)
+    if volume is not None:
+        return quantity_bytes(volume["emptyDir"]["sizeLimit"])
+    claims = find(objects, "StatefulSet", f"tidal-{role}")["spec"]["volumeClaimTemplates"]
+    claim = next(c for c in claims if c["metadata"]["name"] == mount["name"])
+    return quantity_bytes(claim["spec"]["resources"]["requests"]["storage"])
+
+
+@for_each_gpu_overlay
+@pytest.mark.parametrize("role", ("learner", "actor"))
+def test_gpu_overlay_pods_hold_their_memory_plan(rendered, overlay, role, tmp_path):
+    """The Hugging Face cache holds 1.2 x the model's bf16 bytes; the memory-backed /dev/shm holds what
+    the plan puts there (a tcp actor's staged version, the file channel's files); the memory limit holds
+    every host term of the role; and the role's GPU budgets fit an 80 GB GPU."""
+    objects = rendered[overlay]
+    spec, container = role_container(objects, role)
+    cfg = role_config(objects, role, tmp_path)
+    shape = planned_shape(objects, role, cfg)
+    cache = cache_bytes(objects, role, spec, container)
+    assert cache is None or cache >= 1.2 * shape.num_params * 2, "the Hugging Face cache is too small"
+    host = learner_host_terms(cfg, shape) if role == "learner" else actor_host_terms(cfg, shape)
+    shm, _ = volume_of(spec, container, "/dev/shm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert quantity_bytes(shm["emptyDir"]["sizeLimit"]) >= sum(t.nbytes for t in host if t.shm)
+    if cfg.weights.transport == "tcp" and role == "actor":
+        assert quantity_bytes(shm["emptyDir"]["sizeLimit"]) >= payload_bytes(cfg, shape)
+    limit = quantity_bytes(container["resources"]["limits"]["memory"])
+    assert limit >= sum(t.nbytes for t in host), [(t.name, t.nbytes / GiB) for t in host]
+    devices = ("learner GPU",) if role == "learner" else ("actor GPU, vLLM's share", "actor GPU, outside vLLM's share")
+    result = plan(cfg, shape, PLANNED_GPU)
+    assert [d for d in devices if not result.budget(d).fits] == [], result.table()
+
+
+def test_multinode_pods_can_reach_each_other_over_rdma(rendered):
+    """NCCL across pods: IPC_LOCK (to pin memory for RDMA) added to the base's dropped capabilities, and
+    its interface, NICs and log level set on every learner and actor pod."""
+    for role in ("learner", "actor"):
+        _, container = role_container(rendered["gpu-multinode"], role)
+        capabilities = container["securityContext"]["capabilities"]
+        assert capabilities == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["NCCL_DEBUG"] == "WARN" and env["NCCL_SOCKET_IFNAME"] and env["NCCL_IB_HCA"]
+    for patch in ("learner.yaml", "actor.yaml"):  # an RDMA device request, left for the cluster to name
+        assert re.search(r"^\s*# rdma/\w+: \"1\"$", (K8S / "overlays" / "gpu-multinode" / patch).read_text(), re.M)
 
 
 # ---- Redis: the ACL file and the server flags on a real redis-server ------------------------------
