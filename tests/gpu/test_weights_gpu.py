@@ -1,98 +1,251 @@
-"""The collective weight channel over NCCL: the learner (this process, GPU 0) publishes a version
-on its GPU and a worker process on GPU 1 receives it by broadcast, bucket by bucket, exactly; a
-second version reuses the group and the buffer. Then a sharded learner's two ranks (two publishers
-here, both on GPU 0) each serve their rows, and the worker receives both parts and puts them
-together (nccl_m2n). NCCL refuses two ranks on one GPU, so this needs two. (The same code over
-gloo runs in tests/unit/test_collective_weights.py and, inside a real vLLM worker, in
-tests/integration/test_engine.py and test_multirank.py.)"""
+"""The nccl weight channel on real GPUs (the same code runs on CPU under a fake with NCCL's semantics,
+tests/unit/test_nccl_semantics.py).
+
+One GPU, vLLM installed: a worker receives through vLLM's packed consumer from a communicator whose
+every chunk lands late on the stream it was issued on, while a stream of vLLM's own is current, and
+loads each chunk whole (F1). Two GPUs (NCCL refuses two ranks on one GPU): a learner on GPU 0 and a
+worker process on GPU 1 with real communicators: the worker receives on its own device (F2); a worker
+killed mid-transfer costs the learner one timeout and nothing else (F4); the learner's training
+kernels do not wait behind a transfer (S2)."""
+import asyncio
+import base64
+import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from types import SimpleNamespace
 
-import msgspec
 import pytest
 import torch
 
-from tidal.broker.weights import build_publisher
-from tidal.config import WeightsConfig
+from conftest import ScriptedEngine, weights_config
+
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank: two GPUs")
+LOG = os.environ.get("GPU_CHECK_LOG")  # scripts/gpu-check.sh collects the numbers the tests print here
+
+
+def report(name: str, **numbers) -> None:
+    line = json.dumps({"check": name, **numbers})
+    print(f"\nGPU-CHECK {line}")
+    if LOG:
+        with open(LOG, "a") as f:
+            f.write(line + "\n")
+
+
+def chunks_of(state: dict, buffer_bytes: int) -> list[torch.Tensor]:
+    """The packed chunks the learner sends for `state` (vLLM's packing, in the manifest's order)."""
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+
+    pairs, out = iter(state.items()), []
+    while (chunk := pack_tensors(pairs, lambda item: item[1], buffer_bytes)) is not None:
+        out.append(chunk.packed_tensor.clone())
+    return out
+
+
+class LateCommunicator:
+    """A communicator whose broadcast lands each expected chunk on the stream it is issued on, after the
+    GPU has spun for a while there (a receive enqueued, not done): NCCL's asynchronous completion."""
+
+    def __init__(self, chunks: list[torch.Tensor]):
+        self.chunks, self.device, self.model_update_group = list(chunks), torch.device("cuda", 0), self
+
+    def broadcast(self, tensor, src, stream=None):
+        stream = stream or torch.cuda.current_stream()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time before the bytes land
+            tensor.copy_(self.chunks.pop(0), non_blocking=True)
+
+    def destroy(self):
+        pass
+
+
+def test_every_chunk_is_loaded_after_it_lands_on_the_stream_it_came_on(monkeypatch):
+    pytest.importorskip("vllm", reason="the worker receives through vLLM's NCCL engine")
+    from tidal.broker.weights import nccl, payload
+    from tidal.broker.weights.base import InitInfo
+
+    torch.cuda.set_device(0)
+    torch.cuda.set_stream(torch.cuda.Stream())  # vLLM makes a stream of its own current in each worker
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    state = {f"layers.{i}.w": torch.randn(1024, 1024, device="cuda", generator=generator) for i in range(6)}
+    model = SimpleNamespace(named_parameters=lambda: iter(()), modules=lambda: iter(()), parameters=lambda: iter(()),
+                            loaded={})
+    model.load_weights = lambda weights: model.loaded.update((k, t.clone()) for k, t in weights) or set()
+    monkeypatch.setattr(nccl, "communicator", lambda *_: LateCommunicator(chunks_of(state, 4 << 20)))
+    engine = SimpleNamespace(config=None, device=torch.device("cuda", 0), model=model, model_config=None,
+                             worker_rank=0, vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(rank=0),
+                                                                        model_config=None))
+    uid = base64.b64encode(bytes(128)).decode()  # the stub communicator needs no rendezvous
+    member = nccl.NcclPlane.join(engine, InitInfo("nccl", {"uid": uid, "world_size": 2, "buffer_bytes": 4 << 20}, 30))
+    manifest, _ = payload.layout((k, "F32", tuple(v.shape)) for k, v in state.items())
+    update = SimpleNamespace(version=1, manifest=manifest)
+    start = time.perf_counter()
+    member.start()
+    member.receive(update)
+    member.finish()
+    torch.cuda.synchronize()
+    assert all(torch.equal(model.loaded[k], v) for k, v in state.items())
+    report("F1-side-stream-load", chunks=len(chunks_of(state, 4 << 20)), seconds=time.perf_counter() - start)
+
 
 WORKER = """
-import sys
-import msgspec, torch
-from tidal.broker.schema import WeightUpdate
-from tidal.broker.weights import collective
-from tidal.broker.weights.tcp import tensors_of
+import json, os, signal, sys, time, types
+import torch
 torch.cuda.set_device(1)
+from tidal.broker.weights import nccl
+from tidal.broker.weights.base import InitInfo
+spec = json.loads(sys.argv[1])
+loaded, seen = {}, []
+def load_weights(weights):
+    for name, tensor in weights:
+        seen.append(name)
+        loaded[name] = float(tensor.double().sum()), str(tensor.device)
+        if os.environ.get("DIE_AFTER") and len(seen) >= int(os.environ["DIE_AFTER"]):
+            print("dying", flush=True); os.kill(os.getpid(), signal.SIGKILL)
+    return set()
+model = types.SimpleNamespace(named_parameters=lambda: iter(()), modules=lambda: iter(()),
+                              parameters=lambda: iter(()), load_weights=load_weights)
+engine = types.SimpleNamespace(config=None, device=torch.device("cuda", 1), model=model, model_config=None,
+                               worker_rank=0, vllm_config=types.SimpleNamespace(
+                                   parallel_config=types.SimpleNamespace(rank=0), model_config=None))
+member = nccl.NcclPlane.join(engine, InitInfo("nccl", spec["group"], 30.0))
+print("joined", flush=True)
 for line in sys.stdin:
-    update = msgspec.json.decode(line, type=WeightUpdate)
-    buffer = collective.receive(update, "nccl", 60.0)
-    torch.cuda.synchronize()
-    sums = {name: float(t.double().sum()) for name, t in tensors_of(update.manifest, buffer)}
-    print(msgspec.json.encode({"device": str(buffer.device), "ptr": buffer.data_ptr(), "sums": sums}).decode(),
-          flush=True)
+    update = types.SimpleNamespace(**json.loads(line))
+    from tidal.broker.schema import TensorSpec
+    update.manifest = [TensorSpec(**s) for s in update.manifest]
+    member.start(); member.receive(update); member.finish(); torch.cuda.synchronize()
+    print(json.dumps(loaded), flush=True)
 """
 
 
-def nccl_config() -> WeightsConfig:
-    return WeightsConfig(transport="nccl", bucket_mib=1, tcp_timeout_s=60.0)
+def two_gpu_group(publisher, die_after: int = 0):
+    """A worker process on GPU 1 joined to `publisher` (on GPU 0) the way an actor's engine joins:
+    (the process, the learner-side connection)."""
+    import socket
+
+    from tidal.broker.weights import collective, server
+
+    conn = socket.create_connection(server.parse_location(publisher.location))
+    conn.sendall(collective.CONTROL.pack(collective.CONTROL_MAGIC, collective.JOIN, 1))
+    spec = json.loads(server.read_reply(conn, "join"))
+    env = os.environ | ({"DIE_AFTER": str(die_after)} if die_after else {})
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, json.dumps({"group": spec})], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env)
+    assert worker.stdout.readline().strip() == "joined"
+    return worker, conn
 
 
-def worker_receives(worker, update) -> dict:
-    worker.stdin.write(msgspec.json.encode(update).decode() + "\n")
+def fetch(worker, conn, update) -> None:
+    from tidal.broker.weights import collective, server
+
+    conn.sendall(collective.CONTROL.pack(collective.CONTROL_MAGIC, collective.FETCH, update.version))
+    server.read_reply(conn, "fetch")
+    worker.stdin.write(json.dumps({"version": update.version, "manifest": [
+        {"name": s.name, "dtype": s.dtype, "shape": list(s.shape), "offset": s.offset, "nbytes": s.nbytes}
+        for s in update.manifest]}) + "\n")
     worker.stdin.flush()
-    return msgspec.json.decode(worker.stdout.readline())
-
-
-TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank: two GPUs")
 
 
 @TWO_GPUS
-def test_versions_reach_a_worker_on_another_gpu_by_nccl_broadcast():
+def test_a_worker_receives_on_its_own_device_from_a_learner_on_another():
+    pytest.importorskip("vllm", reason="the communicators are vLLM's")
+    from tidal.broker.weights import nccl
+    from tidal.broker.weights.collective import CollectivePublisher
+
     torch.cuda.set_device(0)
-    publisher = build_publisher(nccl_config(), "inc", "run", "/x")
-    worker = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    cfg = weights_config("nccl", bucket_mib=8, tcp_timeout_s=30.0)
+    publisher = CollectivePublisher(cfg, nccl.NcclPlane(cfg), "inc")
+    worker, conn = two_gpu_group(publisher)
     try:
-        seen = []
-        for version in (1, 2):
-            generator = torch.Generator(device="cuda").manual_seed(version)
-            tensors = {"embed.weight": torch.randn(1000, 1024, device="cuda", generator=generator),
-                       "norm.weight": torch.randn(1024, device="cuda", generator=generator).bfloat16()}
-            update = publisher.publish(tensors, version)
-            assert update.transport == "nccl" and len(update.buckets) > 1
-            assert publisher.server.versions[version].payload.is_cuda  # packed on the learner's GPU
-            got = worker_receives(worker, update)
-            assert got["device"] == "cuda:1"
-            for name, tensor in tensors.items():
-                assert got["sums"][name] == pytest.approx(float(tensor.double().sum()), rel=1e-9, abs=1e-9)
-            seen.append(got["ptr"])
-        assert seen[0] == seen[1]  # one buffer on the worker's GPU for every version
+        generator = torch.Generator().manual_seed(0)
+        state = {f"layers.{i}.w": torch.randn(2048, 2048, generator=generator) for i in range(8)}  # 128 MiB
+        update = publisher.publish(state, 1)
+        fetch(worker, conn, update)
+        loaded = json.loads(worker.stdout.readline())
+        assert {device for _, device in loaded.values()} == {"cuda:1"}  # F2: the worker's own device
+        for name, tensor in state.items():
+            assert loaded[name][0] == pytest.approx(float(tensor.double().sum()), rel=1e-9, abs=1e-6)
+        report("F2-worker-device", tensors=len(state))
     finally:
         worker.stdin.close()
         worker.wait(timeout=60)
+        conn.close()
         publisher.close()
 
 
 @TWO_GPUS
-def test_a_sharded_learners_ranks_each_send_their_rows_and_the_worker_puts_them_together():
+def test_a_worker_killed_mid_transfer_costs_the_learner_one_timeout_and_its_training_nothing():
+    """F4 and S2: the worker dies after its first chunk; the learner's connection thread aborts the
+    transfer after weights.tcp_timeout_s, this process lives on, its matmuls on the training stream
+    kept their pace meanwhile, and a new worker then receives the next version."""
+    pytest.importorskip("vllm", reason="the communicators are vLLM's")
+    from tidal.broker.weights import nccl
+    from tidal.broker.weights.collective import CollectivePublisher
+
     torch.cuda.set_device(0)
-    ranks = [build_publisher(nccl_config(), "inc", "run", "/x", local_rank=r) for r in (0, 1)]
-    worker = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    cfg = weights_config("nccl", bucket_mib=64, tcp_timeout_s=5.0)
+    publisher = CollectivePublisher(cfg, nccl.NcclPlane(cfg), "inc")
+    generator = torch.Generator().manual_seed(0)
+    state = {f"layers.{i}.w": torch.randn(4096, 4096, generator=generator) for i in range(32)}  # 2 GiB
     try:
-        for version in (1, 2):
-            generator = torch.Generator(device="cuda").manual_seed(version)
-            tensors = {"embed.weight": torch.randn(1001, 1024, device="cuda", generator=generator),
-                       "norm.weight": torch.randn(1024, device="cuda", generator=generator).bfloat16()}
-            half = {name: -(-t.shape[0] // 2) for name, t in tensors.items()}  # torch.chunk's split over 2 ranks
-            rows = [{name: (t[:half[name]], 0) for name, t in tensors.items()},
-                    {name: (t[half[name]:], half[name]) for name, t in tensors.items()}]
-            sources = [rank.publish_shards(part, version) for rank, part in zip(ranks, rows)]
-            update = ranks[0].announce(sources, version)
-            assert len(update.sources) == 2 and not update.buckets
-            got = worker_receives(worker, update)
-            assert got["device"] == "cuda:1"
-            for name, tensor in tensors.items():
-                assert got["sums"][name] == pytest.approx(float(tensor.double().sum()), rel=1e-9, abs=1e-9)
+        baseline = training_pace(seconds=1.0)
+        worker, conn = two_gpu_group(publisher, die_after=4)
+        fetch(worker, conn, publisher.publish(state, 1))
+        assert worker.stdout.readline().strip() == "dying"
+        worker.wait(timeout=30)
+        assert worker.returncode == -signal.SIGKILL
+        during = training_pace(seconds=2.0)
+        deadline = time.monotonic() + 30
+        while publisher.server.groups and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not publisher.server.groups, "the learner's side of the dead worker's group was not aborted"
+        report("F4-S2-dead-worker", matmul_ms_baseline=baseline * 1e3, matmul_ms_during=during * 1e3)
+        assert during < 1.5 * baseline
+        fresh, conn2 = two_gpu_group(publisher)
+        try:
+            fetch(fresh, conn2, publisher.publish(state, 2))
+            loaded = json.loads(fresh.stdout.readline())
+            assert loaded["layers.0.w"][0] == pytest.approx(float(state["layers.0.w"].double().sum()), rel=1e-9)
+        finally:
+            fresh.stdin.close()
+            fresh.wait(timeout=60)
+            conn2.close()
     finally:
-        worker.stdin.close()
-        worker.wait(timeout=60)
-        for rank in ranks:
-            rank.close()
+        publisher.close()
+
+
+def training_pace(seconds: float) -> float:
+    """The median time of a 4096^2 matmul on this process's default stream, over `seconds`."""
+    a = torch.randn(4096, 4096, device="cuda")
+    times, deadline = [], time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        start = time.perf_counter()
+        (a @ a).sum().item()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+@TWO_GPUS
+def test_a_receive_through_the_channel_reaches_an_actor_engine_scripted_on_gpu_1():
+    """The actor's side end to end (control connection, join, fetch) with the worker on GPU 1."""
+    pytest.importorskip("vllm", reason="the communicators are vLLM's")
+    from tidal.broker.weights import build_receiver, nccl
+    from tidal.broker.weights.collective import CollectivePublisher
+
+    torch.cuda.set_device(0)
+    cfg = weights_config("nccl", bucket_mib=8)
+    publisher = CollectivePublisher(cfg, nccl.NcclPlane(cfg), "inc")
+    engine = ScriptedEngine(None, worker_setup=lambda: (torch.cuda.set_device(1),
+                                                        torch.cuda.set_stream(torch.cuda.Stream())),
+                            vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(rank=0), model_config=None),
+                            device=torch.device("cuda", 1))
+    try:
+        state = {"w": torch.randn(1024, 1024)}
+        asyncio.run(build_receiver(cfg).apply(publisher.publish(state, 1), engine))
+        assert engine.loaded["w"].device == torch.device("cuda", 1)
+        assert torch.equal(engine.loaded["w"].cpu(), state["w"])
+    finally:
+        publisher.close()
