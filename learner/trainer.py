@@ -176,6 +176,26 @@ def lr_factor(cfg: LearnerConfig, step: int) -> float:
     return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * decay
 
 
+def allocate_state(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer's state made now, as its first step makes it (AdamW: zero moments, step 0), so its
+    memory is taken while the learner starts rather than at the first step, when engines sharing the
+    GPU (actor.colocate) would have taken theirs: a step with zero gradients and a zero learning rate
+    moves no weight, and its step count is set back to 0."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    for state in optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"].zero_()
+    optimizer.zero_grad(set_to_none=True)
+
+
 class Trainer:
     def __init__(self, cfg: LearnerConfig, model, accelerator, temperature: float, head: str = "fp32",
                  served_dtype: str | None = None, model_path: str | None = None):
@@ -191,6 +211,7 @@ class Trainer:
                 sharding.load_pretrained(module, model_path, accelerator.device)
         optim = torch.optim.AdamW(module.parameters(), lr=effective_lr(cfg), betas=tuple(cfg.optim.betas),
                                   eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+        allocate_state(optim)
         # Not passed to accelerator.prepare: Accelerate's scheduler wrapper advances once per rank
         # per step, which would make the schedule depend on the number of ranks.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: lr_factor(cfg, s))

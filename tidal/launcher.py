@@ -65,8 +65,9 @@ def prepare(cfg: RunConfig, redis_url: str | None = None) -> RunConfig:
 def start_children(cfg: RunConfig, placement: Placement, children: list[Child], resume: str | None = None) -> None:
     """The learner and the actors at once: an actor's start (vLLM's import, its engine) is most of
     a run's start-up and needs nothing from the learner, whose ZeroMQ ports are chosen here and
-    handed to both (ZeroMQ connects once the learner binds). Appends to `children` as it goes, so
-    the caller can stop whatever started if a later start fails."""
+    handed to both (ZeroMQ connects once the learner binds). Actors sharing the learner's GPUs
+    (actor.colocate) start once the learner has taken its memory. Appends to `children` as it goes,
+    so the caller can stop whatever started if a later start fails."""
     run_dir = Path(cfg.run_dir)
     (run_dir / "logs").mkdir(exist_ok=True)
     (run_dir / "endpoints.json").unlink(missing_ok=True)
@@ -80,12 +81,24 @@ def start_children(cfg: RunConfig, placement: Placement, children: list[Child], 
                  for name in ("control", "rollout", "weights")}
         learner_args += actor_endpoint_overrides(ports)
     children.append(_spawn("learner", "learner", learner_args, run_dir, placement.learner))
+    if cfg.actor.colocate:  # engines measure the GPU's free memory as they start: the learner's must be taken
+        wait_for_learner(children[-1], run_dir)
     for i, slot in enumerate(placement.actors):
         overrides = [f"actor.index={i}", *actor_endpoint_overrides(ports)]
         if slot.gpus is None and not cfg.actor.cpu_cores:
             overrides.append(f"actor.cpu_cores={slot.cores}")  # vLLM's CPU engine binds its threads there
         children.append(_spawn(f"actor-{i}", "actor", ["actor", config, *overrides], run_dir,
                                Slot(gpus=slot.gpus)))
+
+
+def wait_for_learner(learner: Child, run_dir: Path, poll_s: float = 0.5) -> None:
+    """Until the learner has built its model and optimizer and bound its ports (it writes
+    endpoints.json then); a learner that exits first stops the run, naming it."""
+    while not (run_dir / "endpoints.json").exists():
+        if learner.proc.poll() is not None:
+            raise LaunchError(f"the learner exited with code {learner.proc.returncode} before it was ready; last "
+                              f"lines of {learner.log_path}:\n{tail(learner.log_path)}")
+        time.sleep(poll_s)
 
 
 def actor_endpoint_overrides(ports: dict[str, int]) -> list[str]:

@@ -103,3 +103,17 @@ def test_loading_unpickles_nothing(saved, accelerator, monkeypatch):
     monkeypatch.setattr(torch, "load", refuse)
     Checkpointer(CheckpointConfig(), directory, accelerator, trainer(accelerator)).load(directory / "step-000002")
     assert "planted.pkl" not in (directory / "step-000002" / MANIFEST).read_text()
+
+
+def test_adamw_state_is_taken_at_start_and_the_first_step_is_what_it_was(accelerator):
+    """The optimizer's memory is allocated while the learner starts (engines sharing its GPU start
+    after it), as zero moments at step 0: the first step is the one a lazily made state gives."""
+    allocated, lazy = trainer(accelerator), trainer(accelerator)
+    states = allocated._optimizer.state
+    assert len(states) == sum(1 for p in allocated.policy.parameters() if p.requires_grad)
+    assert all(float(s["step"]) == 0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any() for s in states.values())
+    lazy._optimizer.state.clear()
+    groups, masks = step_batch(6)
+    for t in (allocated, lazy):
+        t.step(groups, masks, version=3)
+    assert all(torch.equal(params(allocated)[k], v) for k, v in params(lazy).items())

@@ -21,7 +21,6 @@ from tidal.broker.weights import build_publisher, build_receiver, collective, gl
 from tidal.broker.weights.payload import without_aliases
 from tidal.config import WeightsConfig
 
-
 TIMEOUT_S = 2.0  # a transfer stalled this long is given up: the tests of failures wait for it
 
 

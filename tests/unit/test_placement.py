@@ -82,6 +82,37 @@ def test_colocated_actors_share_the_learners_gpu():
     assert plan.learner.gpus == ("0",) and [a.gpus for a in plan.actors] == [("0",), ("0",)]
 
 
+def test_colocated_actors_start_once_the_learner_is_ready_and_a_learner_gone_first_is_named(tmp_path, monkeypatch):
+    """Engines measure the GPU's free memory as they start: actors sharing the learner's GPUs start
+    once it has written endpoints.json (after its model and optimizer state are in memory)."""
+    import subprocess
+    import threading
+
+    from tidal import launcher
+    from tidal.config import resolve
+
+    c = resolve(cfg("actor.replicas=2", "actor.colocate=true", "weights.transport=tcp", f"run_dir={tmp_path}"))
+    started = []
+
+    def spawn(name, role, args, run_dir, slot, restarts=0):
+        started.append((name, (run_dir / "endpoints.json").exists()))
+        proc = subprocess.Popen(["sleep", "30"] if role == "learner" else ["true"])
+        return launcher.Child(name, role, proc, run_dir / "logs" / f"{name}.log", args, slot)
+    monkeypatch.setattr(launcher, "_spawn", spawn)
+    threading.Timer(0.5, lambda: (tmp_path / "endpoints.json").write_text("{}")).start()
+    children = []
+    try:
+        launcher.start_children(c, place(c.learner, c.actor, ["0"], cores=[0, 1]), children)
+    finally:
+        launcher.stop_children(children, grace_s=1)
+    assert started == [("learner", False), ("actor-0", True), ("actor-1", True)]
+    (tmp_path / "logs" / "learner.log").write_text("CUDA out of memory\n")
+    learner = launcher.Child("learner", "learner", subprocess.Popen(["false"]), tmp_path / "logs" / "learner.log")
+    learner.proc.wait()
+    with pytest.raises(launcher.LaunchError, match="(?s)the learner exited with code 1 before it was ready.*CUDA out"):
+        launcher.wait_for_learner(learner, tmp_path / "nowhere")
+
+
 def test_a_pinned_cpu_engine_runs_its_model_in_the_engine_core_process_bound_to_its_cores():
     from tidal.actor.engine import cpu_engine_env
 
