@@ -376,6 +376,79 @@ class ScriptedEngine:
         self.thread.shutdown(wait=False)
 
 
+# ---- a real vLLM engine for the integration tests ------------------------------------------------
+
+def engine_on_a_thread(model_path: str, *overrides: str):
+    """A real vLLM engine (tidal's Engine, the tiny preset's actor settings and `overrides`, pinned to
+    one core as `tidal run` pins its actors) on an event loop thread of its own; yields it with that
+    loop as `.loop` (tests hand it coroutines through `on_engine`) and shuts it down after."""
+    import asyncio
+    import threading
+
+    from tidal.actor.engine import Engine
+    from tidal.config import load_config
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="engine-loop", daemon=True)
+    thread.start()
+    actor = load_config(ROOT / "configs/tiny.yaml", [f"actor.cpu_cores={max(os.sched_getaffinity(0))}",
+                                                     *overrides]).actor
+
+    async def start():
+        engine = Engine(actor, model_path, "float32")
+        await engine.set_version(0)
+        return engine
+
+    engine = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=600)
+    engine.loop = loop
+    yield engine
+    engine.shutdown()
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=30)
+
+
+def on_engine(engine, coro):
+    """Run `coro` on the loop of an engine from `engine_on_a_thread`; its result."""
+    import asyncio
+
+    return asyncio.run_coroutine_threadsafe(coro, engine.loop).result(timeout=300)
+
+
+def learner_logprobs(policy, prompt: list[int], tokens: np.ndarray) -> np.ndarray:
+    """What the learner computes for these completion tokens: its fused-kernel forward, temperature 1."""
+    from tidal.learner.trainer import PolicyLogprobs
+
+    module = PolicyLogprobs(policy, temperature=1.0, backend="torch").eval()
+    ids = torch.tensor([prompt + tokens.tolist()])
+    with torch.no_grad():
+        logp, _ = module(ids, torch.ones_like(ids), torch.arange(len(prompt) - 1, ids.shape[1] - 1),
+                         torch.from_numpy(tokens.astype(np.int64)))
+    return logp.numpy()
+
+
+def perturbed(policy, seed: int, scale: float = 0.05):
+    """The policy one large step later: every parameter moved (a tied LM head with the embedding)."""
+    import copy
+
+    new = copy.deepcopy(policy)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in new.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * scale)
+    return new
+
+
+def gpu_check_report(name: str, **numbers) -> None:
+    """A GPU check's numbers: printed, and added to $GPU_CHECK_LOG, which scripts/gpu-check.sh collects."""
+    import json
+
+    line = json.dumps({"check": name, **numbers})
+    print(f"\nGPU-CHECK {line}")
+    if os.environ.get("GPU_CHECK_LOG"):
+        with open(os.environ["GPU_CHECK_LOG"], "a") as f:
+            f.write(line + "\n")
+
+
 # ---- fused logprob kernels against the naive reference -------------------------------------------
 
 KERNEL_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}

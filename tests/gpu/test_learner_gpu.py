@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ALPHABET, CASES, TINY, learner_config, run_step
+from conftest import ALPHABET, CASES, TINY, gpu_check_report, learner_config, run_step
 from tidal.tiny import build_tiny_model
 
 SCRIPT = Path(__file__).parents[1] / "integration" / "multirank_step.py"
@@ -60,17 +60,6 @@ def test_two_ranks_over_nccl_make_the_same_update_as_one(tmp_path):
             torch.testing.assert_close(params[key].cpu(), value.cpu(), atol=1e-4, rtol=0, msg=f"{name}: {key}")
 
 
-LOG = os.environ.get("GPU_CHECK_LOG")  # scripts/gpu-check.sh collects the numbers the tests print here
-
-
-def report(name: str, **numbers) -> None:
-    line = json.dumps({"check": name, **numbers})
-    print(f"\nGPU-CHECK {line}")
-    if LOG:
-        with open(LOG, "a") as f:
-            f.write(line + "\n")
-
-
 def one_gpu_fsdp(mode: str, tmp_path: Path) -> dict:
     """fsdp_one_gpu.py's numbers for `mode`, run under torchrun with one rank."""
     with socket.socket() as s:
@@ -91,7 +80,7 @@ def test_fsdp_mixed_precision_keeps_no_half_precision_copy_of_the_model(tmp_path
     FSDP2's mixed precision gathers each unit in bf16 and frees it. The peak of one step, both ways."""
     mixed, autocast = one_gpu_fsdp("mixed", tmp_path), one_gpu_fsdp("autocast", tmp_path)
     saved = autocast["peak_bytes"] - mixed["peak_bytes"]
-    report("F9-peak-memory", params=mixed["params"], mixed_precision_peak_gib=mixed["peak_bytes"] / 2**30,
+    gpu_check_report("F9-peak-memory", params=mixed["params"], mixed_precision_peak_gib=mixed["peak_bytes"] / 2**30,
            autocast_peak_gib=autocast["peak_bytes"] / 2**30, saved_bytes_per_param=saved / mixed["params"])
     assert mixed["peak_bytes"] < autocast["peak_bytes"]
 
@@ -99,7 +88,7 @@ def test_fsdp_mixed_precision_keeps_no_half_precision_copy_of_the_model(tmp_path
 def test_a_sharded_learner_offloading_to_host_memory_takes_a_step(tmp_path):
     """F6: the shards' gradient norm is reduced over CPU tensors: the group has a CPU backend beside NCCL."""
     offload = one_gpu_fsdp("offload", tmp_path)
-    report("F6-cpu-offload-step", grad_norm=offload["grad_norm"], peak_gib=offload["peak_bytes"] / 2**30)
+    gpu_check_report("F6-cpu-offload-step", grad_norm=offload["grad_norm"], peak_gib=offload["peak_bytes"] / 2**30)
     assert offload["grad_norm"] > 0 and offload["grad_norm"] == offload["grad_norm"]
 
 
@@ -140,5 +129,5 @@ def test_the_fp32_head_and_fp32_sums_track_each_other_and_bf16_logits_do_not():
     fp32_sums = logprobs(torch.mm(hidden.bfloat16(), weight.bfloat16().T, out_dtype=torch.float32))
     gaps = {name: float((value - exact).abs().max()) for name, value in
             (("fp32_head", fp32), ("bf16_logits", bf16_logits), ("bf16_weights_fp32_sums", fp32_sums))}
-    report("N1-head-gaps", **{f"max_abs_logprob_gap_{k}": v for k, v in gaps.items()})
+    gpu_check_report("N1-head-gaps", **{f"max_abs_logprob_gap_{k}": v for k, v in gaps.items()})
     assert gaps["fp32_head"] < 1e-3 and gaps["bf16_weights_fp32_sums"] < gaps["bf16_logits"] / 4

@@ -20,20 +20,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ScriptedEngine, weights_config
+from conftest import ScriptedEngine, gpu_check_report, weights_config
 
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank: two GPUs")
-LOG = os.environ.get("GPU_CHECK_LOG")  # scripts/gpu-check.sh collects the numbers the tests print here
-
-
-def report(name: str, **numbers) -> None:
-    line = json.dumps({"check": name, **numbers})
-    print(f"\nGPU-CHECK {line}")
-    if LOG:
-        with open(LOG, "a") as f:
-            f.write(line + "\n")
-
-
 def chunks_of(state: dict, buffer_bytes: int) -> list[torch.Tensor]:
     """The packed chunks the learner sends for `state` (vLLM's packing, in the manifest's order)."""
     from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
@@ -87,7 +76,7 @@ def test_every_chunk_is_loaded_after_it_lands_on_the_stream_it_came_on(monkeypat
     member.finish()
     torch.cuda.synchronize()
     assert all(torch.equal(model.loaded[k], v) for k, v in state.items())
-    report("F1-side-stream-load", chunks=len(chunks_of(state, 4 << 20)), seconds=time.perf_counter() - start)
+    gpu_check_report("F1-side-stream-load", chunks=len(chunks_of(state, 4 << 20)), seconds=time.perf_counter() - start)
 
 
 WORKER = """
@@ -168,7 +157,7 @@ def test_a_worker_receives_on_its_own_device_from_a_learner_on_another():
         assert {device for _, device in loaded.values()} == {"cuda:1"}  # F2: the worker's own device
         for name, tensor in state.items():
             assert loaded[name][0] == pytest.approx(float(tensor.double().sum()), rel=1e-9, abs=1e-6)
-        report("F2-worker-device", tensors=len(state))
+        gpu_check_report("F2-worker-device", tensors=len(state))
     finally:
         worker.stdin.close()
         worker.wait(timeout=60)
@@ -202,7 +191,7 @@ def test_a_worker_killed_mid_transfer_costs_the_learner_one_timeout_and_its_trai
         while publisher.server.groups and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not publisher.server.groups, "the learner's side of the dead worker's group was not aborted"
-        report("F4-S2-dead-worker", matmul_ms_baseline=baseline * 1e3, matmul_ms_during=during * 1e3)
+        gpu_check_report("F4-S2-dead-worker", matmul_ms_baseline=baseline * 1e3, matmul_ms_during=during * 1e3)
         assert during < 1.5 * baseline
         fresh, conn2 = two_gpu_group(publisher)
         try:

@@ -10,16 +10,12 @@ and what the learner publishes over the tcp weight channel must reach it exactly
 The weight-channel tests come last and put the exported weights back (as version 0) when they are done.
 """
 import asyncio
-import copy
-import os
-import threading
 
 import msgspec
 import numpy as np
 import pytest
-import torch
 
-from conftest import ROOT, DyingWeightServer, step_batch
+from conftest import ROOT, DyingWeightServer, engine_on_a_thread, learner_logprobs, on_engine, perturbed, step_batch
 from tidal.actor.length_control import generate, to_sample
 from tidal.broker.schema import InterruptParams, PromptGroup, RolloutGroup, SamplingParams, int32s
 from tidal.config import load_config, resolve
@@ -50,46 +46,10 @@ def exported(tmp_path_factory, tiny_model_path):
 
 @pytest.fixture(scope="module")
 def engine(exported):
-    """One engine on its own event loop thread; tests hand it coroutines through `on_engine`."""
-    from tidal.actor.engine import Engine
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="engine-loop", daemon=True)
-    thread.start()
-
-    async def start():
-        # the demo's plain CPU linear layers: updates are copied in place (the packed layout's layer-wise
-        # reload runs in test_run's synchronous run); pinned to a core, as `tidal run` pins its actors,
-        # the model runs in vLLM's engine-core process
-        core = max(os.sched_getaffinity(0))
-        overrides = [f"actor.cpu_cores={core}"]
-        actor = load_config(ROOT / "configs/tiny.yaml", overrides).actor
-        e = Engine(actor, str(exported[0]), "float32")
-        await e.set_version(0)
-        return e
-
-    e = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=600)
-    e.loop = loop
-    yield e
-    e.shutdown()
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=30)
-
-
-def on_engine(engine, coro):
-    return asyncio.run_coroutine_threadsafe(coro, engine.loop).result(timeout=300)
-
-
-def learner_logprobs(policy, prompt: list[int], tokens: np.ndarray) -> np.ndarray:
-    """What the learner computes for these completion tokens: its fused-kernel forward, temperature 1."""
-    from tidal.learner.trainer import PolicyLogprobs
-
-    module = PolicyLogprobs(policy, temperature=1.0, backend="torch").eval()
-    ids = torch.tensor([prompt + tokens.tolist()])
-    with torch.no_grad():
-        logp, _ = module(ids, torch.ones_like(ids), torch.arange(len(prompt) - 1, ids.shape[1] - 1),
-                         torch.from_numpy(tokens.astype(np.int64)))
-    return logp.numpy()
+    """One engine on its own event loop thread; tests hand it coroutines through `on_engine`. The demo's
+    plain CPU linear layers: updates are copied in place (the packed layout's layer-wise reload runs in
+    test_moe and in test_run's synchronous run)."""
+    yield from engine_on_a_thread(str(exported[0]))
 
 
 def tokenize(folder, text: str) -> list[int]:
@@ -133,16 +93,6 @@ def test_interruptions_on_the_real_engine_line_up_with_the_model(exported, engin
 
 
 # ---- the network weight channels, through vLLM's weight-transfer API ---------------------------
-
-def perturbed(policy, seed: int):
-    """The policy one large step later: every parameter moved (the tied LM head with the embedding)."""
-    new = copy.deepcopy(policy)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in new.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
-    return new
-
 
 def channel(transport="tcp", **keys):
     from tidal.broker.weights import build_publisher, build_receiver

@@ -8,16 +8,12 @@ channel's path) and by the file channel (a whole version at once).
     tiny Qwen3-MoE ─► vLLM engine (one, shared)
     the policy one step later ─► checkpoint names ─► gloo / file ─► engine ─► its logprobs = the learner's
 """
-import asyncio
-import copy
-import os
-import threading
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import ALPHABET, ROOT, TINY
+from conftest import ALPHABET, TINY, engine_on_a_thread, learner_logprobs, on_engine, perturbed
 from tidal.broker.schema import SamplingParams
 
 
@@ -44,41 +40,9 @@ def moe(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(moe):
-    from tidal.actor.engine import Engine
-    from tidal.config import load_config
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="moe-engine-loop", daemon=True)
-    thread.start()
-    actor = load_config(ROOT / "configs/tiny.yaml", [f"actor.cpu_cores={max(os.sched_getaffinity(0))}",
-                                                     "actor.vllm.cpu_linear=packed"]).actor
-
-    async def start():
-        e = Engine(actor, str(moe[0]), "float32")
-        await e.set_version(0)
-        return e
-
-    e = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=600)
-    e.loop = loop
-    yield e
-    e.shutdown()
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=30)
-
-
-def on_engine(engine, coro):
-    return asyncio.run_coroutine_threadsafe(coro, engine.loop).result(timeout=300)
-
-
-def learner_logprobs(policy, prompt: list[int], tokens: np.ndarray) -> np.ndarray:
-    from tidal.learner.trainer import PolicyLogprobs
-
-    ids = torch.tensor([prompt + tokens.tolist()])
-    with torch.no_grad():
-        logp, _ = PolicyLogprobs(policy, 1.0, "torch").eval()(
-            ids, torch.ones_like(ids), torch.arange(len(prompt) - 1, ids.shape[1] - 1),
-            torch.from_numpy(tokens.astype(np.int64)))
-    return logp.numpy()
+    """The MoE's engine, its linear layers packed (updates by the layer-wise reload, as on the CPU backend
+    a MoE layer's experts always are)."""
+    yield from engine_on_a_thread(str(moe[0]), "actor.vllm.cpu_linear=packed")
 
 
 def serves(engine, policy, version: int) -> float:
@@ -87,16 +51,6 @@ def serves(engine, policy, version: int) -> float:
     samples = on_engine(engine, engine.sample(prompt, 16, SamplingParams(1.0, 1.0, 6, ()), request_id=f"moe-{version}"))
     assert all(s.version_spans == [(version, 0, len(s.tokens))] for s in samples)
     return max(float(np.abs(s.logprobs - learner_logprobs(policy, prompt, s.tokens)).max()) for s in samples)
-
-
-def moved(policy, seed: int):
-    """The policy a large step later: every parameter, the experts' included, moved."""
-    new = copy.deepcopy(policy)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in new.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.1)
-    return new
 
 
 def checkpoint_pairs(policy):
@@ -114,7 +68,7 @@ def test_a_moe_policy_reaches_the_engine_under_its_checkpoint_names(moe, engine,
 
     folder, policy = moe
     assert serves(engine, policy, 0) < 1e-4  # as loaded from the folder
-    new = moved(policy, seed={"gloo": 1, "file": 2}[transport])
+    new = perturbed(policy, seed={"gloo": 1, "file": 2}[transport], scale=0.1)
     assert "model.layers.0.mlp.experts.gate_up_proj" in new.state_dict()  # fused, as transformers holds them
     entries, pairs = checkpoint_pairs(new)
     cfg = WeightsConfig(transport=transport, bucket_mib=1, tcp_timeout_s=30.0, dir=str(tmp_path / "weights"))
