@@ -33,6 +33,10 @@ SAFETY_S = 60.0  # no wait in a test lasts longer: a hang becomes a failure
 # Work lands lazily: as soon as something ordered after it waits for it (a synchronize, an ordered
 # read), else after this long. A read that nothing orders after the work therefore sees the old bytes.
 LAND_AFTER_S = 1.0
+# vLLM's destroy() marks its communicator disabled only once ncclCommAbort returns, on a thread of its
+# own: a collective issued in between reaches a communicator being torn down (on a GPU: undefined).
+DISABLED_AFTER_S = 0.5
+misuse: list[str] = []  # collectives issued on an aborted communicator that vLLM had not disabled yet
 
 
 class FakeTimeout(AssertionError):
@@ -338,6 +342,9 @@ class FakeCommunicator:
     def _issue(self, call: tuple, stream) -> None:
         if self.disabled:
             return  # as PyNcclCommunicator once destroyed: nothing happens, nothing is raised
+        if self.aborted:
+            misuse.append(f"rank {self.rank}: a {call[0]} issued while its communicator was being aborted")
+            return
         stream = stream if stream is not None else current_stream()
         if stream.device_index != self.device_index:
             raise RuntimeError(f"NCCL: a collective of a communicator on cuda:{self.device_index} enqueued on a "
@@ -356,8 +363,16 @@ class FakeCommunicator:
         return out
 
     def destroy(self) -> None:
-        """ncclCommAbort: this rank's pending and later collectives end at once, carrying nothing."""
-        self.aborted = self.disabled = True
+        """ncclCommAbort: this rank's pending collectives end at once, carrying nothing; as vLLM's
+        destroy, the communicator counts as disabled only DISABLED_AFTER_S later."""
+        if self.aborted:
+            return
+        self.aborted = True
+
+        def disable():
+            time.sleep(DISABLED_AFTER_S)
+            self.disabled = True
+        threading.Thread(target=disable, daemon=True).start()
 
 
 def communicator(uid: bytes, rank: int, world_size: int, device) -> FakeCommunicator:
@@ -394,6 +409,7 @@ def installed(monkeypatch=None):
         _tls.__dict__.clear()
         _pending_writes.clear()
         _groups.clear()
+        misuse.clear()
         FakeStream._default.clear()
         _all_streams.clear()
 

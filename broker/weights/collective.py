@@ -46,7 +46,7 @@ from tidal.broker.weights.base import (
     update_info,
 )
 from tidal.broker.weights.payload import pack, payload_bytes, tensor_buckets, without_aliases
-from tidal.broker.weights.server import Served, WeightServer, error_reply, read_reply, recv_exact, reply
+from tidal.broker.weights.server import Served, WeightServer, error_reply, next_request, read_reply, reply
 from tidal.config import WeightsConfig
 
 CONTROL = struct.Struct("<4sBQ")  # magic, op, argument (JOIN: the engine's workers; FETCH: the version)
@@ -142,7 +142,7 @@ class GroupServer(WeightServer):
         self.plane.bind(self.device_index)
         group = None
         try:
-            while (request := recv_exact(conn, CONTROL.size, eof_ok=True)) is not None:
+            while (request := next_request(conn, CONTROL.size, self.timeout_s)) is not None:
                 magic, op, arg = CONTROL.unpack(request)
                 if magic != CONTROL_MAGIC or op not in (JOIN, FETCH):
                     conn.sendall(error_reply(server.BAD_REQUEST, f"not a tidal weight group request "
@@ -150,7 +150,7 @@ class GroupServer(WeightServer):
                     return
                 if op == JOIN:
                     self._drop(group)
-                    group = None
+                    group = None  # gone: a join that fails must not abort it a second time
                     group = self._join(conn, arg)
                 elif not self._fetch(conn, group, arg):
                     return  # the transfer failed: the group is gone, and the actor joins again

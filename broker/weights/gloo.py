@@ -6,6 +6,7 @@ error after the group's timeout (weights.tcp_timeout_s). GLOO_SOCKET_IFNAME pick
 from __future__ import annotations
 
 import datetime
+import threading
 import uuid
 import zlib
 
@@ -52,13 +53,15 @@ class GlooPlane(Plane):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.store = None  # the learner's TCPStore, made with its first group
+        self.lock = threading.Lock()  # actors join on connection threads of their own, maybe at once
 
     def mint(self, num_workers: int, bucket_bytes: int) -> dict:
         import torch.distributed as dist
 
-        if self.store is None:
-            self.store = dist.TCPStore(self.cfg.tcp_host, 0, None, True, wait_for_workers=False,
-                                       timeout=datetime.timedelta(seconds=self.cfg.tcp_timeout_s))
+        with self.lock:
+            if self.store is None:
+                self.store = dist.TCPStore(self.cfg.tcp_host, 0, None, True, wait_for_workers=False,
+                                           timeout=datetime.timedelta(seconds=self.cfg.tcp_timeout_s))
         return {"store_port": self.store.port, "group": f"tidal-weights-{uuid.uuid4().hex[:12]}",
                 "world_size": 1 + num_workers}
 

@@ -51,6 +51,27 @@ def communicator(uid: bytes, rank: int, world_size: int, device_index: int):
     return PyNcclCommunicator.from_unique_id_bytes(uid, rank=rank, world_size=world_size, device=device_index)
 
 
+class Abortable:
+    """A communicator that does nothing once aborted. vLLM's destroy() runs ncclCommAbort on a thread
+    of its own and marks the communicator disabled only when that returns (or after 5 s): a sender or
+    receiver that issued its next chunk meanwhile would enqueue on a communicator being torn down. The
+    flag set here first closes that window; the rest of the API is the communicator's."""
+
+    def __init__(self, comm):
+        self.comm, self.aborted = comm, False
+
+    def broadcast(self, tensor, src: int, stream=None) -> None:
+        if not self.aborted:
+            self.comm.broadcast(tensor, src=src, stream=stream)
+
+    def destroy(self) -> None:
+        self.aborted = True
+        self.comm.destroy()
+
+    def __getattr__(self, name: str):
+        return getattr(self.comm, name)
+
+
 def tensor_device(device_index: int):
     import torch
 
@@ -60,11 +81,11 @@ def tensor_device(device_index: int):
 class _LearnerGroup:
     """The learner's end of one actor's group: its communicator and the two streams its sends use."""
 
-    def __init__(self, comm, streams: list):
+    def __init__(self, comm: Abortable, streams: list):
         self.comm, self.streams = comm, streams
 
     def abort(self) -> None:
-        self.comm.destroy()  # ncclCommAbort: pending collectives end, later ones do nothing
+        self.comm.destroy()  # ncclCommAbort: pending collectives end, later ones are never issued
 
 
 class NcclPlane(Plane):
@@ -99,7 +120,7 @@ class NcclPlane(Plane):
         device = torch.cuda.current_device()
         streams = [torch.cuda.Stream(device=device) for _ in range(NUM_BUFFERS)]
         with torch.cuda.stream(streams[0]):  # the communicator's warm-up too stays off the training stream
-            comm = communicator(base64.b64decode(spec["uid"]), 0, spec["world_size"], device)
+            comm = Abortable(communicator(base64.b64decode(spec["uid"]), 0, spec["world_size"], device))
         return _LearnerGroup(comm, streams)
 
     def send(self, group: _LearnerGroup, served: Served, progress) -> None:
@@ -208,8 +229,9 @@ def _vllm_engine_class():
                 self.packed = init_info.packed
                 self.packed_buffer_size_bytes = init_info.packed_buffer_size_bytes
                 self.packed_num_buffers = init_info.packed_num_buffers
-                self.model_update_group = communicator(init_info.nccl_unique_id_bytes, self.worker_rank,
-                                                       init_info.world_size, torch.accelerator.current_device_index())
+                self.model_update_group = Abortable(communicator(
+                    init_info.nccl_unique_id_bytes, self.worker_rank, init_info.world_size,
+                    torch.accelerator.current_device_index()))
 
         _engine_class = TidalNcclEngine
     return _engine_class

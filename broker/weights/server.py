@@ -3,6 +3,7 @@ payloads and answers each connected actor on a thread of its own, and the small 
 sides of those channels speak (a request struct, a reply header with a status, a body)."""
 from __future__ import annotations
 
+import logging
 import socket
 import struct
 import threading
@@ -16,6 +17,9 @@ MAGIC = b"TDW1"
 REPLY = struct.Struct("<4sBQ")  # magic, status, bytes that follow (the body, or an error text)
 OK, NOT_SERVED, BAD_REQUEST, FAILED = 0, 1, 2, 3
 MAX_ERROR_BYTES = 4096
+KEEPALIVE_S = 30  # an idle connection's peer is probed after this long, then every this long, 4 times
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -41,6 +45,7 @@ class WeightServer:
         self.lock = threading.Lock()
         self.connections: set[socket.socket] = set()
         self.handlers: set[threading.Thread] = set()  # one per connection, while it lasts
+        self.errors = 0  # connections ended by something other than the network (a bug: logged with its trace)
         self.listener = socket.create_server((host, port), reuse_port=False)
         self.port = self.listener.getsockname()[1]
         self.thread = threading.Thread(target=self._accept, name="tidal-weight-server", daemon=True)
@@ -85,6 +90,7 @@ class WeightServer:
                 return
             conn.settimeout(self.timeout_s)  # an actor that stops reading frees its thread
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a reply's header must not wait for an ACK
+            keepalive(conn)
             handler = threading.Thread(target=self._serve, args=(conn,), name="tidal-weight-send", daemon=True)
             with self.lock:
                 self.connections.add(conn)
@@ -96,6 +102,11 @@ class WeightServer:
             self._handle(conn)
         except OSError:
             pass  # the actor went away or stalled; it reports its own error, and the learner carries on
+        except Exception:  # noqa: BLE001 - one actor's connection never takes the learner down
+            with self.lock:
+                self.errors += 1
+            log.exception("weight server: the connection from %s failed; it was closed and the learner "
+                          "carries on", _peer(conn))
         finally:
             with self.lock:
                 self.connections.discard(conn)
@@ -132,6 +143,23 @@ class WeightServer:
             self.retired.clear()
 
 
+def keepalive(conn: socket.socket) -> None:
+    """TCP keepalive on `conn`: a peer whose machine vanished ends an idle connection within minutes
+    (no read timeout does it: a healthy connection idles between versions for as long as a step takes)."""
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_S), ("TCP_KEEPINTVL", KEEPALIVE_S), ("TCP_KEEPCNT", 4)):
+        if hasattr(socket, name):  # Linux; elsewhere the system's defaults
+            conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+def _peer(conn: socket.socket) -> str:
+    try:
+        host, port = conn.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "an actor"
+
+
 def advertised(cfg: WeightsConfig, port: int) -> str:
     """host:port as the actors dial it."""
     host = cfg.tcp_advertise or (socket.getfqdn() if cfg.tcp_host in ("0.0.0.0", "::", "") else cfg.tcp_host)
@@ -165,6 +193,19 @@ def recv_exact(sock: socket.socket, nbytes: int, eof_ok: bool = False) -> bytes 
     if recv_into_exact(sock, memoryview(buf), eof_ok) is None:
         return None
     return bytes(buf)
+
+
+def next_request(conn: socket.socket, nbytes: int, timeout_s: float) -> bytes | None:
+    """The next `nbytes`-byte request on a connection that may idle for as long as the peer likes
+    (between versions: a training step, an evaluation); once its first byte is in, the rest must
+    follow within `timeout_s`. None when the peer closed the connection."""
+    conn.settimeout(None)  # a dead peer's machine is found by keepalive, not by a read timeout
+    try:
+        if not conn.recv(1, socket.MSG_PEEK):
+            return None
+    finally:
+        conn.settimeout(timeout_s)
+    return recv_exact(conn, nbytes, eof_ok=True)
 
 
 def recv_into_exact(sock: socket.socket, view: memoryview, eof_ok: bool = False) -> int | None:

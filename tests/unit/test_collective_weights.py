@@ -176,3 +176,49 @@ def test_a_stalled_peer_is_aborted_after_the_timeout_and_the_learner_serves_on(s
     assert time.monotonic() - started < 5 * TIMEOUT_S
     conn.close()
     assert os.getpid()  # this process (the learner's) lives on
+
+
+def test_a_group_idle_between_versions_for_longer_than_the_timeout_stays_joined(served):
+    """Between versions a connection idles for as long as a step takes: no read timeout ends it
+    (a vanished peer is found by TCP keepalive instead), so the next version goes through the same group."""
+    publisher, update, state, tokenizer = served
+    engine, receiver = ScriptedEngine(tokenizer), build_receiver(config())
+    asyncio.run(receiver.apply(update, engine))
+    member = engine.worker.member
+    time.sleep(TIMEOUT_S * 1.5)
+    moved = {k: v * 2 for k, v in state.items()}
+    asyncio.run(receiver.apply(publisher.publish(moved, version=4), engine))
+    assert engine.swaps == [3, 4] and engine.worker.member is member and len(publisher.server.groups) == 1
+    assert all(torch.equal(engine.loaded[k], moved[k]) for k in engine.loaded)
+    conn = publisher.server.connections.copy().pop()
+    assert conn.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+
+
+def test_actors_that_join_at_once_share_the_learners_one_store(served, monkeypatch):
+    publisher, update, state, tokenizer = served
+    store = torch.distributed.TCPStore
+    monkeypatch.setattr(torch.distributed, "TCPStore", lambda *a, **k: (time.sleep(0.3), store(*a, **k))[1])
+    engines, receivers = [ScriptedEngine(tokenizer) for _ in range(3)], [build_receiver(config()) for _ in range(3)]
+
+    async def together():
+        await asyncio.gather(*(receiver.apply(update, engine) for receiver, engine in zip(receivers, engines)))
+    asyncio.run(together())
+    assert all(e.swaps == [3] and all(torch.equal(e.loaded[k], state[k]) for k in e.loaded) for e in engines)
+    assert len(publisher.server.groups) == 3
+
+
+def test_a_bug_in_one_connections_thread_is_logged_and_counted_and_the_learner_serves_on(served, monkeypatch,
+                                                                                         caplog):
+    publisher, update, state, tokenizer = served
+    mint = publisher.plane.mint
+    monkeypatch.setattr(publisher.plane, "mint", lambda *a: {}["no such key"])
+    with pytest.raises(ConnectionError, match="connection closed"):
+        asyncio.run(build_receiver(config()).apply(update, ScriptedEngine(tokenizer)))
+    deadline = time.monotonic() + 5
+    while not publisher.server.errors and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert publisher.server.errors == 1 and "KeyError" in caplog.text and "carries on" in caplog.text
+    monkeypatch.setattr(publisher.plane, "mint", mint)
+    engine = ScriptedEngine(tokenizer)
+    asyncio.run(build_receiver(config()).apply(update, engine))
+    assert engine.swaps == [3]

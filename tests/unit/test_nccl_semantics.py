@@ -94,7 +94,11 @@ def test_a_dead_peer_raises_nothing_and_an_abort_ends_the_wait(fake):
     assert not done.wait(0.3)
     sender.destroy()
     assert done.wait(5.0)
-    sender.broadcast(torch.ones(4), src=0)  # destroyed: nothing happens, nothing is raised
+    sender.broadcast(torch.ones(4), src=0)  # aborted, not yet disabled: undefined on a GPU, recorded here
+    assert len(fake_nccl.misuse) == 1
+    time.sleep(fake_nccl.DISABLED_AFTER_S * 2)
+    sender.broadcast(torch.ones(4), src=0)  # disabled: nothing happens, nothing is raised
+    assert len(fake_nccl.misuse) == 1
 
 
 def test_a_collective_on_another_devices_stream_is_refused(fake):
@@ -129,6 +133,8 @@ def channel(fake, monkeypatch):
     monkeypatch.setattr(nccl, "tensor_device", lambda index: torch.device("cpu"))
     torch.cuda.set_device(LEARNER_DEVICE)  # the learner's training thread
     yield made
+    time.sleep(fake_nccl.DISABLED_AFTER_S)  # a side still sending after an abort would have been seen by now
+    assert not fake_nccl.misuse
 
 
 def nccl_publisher(timeout_s: float = 5.0):
