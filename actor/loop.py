@@ -27,6 +27,7 @@ from tidal.health import HealthFile
 log = logging.getLogger(__name__)
 
 MAX_WEIGHT_LOAD_FAILURES = 10  # in a row would mean the weight folder is unreachable: stop loudly
+RETRY_TORN_S = (1.0, 30.0)  # a torn engine retries the newest version after this long, doubling up to a cap
 CATCH_UP_TIMEOUT_S = 30.0  # how long a joining actor waits to hear the current weights before starting without
 
 
@@ -52,6 +53,7 @@ class Actor:
         self.failure: Exception | None = None
         self.last_swap_paused_s = 0.0
         self.swap_wanted = asyncio.Event()
+        self.retry_s = RETRY_TORN_S[0]  # the wait before a torn engine's next try
         self.loaded_incarnation = ""  # the learner process whose weights the engine runs ("" = from disk)
         self._engine_info: dict[str, str] | None = None
 
@@ -168,7 +170,10 @@ class Actor:
     async def load_newest(self, tolerate: bool) -> bool:
         """Load the newest announced weights unless they run already; True when loaded. A failed
         load (a pruned or damaged file) waits for the next version; MAX_WEIGHT_LOAD_FAILURES in a row
-        stop the actor unless `tolerate` (catching up: the groups' min_version makes us load later)."""
+        stop the actor unless `tolerate` (catching up: the groups' min_version makes us load later).
+        A learner that cannot be reached (ConnectionError: it restarts, or is gone) never counts
+        toward that: the broker says when the run ends. A transfer that failed part-way leaves the
+        engine paused on a torn model, so the same version is tried again, after RETRY_TORN_S."""
         self.swap_wanted.clear()
         update = self.latest
         if update is None or self.is_loaded(update):
@@ -176,12 +181,18 @@ class Actor:
         try:
             paused_s = await self.receiver.apply(update, self.engine)
         except Exception as err:
-            log.warning("could not load weights v%d (%s); waiting for the next announcement", update.version, err)
+            unreachable = isinstance(err, ConnectionError)
+            log.warning("could not load weights v%d (%s); %s", update.version, err,
+                        f"trying again in {self.retry_s:.0f} s" if self.torn() else "waiting for the next announcement")
             self.stats["weight_load_failures"] += 1
-            self.stats["weight_load_failures_in_a_row"] += 1
+            self.stats["weight_load_failures_in_a_row"] += not unreachable
+            if self.torn():
+                asyncio.get_running_loop().call_later(self.retry_s, self.swap_wanted.set)
+                self.retry_s = min(self.retry_s * 2, RETRY_TORN_S[1])
             if not tolerate and self.stats["weight_load_failures_in_a_row"] >= MAX_WEIGHT_LOAD_FAILURES:
                 raise RuntimeError(f"{MAX_WEIGHT_LOAD_FAILURES} weight loads failed; last: {err}") from err
             return False
+        self.retry_s = RETRY_TORN_S[0]
         self.loaded_incarnation = update.incarnation
         self.stats["weight_updates"] += 1
         self.stats["weight_load_failures_in_a_row"] = 0
@@ -191,6 +202,10 @@ class Actor:
         async with self.version_changed:
             self.version_changed.notify_all()
         return True
+
+    def torn(self) -> bool:
+        """The engine is paused on a model a failed transfer left part old, part new."""
+        return bool(getattr(self.engine, "torn", False))
 
     async def listen(self) -> None:
         while True:

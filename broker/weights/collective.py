@@ -266,7 +266,10 @@ class CollectiveReceiver(WeightReceiver):
                 await asyncio.to_thread(read_reply, self.conn, f"{where} (the learner's end of the transfer)")
             except Refused:
                 raise
-            except (OSError, ValueError, RuntimeError) as err:
+            except ValueError as err:  # damaged in transit, or a reply that is not the learner's
+                self.leave()
+                raise ValueError(f"{where}: {err}") from err
+            except (OSError, RuntimeError) as err:  # the learner or the group gone, stalled or cut
                 self.leave()
                 raise ConnectionError(f"{where}: {err}") from err
             except BaseException:

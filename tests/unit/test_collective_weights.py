@@ -65,7 +65,7 @@ def test_a_refused_version_leaves_the_group_in_step_and_a_damaged_one_leaves_the
     moved = publisher.publish({k: v + 1 for k, v in state.items()}, version=4)
     bad = [*moved.buckets]
     bad[1] = msgspec.structs.replace(bad[1], crc32=bad[1].crc32 ^ 1)
-    with pytest.raises(ConnectionError, match=r"weights v4 .* bucket 1: crc32 .* damaged in transit, refused"):
+    with pytest.raises(ValueError, match=r"weights v4 .* bucket 1: crc32 .* damaged in transit, refused"):
         asyncio.run(receiver.apply(msgspec.structs.replace(moved, buckets=bad), engine))
     assert engine.swaps == [3] and engine.torn  # bucket 0 was loaded: paused until a whole version is in
     asyncio.run(receiver.apply(moved, engine))  # joins again: a new group
@@ -222,3 +222,43 @@ def test_a_bug_in_one_connections_thread_is_logged_and_counted_and_the_learner_s
     engine = ScriptedEngine(tokenizer)
     asyncio.run(build_receiver(config()).apply(update, engine))
     assert engine.swaps == [3]
+
+
+def test_a_torn_engine_tries_the_same_version_again_and_an_unreachable_learner_never_stops_the_actor(served,
+                                                                                                    monkeypatch):
+    """A transfer that fails part-way leaves the engine paused: with no newer announcement coming (the
+    learner waits for this actor's rollouts) the actor tries the same version again, backing off, and
+    the learner being unreachable meanwhile never counts toward the failures that stop an actor."""
+    from tidal.actor import loop
+    from tidal.config import ActorConfig
+
+    publisher, update, state, tokenizer = served
+    engine = ScriptedEngine(tokenizer)
+    actor = loop.Actor(ActorConfig(), engine, transport=None, receiver=build_receiver(config()), reward_fns={})
+    actor.retry_s = 0.05
+    send, tries = gloo.GlooPlane.send, []
+
+    def fails_twice(self, group, served, progress):  # one bucket, then the learner gives up on the transfer
+        tries.append(1)
+        if len(tries) > 2:
+            return send(self, group, served, progress)
+        gloo.broadcast(group.group, served.payload[:served.buckets[0].nbytes])
+        raise RuntimeError("the learner's side failed")
+    monkeypatch.setattr(gloo.GlooPlane, "send", fails_twice)
+
+    async def until_loaded():
+        actor.note_announcement(update)
+        applying = asyncio.create_task(actor.apply_newest())
+        while engine.swaps != [3] and not applying.done():
+            await asyncio.sleep(0.05)
+        applying.cancel()
+    asyncio.run(asyncio.wait_for(until_loaded(), 60))
+    assert len(tries) == 3 and engine.swaps == [3] and not engine.torn
+    assert actor.stats["weight_load_failures"] == 2 and actor.retry_s == loop.RETRY_TORN_S[0]
+
+    unreachable = msgspec.structs.replace(update, version=4, location="127.0.0.1:1")
+    actor.note_announcement(unreachable)
+    for _ in range(loop.MAX_WEIGHT_LOAD_FAILURES + 2):
+        assert asyncio.run(actor.load_newest(tolerate=False)) is False
+        actor.latest = unreachable
+    assert actor.stats["weight_load_failures_in_a_row"] == 0
