@@ -80,7 +80,7 @@ class Engine:
         return self._llm.vllm_config.parallel_config.world_size
 
     async def transfer_weights(self, version: int, update_info: dict, streaming: bool = False) -> float:
-        """Pause (in-flight requests keep their place), load the update in every worker through
+        """Pause (in-flight requests keep their place and tokens), load the update in every worker through
         vLLM's weight-transfer API (tidal's engine, fixed when this engine started), label the
         version, resume; returns seconds paused. A `streaming` update loads as its bytes arrive:
         one that fails part-way leaves the model torn, so the engine stays paused (its requests
@@ -120,11 +120,13 @@ class Engine:
             pass  # the workers whose session had ended already say so; the update's own error is raised
 
     async def _pause(self) -> None:
-        """Requests in flight stop between engine steps and keep their place (their KV cache too).
-        The engine core is asked directly: AsyncLLM.pause_generation adds a fixed 20 ms sleep,
-        only so that outputs already produced reach their callers first (our version spans do not
-        depend on it), and 20 ms is a large share of a small model's whole pause. The prefix cache is
-        cleared: a prompt's cached keys and values were computed by the weights being replaced."""
+        """Requests in flight stop between engine steps and keep their place and their tokens. The
+        caches are cleared: a prompt's cached keys and values were computed by the weights being
+        replaced, and clearing them preempts the running requests, so on resume each recomputes its
+        keys and values (prompt and tokens so far) under the new weights before it samples on. The
+        engine core is asked directly: AsyncLLM.pause_generation adds a fixed 20 ms sleep, only so
+        that outputs already produced reach their callers first (our version spans do not depend on
+        it), and 20 ms is a large share of a small model's whole pause."""
         core = getattr(self._llm, "engine_core", None)
         if core is None or not hasattr(core, "pause_scheduler_async"):
             await self._llm.pause_generation(mode="keep", clear_cache=True)

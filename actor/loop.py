@@ -20,7 +20,7 @@ from collections import Counter
 from tidal.actor.length_control import generate, to_sample
 from tidal.broker.base import ActorTransport
 from tidal.broker.schema import Heartbeat, PromptGroup, RolloutGroup, Shutdown, WeightUpdate
-from tidal.broker.weights import WeightReceiver
+from tidal.broker.weights import EngineStuck, WeightReceiver
 from tidal.config import ActorConfig
 from tidal.health import HealthFile
 
@@ -180,6 +180,8 @@ class Actor:
             return False
         try:
             paused_s = await self.receiver.apply(update, self.engine)
+        except EngineStuck:
+            raise  # no later update can load: stop, and be restarted
         except Exception as err:
             unreachable = isinstance(err, ConnectionError)
             log.warning("could not load weights v%d (%s); %s", update.version, err,

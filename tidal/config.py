@@ -286,7 +286,10 @@ class WeightsConfig:
     tcp_advertise: str = ""  # the host actors dial; empty = tcp_host (this machine's name when it is 0.0.0.0)
     bucket_mib: int = 64  # a version is checked (and over the network sent) in byte ranges of this size
     tcp_timeout_s: float = 30.0  # an actor gives up on a learner that sends nothing for this long
-    tcp_prefetch: bool = True  # fetch (tcp) or receive (nccl/gloo) a version before pausing the engine, not in it
+    tcp_prefetch: bool = True  # tcp: fetch a version before pausing the engine, not in it (nccl, gloo: every
+    # version is received in the pause, each piece loaded as it lands)
+    max_sends: int = 2  # nccl, gloo: versions the learner sends at once (to that many actors); nccl holds
+    # 2 GPU buffers of a bucket plus the largest tensor for each
 
 
 @dataclass(frozen=True)

@@ -371,9 +371,10 @@ def learner_gpu_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
     terms = [] if offloaded else state_terms(cfg, shape)
     terms += gathered_terms(cfg, shape) if cfg.learner.fsdp.enabled else unsharded_terms(cfg, shape)
     terms += activation_terms(cfg, shape)
-    if cfg.weights.transport == "nccl":  # the per-tensor copies and the packed chunk, both alive while sending
-        terms.append(Term("nccl send buffers (2 streams, copies and packed)", 2 * transfer_buffer_bytes(cfg, shape),
-                          ("weights.bucket_mib", "weights.transport")))
+    if cfg.weights.transport == "nccl":  # each send slot's two chunk buffers, made once
+        sends = cfg.weights.max_sends
+        terms.append(Term(f"nccl send buffers ({sends} sends x 2 chunks)", sends * transfer_buffer_bytes(cfg, shape),
+                          ("weights.bucket_mib", "weights.max_sends", "weights.transport")))
     return terms
 
 
@@ -477,15 +478,21 @@ def in_shm(directory: str) -> bool:
 
 def learner_host_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
     """Host memory of the learner on node 0 (a pod's, on Kubernetes): the packed payloads of the newest
-    max(weights.keep, 2) versions; for the file channel its serialized copy and the files it keeps in
-    /dev/shm; with cpu_offload the node's shards of parameters, gradients and AdamW state; a checkpoint
-    being written (each rank writes its own part, rank 0 alone when nothing is sharded: its AdamW
-    state, the larger of its two files, staged in host memory and serialized, 2 copies); and one
-    process a rank."""
+    max(weights.keep, 2) versions and of those retired while still being sent; for the file channel
+    its serialized copy and the files it keeps in /dev/shm; with cpu_offload the node's shards of
+    parameters, gradients and AdamW state; a checkpoint being written (each rank writes its own part,
+    rank 0 alone when nothing is sharded: its AdamW state, the larger of its two files, staged in host
+    memory and serialized, 2 copies); and one process a rank."""
     lc, w, payload = cfg.learner, cfg.weights, payload_bytes(cfg, shape)
     keep = max(w.keep, 2)
+    # a version no longer served lives on while it is being sent: on the collective channels each of
+    # weights.max_sends transfers holds one for its whole length, on tcp a bucket's send holds it briefly
+    sending = w.max_sends if w.transport in ("nccl", "gloo") else 1 if w.transport == "tcp" else 0
     terms = [Term(f"weight payloads kept ({keep} x {cfg.model.dtype})", keep * payload,
                   ("weights.keep", "model.dtype"))]
+    if sending:
+        terms.append(Term(f"weight payloads retired while still sent ({sending})", sending * payload,
+                          ("weights.max_sends", "weights.transport")))
     if w.transport == "file":
         terms.append(Term("file channel's serialized copy", payload, ("weights.transport",)))
         if in_shm(w.dir):

@@ -15,15 +15,15 @@ a joining actor is sent the current one first.
 from __future__ import annotations
 
 from tidal.broker.weights import file, gloo, nccl, tcp
-from tidal.broker.weights.base import Transport, WeightPublisher, WeightReceiver
+from tidal.broker.weights.base import EngineStuck, Transport, WeightPublisher, WeightReceiver
 from tidal.config import WeightsConfig
 
 TRANSPORTS: dict[str, Transport] = {t.name: t for t in (file.TRANSPORT, tcp.TRANSPORT, gloo.TRANSPORT,
                                                           nccl.TRANSPORT)}
 default_dir = file.default_dir  # where a run's weights live when weights.dir is empty
 
-__all__ = ["TRANSPORTS", "WeightPublisher", "WeightReceiver", "build_publisher", "build_receiver", "default_dir",
-           "transport"]
+__all__ = ["TRANSPORTS", "EngineStuck", "WeightPublisher", "WeightReceiver", "build_publisher", "build_receiver",
+           "default_dir", "transport"]
 
 
 def transport(name: str) -> Transport:
@@ -51,7 +51,8 @@ def check_transport(cfg: WeightsConfig) -> str:
     if cfg.transport not in TRANSPORTS:
         raise ValueError(f"config key 'weights.transport' = {cfg.transport!r}: expected one of {', '.join(TRANSPORTS)}")
     rules = {"bucket_mib": (cfg.bucket_mib >= 1, ">= 1"), "tcp_timeout_s": (cfg.tcp_timeout_s > 0, "> 0"),
-             "tcp_port": (0 <= cfg.tcp_port < 65536, "in 0..65535 (0: any free port)")}
+             "tcp_port": (0 <= cfg.tcp_port < 65536, "in 0..65535 (0: any free port)"),
+             "max_sends": (cfg.max_sends >= 1, ">= 1")}
     for key, (ok, expected) in rules.items():
         if cfg.transport != file.NAME and not ok:  # the network channels' keys
             raise ValueError(f"config key 'weights.{key}' = {getattr(cfg, key)!r}: must be {expected}")

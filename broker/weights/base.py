@@ -29,6 +29,11 @@ class WeightPublisher(abc.ABC):
         """Release what the channel holds for this run (files, sockets, groups)."""
 
 
+class EngineStuck(RuntimeError):
+    """The engine can take no further update: a worker waits inside a call that cannot be cancelled
+    (NCCL's initialization, for a learner gone meanwhile). The actor stops, to be restarted."""
+
+
 class WeightReceiver(abc.ABC):
     """Actor side: brings an announced version into the engine, through vLLM's weight-transfer API."""
 

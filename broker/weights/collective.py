@@ -21,13 +21,14 @@ mid-transfer costs the actor the version. The learner's training never waits for
 run on the connection's own thread and streams, from the payload in host memory, outside the
 process group of the training ranks. Nothing is kept on the actor beyond the pieces in flight, so a
 transfer that fails part-way leaves the engine paused on a torn model until a whole version loads
-(requests in flight keep their place).
+(requests in flight keep their place and tokens).
 """
 from __future__ import annotations
 
 import abc
 import asyncio
 import json
+import logging
 import socket
 import struct
 import threading
@@ -38,6 +39,7 @@ from functools import partial
 from tidal.broker.schema import WeightUpdate
 from tidal.broker.weights import server
 from tidal.broker.weights.base import (
+    EngineStuck,
     InitInfo,
     Transport,
     WeightPublisher,
@@ -53,6 +55,8 @@ CONTROL = struct.Struct("<4sBQ")  # magic, op, argument (JOIN: the engine's work
 CONTROL_MAGIC = b"TDG2"
 JOIN, FETCH = 1, 2
 MAX_WORKERS = 4096  # workers of one engine (tensor x pipeline parallel)
+
+log = logging.getLogger(__name__)
 
 
 class Plane(abc.ABC):
@@ -137,6 +141,7 @@ class GroupServer(WeightServer):
         self.plane, self.bucket_bytes = plane, cfg.bucket_mib << 20
         self.device_index = plane.device_index()  # the training thread's device, where sends start from
         self.groups: set = set()  # every live group, aborted on close
+        self.turns = threading.BoundedSemaphore(cfg.max_sends)  # transfers running at once
 
     def _handle(self, conn: socket.socket) -> None:
         self.plane.bind(self.device_index)
@@ -151,7 +156,8 @@ class GroupServer(WeightServer):
                 if op == JOIN:
                     self._drop(group)
                     group = None  # gone: a join that fails must not abort it a second time
-                    group = self._join(conn, arg)
+                    if (group := self._join(conn, arg)) is None:
+                        return  # the actor joins again, on a new connection
                 elif not self._fetch(conn, group, arg):
                     return  # the transfer failed: the group is gone, and the actor joins again
         finally:
@@ -163,18 +169,28 @@ class GroupServer(WeightServer):
             return None
         spec = self.plane.mint(num_workers, self.bucket_bytes)
         conn.sendall(reply(server.OK, json.dumps(spec).encode()))
-        group = self.plane.form(spec, self.timeout_s)
+        try:
+            group = self.plane.form(spec, self.timeout_s)
+        except RuntimeError as err:  # the actor's workers never came (gloo: its timeout; nccl: ours)
+            log.warning("weights: an actor's group did not form (%s); its connection is closed", err)
+            return None
         with self.lock:
             self.groups.add(group)
         return group
 
     def _fetch(self, conn: socket.socket, group, version: int) -> bool:
-        """Send `version` through the connection's group; False when the transfer failed."""
-        served, known = self.lease(version)
+        """Send `version` through the connection's group once fewer than weights.max_sends transfers
+        run; False when the transfer failed."""
+        if group is None:
+            conn.sendall(error_reply(server.NOT_SERVED, "join first"))
+            return True
+        while not self.turns.acquire(timeout=self.timeout_s / 4):
+            conn.sendall(reply(server.QUEUED))  # still there: the actor's read of the answer starts over
+        served = None
         try:
-            if group is None or served is None:
-                why = "join first" if group is None else f"version {version} is not served here (served: {known})"
-                conn.sendall(error_reply(server.NOT_SERVED, why))
+            served, known = self.lease(version)
+            if served is None:
+                conn.sendall(error_reply(server.NOT_SERVED, f"version {version} is not served here (served: {known})"))
                 return True
             conn.sendall(reply(server.OK))
             with Watchdog(self.timeout_s, group.abort) as watchdog:
@@ -191,6 +207,7 @@ class GroupServer(WeightServer):
         finally:
             if served is not None:
                 self.release(served)
+            self.turns.release()
 
     def _drop(self, group) -> None:
         if group is None:
@@ -264,7 +281,7 @@ class CollectiveReceiver(WeightReceiver):
                 info = update_info(self.transport, update, "", self.cfg.tcp_timeout_s)
                 paused = await engine.transfer_weights(update.version, info, streaming=True)
                 await asyncio.to_thread(read_reply, self.conn, f"{where} (the learner's end of the transfer)")
-            except Refused:
+            except (Refused, EngineStuck):
                 raise
             except ValueError as err:  # damaged in transit, or a reply that is not the learner's
                 self.leave()
@@ -290,9 +307,14 @@ class CollectiveReceiver(WeightReceiver):
             spec = json.loads(await asyncio.to_thread(self._request, JOIN, engine.num_workers(), where))
             group = {**spec, "location": update.location}
             # the workers form their side while the learner's connection thread forms its own
-            await asyncio.wait_for(engine.init_weight_transfer(
-                {"transport": self.transport, "group": group, "timeout_s": self.cfg.tcp_timeout_s}),
-                self.cfg.tcp_timeout_s * 2)
+            try:
+                await asyncio.wait_for(engine.init_weight_transfer(
+                    {"transport": self.transport, "group": group, "timeout_s": self.cfg.tcp_timeout_s}),
+                    self.cfg.tcp_timeout_s * 2)
+            except TimeoutError:
+                raise EngineStuck(f"{where}: the engine's workers did not form their group within "
+                                  f"{self.cfg.tcp_timeout_s * 2:.0f} s (twice weights.tcp_timeout_s) and wait "
+                                  "on inside a call that cannot be cancelled; the actor must restart") from None
         except BaseException:
             self.leave()
             raise

@@ -3,13 +3,15 @@ vLLM's own NCCL weight transfer (vllm.distributed.weight_transfer, 0.32):
 
     learner  one communicator per actor engine, rank 0 (vLLM's PyNcclCommunicator from an NCCL unique
              id the learner mints and sends over the control connection: no store, nothing unpickled);
-             a version goes out as vLLM's packed chunks (`pack_tensors`, weights.bucket_mib each),
-             copied from the page-locked payload on two streams of the group's own, never the
-             training stream
+             a version goes out in the chunks vLLM's packed consumer expects (whole tensors, about
+             weights.bucket_mib each), copied from the page-locked payload into one of
+             weights.max_sends send slots (two streams, never the training stream, and two device
+             buffers each, made once)
     worker   vLLM's NCCL engine (`NCCLWeightTransferEngine`): its double-buffered packed consumer
              receives each chunk on its own stream and loads it on that same stream (nothing is
              read before it lands), into the worker's own device, each chunk as it arrives: no
-             worker holds more than two chunks beyond its weights
+             worker holds more than two chunks beyond its weights (and, where a layer is
+             reloaded layer-wise, that layer's weights until all of them are in)
 
 NCCL's operations complete asynchronously and a dead peer raises nothing: a kernel waits for it for
 ever. Both sides therefore watch their own progress and destroy the communicator (ncclCommAbort)
@@ -26,7 +28,7 @@ import base64
 from tidal.broker.schema import WeightUpdate
 from tidal.broker.weights.base import InitInfo, StreamedLoad
 from tidal.broker.weights.collective import CollectiveTransport, Plane, Watchdog
-from tidal.broker.weights.payload import DTYPE_NAMES, tensors_of
+from tidal.broker.weights.payload import DTYPE_NAMES
 from tidal.broker.weights.server import Served
 
 NAME = "nccl"
@@ -79,18 +81,55 @@ def tensor_device(device_index: int):
 
 
 class _LearnerGroup:
-    """The learner's end of one actor's group: its communicator and the two streams its sends use."""
+    """The learner's end of one actor's group: its communicator and the chunk size its workers expect."""
 
-    def __init__(self, comm: Abortable, streams: list):
-        self.comm, self.streams = comm, streams
+    def __init__(self, comm: Abortable, chunk_bytes: int):
+        self.comm, self.chunk_bytes = comm, chunk_bytes
 
     def abort(self) -> None:
         self.comm.destroy()  # ncclCommAbort: pending collectives end, later ones are never issued
 
 
+def chunks(manifest: list, chunk_bytes: int):
+    """(tensors, bytes) of each chunk vLLM's packed consumer receives: whole tensors, unpadded, each
+    chunk closed by the tensor that takes it past `chunk_bytes` (so at most that plus the largest)."""
+    specs, total = [], 0
+    for spec in manifest:
+        specs.append(spec)
+        total += spec.nbytes
+        if total > chunk_bytes:
+            yield specs, total
+            specs, total = [], 0
+    if specs:
+        yield specs, total
+
+
+class SendSlot:
+    """What one transfer sends from, made once and reused by every group: two streams of its own (never
+    the training stream; one chunk is copied in on one while the other's is broadcast) and a device
+    buffer for each. Fresh streams or buffers per transfer would leave memory behind in the caching
+    allocator, which keeps a freed block for the stream that used it."""
+
+    def __init__(self, device_index: int, nbytes: int):
+        import torch
+
+        self.nbytes = nbytes
+        self.streams = [torch.cuda.Stream(device=device_index) for _ in range(NUM_BUFFERS)]
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=tensor_device(device_index))
+                        for _ in range(NUM_BUFFERS)]
+
+
 class NcclPlane(Plane):
     name = NAME
     pin = True
+
+    def __init__(self, cfg):
+        import threading
+
+        super().__init__(cfg)
+        self.free: list[SendSlot] = []  # at most weights.max_sends exist: the server lets that many send
+        self.lock = threading.Lock()
+        self.warmup_streams: list = []  # streams whose communicator warm-up is done, for the next ones
 
     @classmethod
     def check_learner(cls) -> None:
@@ -115,39 +154,84 @@ class NcclPlane(Plane):
                 "buffer_bytes": bucket_bytes}
 
     def form(self, spec: dict, timeout_s: float) -> _LearnerGroup:
+        """The learner's side of a new group, formed on a thread of its own: NCCL's init waits for
+        every rank with no timeout and cannot be cancelled, so an actor that dies before its workers
+        join costs one waiting thread, not the connection's (which gives up after `timeout_s`)."""
+        import threading
+
+        device, formed = self.device_index(), {}
+
+        def build() -> None:
+            self.bind(device)
+            stream = self._warmup_stream()
+            try:
+                formed["comm"] = Abortable(communicator(base64.b64decode(spec["uid"]), 0, spec["world_size"], device))
+            except BaseException as err:  # noqa: BLE001 - handed to the connection's thread
+                formed["error"] = err
+            with self.lock:
+                self.warmup_streams.append(stream)  # done with it: the next group's warm-up may run there
+        thread = threading.Thread(target=build, name="tidal-nccl-form", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            raise RuntimeError(f"the actor's workers did not form their group within {timeout_s:.0f} s "
+                               "(weights.tcp_timeout_s); NCCL's init cannot be cancelled, so one thread waits on")
+        if "error" in formed:
+            raise RuntimeError(f"forming the group failed: {formed['error']}") from formed["error"]
+        return _LearnerGroup(formed["comm"], int(spec["buffer_bytes"]))
+
+    def _warmup_stream(self):
+        """The current stream for a communicator's warm-up all-reduce (vLLM runs one as it forms one):
+        never the training stream, where a peer gone mid-warm-up would stall training for ever; a
+        stream of a finished warm-up where there is one, so that formed groups do not each leave a
+        block behind in the allocator's pool of a stream of their own."""
         import torch
 
-        device = torch.cuda.current_device()
-        streams = [torch.cuda.Stream(device=device) for _ in range(NUM_BUFFERS)]
-        with torch.cuda.stream(streams[0]):  # the communicator's warm-up too stays off the training stream
-            comm = Abortable(communicator(base64.b64decode(spec["uid"]), 0, spec["world_size"], device))
-        return _LearnerGroup(comm, streams)
+        with self.lock:
+            stream = self.warmup_streams.pop() if self.warmup_streams else torch.cuda.Stream()
+        torch.cuda.set_stream(stream)
+        return stream
 
     def send(self, group: _LearnerGroup, served: Served, progress) -> None:
-        """vLLM's packed producer, on the group's own streams: each chunk is packed (copied from the
-        payload in host memory) and broadcast on one stream while the other's is in flight."""
+        """Each chunk copied from the page-locked payload into a slot's buffer and broadcast, on one of
+        the slot's streams while the other's chunk is in flight."""
         import torch
-        from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
 
-        device = tensor_device(torch.cuda.current_device())
-        pairs = iter(tensors_of(served.manifest, served.payload))
-        in_flight = [None] * len(group.streams)  # each stream's chunk, alive until its broadcast ends
-        index = 0
-        while True:
-            group.streams[index].synchronize()
-            in_flight[index] = None
-            progress()
-            with torch.cuda.stream(group.streams[index]):
-                chunk = pack_tensors(pairs, lambda item: item[1].to(device, non_blocking=True),
-                                     self.cfg.bucket_mib << 20)
-                if chunk is None:
-                    break
-                group.comm.broadcast(chunk.packed_tensor, src=0, stream=group.streams[index])
-                in_flight[index] = chunk
-            index = (index + 1) % len(group.streams)
-        for stream in group.streams:
-            stream.synchronize()
-            progress()
+        plan = list(chunks(served.manifest, group.chunk_bytes))
+        slot = self._take(max((total for _, total in plan), default=0))
+        try:
+            for index, (specs, total) in enumerate(plan):
+                stream, buffer = slot.streams[index % NUM_BUFFERS], slot.buffers[index % NUM_BUFFERS]
+                stream.synchronize()  # its previous chunk is out: the buffer is free
+                progress()
+                if group.comm.aborted:
+                    return
+                with torch.cuda.stream(stream):
+                    at = 0
+                    for spec in specs:
+                        buffer[at:at + spec.nbytes].copy_(served.payload[spec.offset:spec.offset + spec.nbytes],
+                                                          non_blocking=True)
+                        at += spec.nbytes
+                    group.comm.broadcast(buffer[:total], src=0, stream=stream)
+            for stream in slot.streams:
+                stream.synchronize()
+                progress()
+        finally:
+            for stream in slot.streams:
+                stream.synchronize()  # an aborted transfer's copies end before another transfer reuses the buffers
+            with self.lock:
+                self.free.append(slot)
+
+    def _take(self, nbytes: int) -> SendSlot:
+        """A free slot whose buffers hold `nbytes`; one made (or remade larger) where none does."""
+        import torch
+
+        with self.lock:
+            slot = self.free.pop() if self.free else None
+        if slot is None or slot.nbytes < nbytes:
+            del slot  # its buffers go back to the allocator before the larger ones are taken
+            slot = SendSlot(torch.cuda.current_device(), nbytes)
+        return slot
 
     @classmethod
     def join(cls, engine, init: InitInfo) -> NcclMember:

@@ -16,6 +16,7 @@ from tidal.config import WeightsConfig
 MAGIC = b"TDW1"
 REPLY = struct.Struct("<4sBQ")  # magic, status, bytes that follow (the body, or an error text)
 OK, NOT_SERVED, BAD_REQUEST, FAILED = 0, 1, 2, 3
+QUEUED = 4  # no body: the request waits its turn, the answer follows (sent every so often while it waits)
 MAX_ERROR_BYTES = 4096
 KEEPALIVE_S = 30  # an idle connection's peer is probed after this long, then every this long, 4 times
 
@@ -177,6 +178,8 @@ def error_reply(status: int, text: str) -> bytes:
 def read_reply(conn: socket.socket, where: str, max_bytes: int = MAX_ERROR_BYTES) -> bytes:
     """The learner's reply body; its refusal raises ValueError with the learner's reason."""
     magic, status, nbytes = REPLY.unpack(recv_exact(conn, REPLY.size))
+    while magic == MAGIC and status == QUEUED and nbytes == 0:  # each one restarts the read's timeout
+        magic, status, nbytes = REPLY.unpack(recv_exact(conn, REPLY.size))
     if magic != MAGIC:
         raise ValueError(f"{where}: not a tidal weight server's reply (magic {magic!r})")
     if nbytes > max_bytes:

@@ -262,3 +262,23 @@ def test_a_torn_engine_tries_the_same_version_again_and_an_unreachable_learner_n
         assert asyncio.run(actor.load_newest(tolerate=False)) is False
         actor.latest = unreachable
     assert actor.stats["weight_load_failures_in_a_row"] == 0
+
+
+def test_workers_that_never_form_their_group_stop_the_actor_to_be_restarted(served, monkeypatch):
+    """A worker left waiting inside a call that cannot be cancelled can take no later update: the
+    actor says so and stops, rather than retrying on a wedged engine."""
+    from tidal.actor import loop
+    from tidal.broker.weights import EngineStuck
+    from tidal.config import ActorConfig
+
+    publisher, update, _, tokenizer = served
+    engine = ScriptedEngine(tokenizer)
+
+    async def never(init_info):
+        await asyncio.sleep(3600)
+    monkeypatch.setattr(engine, "init_weight_transfer", never)
+    actor = loop.Actor(ActorConfig(), engine, transport=None, receiver=build_receiver(config(tcp_timeout_s=0.5)),
+                       reward_fns={})
+    actor.note_announcement(update)
+    with pytest.raises(EngineStuck, match=r"did not form their group within 1 s .* the actor must restart"):
+        asyncio.run(actor.load_newest(tolerate=True))

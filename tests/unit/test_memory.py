@@ -100,7 +100,7 @@ def test_a_sharded_32b_learner_fits_on_8_x_80_gib_and_an_unsharded_one_is_refuse
     learner = terms(sharded.budget("learner GPU"))
     assert learner["parameters (float32, 1/16 a rank)"] == 32_763_876_352 * 4 // 16
     assert learner["AdamW state (2 x float32, 1/16 a rank)"] == 2 * 32_763_876_352 * 4 // 16
-    assert learner["nccl send buffers (2 streams, copies and packed)"] == 4 * (64 * MiB + 152064 * 5120 * 2)
+    assert learner["nccl send buffers (2 sends x 2 chunks)"] == 2 * 2 * (64 * MiB + 152064 * 5120 * 2)
     assert 60 * GiB < sharded.budget("learner GPU").total_bytes < 80 * GiB
     assert terms(sharded.budget("actor GPU, vLLM's share"))["KV cache of one 16384-token sequence"] == 2 * GiB
     unsharded = plan(load_config("scalerl", [*TWO_NODES, "learner.micro_batch_tokens=4096"]), big, EIGHT_80)
@@ -136,8 +136,11 @@ def test_host_payload_terms_scale_with_weights_keep(shapes):
     assert "weight files in /dev/shm (3)" not in on_disk
     tcp = load_config("scalerl", ["weights.transport=tcp"])
     assert set(terms_of(learner_host_terms(tcp, shapes["Qwen2.5-7B"]))) == {
-        "weight payloads kept (3 x bfloat16)", "checkpoint being written (AdamW state, staged and serialized)",
-        "learner processes (1)"}
+        "weight payloads kept (3 x bfloat16)", "weight payloads retired while still sent (1)",
+        "checkpoint being written (AdamW state, staged and serialized)", "learner processes (1)"}
+    nccl = terms_of(learner_host_terms(load_config("scalerl", ["weights.transport=nccl", "weights.max_sends=3"]),
+                                       shapes["Qwen2.5-7B"]))
+    assert nccl["weight payloads retired while still sent (3)"] == 3 * payload  # each transfer holds its version
     staged = [t for t in actor_host_terms(tcp, shapes["Qwen2.5-7B"]) if t.shm]
     assert [(t.name, t.nbytes) for t in staged] == [("weights staged in /dev/shm (tcp)", payload)]
 

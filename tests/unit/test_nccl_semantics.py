@@ -131,16 +131,17 @@ def channel(fake, monkeypatch):
     monkeypatch.setattr(nccl, "unique_id", fake_nccl.unique_id)
     monkeypatch.setattr(nccl, "communicator", communicator)
     monkeypatch.setattr(nccl, "tensor_device", lambda index: torch.device("cpu"))
+    nccl._vllm_engine_class()  # vLLM's import, once, before any test's joins are timed
     torch.cuda.set_device(LEARNER_DEVICE)  # the learner's training thread
     yield made
     time.sleep(fake_nccl.DISABLED_AFTER_S)  # a side still sending after an abort would have been seen by now
     assert not fake_nccl.misuse
 
 
-def nccl_publisher(timeout_s: float = 5.0):
+def nccl_publisher(timeout_s: float = 5.0, **keys):
     from tidal.broker.weights import nccl
 
-    cfg = weights_config("nccl", bucket_mib=1, tcp_timeout_s=timeout_s)
+    cfg = weights_config("nccl", bucket_mib=1, tcp_timeout_s=timeout_s, **keys)
     return collective.CollectivePublisher(cfg, nccl.NcclPlane(cfg), incarnation="inc")
 
 
@@ -265,3 +266,62 @@ def test_a_learner_gone_mid_transfer_leaves_the_engine_paused_until_a_whole_vers
                                                                 for k, v in state.items())
     finally:
         resumed.close()
+
+
+def test_transfers_beyond_max_sends_wait_their_turn_and_every_one_sends_from_the_same_slot(channel):
+    """weights.max_sends = 1: two actors ask at once; one transfer runs, from the one send slot (two
+    streams and two buffers of the largest chunk, made once), while the other actor waits longer than
+    weights.tcp_timeout_s without timing out (the learner tells it it is queued), then takes its turn."""
+    publisher = nccl_publisher(timeout_s=1.0, max_sends=1)
+    slow = lambda t: (time.sleep(0.25), fake_nccl.read(t))[1]  # noqa: E731 - 1.5 s a version, 0.5 s a chunk
+    engines = [worker_engine(), worker_engine()]
+    for engine in engines:
+        engine.read = slow
+    state = weights(0)
+    update = publisher.publish(state, 1)
+
+    async def both():
+        receivers = [build_receiver(weights_config("nccl", tcp_timeout_s=1.0)) for _ in engines]
+        await asyncio.gather(*(r.apply(update, e) for r, e in zip(receivers, engines)))
+    running, most, send = [], [], publisher.plane.send
+
+    def counted(group, served, progress):
+        running.append(1)
+        most.append(len(running))
+        try:
+            send(group, served, progress)
+        finally:
+            running.pop()
+    publisher.plane.send = counted
+    try:
+        asyncio.run(both())
+        assert max(most) == 1 and len(most) == 2
+        assert all(e.swaps == [1] and all(torch.equal(e.loaded[k], v) for k, v in state.items()) for e in engines)
+        slots = publisher.plane.free
+        assert len(slots) == 1 and slots[0].nbytes == 2 * state["layers.0.w"].numel() * 4  # two tensors a chunk
+    finally:
+        publisher.close()
+
+
+def test_an_actor_whose_workers_never_form_its_group_costs_one_timeout(channel):
+    """An actor joins and dies before its workers form their side: NCCL's init would wait for them for
+    ever, so the learner forms its side on a thread of its own and gives up on the connection after
+    weights.tcp_timeout_s; the next actor is served as if nothing happened."""
+    import socket
+
+    from tidal.broker.weights import server
+
+    publisher = nccl_publisher(timeout_s=1.0)
+    try:
+        update = publisher.publish(weights(0), 1)
+        conn = socket.create_connection(server.parse_location(update.location), timeout=10)
+        conn.sendall(collective.CONTROL.pack(collective.CONTROL_MAGIC, collective.JOIN, 1))
+        server.read_reply(conn, "join")
+        started = time.monotonic()
+        assert conn.recv(1) == b""  # the learner closed it
+        assert time.monotonic() - started < 3.0 and not publisher.server.groups
+        engine = worker_engine()
+        asyncio.run(build_receiver(weights_config("nccl")).apply(update, engine))
+        assert engine.swaps == [1]
+    finally:
+        publisher.close()
