@@ -5,11 +5,13 @@ its own part needs (torch.distributed.checkpoint, in its safetensors layout: not
     <dir>/optimizer/shard-0000<r+1>-model-00001-of-00001.safetensors  AdamW's tensors, by parameter name
 
 A sharded learner's rank writes its shards; a tensor every rank holds whole is written once, by rank
-0 (so an unsharded learner's rank 0 writes it all). The tensors' whole shapes travel beside the files
-(in the JSON `save` returns), so a rank can load from a folder that holds only its own machine's
-parts, as long as the layout is the one it was saved with; any other layout (a sharded run resumed
-unsharded, or on other ranks) reads from a folder with every rank's part, and a part missing for what
-a rank holds is an error naming the tensor, never a tensor loaded in part.
+0 (so an unsharded learner's rank 0 writes it all); replicated over machines (HSDP), the first
+machine's ranks write the shards, and on resume send them to the other machines. The tensors' whole
+shapes travel beside the files (in the JSON `save` returns), so a rank can load from a folder that
+holds only its own machine's parts, as long as the layout is the one it was saved with; any other
+layout (a sharded run resumed unsharded, or on other ranks) reads from a folder with every rank's
+part, and a part missing for what a rank holds is an error naming the tensor, never a tensor loaded
+in part.
 """
 from __future__ import annotations
 
@@ -68,13 +70,20 @@ def _model_state(module) -> dict:
 
 def _load(state: dict, path: Path, shapes: dict) -> None:
     """`state`'s tensors in place from the folder `path`: a sharded tensor's part by every rank from its
-    own folder; a tensor every rank holds whole (all of an unsharded learner's, a sharded one's step
-    counts) by rank 0, which wrote it, and sent to the others."""
+    own folder (replicated over machines, HSDP: by the first machine's ranks, which wrote it, each
+    sending its part to its replicas); a tensor every rank holds whole (all of an unsharded learner's,
+    a sharded one's step counts) by rank 0, which wrote it, and sent to the others."""
     from tidal.learner.ranks import broadcast_tensors
 
     sharded = {k: v for k, v in state.items() if hasattr(v, "to_local")}
     whole = {k: v for k, v in state.items() if k not in sharded}
-    if sharded:
+    mesh = next(iter(sharded.values())).device_mesh if sharded else None
+    if mesh is not None and mesh.ndim > 1:
+        if mesh.get_local_rank("replicate") == 0:
+            _read(sharded, path, shapes, alone=False, group=mesh.get_group("shard"))
+        for value in sharded.values():
+            torch.distributed.broadcast(value.to_local(), group=mesh.get_group("replicate"), group_src=0)
+    elif sharded:
         _read(sharded, path, shapes, alone=False)
     rank0 = not _distributed() or torch.distributed.get_rank() == 0
     if rank0 and whole:
@@ -89,9 +98,9 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _read(state: dict, path: Path, shapes: dict, alone: bool) -> None:
-    """`state` (all ranks together, or `alone` this one) from the parts in `path`, refusing a plan
-    that would leave part of a tensor unread."""
+def _read(state: dict, path: Path, shapes: dict, alone: bool, group=None) -> None:
+    """`state` (all ranks together, the ranks of `group`, or `alone` this one) from the parts in
+    `path`, refusing a plan that would leave part of a tensor unread."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -120,7 +129,8 @@ def _read(state: dict, path: Path, shapes: dict, alone: bool) -> None:
                                      "every rank's part of the checkpoint in one folder")
             return plan
 
-    dcp.load(state, storage_reader=WholeShapes(str(path)), planner=Complete(), no_dist=alone or not _distributed())
+    dcp.load(state, storage_reader=WholeShapes(str(path)), planner=Complete(), process_group=group,
+             no_dist=alone or not _distributed())
 
 
 def _distributed() -> bool:

@@ -23,6 +23,8 @@ import torch
 from conftest import ScriptedEngine, gpu_check_report, weights_config
 
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank: two GPUs")
+
+
 def chunks_of(state: dict, buffer_bytes: int) -> list[torch.Tensor]:
     """The packed chunks the learner sends for `state` (vLLM's packing, in the manifest's order)."""
     from vllm.distributed.weight_transfer.packed_tensor import pack_tensors

@@ -6,11 +6,14 @@ Writes to OUT_DIR, from rank 0: `<case>.pt` (parameters after three steps, one r
 checkpoint itself under `<case>-checkpoint/` (for the test to resume on one unsharded rank); the
 same with `-ddp` for the unsharded learner on the same ranks. The other ranks get checkpoint
 folders of their own (`rank<r>-disk/`), as on machines that share no disk: they must stay empty.
+With `--hsdp` (two torchrun "machines" of two ranks each: replicated over them, sharded within) the
+first case alone, sharded, as `hsdp.pt` and `hsdp-resumed.pt`, and the mesh's shape in `hsdp.json`.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -59,24 +62,29 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--hsdp", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
-    for case in CASES:
-        for sharded, tag in ((True, ""), (False, "-ddp")):  # the same checks for the unsharded (DDP) learner
-            straight = train(trainer_for(case, accelerator, sharded), 0, STEPS)
-            first = trainer_for(case, accelerator, sharded)
-            train(first, 0, 1)
-            # each rank its own checkpoint folder, as on machines that share no disk: each writes its own part
-            directory = args.out_dir / (f"{case}{tag}-checkpoint" if rank == 0 else f"rank{rank}-disk-{case}{tag}")
-            saved = checkpointer(first, accelerator, directory).save(1, {})
-            resumed = trainer_for(case, accelerator, sharded)
-            checkpointer(resumed, accelerator, directory).load(directory / saved.name)
-            after = train(resumed, 1, STEPS)
-            if accelerator.is_main_process:
-                torch.save(straight, args.out_dir / f"{case}{tag}.pt")
-                torch.save(after, args.out_dir / f"{case}{tag}-resumed.pt")
+    runs = [(next(iter(CASES)), True, "hsdp")] if args.hsdp else \
+        [(case, sharded, f"{case}{tag}") for case in CASES for sharded, tag in ((True, ""), (False, "-ddp"))]
+    for case, sharded, tag in runs:  # the same checks for the unsharded (DDP) learner
+        straight = train(trainer_for(case, accelerator, sharded), 0, STEPS)
+        first = trainer_for(case, accelerator, sharded)
+        train(first, 0, 1)
+        # each rank its own checkpoint folder, as on machines that share no disk: each writes its own part
+        directory = args.out_dir / (f"{tag}-checkpoint" if rank == 0 else f"rank{rank}-disk-{tag}")
+        saved = checkpointer(first, accelerator, directory).save(1, {})
+        resumed = trainer_for(case, accelerator, sharded)
+        checkpointer(resumed, accelerator, directory).load(directory / saved.name)
+        after = train(resumed, 1, STEPS)
+        if accelerator.is_main_process:
+            torch.save(straight, args.out_dir / f"{tag}.pt")
+            torch.save(after, args.out_dir / f"{tag}-resumed.pt")
+            if args.hsdp:
+                mesh = next(p for p in resumed.model.parameters()).device_mesh
+                (args.out_dir / "hsdp.json").write_text(json.dumps({"mesh": list(mesh.shape)}))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # leave the process group: exiting inside it can abort at teardown
 

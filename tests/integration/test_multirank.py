@@ -124,6 +124,34 @@ def test_a_sharded_learner_makes_the_updates_of_one_rank_and_ranks_resume_exactl
             torch.testing.assert_close(value, expected[key], atol=1e-5, rtol=0, msg=f"{case}: {key} (unsharded resume)")
 
 
+# two "machines" of two ranks (4 torchrun processes), replicated over them and sharded within (HSDP),
+# each rank with a disk of its own: about 40 s on 2 cores
+def test_a_learner_replicated_over_machines_resumes_exactly_with_the_second_machines_disks_holding_no_shards(
+        tmp_path):
+    from fsdp_steps import STEPS
+
+    port, env = free_port(), os.environ | {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               str(SCRIPT.with_name("fsdp_steps.py")), str(tmp_path), "--hsdp"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for node in (0, 1)]
+    try:
+        logs = [node.communicate(timeout=600)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert all(node.returncode == 0 for node in nodes), "\n".join(log[-3000:] for log in logs)
+    assert json.loads((tmp_path / "hsdp.json").read_text()) == {"mesh": [2, 2]}
+    straight, resumed = torch.load(tmp_path / "hsdp.pt"), torch.load(tmp_path / "hsdp-resumed.pt")
+    assert STEPS > 1 and all(torch.equal(resumed[k], v) for k, v in straight.items())
+    # the first machine's ranks wrote the shards; the second machine's disks hold only their random states
+    for rank in (2, 3):
+        disk = tmp_path / f"rank{rank}-disk-hsdp" / "step-000001"
+        assert sorted(str(p.relative_to(disk)) for p in disk.rglob("*") if p.is_file()) == [
+            f"MANIFEST-rank{rank}.json", f"rng-rank{rank}.safetensors"]
+
+
 # a sharded learner's ranks never hold the whole model in host memory: about 20 s on 2 cores
 def test_each_sharded_rank_builds_steps_and_checkpoints_within_a_few_times_its_shard(tmp_path):
     from memory_ranks import write_model
