@@ -32,7 +32,7 @@ def shard(module: torch.nn.Module, layers: torch.nn.ModuleList, head: torch.nn.M
     units gather their parameters in bf16 and reduce gradients in fp32 (the master weights stay fp32)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    offload = cfg.cpu_offload and device.type == "cuda"
+    offload = offloaded(cfg, device)
     if cfg.cpu_offload and not offload:
         log.info("learner.fsdp.cpu_offload ignored: the learner already runs on the CPU")
     half = torch.bfloat16 if mixed_precision == "bf16" else None
@@ -51,6 +51,11 @@ def shard(module: torch.nn.Module, layers: torch.nn.ModuleList, head: torch.nn.M
         if half and head is None and head_dtype is not None else body
     fully_shard(module, **kwargs, **root)
     return module
+
+
+def offloaded(cfg: FsdpConfig, device: torch.device) -> bool:
+    """Whether the shards live in host memory (learner.fsdp.cpu_offload; on a GPU learner only)."""
+    return cfg.cpu_offload and device.type == "cuda"
 
 
 def head_dtype(head: str) -> torch.dtype | None:
@@ -72,22 +77,60 @@ def device_mesh(device: torch.device, cfg: FsdpConfig):
     return init_device_mesh(device.type, (world,))
 
 
-def load_pretrained(module: torch.nn.Module, model_path: str, device: torch.device) -> None:
+def load_pretrained(module: torch.nn.Module, model_path: str, device: torch.device, offload: bool = False) -> None:
     """Give an empty sharded `module` (parameters on the meta device, buffers real) storage on
-    `device` and its weights from the Hugging Face checkpoint in `model_path`: each rank reads only
-    the rows of its own shards, so no rank ever holds the whole model."""
+    `device` (its parameters in host memory when `offload`) and its weights from the Hugging Face
+    checkpoint in `model_path`: each rank reads only the rows of its own shards, so no rank ever
+    holds the whole model. A checkpoint whose tensors transformers converts as it loads them (a MoE
+    layer's experts, one file tensor each, fused into one tensor per projection) cannot be read by
+    rows: rank 0 loads it whole, in host memory, and sends each rank its shards."""
     import torch.distributed.checkpoint as dcp
 
     from tidal.broker.weights.payload import without_aliases
 
     buffers = {name: b for name, b in module.named_buffers() if b.device.type != "meta"}
-    module.to_empty(device=device)
+    module.to_empty(device="cpu" if offload else device)  # FSDP's offload keeps the shards in host memory
     for name, buffer in buffers.items():  # to_empty leaves every buffer uninitialized: the computed ones back
         owner, _, attr = name.rpartition(".")
         module.get_submodule(owner)._buffers[attr] = buffer.to(device)
     state = {k.removeprefix(PREFIX): v for k, v in without_aliases(get_model_state_dict(module)).items()}
+    missing = sorted(set(state) - checkpoint_names(model_path))
+    if missing:
+        log.info("%s names %d of the policy's tensors otherwise (e.g. %s): rank 0 loads it whole and sends each "
+                 "rank its shards", model_path, len(missing), missing[0])
+        set_model_state_dict(module, whole_on_rank0(model_path, next(iter(state.values())).dtype),
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
+        return
     dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(model_path))
     set_model_state_dict(module, {PREFIX + k: v for k, v in state.items()}, options=StateDictOptions(strict=False))
+
+
+def checkpoint_names(model_path: str) -> set[str]:
+    """The tensor names of the Hugging Face checkpoint in `model_path` (its safetensors files)."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    index = Path(model_path) / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    names: set[str] = set()
+    for file in Path(model_path).glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            names |= set(f.keys())
+    return names
+
+
+def whole_on_rank0(model_path: str, dtype: torch.dtype) -> dict:
+    """Rank 0: the model's state dict as transformers loads it, in host memory, under the names the
+    sharded module gives it; the other ranks: nothing (they receive their shards)."""
+    if torch.distributed.get_rank() != 0:
+        return {}
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    return {PREFIX + name: value for name, value in model.state_dict().items()}
 
 
 def checkpoint_activations(layer: torch.nn.Module) -> None:
@@ -116,9 +159,20 @@ def gathered_weights(module, dtype: str | None, with_aliases: bool = True):
 
     def pairs():
         for name, value in state.items():
-            value = cast(value)
+            value = cast(on_gpu(value))
             yield name.removeprefix(PREFIX), value.full_tensor() if isinstance(value, DTensor) else value
     return entries, pairs()
+
+
+def on_gpu(value):
+    """An offloaded shard (in host memory, its mesh on GPUs) copied to this rank's GPU, so that it is
+    gathered by NCCL rather than over gloo; anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, DTensor) or value.device.type != "cpu" or value.device_mesh.device_type == "cpu":
+        return value
+    local = value.to_local().to(torch.device("cuda", torch.cuda.current_device()), non_blocking=True)
+    return DTensor.from_local(local, value.device_mesh, value.placements, shape=value.shape, stride=value.stride())
 
 
 def clip_grad_norm(parameters, max_norm: float) -> float:

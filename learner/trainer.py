@@ -67,8 +67,6 @@ def attention_implementation(attention: str, compute_dtype: str = "bfloat16") ->
         else "sdpa"
 
 
-
-
 def decoder_layers(policy) -> torch.nn.ModuleList:
     """The policy's stack of decoder layers, each one FSDP unit when the learner shards it."""
     layers = getattr(getattr(policy, "model", None), "layers", None)
@@ -208,7 +206,8 @@ class Trainer:
             module = sharding.shard(module, decoder_layers(model), module.separate_head(), cfg.fsdp,
                                     accelerator.device, cfg.mixed_precision, head_dtype=sharding.head_dtype(head))
             if model_path is not None:
-                sharding.load_pretrained(module, model_path, accelerator.device)
+                sharding.load_pretrained(module, model_path, accelerator.device,
+                                         offload=sharding.offloaded(cfg.fsdp, accelerator.device))
         optim = torch.optim.AdamW(module.parameters(), lr=effective_lr(cfg), betas=tuple(cfg.optim.betas),
                                   eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
         allocate_state(optim)

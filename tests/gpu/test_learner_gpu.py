@@ -81,7 +81,7 @@ def test_fsdp_mixed_precision_keeps_no_half_precision_copy_of_the_model(tmp_path
     mixed, autocast = one_gpu_fsdp("mixed", tmp_path), one_gpu_fsdp("autocast", tmp_path)
     saved = autocast["peak_bytes"] - mixed["peak_bytes"]
     gpu_check_report("F9-peak-memory", params=mixed["params"], mixed_precision_peak_gib=mixed["peak_bytes"] / 2**30,
-           autocast_peak_gib=autocast["peak_bytes"] / 2**30, saved_bytes_per_param=saved / mixed["params"])
+                     autocast_peak_gib=autocast["peak_bytes"] / 2**30, saved_bytes_per_param=saved / mixed["params"])
     assert mixed["peak_bytes"] < autocast["peak_bytes"]
 
 
@@ -90,6 +90,7 @@ def test_a_sharded_learner_offloading_to_host_memory_takes_a_step(tmp_path):
     offload = one_gpu_fsdp("offload", tmp_path)
     gpu_check_report("F6-cpu-offload-step", grad_norm=offload["grad_norm"], peak_gib=offload["peak_bytes"] / 2**30)
     assert offload["grad_norm"] > 0 and offload["grad_norm"] == offload["grad_norm"]
+    assert offload["pushed_on_gpu"] == offload["tensors"]  # every shard gathered on the GPU, none over gloo
 
 
 def test_auto_attention_takes_flash_attn_only_for_half_precision():

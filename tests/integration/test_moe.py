@@ -11,31 +11,16 @@ channel's path) and by the file channel (a whole version at once).
 
 import numpy as np
 import pytest
-import torch
 
-from conftest import ALPHABET, TINY, engine_on_a_thread, learner_logprobs, on_engine, perturbed
+from conftest import engine_on_a_thread, learner_logprobs, on_engine, perturbed, write_tiny_moe
 from tidal.broker.schema import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     """(the model's folder, the policy as the learner holds it)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    from tidal.tiny import build_tiny_model
-
-    _, tokenizer = build_tiny_model(TINY, ALPHABET, seed=0)
-    torch.manual_seed(0)
-    # vLLM's CPU MoE kernel wants the hidden and expert widths in multiples of 32, CPU attention heads of 32
-    config = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                            num_key_value_heads=1, head_dim=32, num_experts=4, num_experts_per_tok=2,
-                            moe_intermediate_size=32, vocab_size=len(tokenizer), tie_word_embeddings=False,
-                            max_position_embeddings=128, eos_token_id=tokenizer.eos_token_id)
-    policy = Qwen3MoeForCausalLM(config).eval()
     folder = tmp_path_factory.mktemp("moe") / "model"
-    policy.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder, policy
+    return folder, write_tiny_moe(folder)
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +73,26 @@ def test_a_moe_policy_reaches_the_engine_under_its_checkpoint_names(moe, engine,
     finally:
         publisher.close()
         on_engine(engine, engine.set_version(0))
+
+
+# two torchrun ranks load the MoE sharded: about 15 s on 2 cores
+def test_a_sharded_learner_loads_a_moe_whose_checkpoint_names_its_experts_one_by_one(moe, tmp_path):
+    """transformers fuses each MoE layer's experts as it loads them, so the checkpoint's per-expert
+    tensors cannot be read by rows into the fused shards: rank 0 loads the model whole and sends each
+    rank its shards, and the learner holds exactly what transformers loads."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_multirank import free_port
+
+    script, out = Path(__file__).with_name("sharded_load.py"), tmp_path / "loaded.json"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                           "127.0.0.1", "--master-port", str(free_port()), str(script), str(moe[0]), str(out)],
+                          env=os.environ | {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    loaded = json.loads(out.read_text())
+    assert loaded["wrong"] == [] and "model.layers.0.mlp.experts.gate_up_proj" in loaded["names"]
