@@ -77,16 +77,17 @@ def verify_part(path: Path, rank: int, hashes: bool = True) -> None:
     verify(path, rank_manifest(rank), hashes)
 
 
-def candidates(directory: Path) -> list[Path]:
+def candidates(directory: Path, warn: bool = True) -> list[Path]:
     """Finished checkpoints, newest first, whose rank-0 files are all there at their sizes (cheap:
-    the hashes are checked once, when a resume chooses one)."""
+    the hashes are checked once, when a resume chooses one); `warn`: a line for each damaged one."""
     found = []
     for path in sorted(directory.glob("step-*[0-9]"), reverse=True):
         try:
             verify_part(path, 0, hashes=False)
             found.append(path)
         except DamagedCheckpoint as err:
-            log.warning("checkpoint %s is damaged (%s); trying the one before", path.name, err)
+            if warn:
+                log.warning("checkpoint %s is damaged (%s); trying the one before", path.name, err)
     return found
 
 
@@ -196,7 +197,8 @@ class Checkpointer:
         from tidal.learner.ranks import broadcast_bytes
 
         acc, device = self.accelerator, self.accelerator.device
-        listed = [p.name for p in candidates(self.directory) if path is not None and p.name <= path.name] \
+        # rank 0's choice was found among these, each damaged one named once then
+        listed = [p.name for p in candidates(self.directory, warn=False) if path is not None and p.name <= path.name] \
             if acc.is_main_process else []
         names = json.loads(broadcast_bytes(json.dumps(listed).encode() if acc.is_main_process else None, device))
         for name in names:

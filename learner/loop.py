@@ -29,7 +29,7 @@ from tidal.learner.curriculum import CurriculumExhausted
 from tidal.learner.evaluation import Evaluator
 from tidal.learner.groups import DUPLICATE, NEW, GroupBook
 from tidal.learner.inbox import Inbox
-from tidal.learner.ranks import push_weights
+from tidal.learner.ranks import WeightPush
 from tidal.learner.resume import MetricsLog, learner_state, restore_learner_state
 from tidal.learner.trainer import Trainer
 from tidal.learner.validation import Validator
@@ -51,6 +51,7 @@ class LearnerParts:
     ranks: object = None  # tidal.learner.ranks.BatchBroadcast when the learner runs on several ranks
     export: object = None  # tidal.learner.export.FinalExport: what happens to the final policy
     diagnostics: object = None  # tidal.learner.diagnostics.Diagnostics: completion tables and figures
+    push: WeightPush | None = None  # what a weight push gathers (every rank the same)
 
 
 class Learner:
@@ -171,8 +172,7 @@ class Learner:
     def publish_weights(self) -> float:
         start = time.perf_counter()
         publisher = self.parts.publisher
-        self.transport.publish_weights(push_weights(self.trainer, publisher, self.version, publisher.dtype,
-                                                    publisher.with_aliases))
+        self.transport.publish_weights(self.parts.push(self.trainer, publisher, self.version))
         return time.perf_counter() - start
 
     def on_dead_letter(self, group_id: str) -> None:

@@ -70,7 +70,7 @@ def build(cfg: RunConfig, checkpoint: Path | None = None, transport=None):
     from tidal.learner.groups import GroupBook
     from tidal.learner.ledger import Ledger
     from tidal.learner.loop import Learner, LearnerParts
-    from tidal.learner.ranks import BatchBroadcast
+    from tidal.learner.ranks import BatchBroadcast, WeightPush
     from tidal.learner.tracking import Tracker
     from tidal.learner.validation import Validator
     from tidal.tasks import PromptEncoder, get_task
@@ -93,7 +93,7 @@ def build(cfg: RunConfig, checkpoint: Path | None = None, transport=None):
         trainer=trainer, coordinator=coordinator, book=book, transport=transport, tracker=tracker,
         admission=Admission(cfg.staleness, cfg.learner.zero_variance_filter, book, coordinator.on_rewards),
         publisher=build_publisher(cfg.weights, uuid.uuid4().hex[:12], cfg.name, cfg.run_dir, cfg.model.dtype),
-        checkpointer=checkpointer, ranks=BatchBroadcast(accelerator),
+        checkpointer=checkpointer, ranks=BatchBroadcast(accelerator), push=WeightPush.of(cfg),
         validator=Validator(trainer.policy.config.vocab_size, cfg.sampling.max_tokens, cfg.task.reward_range),
         export=FinalExport(cfg.model.path, run_dir / "model", cfg.model.dtype,
                            tracker if cfg.tracking.log_model else None),

@@ -11,6 +11,7 @@ rank 0 alone reads and writes the files, so ranks on different machines need no 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from functools import partial
 
 import msgspec
@@ -84,18 +85,34 @@ def broadcast_bytes(frame: bytes | None, device) -> bytes:
     return buf.cpu().numpy().tobytes()
 
 
-def push_weights(trainer, publisher, version: int, dtype: str, with_aliases: bool):
-    """A new version onto the weight channel, in `dtype` (what the actors serve), tied tensors under
-    each name or once (`with_aliases`, the channel's): every rank calls this at the same point, and
-    rank 0 (which holds the publisher) gets the announcement, None the others. The tensors reach rank
-    0's host memory one at a time, a sharded model's each gathered in `dtype` just before it is
-    copied, so no rank ever holds the whole model on its device."""
-    entries, tensors = checkpoint_format(trainer.policy, *trainer.weights(dtype, with_aliases))
-    if publisher is None:
-        for _ in tensors:  # a sharded model's gathers are collectives: take part in each
-            pass
-        return None
-    return publisher.publish(tensors, version, entries)
+@dataclass(frozen=True)
+class WeightPush:
+    """What every learner rank gathers at a weight push, taken from the config alone (`of`), so that
+    rank 0, which holds the publisher, and the others gather the same tensors in the same order: the
+    policy in `dtype` (what the actors serve), tied tensors under each name or once (`with_aliases`,
+    the channel's)."""
+
+    dtype: str
+    with_aliases: bool
+
+    @classmethod
+    def of(cls, cfg) -> WeightPush:
+        from tidal.broker.weights import transport
+
+        return cls(cfg.model.dtype, transport(cfg.weights.transport).with_aliases)
+
+    def __call__(self, trainer, publisher, version: int):
+        """A new version onto the weight channel: every rank calls this at the same point, and rank 0
+        (`publisher`) gets the announcement, None the others (which pass none). The tensors reach rank
+        0's host memory one at a time, a sharded model's each gathered in `dtype` just before it is
+        copied, so no rank ever holds the whole model on its device."""
+        entries, tensors = trainer.weights(self.dtype, self.with_aliases)
+        if publisher is None:
+            for _ in tensors:  # a sharded model's gathers are collectives: take part in each
+                pass
+            return None
+        entries, tensors = checkpoint_format(trainer.policy, entries, tensors)  # names as vLLM's loaders read
+        return publisher.publish(tensors, version, entries)
 
 
 def checkpoint_format(policy, entries: list, tensors):
@@ -151,28 +168,9 @@ def broadcast_tensors(named: dict | None, device) -> dict:
     return out
 
 
-def gather_tensors(named: dict, device) -> list[dict]:
-    """Every rank's named tensors (the same names and shapes on each), on every rank, by rank."""
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [named]
-    world = dist.get_world_size()
-    out = [{} for _ in range(world)]
-    for name in sorted(named):
-        t = named[name].contiguous().to(device)
-        parts = [torch.empty_like(t) for _ in range(world)]
-        dist.all_gather(parts, t)
-        for rank, part in enumerate(parts):
-            out[rank][name] = part.cpu()
-    return out
-
-
 def follow(cfg: RunConfig) -> int:
     """A rank other than 0: the same trainer and checkpoints, batches from rank 0, nothing else.
     Rank 0 chooses the checkpoint to continue from and sends it: this rank reads no file of the run."""
-    from tidal.broker.weights import transport
     from tidal.learner.main import setup_trainer
 
     accelerator, trainer, checkpointer, checkpoint = setup_trainer(cfg)
@@ -181,8 +179,7 @@ def follow(cfg: RunConfig) -> int:
     log.info("rank %d of %d follows rank 0 from version %d", ranks.rank, ranks.world, version)
     # Wherever rank 0 reads the whole model (each weight push, checkpoint and the final export), a
     # sharded model is gathered, so this rank takes part in the same calls in the same order.
-    push = partial(push_weights, trainer, None, dtype=cfg.model.dtype,
-                   with_aliases=transport(cfg.weights.transport).with_aliases)
+    push = partial(WeightPush.of(cfg), trainer, None)
     push(version=version)  # the starting weights
     health = HealthFile(cfg.learner.health_file, every_s=0.0)  # a pod's probe: a step went by (or began)
     while version < cfg.learner.max_steps:

@@ -712,6 +712,10 @@ def check_devices(cfg: RunConfig) -> None:
     taken = sorted(set(vc.engine_kwargs) & set(TIDAL_ENGINE_ARGS))
     _require(not taken, "actor.vllm.engine_kwargs", taken,
              "tidal sets these engine arguments itself (use the actor.* / actor.vllm.* keys where there is one)")
+    # an engine's data-parallel replicas would each need ranks in its weight group and their own updates
+    _require(vc.engine_kwargs.get("data_parallel_size", 1) == 1, "actor.vllm.engine_kwargs.data_parallel_size",
+             vc.engine_kwargs.get("data_parallel_size"),
+             "an actor runs one engine replica: scale with actor.replicas (each joins and leaves on its own)")
 
 
 CORES_PATTERN = r"\d+(-\d+)?(,\d+(-\d+)?)*"

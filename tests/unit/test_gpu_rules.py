@@ -123,6 +123,12 @@ def test_an_actor_serving_half_precision_computes_its_head_in_fp32():
     assert "hf_overrides" not in engine_args(cfg().actor, "/m", "float32")
 
 
+def test_an_engine_of_several_data_parallel_replicas_is_refused():
+    """Its replicas' workers would each need a rank in the weight group; actor.replicas scales instead."""
+    with pytest.raises(ConfigError, match=r"engine_kwargs.data_parallel_size' = 2: .* scale with actor.replicas"):
+        cfg("actor.vllm.engine_kwargs.data_parallel_size=2")
+
+
 def layer(method: str, **tensors) -> torch.nn.Module:
     module = torch.nn.Module()
     module.quant_method = type(method, (), {})()
