@@ -89,24 +89,20 @@ def broadcast_bytes(frame: bytes | None, device) -> bytes:
 class WeightPush:
     """What every learner rank gathers at a weight push, taken from the config alone (`of`), so that
     rank 0, which holds the publisher, and the others gather the same tensors in the same order: the
-    policy in `dtype` (what the actors serve), tied tensors under each name or once (`with_aliases`,
-    the channel's)."""
+    policy in `dtype`, what the actors serve."""
 
     dtype: str
-    with_aliases: bool
 
     @classmethod
     def of(cls, cfg) -> WeightPush:
-        from tidal.broker.weights import transport
-
-        return cls(cfg.model.dtype, transport(cfg.weights.transport).with_aliases)
+        return cls(cfg.model.dtype)
 
     def __call__(self, trainer, publisher, version: int):
         """A new version onto the weight channel: every rank calls this at the same point, and rank 0
         (`publisher`) gets the announcement, None the others (which pass none). The tensors reach rank
         0's host memory one at a time, a sharded model's each gathered in `dtype` just before it is
         copied, so no rank ever holds the whole model on its device."""
-        entries, tensors = trainer.weights(self.dtype, self.with_aliases)
+        entries, tensors = trainer.weights(self.dtype)
         if publisher is None:
             for _ in tensors:  # a sharded model's gathers are collectives: take part in each
                 pass

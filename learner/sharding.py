@@ -140,16 +140,14 @@ def checkpoint_activations(layer: torch.nn.Module) -> None:
     checkpoint(layer)
 
 
-def gathered_weights(module, dtype: str | None, with_aliases: bool = True):
+def gathered_weights(module, dtype: str | None):
     """Collective, every rank iterating: (entries [(name, dtype, shape)], (name, tensor) pairs) of the
-    policy's state (a tied tensor under each name, or once), each tensor cast to `dtype` (None: as it
-    is) on its shard and gathered whole just before it is yielded: a rank holds one whole tensor at a time."""
+    policy's state (a tied tensor under each name), each tensor cast to `dtype` (None: as it is) on its
+    shard and gathered whole just before it is yielded: a rank holds one whole tensor at a time."""
     from torch.distributed.tensor import DTensor
 
-    from tidal.broker.weights.payload import without_aliases
-
     target = getattr(torch, dtype) if dtype else None
-    state = module.state_dict() if with_aliases else without_aliases(module.state_dict())
+    state = module.state_dict()
 
     def cast(value):
         return value.to(target) if target is not None and value.is_floating_point() else value

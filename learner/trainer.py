@@ -233,17 +233,14 @@ class Trainer:
             return {}
         return {name: t.detach().to("cpu", getattr(torch, dtype)) for name, t in tensors}
 
-    def weights(self, dtype: str | None, with_aliases: bool = True):
+    def weights(self, dtype: str | None):
         """(entries [(name, dtype, shape)], (name, tensor) pairs): the policy's tensors as a weight push
-        copies them, tied ones (lm_head.weight) under each name or (`with_aliases` False) once, on the
-        main rank; sharded, each is gathered in `dtype` as it is asked for, and every rank must iterate
-        them at the same point."""
-        from tidal.broker.weights.payload import without_aliases
-
+        copies them, a tied one under each of its names (a worker reloading its layers one by one needs
+        the LM head's own), on the main rank; sharded, each is gathered in `dtype` as it is asked for,
+        and every rank must iterate them at the same point."""
         if self.sharded:
-            return sharding.gathered_weights(self.model, dtype, with_aliases)
+            return sharding.gathered_weights(self.model, dtype)
         state = self.policy.state_dict() if self.accelerator.is_main_process else {}
-        state = state if with_aliases else without_aliases(state)
         return [(name, t.dtype, tuple(t.shape)) for name, t in state.items()], iter(state.items())
 
     def save_state(self, directory) -> dict:

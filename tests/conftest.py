@@ -379,9 +379,9 @@ class ScriptedEngine:
 # ---- a real vLLM engine for the integration tests ------------------------------------------------
 
 def write_tiny_moe(folder):
-    """A tiny Qwen3-MoE (4 experts, 2 a token) saved to `folder` with the tiny model's tokenizer; returns
-    the policy. vLLM's CPU MoE kernel wants the hidden and expert widths in multiples of 32, CPU attention
-    heads of 32."""
+    """A tiny Qwen3-MoE (4 experts, 2 a token, its LM head tied to the embedding) saved to `folder` with
+    the tiny model's tokenizer; returns the policy. vLLM's CPU MoE kernel wants the hidden and expert
+    widths in multiples of 32, CPU attention heads of 32."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from tidal.tiny import build_tiny_model
@@ -390,7 +390,7 @@ def write_tiny_moe(folder):
     torch.manual_seed(0)
     config = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                             num_key_value_heads=1, head_dim=32, num_experts=4, num_experts_per_tok=2,
-                            moe_intermediate_size=32, vocab_size=len(tokenizer), tie_word_embeddings=False,
+                            moe_intermediate_size=32, vocab_size=len(tokenizer), tie_word_embeddings=True,
                             max_position_embeddings=128, eos_token_id=tokenizer.eos_token_id)
     policy = Qwen3MoeForCausalLM(config).eval()
     policy.save_pretrained(folder)

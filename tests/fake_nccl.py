@@ -114,8 +114,7 @@ class FakeStream:
         threading.Thread(target=self._run, name=f"fake-stream-{id(self):x}", daemon=True).start()
 
     def _run(self) -> None:
-        while True:
-            op = self.queue.get()
+        while (op := self.queue.get()) is not None:  # None: the fake was uninstalled, the thread ends
             try:
                 for dep in op.waits_for:
                     _wait(dep, "a stream waiting for another")
@@ -411,6 +410,8 @@ def installed(monkeypatch=None):
         _groups.clear()
         misuse.clear()
         FakeStream._default.clear()
+        for stream in _all_streams:
+            stream.queue.put(None)
         _all_streams.clear()
 
 

@@ -14,11 +14,10 @@ from tidal.broker.schema import WeightBucket, WeightUpdate
 class WeightPublisher(abc.ABC):
     """Learner side: makes a version's tensors available to the actors."""
 
-    dtype: str | None = None  # what the actors serve, and weights travel in (None: as the learner holds them)
-    # whether tied tensors (lm_head = embed_tokens) travel under each of their names: a channel that
-    # loads a version in pieces sends each once, as vLLM's loaders expect (they skip a tied alias, and
-    # refuse one whose canonical tensor is not in the same load)
-    with_aliases: bool = True
+    # what the actors serve, and weights travel in (None: as the learner holds them); a tied tensor
+    # (lm_head = embed_tokens) travels under each of its names: where vLLM reloads a layer at a time (a
+    # quantized or re-packed layer) the LM head is a layer of its own, stale unless its name arrives
+    dtype: str | None = None
 
     @abc.abstractmethod
     def publish(self, named_tensors, version: int, entries=None) -> WeightUpdate:
@@ -47,7 +46,6 @@ class Transport(abc.ABC):
     engine, vllm_engine.py, asks the registry for it by the update's transport)."""
 
     name: str
-    with_aliases: bool = True  # as WeightPublisher.with_aliases: every learner rank must know it
 
     @abc.abstractmethod
     def publisher(self, cfg, incarnation: str, dtype: str | None, owns_dir: bool = False) -> WeightPublisher:

@@ -33,7 +33,6 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Mapping
 from functools import partial
 
 from tidal.broker.schema import WeightUpdate
@@ -47,7 +46,7 @@ from tidal.broker.weights.base import (
     check_transport,
     update_info,
 )
-from tidal.broker.weights.payload import pack, payload_bytes, tensor_buckets, without_aliases
+from tidal.broker.weights.payload import pack, payload_bytes, tensor_buckets
 from tidal.broker.weights.server import Served, WeightServer, error_reply, next_request, read_reply, reply
 from tidal.config import WeightsConfig
 
@@ -232,8 +231,6 @@ class CollectivePublisher(WeightPublisher):
     """Keeps the newest `keep` versions in host memory and serves them to every actor that joins,
     on weights.tcp_host:tcp_port."""
 
-    with_aliases = False  # the workers load a version chunk by chunk
-
     def __init__(self, cfg: WeightsConfig, plane: Plane, incarnation: str = "", dtype: str | None = None):
         self.plane, self.incarnation, self.dtype = plane, incarnation, dtype
         self.bucket_bytes = cfg.bucket_mib << 20
@@ -241,8 +238,6 @@ class CollectivePublisher(WeightPublisher):
         self.location = server.advertised(cfg, self.server.port)
 
     def publish(self, named_tensors, version: int, entries=None) -> WeightUpdate:
-        if isinstance(named_tensors, Mapping):
-            named_tensors = without_aliases(named_tensors)
         payload, manifest = pack(named_tensors, self.dtype, partial(self.server.buffer_for, pin=self.plane.pin),
                                  entries)
         buckets = tensor_buckets(payload, manifest, self.bucket_bytes) if self.plane.checksums else []
@@ -339,8 +334,6 @@ class CollectiveReceiver(WeightReceiver):
 
 class CollectiveTransport(Transport):
     """A collective channel in the registry: these two sides over its data plane."""
-
-    with_aliases = CollectivePublisher.with_aliases
 
     def __init__(self, plane: type[Plane]):
         self.plane, self.name = plane, plane.name
