@@ -339,7 +339,7 @@ class ScriptedEngine:
     def parameters(self):
         return iter(())
 
-    def named_parameters(self):
+    def named_parameters(self, remove_duplicate: bool = True):
         return iter(())
 
     def modules(self):

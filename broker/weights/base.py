@@ -176,14 +176,23 @@ class StreamedLoad:
         self.model, self.model_config = model, model_config
         self.reload = False
         self.loaded: set[str] = set()
+        self.aliases: set[str] = set()  # a tied parameter's second name (lm_head.weight = the embedding)
 
     def start(self) -> None:
         quiet_harmless_reload_warnings()
         self.reload, self.loaded = weight_layout(self.model) == "reload", set()
         if self.reload:
             begin_reload(self.model)
+        else:
+            every = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
+            self.aliases = every - {name for name, _ in self.model.named_parameters()}
 
     def load(self, weights) -> None:
+        """One piece. Copied in place, a tied parameter is loaded under its first name and its alias
+        dropped: vLLM refuses an alias whose first name is not in the same piece. Reloaded layer by
+        layer, the alias is the LM head's own weight, a layer of its own, and goes in."""
+        if self.aliases:
+            weights = [(name, tensor) for name, tensor in weights if name not in self.aliases]
         loaded = self.model.load_weights(weights)
         self.loaded |= set(loaded or ())
 

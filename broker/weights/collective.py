@@ -278,10 +278,8 @@ class CollectiveReceiver(WeightReceiver):
                 await asyncio.to_thread(read_reply, self.conn, f"{where} (the learner's end of the transfer)")
             except (Refused, EngineStuck):
                 raise
-            except ValueError as err:  # damaged in transit, or a reply that is not the learner's
-                self.leave()
-                raise ValueError(f"{where}: {err}") from err
-            except (OSError, RuntimeError) as err:  # the learner or the group gone, stalled or cut
+            except Exception as err:  # noqa: BLE001 - the learner or the group gone, stalled, cut or damaged
+                # (a worker's error reaches here as vLLM's plain Exception naming it): join again next time
                 self.leave()
                 raise ConnectionError(f"{where}: {err}") from err
             except BaseException:

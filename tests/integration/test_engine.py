@@ -98,7 +98,7 @@ def channel(transport="tcp", **keys):
     from tidal.broker.weights import build_publisher, build_receiver
     from tidal.config import WeightsConfig
 
-    cfg = WeightsConfig(transport=transport, bucket_mib=1, tcp_timeout_s=10.0, **keys)
+    cfg = WeightsConfig(transport=transport, bucket_mib=1, **{"tcp_timeout_s": 10.0, **keys})
     return build_publisher(cfg, "inc", "run", "/unused"), build_receiver(cfg)
 
 
@@ -199,6 +199,60 @@ def test_a_version_broadcast_over_gloo_reaches_the_engine_exactly_while_a_reques
         paused_s = on_engine(engine, receiver.apply(update, engine))
         print(f"gloo v12 with the group formed: engine paused {paused_s:.4f} s")
         assert_serves(engine, folder, policy, 12, "gloo-back")
+    finally:
+        publisher.close()
+        on_engine(engine, engine.set_version(0))
+
+
+def test_a_learner_gone_mid_broadcast_leaves_the_engine_paused_until_a_restarted_learner_makes_it_whole(
+        exported, engine, monkeypatch):
+    """gloo: the learner sends one bucket of v13 into the engine and dies. The model is torn (some
+    tensors new, some old), so the engine stays paused with its request in flight; a restarted learner's
+    v14 makes it whole, and the request goes on under v14 from where it stopped."""
+    from tidal.broker.weights import build_publisher, gloo
+    from tidal.config import WeightsConfig
+
+    folder, policy = exported
+    publisher, receiver = channel("gloo", tcp_timeout_s=2.0)
+
+    def dies_after_one_bucket(self, group, served, progress):
+        gloo.broadcast(group.group, served.payload[:served.buckets[0].nbytes])
+        group.abort()
+    monkeypatch.setattr(gloo.GlooPlane, "send", dies_after_one_bucket)
+    prompt = tokenize(folder, "12+34=")
+
+    async def torn_then_whole():
+        from vllm import SamplingParams as VllmSamplingParams
+
+        params = VllmSamplingParams(max_tokens=64 - len(prompt), ignore_eos=True, logprobs=0)
+        failed, last = None, None
+        async for out in engine._llm.generate({"prompt_token_ids": prompt}, params, request_id="torn"):
+            last = out.outputs[0]
+            if failed is None and len(last.token_ids) >= 8:
+                try:
+                    await receiver.apply(publisher.publish(perturbed(policy, seed=13).state_dict(), 13), engine)
+                except ConnectionError as err:
+                    failed = err
+                await asyncio.sleep(1.0)
+                assert engine.torn and await engine._llm.is_paused()  # nothing sampled from the torn model
+                publisher.close()
+                monkeypatch.undo()
+                restarted = build_publisher(WeightsConfig(transport="gloo", bucket_mib=1, tcp_timeout_s=10.0),
+                                            "inc-2", "run", "/unused")
+                try:
+                    await receiver.apply(restarted.publish(new_policy.state_dict(), 14), engine)
+                finally:
+                    restarted.close()
+        return failed, last
+
+    new_policy = perturbed(policy, seed=14)
+    try:
+        failed, out = on_engine(engine, torn_then_whole())
+        spans = [(int(s.version), s.start, s.end) for s in out.weight_versions]
+        print(f"\ngloo torn at v13 ({failed}); request spans {spans}")
+        assert failed is not None and not engine.torn and engine.version == 14
+        assert len(spans) == 2 and spans[0][0] == 0 and spans[1][0] == 14 and 8 <= spans[1][1] < spans[1][2] == 58
+        assert_serves(engine, folder, new_policy, 14, "gloo-whole-again")
     finally:
         publisher.close()
         on_engine(engine, engine.set_version(0))

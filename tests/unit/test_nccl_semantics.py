@@ -28,7 +28,7 @@ class FakeModel:
     def parameters(self):
         return iter(())
 
-    def named_parameters(self):
+    def named_parameters(self, remove_duplicate: bool = True):
         return iter(())
 
     def load_weights(self, weights) -> set[str]:
