@@ -96,8 +96,14 @@ def main() -> None:
     del whole
     cfg = dataclasses.replace(learner_config(LossType.cispo, Aggregation.prompt_mean, 64, 1, num_groups=2),
                               fsdp=FsdpConfig(enabled=True))
+    # AdamW's state, which the trainer takes as it starts, measured as a phase of its own
+    from tidal.learner import trainer as trainer_module
+
+    allocate, optimizers = trainer_module.allocate_state, []
+    trainer_module.allocate_state = optimizers.append
     build_bytes, trainer = rss.phase(lambda: Trainer(cfg, load_policy(str(args.model_dir), "float32", empty=True),
                                                       accelerator, 1.0, model_path=str(args.model_dir)))
+    state_bytes, _ = rss.phase(lambda: allocate(*optimizers))
     shard_bytes = sum(p.to_local().numel() * 4 for p in trainer.model.parameters())
     check_loaded(trainer, args.model_dir)
     groups, masks = step_batch(2, seed=0)
@@ -107,6 +113,7 @@ def main() -> None:
     rss.done.set()
     (args.out_dir / f"memory-rank{rank}.json").write_text(json.dumps({
         "rank": rank, "shard_bytes": shard_bytes, "whole_load_peak_bytes": whole_bytes, "build_peak_bytes": build_bytes,
+        "state_peak_bytes": state_bytes,
         "step_peak_bytes": step_bytes, "checkpoint_peak_bytes": save_bytes, "at": time.time()}))
     accelerator.wait_for_everyone()
     accelerator.end_training()

@@ -168,11 +168,14 @@ def test_each_sharded_rank_builds_steps_and_checkpoints_within_a_few_times_its_s
         m = json.loads((tmp_path / f"memory-rank{rank}.json").read_text())
         mb = {k: round(v / 1e6) for k, v in m.items() if k.endswith("_bytes")}
         print(f"\nrank {rank}: shard {mb['shard_bytes']} MB of a {model_bytes / 1e6:.0f} MB model; peak growth loading "
-              f"it whole {mb['whole_load_peak_bytes']} MB, building {mb['build_peak_bytes']}, stepping "
+              f"it whole {mb['whole_load_peak_bytes']} MB, building {mb['build_peak_bytes']}, AdamW's state "
+              f"{mb['state_peak_bytes']}, stepping "
               f"{mb['step_peak_bytes']}, checkpointing {mb['checkpoint_peak_bytes']}")
         assert m["shard_bytes"] == model_bytes // 2
         assert m["whole_load_peak_bytes"] >= model_bytes  # what each rank held when it loaded the model whole
         assert m["build_peak_bytes"] < 0.6 * model_bytes  # its shard, never the model
+        # zero gradients and AdamW's two moments, of its shard, and the temporaries of AdamW's first step
+        assert m["state_peak_bytes"] < 4 * m["shard_bytes"]
         # an unsharded rank adds 3x the model (gradients and AdamW's two moments); a sharded one its share of
         # them, and the units it gathers
         assert m["step_peak_bytes"] < 3 * model_bytes
