@@ -177,20 +177,26 @@ def test_a_stalled_peer_is_aborted_after_the_timeout_and_the_learner_serves_on(s
     assert os.getpid()  # this process (the learner's) lives on
 
 
-def test_a_group_idle_between_versions_for_longer_than_the_timeout_stays_joined(served):
+def test_a_group_idle_between_versions_for_longer_than_the_timeout_stays_joined():
     """Between versions a connection idles for as long as a step takes: no read timeout ends it
     (a vanished peer is found by TCP keepalive instead), so the next version goes through the same group."""
-    publisher, update, state, tokenizer = served
-    engine, receiver = ScriptedEngine(tokenizer), build_receiver(config())
-    asyncio.run(receiver.apply(update, engine))
-    member = engine.worker.member
-    time.sleep(TIMEOUT_S * 1.5)
-    moved = {k: v * 2 for k, v in state.items()}
-    asyncio.run(receiver.apply(publisher.publish(moved, version=4), engine))
-    assert engine.swaps == [3, 4] and engine.worker.member is member and len(publisher.server.groups) == 1
-    assert all(torch.equal(engine.loaded[k], moved[k]) for k in engine.loaded)
-    conn = publisher.server.connections.copy().pop()
-    assert conn.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+    from conftest import served_weights
+
+    served = served_weights("gloo", tcp_timeout_s=0.5)
+    publisher, update, state, tokenizer = next(served)
+    try:
+        engine, receiver = ScriptedEngine(tokenizer), build_receiver(config(tcp_timeout_s=0.5))
+        asyncio.run(receiver.apply(update, engine))
+        member = engine.worker.member
+        time.sleep(0.8)
+        moved = {k: v * 2 for k, v in state.items()}
+        asyncio.run(receiver.apply(publisher.publish(moved, version=4), engine))
+        assert engine.swaps == [3, 4] and engine.worker.member is member and len(publisher.server.groups) == 1
+        assert all(torch.equal(engine.loaded[k], moved[k]) for k in engine.loaded)
+        conn = publisher.server.connections.copy().pop()
+        assert conn.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+    finally:
+        served.close()
 
 
 def test_actors_that_join_at_once_share_the_learners_one_store(served, monkeypatch):
