@@ -156,6 +156,11 @@ class Engine:
         texts = completion_texts(self._decode, prompt_tokens, [_text_tokens(c) for c in outputs])
         return [_completion(c, text) for c, text in zip(outputs, texts)]
 
+    @property
+    def tokenizer(self):
+        """The model's tokenizer (Hugging Face), as vLLM loaded it."""
+        return self._llm.tokenizer
+
     async def weight_layout(self) -> str:
         """How weight updates enter the model: "copy" in place, or "reload" layer-wise (vLLM's CPU
         backend with actor.vllm.cpu_linear: packed)."""

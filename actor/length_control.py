@@ -21,7 +21,7 @@ import random
 import numpy as np
 
 from tidal.actor.engine import Completion
-from tidal.broker.schema import InterruptParams, PromptGroup, SampleArrays, SamplingParams
+from tidal.broker.schema import Episode, InterruptParams, PromptGroup, SampleArrays, SamplingParams
 
 Span = tuple[int, int, int]  # (version, start, end) over completion tokens
 
@@ -43,37 +43,59 @@ def answer_prompt(prompt_tokens: list[int], thinking: Completion, interrupt: Int
     return [*prompt_tokens, *thinking.tokens.tolist(), *interrupt.tokens]
 
 
-def splice_spans(think_spans: list[Span], num_think: int, num_injected: int, answer_spans: list[Span]) -> list[Span]:
-    """Version spans over thinking + injected + answer tokens, adjacent equal versions merged.
+class Transcript:
+    """A completion built piece by piece: turns the model sampled and tokens the actor injected
+    (interruption text, an environment's replies), in order. Injected tokens carry behaviour logprob
+    0.0, are listed in `injected_spans`, and take the version of the sampled token before them: no
+    policy produced them, and this never makes a sample look older (for staleness) than its own
+    oldest generated token."""
 
-    Injected tokens take the version of the last thinking token: no policy produced them, and this
-    never makes the sample look older (for staleness) than its own oldest generated token.
-    """
-    assert think_spans and answer_spans, "vLLM reported no weight_versions for a completion"
-    offset = num_think + num_injected
-    pieces = [*think_spans, (think_spans[-1][0], num_think, offset),
-              *((v, start + offset, end + offset) for v, start, end in answer_spans)]
-    merged: list[Span] = []
-    for version, start, end in pieces:
-        if merged and merged[-1][0] == version and merged[-1][2] == start:
-            merged[-1] = (version, merged[-1][1], end)
+    def __init__(self):
+        self.tokens: list[np.ndarray] = []
+        self.logprobs: list[np.ndarray] = []
+        self.spans: list[Span] = []  # adjacent equal versions merged
+        self.injected: list[tuple[int, int]] = []
+        self.texts: list[str] = []
+        self.size = 0
+
+    def add_sampled(self, turn: Completion) -> Transcript:
+        assert turn.version_spans or not len(turn.tokens), "vLLM reported no weight_versions for a completion"
+        for version, start, end in turn.version_spans:
+            self._span(version, self.size + start, self.size + end)
+        return self._add(turn.tokens, turn.logprobs, turn.text)
+
+    def add_injected(self, tokens, text: str) -> Transcript:
+        tokens = np.asarray(tokens, dtype=np.int32)
+        if len(tokens):
+            assert self.spans, "a completion starts with a sampled turn"
+            self._span(self.spans[-1][0], self.size, self.size + len(tokens))
+            self.injected.append((self.size, self.size + len(tokens)))
+        return self._add(tokens, np.zeros(len(tokens), dtype=np.float32), text)
+
+    def _span(self, version: int, start: int, end: int) -> None:
+        if self.spans and self.spans[-1][0] == version and self.spans[-1][2] == start:
+            self.spans[-1] = (version, self.spans[-1][1], end)
         elif end > start:
-            merged.append((version, start, end))
-    return merged
+            self.spans.append((version, start, end))
+
+    def _add(self, tokens, logprobs, text: str) -> Transcript:
+        self.tokens.append(np.asarray(tokens, dtype=np.int32))
+        self.logprobs.append(np.asarray(logprobs, dtype=np.float32))
+        self.texts.append(text)
+        self.size += len(tokens)
+        return self
+
+    def completion(self, finish_reason: str) -> Completion:
+        return Completion(tokens=np.concatenate(self.tokens), logprobs=np.concatenate(self.logprobs),
+                          version_spans=list(self.spans), text="".join(self.texts), finish_reason=finish_reason,
+                          injected_spans=list(self.injected))
 
 
 def splice(thinking: Completion, interrupt: InterruptParams, answer: Completion) -> Completion:
     """One completion from an interrupted thinking phase and its answer."""
-    num_think, num_injected = len(thinking.tokens), len(interrupt.tokens)
-    tokens = np.concatenate([thinking.tokens, np.asarray(interrupt.tokens, dtype=np.int32), answer.tokens])
-    logprobs = np.concatenate([thinking.logprobs, np.zeros(num_injected, dtype=np.float32), answer.logprobs])
-    return Completion(
-        tokens=tokens.astype(np.int32), logprobs=logprobs.astype(np.float32),
-        version_spans=splice_spans(thinking.version_spans, num_think, num_injected, answer.version_spans),
-        text=thinking.text + interrupt.text + answer.text,
-        # a truncation is a sample that ran out of its final budget without a stop token
-        finish_reason="interrupted" if answer.finish_reason == "stop" else "length",
-        injected_spans=[(num_think, num_think + num_injected)])
+    transcript = Transcript().add_sampled(thinking).add_injected(interrupt.tokens, interrupt.text).add_sampled(answer)
+    # a truncation is a sample that ran out of its final budget without a stop token
+    return transcript.completion("interrupted" if answer.finish_reason == "stop" else "length")
 
 
 def overlong_penalty(num_tokens: int, max_tokens: int, buffer_tokens: int) -> float:
@@ -92,12 +114,13 @@ def overlong_penalty(num_tokens: int, max_tokens: int, buffer_tokens: int) -> fl
     return -min(max(over, 0) / buffer_tokens, 1.0)
 
 
-def to_sample(completion: Completion, raw_reward: float, params: SamplingParams) -> SampleArrays:
+def to_sample(completion: Completion, raw_reward: float, params: SamplingParams,
+              episode: Episode | None = None) -> SampleArrays:
     """The wire sample: reward = task reward + overlong penalty (when the group asks for one)."""
     penalty = overlong_penalty(len(completion.tokens), params.max_tokens, params.overlong_buffer_tokens)
     return SampleArrays.of(completion.tokens, completion.logprobs, version_spans=completion.version_spans,
                            reward=raw_reward + penalty, finish_reason=completion.finish_reason,
-                           injected_spans=completion.injected_spans, raw_reward=raw_reward)
+                           injected_spans=completion.injected_spans, raw_reward=raw_reward, episode=episode)
 
 
 async def generate(engine, group: PromptGroup) -> list[Completion]:

@@ -1,7 +1,8 @@
 """The actor: pull prompt groups, sample them on vLLM, score them, stream finished groups out.
 
-    learner ──groups──► fill_slots ──► run_group (wait for min_version → sample n → reward) ──► RolloutGroup
-                                                  (length_control: interruptions, overlong penalty)
+    learner ──groups──► fill_slots ──► run_group (wait for min_version → n episodes → samples) ──► RolloutGroup
+                                        (episode: turns, tools, the environment's reward;
+                                         length_control: interruptions, overlong penalty)
     learner ──announcements──► listen ──► apply_newest ──► receiver.apply (engine: pause(keep) → load → resume)
                                heartbeats ──► learner (version, outstanding groups)
 
@@ -17,7 +18,8 @@ import logging
 import time
 from collections import Counter
 
-from tidal.actor.length_control import generate, to_sample
+from tidal.actor.episode import Episodes
+from tidal.actor.length_control import to_sample
 from tidal.broker.base import ActorTransport
 from tidal.broker.schema import Heartbeat, PromptGroup, RolloutGroup, Shutdown, WeightUpdate
 from tidal.broker.weights import EngineStuck, WeightReceiver
@@ -33,12 +35,12 @@ CATCH_UP_TIMEOUT_S = 30.0  # how long a joining actor waits to hear the current 
 
 class Actor:
     def __init__(self, cfg: ActorConfig, engine, transport: ActorTransport, receiver: WeightReceiver | None,
-                 reward_fns: dict):
+                 episodes: Episodes | None = None):
         self.cfg = cfg
         self.engine = engine  # tidal.actor.engine.Engine, or anything with its methods
         self.transport = transport
         self.receiver = receiver
-        self.reward_fns = reward_fns  # task name -> reward(text, payload)
+        self.episodes = episodes  # runs each sample as an episode of the task's environment
         self.inflight_samples = 0
         # samples held at once: the engine runs max_inflight, the rest wait in its queue for a free slot
         self.capacity = cfg.max_inflight + (cfg.max_inflight if cfg.max_queued < 0 else cfg.max_queued)
@@ -112,12 +114,11 @@ class Actor:
         queued = time.perf_counter()
         await self.wait_for_version(group.min_version)
         start = time.perf_counter()
-        completions = await generate(self.engine, group)  # with forced interruptions when the group asks
-        reward = self.reward_fns[group.task]
+        # environments and rewards run off the event loop: a slow one never stalls heartbeats, claims and swaps
+        episodes = await self.episodes.run(self.engine, group)
+        completions = [e.completion for e in episodes]
         # the overlong penalty (when the group asks) is added here; Sample.raw_reward keeps the task's
-        # off the event loop: a slow verifier must not stall heartbeats, claims and weight swaps
-        rewards = await asyncio.to_thread(lambda: [float(reward(c.text, group.payload)) for c in completions])
-        samples = [to_sample(c, r, group.sampling) for c, r in zip(completions, rewards)]
+        samples = [to_sample(e.completion, e.reward, group.sampling, e.episode) for e in episodes]
         await self.transport.send_rollout(RolloutGroup.pack(
             samples, group_id=group.group_id, prompt_id=group.prompt_id, actor_id=self.cfg.id,
             prompt_tokens=group.prompt_tokens, eval_version=group.eval_version,

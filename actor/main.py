@@ -14,10 +14,11 @@ log = logging.getLogger("tidal.actor")
 async def serve(cfg: RunConfig) -> str:
     """`cfg` is resolved (tidal.config.resolve): model path, actor id and index are set."""
     from tidal.actor.engine import Engine
+    from tidal.actor.episode import Episodes
     from tidal.actor.loop import Actor
     from tidal.broker.factory import actor_transport
     from tidal.broker.weights import build_receiver
-    from tidal.tasks import get_reward
+    from tidal.tasks import get_environment
 
     transport = actor_transport(cfg.broker, cfg.actor.id, cfg.name)
     receiver = build_receiver(cfg.weights)
@@ -30,7 +31,8 @@ async def serve(cfg: RunConfig) -> str:
     # that no garbage is frozen with them; unfrozen at the end, so that Engine.shutdown can collect the engine
     gc.collect()
     gc.freeze()
-    actor = Actor(cfg.actor, engine, transport, receiver, {cfg.task.name: get_reward(cfg.task)})
+    episodes = Episodes(get_environment(cfg.task), cfg.env, engine.tokenizer, cfg.task.chat_template)
+    actor = Actor(cfg.actor, engine, transport, receiver, episodes)
     loop = asyncio.get_running_loop()
 
     def on_signal(sig: signal.Signals) -> None:
@@ -43,6 +45,7 @@ async def serve(cfg: RunConfig) -> str:
         reason = await actor.run()
     finally:
         gc.unfreeze()
+        episodes.close()
         engine.shutdown()
         transport.close()
     log.info("actor %s stopped: %s (%d groups, %d tokens, %d weight updates)", cfg.actor.id, reason,

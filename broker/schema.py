@@ -17,8 +17,9 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-SCHEMA_VERSION = 4  # 2: eval groups carry eval_version; grants no longer carry weights. 3: a rollout's
-# token ids and logprobs are one buffer per group. 4: a weight update comes from one learner rank (no sources)
+SCHEMA_VERSION = 5  # 2: eval groups carry eval_version; grants no longer carry weights. 3: a rollout's
+# token ids and logprobs are one buffer per group. 4: a weight update comes from one learner rank (no sources).
+# 5: a sample may carry its episode's counts (turns, tool calls)
 
 
 # Bounds every decoded value must keep: a frame that breaks one is rejected at decode ("malformed",
@@ -165,6 +166,18 @@ class PromptGroup(Message, tag="prompt_group"):
         self.sampling.check()
 
 
+class Episode(msgspec.Struct, frozen=True, gc=False):
+    """How a sample's episode went (environments of several turns; None for a single-turn task)."""
+
+    turns: Annotated[int, Meta(ge=1, le=65_536)]  # model turns
+    tool_calls: Annotated[int, Meta(ge=0, le=2**20)] = 0
+    tool_errors: Annotated[int, Meta(ge=0, le=2**20)] = 0  # answered with an error: unknown tool, bad arguments, raised
+    tool_timeouts: Annotated[int, Meta(ge=0, le=2**20)] = 0
+    env_seconds: Seconds = 0.0  # time in the environment's start and steps and in tools
+    # why the environment failed the episode (raised or timed out; its reward is then 0.0); "" when it did not
+    env_error: Annotated[str, Meta(max_length=512)] = ""
+
+
 class Sample(msgspec.Struct, kw_only=True, gc=False):
     """One completion's own fields. Its token ids and logprobs are a slice of its group's buffers
     (`RolloutGroup.tokens`, `.logprobs`): one buffer per group costs a decoder a fraction of one per
@@ -181,6 +194,7 @@ class Sample(msgspec.Struct, kw_only=True, gc=False):
     # sequence the model read, never trained on; their behavior logprobs are 0.0
     injected_spans: Annotated[list[tuple[Count, Count]], Meta(max_length=1024)] = []
     raw_reward: float | None = None  # the task's reward before length shaping; None: equal to `reward`
+    episode: Episode | None = None  # environments of several turns: how the episode went
 
     @property
     def task_reward(self) -> float:
@@ -213,6 +227,9 @@ class Sample(msgspec.Struct, kw_only=True, gc=False):
             if not previous_end <= start < end <= size:
                 raise WireError("bad_spans", f"injected_spans {self.injected_spans} (completion of {size} tokens)")
             previous_end = end
+        if self.episode is not None and self.episode.tool_errors + self.episode.tool_timeouts > self.episode.tool_calls:
+            raise WireError("bad_value", f"episode: {self.episode.tool_errors} errors and "
+                            f"{self.episode.tool_timeouts} timeouts of {self.episode.tool_calls} tool calls")
         if self.finish_reason == "interrupted" and not self.injected_spans:
             raise WireError("bad_value", "finish_reason 'interrupted' without injected_spans")
         if not math.isfinite(self.reward) or (self.raw_reward is not None and not math.isfinite(self.raw_reward)):

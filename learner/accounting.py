@@ -49,6 +49,8 @@ class Accounting:
             "rollout/zero_variance_frac": stats["zero_variance"] / max(stats["groups_received"], 1),
             "rollout/gen_tokens_per_s": self.totals["gen_tokens"] / (time.monotonic() - self.start_time),
             "rollout/multi_version_samples": float(stats["multi_version_samples"]),
+            "rollout/injected_token_frac": stats["injected_tokens"] / max(stats["gen_tokens"], 1),
+            **episode_metrics(stats),
             "offpolicy/dropped_stale_groups": float(stats["dropped_stale"]),
             "offpolicy/stale_tokens": float(stats["stale_tokens"]),
             "offpolicy/masked_stale_tokens": float(stats["masked_stale_tokens"]),
@@ -66,3 +68,16 @@ class Accounting:
         self.device_seconds = state["device_seconds"]
         self.start_time = time.monotonic() - state["wall_s"]  # compute axes continue where they were
         self.last_axis_time = time.monotonic()
+
+
+def episode_metrics(stats: Counter) -> dict[str, float]:
+    """Episodes of several turns (or whose environment failed) in the step; none for single-turn tasks."""
+    episodes = stats["episodes"]
+    if not episodes:
+        return {}
+    return {"episode/turns_mean": stats["episode_turns"] / episodes,
+            "episode/tool_calls_mean": stats["tool_calls"] / episodes,
+            "episode/tool_error_rate": stats["tool_errors"] / max(stats["tool_calls"], 1),
+            "episode/tool_timeout_rate": stats["tool_timeouts"] / max(stats["tool_calls"], 1),
+            "episode/env_failed_frac": stats["env_errors"] / episodes,
+            "episode/env_s_mean": stats["env_ms"] / 1000 / episodes}

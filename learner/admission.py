@@ -88,3 +88,13 @@ def count(group: RolloutGroup, stats: Counter) -> None:
     stats["reward_sum"] += sum(s.reward for s in group.samples)
     stats["passed"] += sum(s.task_reward > 0 for s in group.samples)  # pass rates ignore length shaping
     stats["multi_version_samples"] += sum(s.spans_several_versions() for s in group.samples)
+    stats["injected_tokens"] += sum(end - start for s in group.samples for start, end in s.injected_spans)
+    episodes = [s.episode for s in group.samples if s.episode is not None]
+    if episodes:
+        stats["episodes"] += len(episodes)
+        stats["episode_turns"] += sum(e.turns for e in episodes)
+        stats["tool_calls"] += sum(e.tool_calls for e in episodes)
+        stats["tool_errors"] += sum(e.tool_errors for e in episodes)
+        stats["tool_timeouts"] += sum(e.tool_timeouts for e in episodes)
+        stats["env_errors"] += sum(bool(e.env_error) for e in episodes)
+        stats["env_ms"] += round(1000 * sum(e.env_seconds for e in episodes))

@@ -87,14 +87,33 @@ class Diagnostics:
                 "prompt": prompt, "completion": self.decode(tokens),
                 "reward": sample.task_reward, "finish_reason": sample.finish_reason, "tokens": sample.num_tokens,
                 "versions": f"{min(versions)}..{max(versions)}" if min(versions) != max(versions) else str(versions[0]),
-                "lag": arrived_at - min(versions), "actor": group.actor_id, "group_id": group.group_id})
+                "lag": arrived_at - min(versions), "actor": group.actor_id, "group_id": group.group_id,
+                **(self.episode_columns(sample, tokens) if sample.episode is not None else {})})
+
+    def episode_columns(self, sample, tokens: np.ndarray) -> dict:
+        """An episode's turns one by one: what the model wrote and what the environment (its messages
+        and tools' outputs, through the chat template) answered, with the versions of each model turn."""
+        pieces, start = [], 0
+        versions = sample.versions()
+        for begin, end in [*sample.injected_spans, (sample.num_tokens, sample.num_tokens)]:
+            if begin > start:
+                turn = versions[start:begin]
+                pieces.append({"by": "model", "text": self.decode(tokens[start:begin]),
+                               "versions": sorted({int(v) for v in turn})})
+            if end > begin:
+                pieces.append({"by": "environment", "text": self.decode(tokens[begin:end])})
+            start = end
+        e = sample.episode
+        return {"turns": e.turns, "tool_calls": e.tool_calls, "tool_errors": e.tool_errors,
+                "tool_timeouts": e.tool_timeouts, "env_error": e.env_error, "conversation": pieces}
 
     def eval_done(self, version: int) -> None:
         """Log the evaluation's table: eval/completions-step-<version>.json in the MLflow run."""
         rows = self.rows.pop(version, None)
         self.shown.pop(version, None)
         if rows:
-            columns = {key: [row[key] for row in rows] for key in rows[0]}
+            keys = dict.fromkeys(key for row in rows for key in row)  # episode columns: rows of episodes only
+            columns = {key: [row.get(key) for row in rows] for key in keys}
             self.tracker.log_table(columns, f"eval/completions-step-{version:06d}.json")
 
     # ---- the training stream --------------------------------------------------------------------

@@ -172,6 +172,19 @@ class SamplingConfig:
 
 
 @dataclass(frozen=True)
+class EnvConfig:
+    """Episodes of several turns (tasks that define an Environment): their budgets and tool calls.
+    An episode's tokens, the environment's and tools' included, stay within sampling.max_tokens."""
+
+    max_turns: int = 8  # model turns per episode (one that calls tools counts); the environment may set fewer
+    step_timeout_s: float = 60.0  # an environment's start or step that takes longer fails its episode (reward 0)
+    tool_parser: str = "hermes"  # vLLM's tool-call parser for the model's format (hermes, pythonic, llama3_json, ...)
+    max_tool_calls: int = 4  # tool calls run per model turn; more are answered with an error
+    tool_timeout_s: float = 10.0  # a tool call that takes longer is answered with an error
+    tool_output_chars: int = 2000  # a tool's output beyond this is cut, and the model told how much was cut
+
+
+@dataclass(frozen=True)
 class VllmConfig:
     """Settings of each actor's vLLM engine (vLLM's AsyncEngineArgs)."""
 
@@ -431,6 +444,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     broker: BrokerConfig = field(default_factory=BrokerConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
@@ -611,6 +625,16 @@ def check_sampling(cfg: RunConfig) -> None:
              "must be >= 0, or -1 for as many as actor.max_inflight")
 
 
+def check_env(cfg: RunConfig) -> None:
+    e = cfg.env
+    # each turn after the first adds one span of injected tokens, and a sample carries at most 1024
+    _require(1 <= e.max_turns <= 1000, "env.max_turns", e.max_turns, "must be in [1, 1000]")
+    _require(e.max_tool_calls >= 0, "env.max_tool_calls", e.max_tool_calls, "must be >= 0")
+    for key in ("step_timeout_s", "tool_timeout_s"):
+        _require(getattr(e, key) > 0, f"env.{key}", getattr(e, key), "must be > 0")
+    _require(e.tool_output_chars >= 1, "env.tool_output_chars", e.tool_output_chars, "must be >= 1")
+
+
 def check_length_control(cfg: RunConfig) -> None:
     s, it, ol = cfg.sampling, cfg.sampling.interrupt, cfg.sampling.overlong
     _require(not (it.enabled and ol.enabled), "sampling.overlong.enabled", ol.enabled,
@@ -770,8 +794,8 @@ def curve_on(cfg: ZmqConfig) -> bool:
 
 
 def validate(cfg: RunConfig) -> None:
-    for check in (check_model, check_task, check_sampling, check_length_control, check_learner, check_devices,
-                  check_curriculum, check_broker, check_tracking):
+    for check in (check_model, check_task, check_sampling, check_env, check_length_control, check_learner,
+                  check_devices, check_curriculum, check_broker, check_tracking):
         check(cfg)
 
 

@@ -374,7 +374,7 @@ def test_a_resumed_learner_withdraws_groups_released_after_its_checkpoint(redis_
 
     async def restarted_actor():
         actor = Actor(ActorConfig(id="a0", max_inflight=8), VersionSeven(), RedisActorTransport(
-            cfg, WireCodec(1 << 20), "a0", "t"), receiver=None, reward_fns={"arithmetic": lambda text, payload: 1.0})
+            cfg, WireCodec(1 << 20), "a0", "t"), receiver=None)
         filling = actor.spawn(actor.fill_slots())
         got = await asyncio.to_thread(drain, again, 2)
         for task in [filling, *actor.tasks]:

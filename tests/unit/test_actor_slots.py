@@ -32,7 +32,7 @@ async def held_samples(cfg: ActorConfig) -> int:
         await asyncio.Event().wait()  # every sample still generating
 
     engine = SimpleNamespace(version=0, sample=never_done)
-    actor = Actor(cfg, engine, Prompts(), receiver=None, reward_fns={})
+    actor = Actor(cfg, engine, Prompts(), receiver=None)
     filling = asyncio.create_task(actor.fill_slots())
     for _ in range(20):
         await asyncio.sleep(0)

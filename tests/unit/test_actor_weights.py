@@ -12,7 +12,7 @@ def update(version: int, incarnation: str) -> WeightUpdate:
 
 
 def test_a_resumed_learners_lower_versions_replace_an_abandoned_lineage():
-    actor = Actor(ActorConfig(), SimpleNamespace(version=12), transport=None, receiver=None, reward_fns={})
+    actor = Actor(ActorConfig(), SimpleNamespace(version=12), transport=None, receiver=None)
     actor.loaded_incarnation = "old"
     assert actor.is_loaded(update(12, "old")) and actor.is_loaded(update(11, "old"))
     assert not actor.is_loaded(update(13, "old"))

@@ -239,7 +239,7 @@ def test_a_torn_engine_tries_the_same_version_again_and_an_unreachable_learner_n
 
     publisher, update, state, tokenizer = served
     engine = ScriptedEngine(tokenizer)
-    actor = loop.Actor(ActorConfig(), engine, transport=None, receiver=build_receiver(config()), reward_fns={})
+    actor = loop.Actor(ActorConfig(), engine, transport=None, receiver=build_receiver(config()))
     actor.retry_s = 0.05
     send, tries = gloo.GlooPlane.send, []
 
@@ -282,8 +282,7 @@ def test_workers_that_never_form_their_group_stop_the_actor_to_be_restarted(serv
     async def never(init_info):
         await asyncio.sleep(3600)
     monkeypatch.setattr(engine, "init_weight_transfer", never)
-    actor = loop.Actor(ActorConfig(), engine, transport=None, receiver=build_receiver(config(tcp_timeout_s=0.5)),
-                       reward_fns={})
+    actor = loop.Actor(ActorConfig(), engine, transport=None, receiver=build_receiver(config(tcp_timeout_s=0.5)))
     actor.note_announcement(update)
     with pytest.raises(EngineStuck, match=r"did not form their group within 1 s .* the actor must restart"):
         asyncio.run(actor.load_newest(tolerate=True))

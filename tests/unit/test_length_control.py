@@ -8,11 +8,11 @@ import pytest
 
 from tidal.actor.engine import Completion
 from tidal.actor.length_control import (
+    Transcript,
     answer_prompt,
     generate,
     overlong_penalty,
     splice,
-    splice_spans,
     think_budgets,
     to_sample,
 )
@@ -80,8 +80,10 @@ def test_answer_prompt_is_prompt_then_thinking_then_interruption():
     # a swap between the two requests: thinking + injected at v0, the answer at v1
     ([(0, 0, 3)], [(1, 0, 4)], [(0, 0, 5), (1, 5, 9)]),
 ])
-def test_splice_spans(think, answer, expected):
-    assert splice_spans(think, 3, 2, answer) == expected
+def test_transcript_spans(think, answer, expected):
+    spans = (Transcript().add_sampled(completion([7] * 3, [0.0] * 3, think, finish="length"))
+             .add_injected([8, 8], "").add_sampled(completion([9] * 4, [0.0] * 4, answer)).spans)
+    assert spans == expected
 
 
 @pytest.mark.parametrize("answer_finish, expected", [("stop", "interrupted"), ("length", "length")])

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import ALPHABET, ROOT, TINY, TINY_CHAT_TEMPLATE, ScriptedEngine
+from tidal.actor.episode import Episodes
 from tidal.actor.loop import Actor
 from tidal.broker.inproc import InprocBroker
 from tidal.broker.schema import WireCodec
@@ -20,7 +21,7 @@ from tidal.broker.zmq_transport import ZmqActorTransport, ZmqLearnerTransport
 from tidal.config import load_config, resolve
 from tidal.learner.export import export_checkpoint
 from tidal.learner.main import build, serve
-from tidal.tasks import get_reward
+from tidal.tasks import get_environment
 from tidal.tiny import build_tiny_model, save_model
 
 MAX_STEPS, MAX_LAG = 4, 1
@@ -52,8 +53,8 @@ def start_actor(actor_side, cfg, engine: ScriptedEngine) -> tuple[threading.Thre
     result = {}
 
     def main():
-        actor = Actor(cfg.actor, engine, actor_side(), build_receiver(cfg.weights),
-                      {cfg.task.name: get_reward(cfg.task)})
+        episodes = Episodes(get_environment(cfg.task), cfg.env, engine.tokenizer, cfg.task.chat_template)
+        actor = Actor(cfg.actor, engine, actor_side(), build_receiver(cfg.weights), episodes)
         result["reason"] = asyncio.run(actor.run())
         result["stats"] = actor.stats
 

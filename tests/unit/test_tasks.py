@@ -127,7 +127,7 @@ def test_the_count_task_has_long_tailed_completions_in_one_batch():
 @pytest.mark.parametrize("name, says", [
     ("nope", "'task.name' = 'nope': not a known task (arithmetic, count, math"),
     ("no_such_pkg.task", "cannot import no_such_pkg.task"),
-    ("tidal.tiny", "tidal.tiny has no load_prompts and no reward (or build_reward)"),
+    ("tidal.tiny", "tidal.tiny has no load_prompts and no reward (or build_reward, or Environment)"),
 ])
 def test_an_unknown_or_incomplete_task_is_one_line_and_exit_2(tmp_path, capsys, name, says):
     assert main(["run", str(ROOT / "configs/tiny.yaml"), f"task.name={name}", f"run_dir={tmp_path / 'run'}"]) == 2

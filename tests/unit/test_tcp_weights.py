@@ -129,7 +129,7 @@ def test_a_bucket_shorter_than_announced_is_refused(served):
 def test_the_actor_loop_survives_a_failed_load_and_takes_the_next_version(served):
     publisher, update, state, tokenizer = served
     engine = ScriptedEngine(tokenizer)
-    actor = Actor(ActorConfig(), engine, transport=None, receiver=build_receiver(config()), reward_fns={})
+    actor = Actor(ActorConfig(), engine, transport=None, receiver=build_receiver(config()))
     actor.note_announcement(msgspec.structs.replace(update, location="127.0.0.1:1"))  # nothing listens there
     assert asyncio.run(actor.load_newest(tolerate=False)) is False
     assert actor.stats["weight_load_failures"] == 1 and engine.version == 0

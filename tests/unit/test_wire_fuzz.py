@@ -13,6 +13,7 @@ import pytest
 
 from conftest import prompt_group, rollout
 from tidal.broker.schema import (
+    Episode,
     Heartbeat,
     InterruptParams,
     RolloutGroup,
@@ -36,8 +37,13 @@ def valid_messages() -> dict[str, object]:
     group.sampling = SamplingParams(0.9, 1.0, 8, (1,), interrupt, 2)
     sample = SampleArrays.of([3, 4, 5, 1], [-0.1, 0.0, 0.0, -0.3], version_spans=[(2, 0, 1), (3, 1, 4)], reward=1.0,
                              finish_reason="interrupted", injected_spans=[(1, 3)], raw_reward=1.0)
+    # a sample of an episode: two model turns around a tool's reply (injected), and how the episode went
+    episode = SampleArrays.of([3, 4, 7, 7, 5, 1], [-0.1, -0.2, 0.0, 0.0, -0.4, -0.3], version_spans=[(2, 0, 6)],
+                              reward=1.0, finish_reason="stop", injected_spans=[(2, 4)],
+                              episode=Episode(turns=2, tool_calls=1, tool_errors=0, tool_timeouts=1,
+                                              env_seconds=0.25, env_error=""))
     one = rollout()
-    two = RolloutGroup.pack([*one.unpack(), sample], group_id=one.group_id, prompt_id=one.prompt_id,
+    two = RolloutGroup.pack([*one.unpack(), sample, episode], group_id=one.group_id, prompt_id=one.prompt_id,
                             actor_id=one.actor_id, prompt_tokens=one.prompt_tokens)
     return {
         "prompt_group": group,

@@ -2,7 +2,9 @@
 actors). A task is a module with
 
     load_prompts(cfg: TaskConfig) -> Split          training and held-out prompts
-    reward(text: str, payload: dict) -> float       1.0 for a pass; or build_reward(cfg) -> that function
+    reward(text: str, payload: dict) -> float       1.0 for a pass; or build_reward(cfg) -> that function;
+                                                    or Environment: an Env subclass, for episodes of several
+                                                    turns and tool calls (tidal.tasks.env)
     ALPHABET (optional)                             characters the tiny model's tokenizer is built from
     MAX_POSITIONS (optional)                        the tiny model's context length (default 64)
     teacher_slip(answer, rng) -> str (optional)     the tiny model's warm-start teacher when sloppy
@@ -21,6 +23,10 @@ from importlib.metadata import entry_points
 from types import ModuleType
 
 from tidal.config import ConfigError, TaskConfig
+from tidal.tasks.env import ChatRenderer, Env, Message, SingleTurn, Turn, tool_schemas
+
+__all__ = ["ChatRenderer", "Env", "Message", "Prompt", "PromptEncoder", "SingleTurn", "Split", "Turn",
+           "encode_prompt", "get_environment", "get_reward", "get_task", "installed_tasks", "tool_schemas"]
 
 BUILTIN = {"arithmetic": "tidal.tasks.arithmetic", "count": "tidal.tasks.count", "math": "tidal.tasks.math"}
 ENTRY_POINTS = "tidal.tasks"
@@ -49,18 +55,26 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
 
 class PromptEncoder:
     """Prompt -> token ids: the raw text, or chat messages through the tokenizer's chat template
-    (with `task.chat_template` a string prompt becomes one user message), a system prompt first."""
+    (with `task.chat_template` a string prompt becomes one user message), a system prompt first, and
+    the environment's tools (their schemas) where the template lists them."""
 
-    def __init__(self, tokenizer, chat_template: bool = False, system_prompt: str = ""):
+    def __init__(self, tokenizer, chat_template: bool = False, system_prompt: str = "",
+                 tools: list[dict] | None = None):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.system_prompt = system_prompt
+        self.tools = tools or None
         if chat_template and not getattr(tokenizer, "chat_template", None):
             raise ConfigError("config key 'task.chat_template' = True: the tokenizer at model.path has no chat "
                               "template")
 
+    @classmethod
+    def for_task(cls, tokenizer, cfg: TaskConfig) -> PromptEncoder:
+        """The encoder of `cfg`'s prompts, its environment's tools listed."""
+        return cls(tokenizer, cfg.chat_template, cfg.system_prompt, tool_schemas(get_environment(cfg).tools()))
+
     def __call__(self, prompt: Prompt) -> list[int]:
-        if prompt.messages is None and not self.chat_template:
+        if prompt.messages is None and not (self.chat_template or self.tools):
             return encode_prompt(self.tokenizer, prompt.text)
         messages = list(prompt.messages or [{"role": "user", "content": prompt.text}])
         if self.system_prompt and messages[0]["role"] != "system":
@@ -69,7 +83,8 @@ class PromptEncoder:
             raise ConfigError(f"prompt {prompt.prompt_id} holds chat messages but the tokenizer at model.path has "
                               "no chat template")
         # rendered, then tokenized without special tokens: the template writes them itself
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=True,
+                                                  tokenize=False)
         return encode_prompt(self.tokenizer, text)
 
 
@@ -91,8 +106,8 @@ def get_task(name: str) -> ModuleType:
         raise ConfigError(f"config key 'task.name' = {name!r}: cannot import {module_name} ({err}; is its folder "
                           "on PYTHONPATH, or its package installed?)") from None
     missing = [f for f in ("load_prompts",) if not callable(getattr(module, f, None))]
-    if not callable(getattr(module, "reward", None)) and not callable(getattr(module, "build_reward", None)):
-        missing.append("reward (or build_reward)")
+    if not any(callable(getattr(module, f, None)) for f in ("reward", "build_reward", "Environment")):
+        missing.append("reward (or build_reward, or Environment)")
     if missing:
         raise ConfigError(f"config key 'task.name' = {name!r}: {module_name} has no {' and no '.join(missing)}")
     return module
@@ -103,3 +118,15 @@ def get_reward(cfg: TaskConfig) -> Reward:
     module = get_task(cfg.name)
     build = getattr(module, "build_reward", None)
     return build(cfg) if callable(build) else module.reward
+
+
+def get_environment(cfg: TaskConfig) -> Env:
+    """The task's environment: its Environment built with its config, or its reward as one turn."""
+    module = get_task(cfg.name)
+    env_class = getattr(module, "Environment", None)
+    if env_class is None:
+        return SingleTurn(get_reward(cfg))
+    if not (isinstance(env_class, type) and issubclass(env_class, Env)):
+        raise ConfigError(f"config key 'task.name' = {cfg.name!r}: {module.__name__}.Environment is not a "
+                          "subclass of tidal.tasks.Env")
+    return env_class(cfg)

@@ -1,0 +1,164 @@
+"""Episodes: each sample of a group is one episode of the task's environment, token for token.
+
+    turn 1 of the group's n episodes: one request of n samples (length_control.generate)
+    each episode:  reply ──tool calls?──yes──► ToolRunner ──► tool messages ──┐
+                     │                                                      │
+                     └──no──► env.step(state, reply) ──► Turn(messages, done, reward)
+                                                                           │
+        done, env.max_turns or sampling.max_tokens reached ◄───────────────┤
+        else: the messages through the chat template (ChatRenderer) ──► injected tokens
+              ──► next request: prompt + every token so far, as token ids ──► reply
+
+The model's tokens are never decoded and encoded again: each request is the prompt followed by the
+tokens sampled and injected so far (prefix caching makes the repeated prefix cheap), and the
+completion the learner trains on is exactly those tokens, the injected ones masked out
+(`injected_spans`). A single-turn task is an environment whose first step is done.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+from tidal.actor.engine import Completion
+from tidal.actor.length_control import Transcript, generate
+from tidal.actor.tools import ToolCallParser, ToolRunner
+from tidal.broker.schema import Episode, PromptGroup
+from tidal.config import EnvConfig
+from tidal.tasks.env import ChatRenderer, Env, Message, Turn, is_async, tool_schemas
+
+log = logging.getLogger(__name__)
+
+
+class EnvFailed(Exception):
+    """The environment raised, timed out or answered with something that is not a Turn."""
+
+
+@dataclass
+class EpisodeResult:
+    completion: Completion
+    reward: float
+    episode: Episode | None  # None for a single-turn task's episode that went as expected
+    messages: list[Message] = field(default_factory=list)  # the conversation after the prompt, for tables
+
+
+@dataclass
+class Counts:
+    turns: int = 1
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
+    env_seconds: float = 0.0
+    env_error: str = ""
+
+
+class Episodes:
+    """Runs a group's samples as episodes of `env` (one instance for every episode of the run)."""
+
+    def __init__(self, env: Env, cfg: EnvConfig, tokenizer, chat_template: bool):
+        tools = list(env.tools())
+        self.env = env
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.renderer = ChatRenderer(tokenizer, chat_template, tool_schemas(tools))
+        self.parser = ToolCallParser(cfg.tool_parser, tokenizer) if tools else None
+        self.tools = ToolRunner(tools, cfg)
+        self.max_turns = min(cfg.max_turns, env.max_turns or cfg.max_turns)
+        self.multi_turn = self.max_turns > 1 or bool(tools)
+        self._stop_texts: dict[int, str] = {}
+
+    async def run(self, engine, group: PromptGroup) -> list[EpisodeResult]:
+        """The group's n episodes: their first turns sampled together, then each on its own."""
+        first = await generate(engine, group)  # with forced interruptions when the group asks
+        prompt = group.prompt_tokens.numpy("i4", "prompt_tokens").tolist()
+        return list(await asyncio.gather(*(self.episode(engine, group, prompt, i, turn)
+                                           for i, turn in enumerate(first))))
+
+    async def episode(self, engine, group: PromptGroup, prompt: list[int], index: int,
+                      turn: Completion) -> EpisodeResult:
+        transcript, counts, messages = Transcript().add_sampled(turn), Counts(), []
+        reward, finish = 0.0, turn.finish_reason
+        try:
+            state = await self.call_env(counts, self.env.start, dict(group.payload))
+            while True:
+                messages.append({"role": "assistant", "content": turn.text})
+                answer, done, gained = await self.respond(counts, state, turn)
+                messages.extend(answer)
+                reward += gained
+                if done or counts.turns >= self.max_turns or turn.finish_reason == "length":
+                    break
+                increment = self.renderer.increment(answer, self.stop_text(turn))
+                room = group.sampling.max_tokens - transcript.size - len(increment)
+                if room < 1:  # the environment's reply does not fit: the episode ends at its budget
+                    finish = "length"
+                    break
+                transcript.add_injected(increment, self.tokenizer.decode(increment))
+                [turn] = await engine.sample(prompt + transcript_tokens(transcript), 1, group.sampling,
+                                             request_id=f"{group.group_id}-e{index}-t{counts.turns}", max_tokens=room)
+                transcript.add_sampled(turn)
+                counts.turns += 1
+                finish = turn.finish_reason
+        except EnvFailed as err:
+            reward, counts.env_error = 0.0, str(err)[:512]
+            log.warning("group %s episode %d scored as failed: %s", group.group_id, index, err)
+        stats = None
+        if self.multi_turn or counts.env_error:
+            stats = Episode(turns=counts.turns, tool_calls=counts.tool_calls, tool_errors=counts.tool_errors,
+                            tool_timeouts=counts.tool_timeouts, env_seconds=counts.env_seconds,
+                            env_error=counts.env_error)
+        return EpisodeResult(transcript.completion(finish), reward, stats, messages)
+
+    async def respond(self, counts: Counts, state, turn: Completion) -> tuple[list[Message], bool, float]:
+        """What answers the model's turn: its tool calls' outputs, or the environment's step."""
+        if self.parser is not None and turn.finish_reason != "length":
+            calls, garbled = self.parser.parse(turn.text)
+            if calls or garbled:
+                start = time.perf_counter()
+                outcomes = await self.tools.run(calls)
+                counts.env_seconds += time.perf_counter() - start
+                answer = [o.message for o in outcomes]
+                if garbled:
+                    answer.append({"role": "tool", "name": "", "content": "error: the tool call could not be read"})
+                counts.tool_calls += len(answer)
+                counts.tool_errors += sum(o.status == "error" for o in outcomes) + garbled
+                counts.tool_timeouts += sum(o.status == "timeout" for o in outcomes)
+                return answer, False, 0.0
+        result = await self.call_env(counts, self.env.step, state, turn.text)
+        if not isinstance(result, Turn):
+            raise EnvFailed(f"{type(self.env).__name__}.step returned {type(result).__name__}, not a Turn")
+        gained = 0.0 if result.reward is None else float(result.reward)
+        if not math.isfinite(gained):
+            raise EnvFailed(f"{type(self.env).__name__}.step gave a non-finite reward {result.reward}")
+        return list(result.messages), result.done, gained
+
+    async def call_env(self, counts: Counts, fn, *args):
+        """An environment method, async or plain (on a worker thread), within env.step_timeout_s."""
+        start = time.perf_counter()
+        name = f"{type(self.env).__name__}.{fn.__name__}"
+        try:
+            work = fn(*args) if is_async(fn) else asyncio.to_thread(fn, *args)
+            return await asyncio.wait_for(work, self.cfg.step_timeout_s)
+        except TimeoutError:
+            raise EnvFailed(f"{name} took longer than env.step_timeout_s = {self.cfg.step_timeout_s:g} s") from None
+        except Exception as err:
+            raise EnvFailed(f"{name} raised {type(err).__name__}: {err}") from err
+        finally:
+            counts.env_seconds += time.perf_counter() - start
+
+    def stop_text(self, turn: Completion) -> str | None:
+        """The text of the stop token that ended the turn (None when it ran out of tokens instead)."""
+        if turn.finish_reason == "length" or not len(turn.tokens):
+            return None
+        token = int(turn.tokens[-1])
+        if token not in self._stop_texts:
+            self._stop_texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return self._stop_texts[token]
+
+    def close(self) -> None:
+        self.tools.close()
+
+
+def transcript_tokens(transcript: Transcript) -> list[int]:
+    return [int(t) for piece in transcript.tokens for t in piece]

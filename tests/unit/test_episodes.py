@@ -1,0 +1,329 @@
+"""Episodes of several turns on a scripted engine: the tokens the learner trains on are exactly those
+sampled and injected, across turns and a tool call, for a byte-level BPE tokenizer with a ChatML
+template that lists tools; tools and environments that fail, hang or flood are answered or scored
+as failed and counted, never raised; budgets end episodes."""
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from tidal.actor.engine import Completion
+from tidal.actor.episode import Episodes
+from tidal.actor.length_control import to_sample
+from tidal.broker.schema import PromptGroup, RolloutGroup, SamplingParams, WireCodec, int32s
+from tidal.config import EnvConfig
+from tidal.tasks import ChatRenderer, Env, Prompt, PromptEncoder, SingleTurn, Turn, tool_schemas
+
+# ChatML with tools, as Qwen-style models write it: tool schemas in the system turn, calls as
+# <tool_call>{json}</tool_call> in the assistant's text, each tool's output in a <tool_response>
+# block, consecutive ones sharing one user turn
+CHATML_TOOLS = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>"
+    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools><|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "\n<tool_response>\n{{ m.content }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+SPECIAL = ["<|im_start|>", "<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A byte-level BPE trained here, so that text has one canonical tokenization and others that
+    decode to the same text (a model may sample either)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["<tool_call>{\"name\": \"add\", \"arguments\": {\"a\": 12, \"b\": 30}}</tool_call>",
+              "What is 12 + 30 + 7? The answer is 49. Tools: add, multiply. tool_response user assistant system",
+              ] * 50
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|im_end|>")
+    out.chat_template = CHATML_TOOLS
+    return out
+
+
+def add(a: int, b: int) -> int:
+    """Adds two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+def crash(x: int) -> int:
+    """Raises.
+
+    Args:
+        x: anything
+    """
+    raise RuntimeError("the tool broke")
+
+
+def flood(x: int) -> str:
+    """Answers far too much.
+
+    Args:
+        x: anything
+    """
+    return "y" * 100_000
+
+
+def hang(x: int) -> int:
+    """Never answers in time.
+
+    Args:
+        x: anything
+    """
+    time.sleep(2)
+    return x
+
+
+class Sum(Env):
+    """Sum the numbers of the prompt; the model may call `add`. One answer, scored, ends the episode."""
+
+    def tools(self):
+        return [add, crash, flood, hang]
+
+    def step(self, state, reply):
+        if reply.strip() == state["answer"]:
+            return Turn(done=True, reward=1.0)
+        return Turn([{"role": "user", "content": "Not yet; try again."}])
+
+
+class ScriptedTurns:
+    """An engine whose n-th request of each episode answers the n-th script line, tokenized by `encode`
+    (the canonical tokenization unless a test gives another), stop token last. Every request's prompt
+    tokens are kept, and the version it runs stamps each token."""
+
+    def __init__(self, tokenizer, script, encode=None):
+        self.tokenizer = tokenizer
+        self.script = script
+        self.encode = encode or (lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])
+        self.prompts: list[list[int]] = []
+        self.version = 0
+
+    async def sample(self, prompt_tokens, n, params, request_id, max_tokens=None):
+        await asyncio.sleep(0)
+        self.prompts.append(list(prompt_tokens))
+        turn = int(request_id.rsplit("-t", 1)[1]) if "-t" in request_id else 0
+        text = self.script[turn]
+        tokens = [*self.encode(text), self.tokenizer.eos_token_id]
+        budget = max_tokens or params.max_tokens
+        finish = "stop" if len(tokens) <= budget else "length"
+        tokens = tokens[:budget]
+        shown = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return [Completion(np.asarray(tokens, np.int32), np.full(len(tokens), -0.5, np.float32),
+                           [(self.version, 0, len(tokens))], shown, finish) for _ in range(n)]
+
+
+def group(prompt_tokens, n=1, max_tokens=256, answer="49") -> PromptGroup:
+    return PromptGroup(run_id="r", group_id="g0", prompt_id=0, prompt_tokens=int32s(prompt_tokens), task="sum",
+                       payload={"answer": answer}, n=n, sampling=SamplingParams(max_tokens=max_tokens),
+                       min_version=0)
+
+
+def run(episodes, engine, g):
+    return asyncio.run(episodes.run(engine, g))
+
+
+def test_tokens_are_exact_across_turns_and_a_tool_call(tokenizer):
+    env = Sum()
+    prompt = PromptEncoder(tokenizer, chat_template=True, tools=tool_schemas(env.tools()))(
+        Prompt(0, "What is 12 + 30 + 7?", {}))
+    call = '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 30}}</tool_call>'
+    engine = ScriptedTurns(tokenizer, [call, "The answer is 42.", "49"])
+    episodes = Episodes(env, EnvConfig(), tokenizer, chat_template=True)
+    [result] = run(episodes, engine, group(prompt))
+
+    assert result.reward == 1.0 and result.episode.turns == 3 and result.episode.tool_calls == 1
+    assert result.episode.tool_errors == 0
+    # what the learner trains on is the whole conversation as the chat template renders it
+    conversation = [{"role": "user", "content": "What is 12 + 30 + 7?"}, {"role": "assistant", "content": call},
+                    {"role": "tool", "content": "42"}, {"role": "assistant", "content": "The answer is 42."},
+                    {"role": "user", "content": "Not yet; try again."}, {"role": "assistant", "content": "49"}]
+    rendered = tokenizer.apply_chat_template(conversation, tools=tool_schemas(env.tools()), tokenize=False)
+    learner_sees = prompt + result.completion.tokens.tolist()
+    assert learner_sees == tokenizer(rendered.rstrip("\n"), add_special_tokens=False)["input_ids"]
+    # each request was exactly the prompt and every token so far
+    assert engine.prompts[1] == learner_sees[:len(engine.prompts[1])]
+    assert engine.prompts[2] == learner_sees[:len(engine.prompts[2])]
+    # the model's tokens are trained on, the template's and the tool's are not
+    sample = to_sample(result.completion, result.reward, SamplingParams(max_tokens=256), result.episode)
+    mask = sample.sample.injected_mask()
+    model_ids = [t for t, injected in zip(result.completion.tokens.tolist(), mask) if not injected]
+    eos = tokenizer.eos_token_id
+    assert model_ids == [*engine.encode(call), eos, *engine.encode("The answer is 42."), eos, *engine.encode("49"), eos]
+    assert all(sample.logprobs[mask] == 0.0)
+    assert [m["role"] for m in result.messages] == ["assistant", "tool", "assistant", "user", "assistant"]
+
+
+def test_a_sampled_tokenization_that_is_not_canonical_is_kept_as_sampled(tokenizer):
+    """A model may sample text in pieces the tokenizer would merge: decoding and encoding again would
+    train on tokens the model never sampled, with the wrong logprobs."""
+    def one_byte_each(text):
+        return [tokenizer.convert_tokens_to_ids(ch) for ch in tokenizer.convert_ids_to_tokens(
+            tokenizer(text, add_special_tokens=False)["input_ids"]) for ch in ch]
+    prompt = PromptEncoder(tokenizer, chat_template=True)(Prompt(0, "What is 12 + 30 + 7?", {}))
+    engine = ScriptedTurns(tokenizer, ["The answer is 42.", "49"], encode=one_byte_each)
+    [result] = run(Episodes(Sum(), EnvConfig(), tokenizer, chat_template=True), engine, group(prompt))
+    first = one_byte_each("The answer is 42.")
+    assert first != tokenizer("The answer is 42.", add_special_tokens=False)["input_ids"]  # not canonical
+    assert result.completion.tokens.tolist()[:len(first)] == first
+    assert engine.prompts[1][len(prompt):len(prompt) + len(first)] == first  # the next turn reads them too
+
+
+def test_single_turn_tasks_are_the_one_turn_case(tokenizer):
+    prompt = tokenizer("12+30=", add_special_tokens=False)["input_ids"]
+    engine = ScriptedTurns(tokenizer, ["42"])
+    episodes = Episodes(SingleTurn(lambda text, payload: float(text == payload["answer"])), EnvConfig(),
+                        tokenizer, chat_template=False)
+    results = run(episodes, engine, group(prompt, n=3, answer="42"))
+    assert [r.reward for r in results] == [1.0] * 3 and all(r.episode is None for r in results)
+    assert len(engine.prompts) == 1  # the group's samples in one request, as before episodes
+
+
+def test_failing_tools_are_answered_and_counted(tokenizer):
+    calls = "".join(f'<tool_call>{{"name": "{name}", "arguments": {{"x": 1}}}}</tool_call>'
+                    for name in ("crash", "flood", "hang", "nope"))
+    prompt = PromptEncoder(tokenizer, chat_template=True)(Prompt(0, "go", {}))
+    engine = ScriptedTurns(tokenizer, [calls + '<tool_call>{"name": "add", "arguments": "1"}</tool_call>', "49"])
+    cfg = EnvConfig(tool_timeout_s=0.2, tool_output_chars=50, max_tool_calls=4)
+    [result] = run(Episodes(Sum(), cfg, tokenizer, chat_template=True), engine, group(prompt, max_tokens=1024))
+    outputs = [m["content"] for m in result.messages if m["role"] == "tool"]
+    assert outputs[0] == "error: RuntimeError: the tool broke"
+    assert outputs[1] == "y" * 50 + "\n[cut: 99950 more characters]"
+    assert outputs[2] == "error: hang took longer than 0.2 s"
+    assert outputs[3].startswith("error: no tool named 'nope'")
+    assert outputs[4] == "error: more than 4 tool calls in one turn"
+    e = result.episode
+    assert (e.tool_calls, e.tool_errors, e.tool_timeouts, result.reward) == (5, 3, 1, 1.0)
+
+
+def test_a_garbled_tool_call_is_answered_with_an_error(tokenizer):
+    prompt = PromptEncoder(tokenizer, chat_template=True)(Prompt(0, "go", {}))
+    engine = ScriptedTurns(tokenizer, ['<tool_call>{"name": add', "49"])
+    [result] = run(Episodes(Sum(), EnvConfig(), tokenizer, chat_template=True), engine, group(prompt))
+    assert result.messages[1]["content"] == "error: the tool call could not be read"
+    assert (result.episode.tool_calls, result.episode.tool_errors, result.reward) == (1, 1, 1.0)
+
+
+class Broken(Env):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+
+    async def step(self, state, reply):
+        if self.how == "raises":
+            raise KeyError("answer")
+        if self.how == "hangs":
+            await asyncio.sleep(5)
+        return "not a turn"
+
+
+@pytest.mark.parametrize("how, error", [
+    ("raises", "Broken.step raised KeyError: 'answer'"),
+    ("hangs", "Broken.step took longer than env.step_timeout_s = 0.2 s"),
+    ("returns", "Broken.step returned str, not a Turn"),
+])
+def test_an_environment_that_fails_scores_its_episode_as_failed(tokenizer, how, error):
+    engine = ScriptedTurns(tokenizer, ["49"])
+    [result] = run(Episodes(Broken(how), EnvConfig(step_timeout_s=0.2), tokenizer, chat_template=False),
+                   engine, group([5, 6]))
+    assert result.reward == 0.0 and result.episode.env_error == error
+    assert result.completion.tokens.tolist() == [*engine.encode("49"), tokenizer.eos_token_id]
+
+
+def test_budgets_end_episodes(tokenizer):
+    prompt = PromptEncoder(tokenizer, chat_template=True)(Prompt(0, "go", {}))
+    wrong = ["12"] * 10
+    [by_turns] = run(Episodes(Sum(), EnvConfig(max_turns=3), tokenizer, chat_template=True),
+                     ScriptedTurns(tokenizer, wrong), group(prompt))
+    assert by_turns.episode.turns == 3 and by_turns.reward == 0.0
+    [by_tokens] = run(Episodes(Sum(), EnvConfig(), tokenizer, chat_template=True),
+                      ScriptedTurns(tokenizer, wrong), group(prompt, max_tokens=20))
+    assert by_tokens.completion.finish_reason == "length" and len(by_tokens.completion.tokens) <= 20
+    assert by_tokens.episode.turns < 10
+
+
+def test_a_weight_update_between_turns_is_in_the_version_spans(tokenizer):
+    prompt = PromptEncoder(tokenizer, chat_template=True)(Prompt(0, "go", {}))
+    engine = ScriptedTurns(tokenizer, ["12", "49"])
+
+    async def update_after_first_turn():
+        episodes = Episodes(Sum(), EnvConfig(), tokenizer, chat_template=True)
+        original = engine.sample
+
+        async def sample(*args, **kwargs):
+            out = await original(*args, **kwargs)
+            engine.version += 1  # the next request runs newer weights
+            return out
+        engine.sample = sample
+        return await episodes.run(engine, group(prompt))
+
+    [result] = asyncio.run(update_after_first_turn())
+    c = result.completion
+    first_turn = len(engine.encode("12")) + 1
+    (start, end), = c.injected_spans
+    assert start == first_turn
+    assert c.version_spans == [(0, 0, end), (1, end, len(c.tokens))]  # injected tokens take the turn's version
+    codec = WireCodec(1 << 20)
+    wire = RolloutGroup.pack([to_sample(c, result.reward, SamplingParams(max_tokens=256), result.episode)],
+                             group_id="g0", prompt_id=0, actor_id="a", prompt_tokens=int32s(prompt))
+    back = codec.decode(codec.encode(wire))
+    assert back.samples[0].episode == result.episode and back.samples[0].injected_spans == [(start, end)]
+
+
+def test_the_renderer_closes_a_turn_cut_short(tokenizer):
+    """A turn that ran out of tokens has no stop token: its end-of-turn text is added with the reply."""
+    renderer = ChatRenderer(tokenizer, chat_template=True)
+    stopped = tokenizer.decode(renderer.increment([{"role": "user", "content": "hi"}], "<|im_end|>"))
+    cut = tokenizer.decode(renderer.increment([{"role": "user", "content": "hi"}], None))
+    assert stopped == "\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert cut == "<|im_end|>" + stopped
+
+
+def test_the_learner_counts_episodes_and_tables_their_turns(tokenizer, tmp_path):
+    from collections import Counter
+
+    from tidal.learner.accounting import episode_metrics
+    from tidal.learner.admission import count
+    from tidal.learner.diagnostics import Diagnostics
+
+    env = Sum()
+    prompt = PromptEncoder(tokenizer, chat_template=True, tools=tool_schemas(env.tools()))(Prompt(0, "go", {}))
+    call = '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 30}}</tool_call>'
+    results = run(Episodes(env, EnvConfig(), tokenizer, chat_template=True), ScriptedTurns(tokenizer, [call, "49"]),
+                  group(prompt, n=2))
+    wire = RolloutGroup.pack([to_sample(r.completion, r.reward, SamplingParams(max_tokens=256), r.episode)
+                              for r in results], group_id="g0", prompt_id=0, actor_id="a",
+                             prompt_tokens=int32s(prompt), eval_version=3)
+    stats = Counter()
+    count(wire, stats)
+    metrics = episode_metrics(stats)
+    assert metrics["episode/turns_mean"] == 2 and metrics["episode/tool_calls_mean"] == 1
+    assert metrics["episode/tool_error_rate"] == 0 and metrics["episode/env_failed_frac"] == 0
+    assert stats["injected_tokens"] == 2 * (wire.samples[0].injected_spans[0][1] - wire.samples[0].injected_spans[0][0])
+    logged = {}
+    tracker = type("Tracker", (), {"log_table": lambda self, columns, name: logged.update(columns)})()
+    diagnostics = Diagnostics(tracker, lambda ids: tokenizer.decode(ids.tolist()), tmp_path, 2, max_lag=1)
+    diagnostics.expect_eval(3, ["g0"], n=2)
+    diagnostics.on_eval_group(wire, arrived_at=3)
+    diagnostics.eval_done(3)
+    conversation = logged["conversation"][0]
+    assert [p["by"] for p in conversation] == ["model", "environment", "model"]
+    assert conversation[0]["text"] == call + "<|im_end|>" and conversation[0]["versions"] == [0]
+    assert "<tool_response>\n42\n</tool_response>" in conversation[1]["text"]
+    assert logged["turns"] == [2, 2] and logged["tool_calls"] == [1, 1]

@@ -1,0 +1,131 @@
+"""Environments: an episode alternates model turns and environment replies until the environment
+says it is done or a budget runs out. A task module offers one by defining `Environment` (a
+subclass of `Env`, built with the task's config) instead of `reward`; a task with only `reward`
+is the one-turn case, `SingleTurn`, run by the same episode loop.
+
+    start(payload) -> state                         once per episode (sample)
+    step(state, reply) -> Turn(messages, done, reward)   after every model turn without a tool call
+    tools() -> [callables]                          offered to the model; the actor runs its calls
+
+`start` and `step` may be `async`; plain functions run on a worker thread, so a slow one never
+stalls the actor. The model's turns reach the environment as text (decoded for reading only: the
+tokens the model sampled are the ones trained on); what the environment answers is rendered by
+`ChatRenderer` through the tokenizer's chat template and appended as tokens the model reads but is
+never trained on.
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+Message = dict[str, Any]  # a chat message as chat templates take it: {"role", "content", ...}
+
+
+@dataclass
+class Turn:
+    """The environment's answer to one model turn."""
+
+    messages: list[Message] = field(default_factory=list)  # appended to the conversation (role user or tool)
+    done: bool = False  # the episode is over: the model gets no further turn
+    reward: float | None = None  # added to the episode's reward (most environments give one, with done)
+
+
+class Env:
+    """An environment; one instance serves every episode of a run (keep per-episode data in the state).
+    `max_turns` (optional) caps model turns below `env.max_turns`."""
+
+    max_turns: int | None = None
+
+    def __init__(self, cfg=None):
+        self.cfg = cfg  # the task's config (TaskConfig): options in cfg.kwargs
+
+    def tools(self) -> Sequence[Callable]:
+        """Python callables the model may call, each with type hints and a docstring with Args (its
+        schema is read from them, for the chat template); none by default."""
+        return ()
+
+    def start(self, payload: dict[str, str]) -> Any:
+        """The new episode's state, from the prompt's payload (a copy of it by default)."""
+        return dict(payload)
+
+    def step(self, state: Any, reply: str) -> Turn:
+        raise NotImplementedError(f"{type(self).__name__}.step")
+
+
+class SingleTurn(Env):
+    """A task's reward(text, payload) as an environment: one turn, scored, done."""
+
+    max_turns = 1
+
+    def __init__(self, reward: Callable[[str, dict[str, str]], float]):
+        super().__init__()
+        self.reward = reward
+
+    def start(self, payload: dict[str, str]) -> dict[str, str]:
+        return payload  # the reward only reads it
+
+    def step(self, state: dict[str, str], reply: str) -> Turn:
+        return Turn(done=True, reward=float(self.reward(reply, state)))
+
+
+def tool_schemas(tools: Sequence[Callable]) -> list[dict]:
+    """Each tool's JSON schema, read from its signature and docstring (the form chat templates take)."""
+    from transformers.utils import get_json_schema
+
+    out = []
+    for tool in tools:
+        try:
+            out.append(get_json_schema(tool))
+        except Exception as err:  # transformers names what the docstring or hints lack
+            raise ValueError(f"tool {getattr(tool, '__name__', tool)!r}: {err}") from None
+    return out
+
+
+def is_async(fn: Callable) -> bool:
+    """A coroutine function, or an object whose __call__ is one (a callable class instance)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+class ChatRenderer:
+    """Environment messages -> the tokens that follow a model turn, through the chat template.
+
+    The increment is what the template writes after an assistant message's content (its end-of-turn
+    text, past the stop token the model sampled itself), then the new messages, then the prompt of
+    the next assistant turn: rendered once with and once without the new messages after a fixed
+    conversation, and the difference taken. Without a chat template, the messages' contents are
+    appended as they are."""
+
+    PROBE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+
+    def __init__(self, tokenizer, chat_template: bool, tools: list[dict] | None = None):
+        self.tokenizer = tokenizer
+        self.tools = tools or None
+        self.chat_template = bool(chat_template and getattr(tokenizer, "chat_template", None))
+        self.closing = self._closing() if self.chat_template else ""
+
+    def _render(self, messages: list[Message], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
+
+    def _closing(self) -> str:
+        probe = self._render(self.PROBE, False)
+        return probe[probe.rindex("y") + 1:]
+
+    def increment(self, messages: list[Message], stop_text: str | None) -> list[int]:
+        """Token ids of `messages` after a model turn; `stop_text` is the text of the stop token that
+        ended the turn (None: the turn ended without one, so the whole end-of-turn text is added)."""
+        if not self.chat_template:
+            text = "".join(str(m.get("content", "")) for m in messages)
+        else:
+            before = self._render(self.PROBE, False)
+            after = self._render(self.PROBE + list(messages), True)
+            if not after.startswith(before):
+                raise ValueError("the chat template renders earlier messages differently once more follow; "
+                                 "its increments cannot be taken")
+            closing = self.closing
+            if stop_text and closing.startswith(stop_text):
+                closing = closing[len(stop_text):]
+            text = closing + after[len(before):]
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
