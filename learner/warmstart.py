@@ -20,7 +20,15 @@ import torch
 
 from tidal.config import ModelConfig, TaskConfig, WarmStartConfig
 from tidal.kernels import logprobs as fused_logprobs
-from tidal.tasks import Prompt, encode_prompt, get_task
+from tidal.tasks import (
+    ChatRenderer,
+    Prompt,
+    PromptEncoder,
+    encode_prompt,
+    get_environment,
+    get_task,
+    tool_schemas,
+)
 from tidal.tiny import build_tiny_model, max_positions, save_model
 
 log = logging.getLogger(__name__)
@@ -34,9 +42,14 @@ def build_tiny(model: ModelConfig, task: TaskConfig, path: Path, progress=print)
     progress(f"building the warm-started tiny model at {path}")
     split = task_mod.load_prompts(task)
     net, tokenizer = build_tiny_model(model.tiny, task_mod.ALPHABET, model.tiny.warmstart.seed,
-                                      max_positions(task_mod))
-    slip = getattr(task_mod, "teacher_slip", None) or stray_suffix(task_mod.ALPHABET)
-    warm_start(net, tokenizer, split.train, split.val, task_mod.reward, slip, model.tiny.warmstart, progress)
+                                      max_positions(task_mod), getattr(task_mod, "CHAT_TEMPLATE", None))
+    demonstrate = getattr(task_mod, "demonstration", None)
+    if demonstrate is not None:
+        teacher = Teacher(tokenizer, task, demonstrate)
+        warm_start_episodes(net, teacher, split.train, split.val, model.tiny.warmstart, progress)
+    else:
+        slip = getattr(task_mod, "teacher_slip", None) or stray_suffix(task_mod.ALPHABET)
+        warm_start(net, tokenizer, split.train, split.val, task_mod.reward, slip, model.tiny.warmstart, progress)
     save_model(net, tokenizer, path)
 
 
@@ -69,6 +82,106 @@ def warm_start(net, tokenizer, train: list[Prompt], val: list[Prompt], reward, s
     return greedy
 
 
+class Teacher:
+    """A task's demonstrated episodes (`demonstration(prompt, cfg, rng, sloppy)`: the messages after the
+    prompt) as token ids: the model's turns (trained on, each ended by <eos>) and the environment's,
+    rendered through the chat template as the actor renders them (read, not trained on)."""
+
+    def __init__(self, tokenizer, task: TaskConfig, demonstrate):
+        self.tokenizer, self.task, self.demonstrate = tokenizer, task, demonstrate
+        self.encode = PromptEncoder.for_task(tokenizer, task)
+        tools = tool_schemas(get_environment(task).tools())
+        self.renderer = ChatRenderer(tokenizer, task.chat_template, tools)
+        self.stop_text = tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=False)
+
+    def __call__(self, prompt: Prompt, rng: random.Random, sloppy: bool) -> tuple[list[int], list[int], list[bool]]:
+        """(prompt tokens, completion tokens, which completion tokens the model wrote)."""
+        completion, trained, pending = [], [], []
+        for message in [*self.demonstrate(prompt, self.task, rng, sloppy), None]:
+            if message is not None and message["role"] != "assistant":
+                pending.append(message)
+                continue
+            if pending:
+                reply = self.renderer.increment(pending, self.stop_text)
+                completion += reply
+                trained += [False] * len(reply)
+                pending = []
+            if message is not None:
+                turn = encode_prompt(self.tokenizer, message["content"]) + [self.tokenizer.eos_token_id]
+                completion += turn
+                trained += [True] * len(turn)
+        return self.encode(prompt), completion, trained
+
+
+def warm_start_episodes(net, teacher: Teacher, train: list[Prompt], val: list[Prompt], cfg: WarmStartConfig,
+                        progress) -> float:
+    """SFT on demonstrated episodes of `train` (a `cfg.format_noise` share of them sloppy) until the
+    model, fed each held-out episode up to each of its turns, writes every turn of a `cfg.target_greedy_
+    pass_rate` share of them greedily as the teacher does (then a greedy episode passes: the environment
+    answers it as it answered the teacher)."""
+    rng = random.Random(cfg.seed)
+    optim = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.99))
+    checks = [teacher(p, rng, sloppy=False) for p in val]
+    start, greedy, in_a_row = time.monotonic(), 0.0, 0
+    for step in range(1, cfg.max_steps + 1):
+        batch = [teacher(p, rng, sloppy=rng.random() < cfg.format_noise)
+                 for p in (rng.choice(train) for _ in range(cfg.batch_size))]
+        loss = -_completion_logprobs(net, teacher.tokenizer, batch).mean()  # per trained token
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        if step % cfg.check_every == 0:
+            greedy = _teacher_forced_exact(net, teacher.tokenizer, checks)
+            progress(f"warm start step {step}: loss {loss.item():.3f}, held-out episodes written exactly "
+                     f"{greedy:.3f} ({time.monotonic() - start:.0f} s)")
+            in_a_row = in_a_row + 1 if greedy >= cfg.target_greedy_pass_rate else 0
+            if in_a_row >= cfg.stable_checks:
+                break
+    progress(f"warm start done: held-out episodes written exactly (greedy) {greedy:.3f}")
+    return greedy
+
+
+def _completion_hidden(net, tokenizer, seqs) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Hidden states that predict each trained completion token of `seqs` (prompt, completion, trained),
+    padded to the longest; their targets; and how many each sequence has."""
+    max_len = max(len(p) + len(c) for p, c, _ in seqs)
+    ids = torch.full((len(seqs), max_len), tokenizer.pad_token_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    predict_at, targets, counts = [], [], []
+    for i, (prompt, completion, trained) in enumerate(seqs):
+        full = prompt + completion
+        ids[i, :len(full)] = torch.tensor(full)
+        attn[i, :len(full)] = 1
+        mine = [j for j in range(len(completion)) if trained[j]]
+        predict_at += [i * max_len + len(prompt) + j - 1 for j in mine]
+        targets += [completion[j] for j in mine]
+        counts.append(len(mine))
+    hidden = net.model(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, L, D]
+    return hidden.reshape(-1, hidden.shape[-1])[torch.tensor(predict_at)], torch.tensor(targets), counts
+
+
+def _completion_logprobs(net, tokenizer, seqs, chunk_tokens: int = 4096) -> torch.Tensor:
+    """Log-probabilities of every trained completion token of `seqs`, a chunk of similar lengths at a time."""
+    out = []
+    for chunk in by_length(seqs, chunk_tokens):
+        hidden, targets, _ = _completion_hidden(net, tokenizer, chunk)
+        out.append(fused_logprobs(hidden, net.lm_head.weight, targets)[0])
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def _teacher_forced_exact(net, tokenizer, seqs, batch: int = 64) -> float:
+    """Share of `seqs` whose every trained token is the model's greedy choice given what precedes it."""
+    exact = 0
+    for i in range(0, len(seqs), batch):
+        hidden, targets, counts = _completion_hidden(net, tokenizer, seqs[i:i + batch])
+        right = (net.lm_head(hidden).argmax(-1) == targets).tolist()
+        for count in counts:
+            exact += all(right[:count])
+            right = right[count:]
+    return exact / max(len(seqs), 1)
+
+
 def stray_suffix(alphabet: str) -> Slip:
     """The default slip (a task may define its own, `teacher_slip`): one or two stray characters of the
     task's alphabet after the right answer."""
@@ -78,37 +191,22 @@ def stray_suffix(alphabet: str) -> Slip:
 
 
 def sft_loss(net, tokenizer, batch: list[Prompt], chunk_tokens: int = 4096) -> torch.Tensor:
-    """Mean token NLL of answer + <eos> given the prompt (prompt tokens are not trained).
+    """Mean token NLL of answer + <eos> given the prompt (prompt tokens are not trained)."""
+    seqs = [(encode_prompt(tokenizer, p.text), encode_prompt(tokenizer, p.payload["answer"]) + [tokenizer.eos_token_id])
+            for p in batch]
+    return -_completion_logprobs(net, tokenizer, [(p, a, [True] * len(a)) for p, a in seqs], chunk_tokens).mean()
 
-    Sequences are padded only to the longest of their chunk: sorted by length and cut into chunks of
-    at most `chunk_tokens` padded tokens, so a few long answers do not pad every short one."""
-    seqs = sorted(((encode_prompt(tokenizer, p.text),
-                    encode_prompt(tokenizer, p.payload["answer"]) + [tokenizer.eos_token_id]) for p in batch),
-                  key=lambda s: len(s[0]) + len(s[1]))
+
+def by_length(seqs: list, chunk_tokens: int) -> list[list]:
+    """`seqs` (prompt, completion, ...) sorted by length and cut into chunks of at most `chunk_tokens`
+    padded tokens, so that a few long sequences do not pad every short one."""
+    seqs = sorted(seqs, key=lambda s: len(s[0]) + len(s[1]))
     chunks, start = [], 0
     for end in range(1, len(seqs) + 1):
-        if end == len(seqs) or (end + 1 - start) * sum(map(len, seqs[end])) > chunk_tokens:
+        if end == len(seqs) or (end + 1 - start) * (len(seqs[end][0]) + len(seqs[end][1])) > chunk_tokens:
             chunks.append(seqs[start:end])
             start = end
-    total = sum(_answer_logprobs(net, tokenizer, chunk).sum() for chunk in chunks)
-    return -total / sum(len(answer) for _, answer in seqs)
-
-
-def _answer_logprobs(net, tokenizer, seqs: list[tuple[list[int], list[int]]]) -> torch.Tensor:
-    """Log-probabilities of every answer token of `seqs` (prompt, answer), padded to the longest."""
-    max_len = max(len(a) + len(b) for a, b in seqs)
-    ids = torch.full((len(seqs), max_len), tokenizer.pad_token_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    predict_at, targets = [], []
-    for i, (prompt, answer) in enumerate(seqs):
-        full = prompt + answer
-        ids[i, :len(full)] = torch.tensor(full)
-        attn[i, :len(full)] = 1
-        predict_at += [i * max_len + len(prompt) + j - 1 for j in range(len(answer))]
-        targets += answer
-    hidden = net.model(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, L, D]
-    hidden = hidden.reshape(-1, hidden.shape[-1])[torch.tensor(predict_at)]  # [tokens, D]
-    return fused_logprobs(hidden, net.lm_head.weight, torch.tensor(targets))[0]
+    return chunks
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -357,7 +358,8 @@ class ScriptedEngine:
 
         self.num_requests += 1
         await asyncio.sleep(0)  # requests interleave on the loop like real ones
-        a, b = self.tokenizer.decode(prompt_tokens).rstrip("=").split("+")
+        # the sum asked first: an episode's later turns carry earlier answers and replies after it
+        a, b = re.match(r"(\d+)\+(\d+)=", self.tokenizer.decode(prompt_tokens, skip_special_tokens=True)).groups()
         width = len(a) + 1
         out = []
         for _ in range(n):

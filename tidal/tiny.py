@@ -7,6 +7,7 @@ it useful lives in tidal.learner.warmstart; the cache key covers everything that
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -36,13 +37,18 @@ def max_positions(task_module) -> int:
     return int(getattr(task_module, "MAX_POSITIONS", DEFAULT_POSITIONS))
 
 
-def cache_key(tiny: TinyModelConfig, task: TaskConfig, alphabet: str, positions: int = DEFAULT_POSITIONS) -> str:
+def cache_key(tiny: TinyModelConfig, task: TaskConfig, alphabet: str, positions: int = DEFAULT_POSITIONS,
+              chat_template: str | None = None, teacher: str | None = None) -> str:
     """Hash of every input that shapes the warm-started model (architecture, SFT, task split)."""
     # only the task fields that shape the tiny task's prompts: keys added for other tasks must
     # not invalidate (and rebuild) every cached model; for the same reason the context length
     # enters the hash only where it differs from the one every earlier model was built with
     shaping = {k: getattr(task, k) for k in ("name", "max_operand", "num_val", "seed")}
     extra = {"positions": positions} if positions != DEFAULT_POSITIONS else {}
+    if chat_template:  # a task's own template shapes its demonstrations (tasks without one keep their keys)
+        extra["chat_template"] = chat_template
+    if teacher:  # the source of a task that demonstrates episodes: a changed teacher builds a new model
+        extra["teacher"] = teacher
     described = asdict(tiny)
     if described["warmstart"]["stable_checks"] == 1:  # as every model before the key existed was built
         del described["warmstart"]["stable_checks"]
@@ -60,16 +66,21 @@ def cached_model_path(model: ModelConfig, task: TaskConfig) -> Path:
     if alphabet is None:
         raise ConfigError(f"config key 'model.path' = '': task {task.name!r} has no ALPHABET to build the tiny "
                           "model from; set model.path to a Hugging Face model")
-    key = cache_key(model.tiny, task, alphabet, max_positions(module))
+    teacher = inspect.getsource(module) if hasattr(module, "demonstration") else None
+    key = cache_key(model.tiny, task, alphabet, max_positions(module), getattr(module, "CHAT_TEMPLATE", None), teacher)
     return Path(model.cache_dir).expanduser() / f"tiny-{task.name}-{key}"
 
 
-def build_tiny_model(tiny: TinyModelConfig, alphabet: str, seed: int, positions: int = DEFAULT_POSITIONS):
-    """A freshly initialised Qwen2ForCausalLM (fp32, tied embeddings) and its tokenizer."""
+def build_tiny_model(tiny: TinyModelConfig, alphabet: str, seed: int, positions: int = DEFAULT_POSITIONS,
+                     chat_template: str | None = None):
+    """A freshly initialised Qwen2ForCausalLM (fp32, tied embeddings) and its tokenizer (with the
+    task's chat template, when it has one)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = build_tokenizer(alphabet)
+    if chat_template:
+        tokenizer.chat_template = chat_template
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=tiny.hidden_size,

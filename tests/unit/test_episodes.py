@@ -327,3 +327,40 @@ def test_the_learner_counts_episodes_and_tables_their_turns(tokenizer, tmp_path)
     assert conversation[0]["text"] == call + "<|im_end|>" and conversation[0]["versions"] == [0]
     assert "<tool_response>\n42\n</tool_response>" in conversation[1]["text"]
     assert logged["turns"] == [2, 2] and logged["tool_calls"] == [1, 1]
+
+
+def test_the_chain_tasks_teacher_writes_the_episodes_the_actor_runs():
+    """The warm start trains on demonstrations rendered as the actor renders real episodes: replayed
+    through the actor's episode loop (the pythonic parser, the lookup tool, the task's template), a
+    clean demonstration earns 1.0 with the very tokens the warm start trained on; the lengths are
+    geometric and capped."""
+    import random
+
+    from tidal.config import TaskConfig
+    from tidal.learner.warmstart import Teacher
+    from tidal.tasks import chain, get_environment
+    from tidal.tiny import build_tiny_model
+    from conftest import TINY
+
+    task = TaskConfig(name="chain", chat_template=True, num_val=8)
+    _, tok = build_tiny_model(TINY, chain.ALPHABET, seed=0, positions=chain.MAX_POSITIONS,
+                              chat_template=chain.CHAT_TEMPLATE)
+    teacher = Teacher(tok, task, chain.demonstration)
+    lengths = [len(chain.walk(k, 0)) for k in chain.KEYS]
+    assert max(lengths) <= chain.MAX_LINKS and sorted(lengths)[len(lengths) // 2] <= 2 and max(lengths) >= 8
+    split = chain.load_prompts(task)
+    episodes = Episodes(get_environment(task), EnvConfig(tool_parser="pythonic", max_turns=chain.MAX_LINKS + 1), tok,
+                        chat_template=True)
+    longest = max(split.train, key=lambda p: len(chain.walk(int(p.text), 0)))
+    for prompt in [*split.val[:4], longest]:
+        prompt_ids, completion, trained = teacher(prompt, random.Random(0), sloppy=False)
+        turns = [m["content"] for m in chain.demonstration(prompt, task, random.Random(0), False)
+                 if m["role"] == "assistant"]
+        [result] = run(episodes, ScriptedTurns(tok, turns), group(prompt_ids, max_tokens=240,
+                                                                   answer=prompt.payload["answer"]))
+        assert result.reward == 1.0 and result.episode.tool_calls == len(turns) - 1
+        assert result.completion.tokens.tolist() == completion
+        injected = np.zeros(len(completion), bool)
+        for start, end in result.completion.injected_spans:
+            injected[start:end] = True
+        assert (~injected).tolist() == trained

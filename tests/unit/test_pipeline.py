@@ -161,10 +161,10 @@ def test_a_users_task_from_outside_the_package_with_chat_prompts(tmp_path, monke
     assert len(seen) >= 2 * 4 * 4 and all(len(answer) == 3 for _, answer in seen)  # the user's answers, scored
 
 
-def readme_task() -> str:
-    """The custom reward the README shows, exactly as printed there."""
+def readme_task(name: str = "countdown") -> str:
+    """A custom task the README shows, exactly as printed there."""
     text = (ROOT / "README.md").read_text()
-    start = text.index("```python\n# my_tasks/countdown.py")
+    start = text.index(f"```python\n# my_tasks/{name}.py")
     return text[start + len("```python\n"):text.index("```", start + 10)]
 
 
@@ -187,3 +187,25 @@ def test_the_readme_reward_trains_end_to_end(tmp_path, tiny_model, monkeypatch):
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rewards = {m["rollout/reward"] for m in steps if "rollout/reward" in m}
     assert len(rewards) == 2 and all(0.25 < r < 1.0 for r in rewards)  # passes score 1, misses the partial credit
+
+
+def test_the_readme_environment_trains_end_to_end(tmp_path, tiny_model, monkeypatch):
+    """Two turns for a wrong first answer: the second turn's prompt carries the first answer and the
+    environment's "=", which the learner receives as injected tokens."""
+    model_path, tokenizer = tiny_model
+    (tmp_path / "my_tasks").mkdir()
+    (tmp_path / "my_tasks" / "retry.py").write_text(readme_task("retry"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = resolve(load_config("configs/tiny.yaml", [
+        f"run_dir={tmp_path / 'run'}", f"model.path={model_path}", "learner.max_steps=2", "learner.groups_per_step=4",
+        "sampling.n=4", "sampling.max_tokens=12", "eval.every=0", "eval.n=2", "actor.heartbeat_s=0.2",
+        "task.name=my_tasks.retry", "task.num_val=4"]), actor=True)
+    learner_side, actor_side = transports("inproc", cfg)
+    learner = build(cfg, transport=learner_side)
+    thread, actor = start_actor(actor_side, cfg, ScriptedEngine(tokenizer, p_correct=0.5))
+    assert serve(learner, tmp_path / "run") == 0
+    thread.join(timeout=30)
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [m for m in steps if "episode/turns_mean" in m]
+    assert len(trained) == 2
+    assert all(1.0 < m["episode/turns_mean"] < 2.0 and m["rollout/injected_token_frac"] > 0 for m in trained)

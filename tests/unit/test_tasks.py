@@ -125,7 +125,7 @@ def test_the_count_task_has_long_tailed_completions_in_one_batch():
 
 
 @pytest.mark.parametrize("name, says", [
-    ("nope", "'task.name' = 'nope': not a known task (arithmetic, count, math"),
+    ("nope", "'task.name' = 'nope': not a known task (arithmetic, chain, count, math"),
     ("no_such_pkg.task", "cannot import no_such_pkg.task"),
     ("tidal.tiny", "tidal.tiny has no load_prompts and no reward (or build_reward, or Environment)"),
 ])

@@ -28,7 +28,8 @@ from tidal.tasks.env import ChatRenderer, Env, Message, SingleTurn, Turn, tool_s
 __all__ = ["ChatRenderer", "Env", "Message", "Prompt", "PromptEncoder", "SingleTurn", "Split", "Turn",
            "encode_prompt", "get_environment", "get_reward", "get_task", "installed_tasks", "tool_schemas"]
 
-BUILTIN = {"arithmetic": "tidal.tasks.arithmetic", "count": "tidal.tasks.count", "math": "tidal.tasks.math"}
+BUILTIN = {"arithmetic": "tidal.tasks.arithmetic", "chain": "tidal.tasks.chain", "count": "tidal.tasks.count",
+           "math": "tidal.tasks.math"}
 ENTRY_POINTS = "tidal.tasks"
 
 Reward = Callable[[str, dict[str, str]], float]
