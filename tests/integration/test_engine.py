@@ -16,9 +16,11 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, DyingWeightServer, engine_on_a_thread, learner_logprobs, on_engine, perturbed, step_batch
+from tidal.actor.episode import Episodes
 from tidal.actor.length_control import generate, to_sample
 from tidal.broker.schema import InterruptParams, PromptGroup, RolloutGroup, SamplingParams, int32s
-from tidal.config import load_config, resolve
+from tidal.config import EnvConfig, load_config, resolve
+from tidal.tasks import Env, Turn
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +92,41 @@ def test_interruptions_on_the_real_engine_line_up_with_the_model(exported, engin
         np.testing.assert_allclose(logprobs[generated], mine[generated], atol=1e-4)
         assert np.all(logprobs[~generated] == 0.0)
         assert s.version_spans == [(0, 0, s.num_tokens)]
+
+
+class AskAgain(Env):
+    """Every answer is met with "==": the model answers again, up to three turns."""
+
+    max_turns = 3
+
+    def step(self, state, reply):
+        return Turn([{"role": "user", "content": "=="}])
+
+
+def test_episodes_on_the_real_engine_line_up_with_the_model(exported, engine):
+    """Later turns go to vLLM as token ids (the prompt and every token so far): the learner's forward
+    pass over prompt + episode reproduces every behaviour logprob the engine recorded, in every turn,
+    and the environment's tokens sit where the injected spans say."""
+    folder, policy = exported
+    prompt = tokenize(folder, "12+34=")
+    again = tokenize(folder, "==")
+    sampling = SamplingParams(1.0, 1.0, 24, (policy.config.eos_token_id,))
+    group = PromptGroup(run_id="r", group_id="r-episodes", prompt_id=0, prompt_tokens=int32s(prompt),
+                        task="arithmetic", payload={"answer": "046"}, n=4, sampling=sampling, min_version=0)
+    episodes = Episodes(AskAgain(), EnvConfig(), engine.tokenizer, chat_template=False)
+    results = on_engine(engine, episodes.run(engine, group))
+
+    assert max(r.episode.turns for r in results) == 3
+    for r in results:
+        c = r.completion
+        assert len(c.injected_spans) == r.episode.turns - 1
+        generated = np.ones(len(c.tokens), bool)
+        for start, end in c.injected_spans:
+            assert c.tokens[start:end].tolist() == again
+            generated[start:end] = False
+        mine = learner_logprobs(policy, prompt, c.tokens)
+        np.testing.assert_allclose(c.logprobs[generated], mine[generated], atol=1e-4)
+        assert c.version_spans == [(0, 0, len(c.tokens))]
 
 
 # ---- the network weight channels, through vLLM's weight-transfer API ---------------------------

@@ -54,3 +54,24 @@ def test_a_synchronous_run_learns_then_an_actor_out_of_restarts_stops_it(tmp_pat
     steps = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "learner/loss" in m]
     assert max(m["offpolicy/lag_max"] for m in steps) == 0
     assert sum(m["rollout/multi_version_samples"] for m in steps) == 0
+
+
+def test_the_agent_preset_learns_to_finish_its_chains(tmp_path):
+    """`tidal run agent`, shortened: a real vLLM actor runs episodes of several turns with a tool call
+    each, and the policy learns (0.58 -> 0.80 by step 10 when it was first run). The episodes are
+    seen: their metrics, and their turns one by one in the evaluation tables in MLflow."""
+    run_dir = tmp_path / "agent"
+    cmd = [sys.executable, "-m", "tidal", "run", "agent", f"run_dir={run_dir}", "learner.max_steps=20"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    found = evals(run_dir)
+    print(f"val pass rate by step: {found}")
+    assert found[20] >= found[0] + 0.1, found
+    steps = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "learner/loss" in m]
+    assert all(m["episode/turns_mean"] > 1.5 and m["episode/tool_calls_mean"] >= 1 for m in steps)
+    assert all(m["episode/env_failed_frac"] == 0 and m["rollout/injected_token_frac"] > 0.1 for m in steps)
+    [table] = sorted(run_dir.glob("artifacts/*/artifacts/eval/completions-step-000020.json"))
+    table = json.loads(table.read_text())
+    conversation = table["data"][0][table["columns"].index("conversation")]
+    assert conversation[0]["by"] == "model" and conversation[0]["text"].startswith("[look(x=")
+    assert conversation[1]["by"] == "environment"

@@ -336,11 +336,11 @@ def test_the_chain_tasks_teacher_writes_the_episodes_the_actor_runs():
     geometric and capped."""
     import random
 
+    from conftest import TINY
     from tidal.config import TaskConfig
     from tidal.learner.warmstart import Teacher
     from tidal.tasks import chain, get_environment
     from tidal.tiny import build_tiny_model
-    from conftest import TINY
 
     task = TaskConfig(name="chain", chat_template=True, num_val=8)
     _, tok = build_tiny_model(TINY, chain.ALPHABET, seed=0, positions=chain.MAX_POSITIONS,
