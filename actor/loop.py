@@ -124,9 +124,10 @@ class Actor:
             prompt_tokens=group.prompt_tokens, eval_version=group.eval_version,
             gen_seconds=time.perf_counter() - start, queue_seconds=start - queued))
         self.stats["groups"] += 1
-        injected = sum(end - start for c in completions for start, end in c.injected_spans)
+        injected = sum(end - begin for c in completions for begin, end in c.injected_spans)
         self.stats["tokens"] += sum(len(c.tokens) for c in completions) - injected  # generated, not injected
-        self.stats["interrupted_samples"] += sum(bool(c.injected_spans) for c in completions)
+        if group.sampling.interrupt is not None:  # an interruption's text is a sample's first injected span
+            self.stats["interrupted_samples"] += sum(bool(c.injected_spans) for c in completions)
         self.inflight_samples -= group.n
         del self.outstanding[group.group_id]
         self.slots_freed.set()

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import redis
 
-from conftest import RedisServer, require_redis_server, rollout
+from conftest import RedisServer, require_redis_server, rollout, sample
 from conftest import prompt_group as prompt
 from tidal.actor.engine import Completion
 from tidal.actor.loop import Actor
 from tidal.broker.redis_transport import BrokerAuthError, BrokerUnavailable, RedisActorTransport, RedisLearnerTransport
-from tidal.broker.schema import Heartbeat, RolloutGroup, Shutdown, WeightUpdate, WireCodec
+from tidal.broker.schema import Episode, Heartbeat, RolloutGroup, Shutdown, WeightUpdate, WireCodec
 from tidal.config import ActorConfig, RedisConfig
 
 
@@ -66,6 +66,27 @@ def test_round_trip_acknowledges_prompt_and_rollout(redis_server):
     side.commit()  # the learner acknowledges rollout and prompt once a checkpoint covers them
     m = side.metrics()
     assert m["broker/rollout_pending"] == 0 and m["broker/prompt_pending"] == 0
+
+
+def test_an_episodes_rollout_crosses_redis_whole(redis_server):
+    """A rollout of episodes (injected spans between turns, the episode's counts) arrives as it was sent."""
+    cfg = config(redis_server)
+    side = learner(cfg)
+    side.submit_prompts([prompt(0)])
+    episode = Episode(turns=3, tool_calls=2, tool_errors=1, tool_timeouts=0, env_seconds=0.25, env_error="")
+
+    async def actor():
+        t = RedisActorTransport(cfg, WireCodec(1 << 20), "a0", "t")
+        [group] = await t.request_work(8, timeout_s=2.0)
+        sent = RolloutGroup.pack([sample([(0, 3), (1, 6)], 1.0, injected_spans=[(2, 4), (6, 7)], episode=episode)],
+                                 group_id=group.group_id, prompt_id=0, actor_id="a0", prompt_tokens=group.prompt_tokens)
+        await t.send_rollout(sent)
+        await t.r.aclose()
+        return sent
+
+    sent = run(actor())
+    got = side.recv_rollout(timeout_s=2.0)
+    assert got.samples == sent.samples and got.samples[0].episode == episode
 
 
 def test_restarted_actor_takes_back_its_own_prompts(redis_server):

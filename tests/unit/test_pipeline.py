@@ -200,7 +200,7 @@ def test_the_readme_environment_trains_end_to_end(tmp_path, tiny_model, monkeypa
         f"run_dir={tmp_path / 'run'}", f"model.path={model_path}", "learner.max_steps=2", "learner.groups_per_step=4",
         "sampling.n=4", "sampling.max_tokens=12", "eval.every=0", "eval.n=2", "actor.heartbeat_s=0.2",
         "task.name=my_tasks.retry", "task.num_val=4"]), actor=True)
-    learner_side, actor_side = transports("inproc", cfg)
+    learner_side, actor_side = transports("zmq", cfg)  # episodes cross the wire
     learner = build(cfg, transport=learner_side)
     thread, actor = start_actor(actor_side, cfg, ScriptedEngine(tokenizer, p_correct=0.5))
     assert serve(learner, tmp_path / "run") == 0
