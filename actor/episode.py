@@ -79,7 +79,7 @@ class Episodes:
     async def episode(self, engine, group: PromptGroup, prompt: list[int], index: int,
                       turn: Completion) -> EpisodeResult:
         transcript, counts, messages = Transcript().add_sampled(turn), Counts(), []
-        reward, finish = 0.0, turn.finish_reason
+        reward, finish, state = 0.0, turn.finish_reason, None
         try:
             state = await self.call_env(counts, self.env.start, dict(group.payload))
             while True:
@@ -103,6 +103,8 @@ class Episodes:
         except EnvFailed as err:
             reward, counts.env_error = 0.0, str(err)[:512]
             log.warning("group %s episode %d scored as failed: %s", group.group_id, index, err)
+        if state is not None:
+            await self.release(counts, state)
         stats = None
         if self.multi_turn or counts.env_error:
             stats = Episode(turns=counts.turns, tool_calls=counts.tool_calls, tool_errors=counts.tool_errors,
@@ -146,6 +148,15 @@ class Episodes:
             raise EnvFailed(f"{name} raised {type(err).__name__}: {err}") from err
         finally:
             counts.env_seconds += time.perf_counter() - start
+
+    async def release(self, counts: Counts, state) -> None:
+        """The environment's `finish`; a failure there is logged, and the episode kept as it went."""
+        if type(self.env).finish is Env.finish:
+            return  # nothing to release: no thread hop per sample
+        try:
+            await self.call_env(counts, self.env.finish, state)
+        except EnvFailed as err:
+            log.warning("an episode's state was not released: %s", err)
 
     def stop_text(self, turn: Completion) -> str | None:
         """The text of the stop token that ended the turn (None when it ran out of tokens instead)."""

@@ -364,3 +364,34 @@ def test_the_chain_tasks_teacher_writes_the_episodes_the_actor_runs():
         for start, end in result.completion.injected_spans:
             injected[start:end] = True
         assert (~injected).tolist() == trained
+
+
+def test_a_skyrl_gym_environment_trains_unchanged(tokenizer, tmp_path):
+    """skyrl-gym's own gsm8k_multi_turn environment, from rows in skyrl-gym's dataset format: its
+    observations are rendered as the next turn's prompt, its turn-level rewards summed, and its done
+    ends the episode."""
+    import json
+
+    from tidal.config import TaskConfig
+    from tidal.tasks import get_environment, get_task
+
+    rows = [{"prompt": [{"role": "user", "content": f"Natalia sold {n} clips, then half as many. How many?"}],
+             "env_class": "gsm8k_multi_turn", "reward_spec": {"method": "rule", "ground_truth": str(n + n // 2)},
+             "extra_info": {"split": "train"}} for n in (48, 50, 52, 54)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = TaskConfig(name="skyrl", data_path=str(tmp_path / "train.jsonl"), prompt_field="prompt", num_val=1,
+                      chat_template=True, kwargs={"max_turns": 3})
+    split = get_task("skyrl").load_prompts(task)
+    assert (len(split.train), len(split.val)) == (3, 1)
+    prompt = next(p for p in split.train if "48" in p.messages[0]["content"])
+    prompt_ids = PromptEncoder.for_task(tokenizer, task)(prompt)
+    engine = ScriptedTurns(tokenizer, ["48 + 24 = 70.\n#### 70", "48 + 24 = 72.\n#### 72"])
+    episodes = Episodes(get_environment(task), EnvConfig(), tokenizer, chat_template=True)
+    g = PromptGroup(run_id="r", group_id="g0", prompt_id=prompt.prompt_id, prompt_tokens=int32s(prompt_ids),
+                    task="skyrl", payload=prompt.payload, n=1, sampling=SamplingParams(max_tokens=512), min_version=0)
+    [result] = run(episodes, engine, g)
+    assert result.episode.turns == 2 and result.episode.env_error == ""
+    assert result.reward == pytest.approx(0.2 / 3 + 1.0)  # a well-formatted wrong answer, then the right one
+    assert result.messages[1]["role"] == "user" and "#### ANSWER" in result.messages[1]["content"]
+    injected = tokenizer.decode(result.completion.tokens[slice(*result.completion.injected_spans[0])].tolist())
+    assert result.messages[1]["content"] in injected

@@ -29,7 +29,7 @@ __all__ = ["ChatRenderer", "Env", "Message", "Prompt", "PromptEncoder", "SingleT
            "encode_prompt", "get_environment", "get_reward", "get_task", "installed_tasks", "tool_schemas"]
 
 BUILTIN = {"arithmetic": "tidal.tasks.arithmetic", "chain": "tidal.tasks.chain", "count": "tidal.tasks.count",
-           "math": "tidal.tasks.math"}
+           "math": "tidal.tasks.math", "skyrl": "tidal.tasks.skyrl"}
 ENTRY_POINTS = "tidal.tasks"
 
 Reward = Callable[[str, dict[str, str]], float]

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import re
+from collections.abc import Callable
 from pathlib import Path
 
-from tidal.config import ConfigError
+from tidal.config import ConfigError, TaskConfig
+from tidal.tasks import Prompt, Split
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # file suffix -> datasets builder
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name, as the Hub spells dataset ids
@@ -20,9 +23,10 @@ _MISSING = object()
 
 
 def load_rows(source: str, key: str, prompt_field: str, answer_field: str, split: str = "train",
-              config: str = "") -> list[dict]:
-    """The rows of `source` (config key `key`) with both columns checked; raises ValueError naming the
-    key, the file and the line or row of the first bad one."""
+              config: str = "", every_column: bool = False) -> list[dict]:
+    """The rows of `source` (config key `key`) with both columns checked (no answer column when
+    `answer_field` is ""); raises ValueError naming the key, the file and the line or row of the first
+    bad one. The rows hold those two columns, or with `every_column` all of them."""
     if not source:
         raise ConfigError(f"config key '{key}' is empty: name a JSON Lines or Parquet file, a folder of them, "
                          "or a Hub dataset id (org/name)")
@@ -31,7 +35,7 @@ def load_rows(source: str, key: str, prompt_field: str, answer_field: str, split
     except _Unreadable as err:  # datasets' errors rarely say where; a JSON Lines file itself can
         located = _find_bad_json_row(err.path, prompt_field, answer_field) if err.path else None
         raise ConfigError(located or str(err)) from None
-    columns = {prompt_field: "task.prompt_field", answer_field: "task.answer_field"}
+    columns = {prompt_field: "task.prompt_field", **({answer_field: "task.answer_field"} if answer_field else {})}
     for field, field_key in columns.items():
         if field not in data.column_names:
             raise ConfigError(f"{source}: no column {field!r} (config key {field_key}); columns: "
@@ -39,7 +43,7 @@ def load_rows(source: str, key: str, prompt_field: str, answer_field: str, split
     if len(data) == 0:
         raise ConfigError(f"{source}: no rows ({key})")
     rows = []
-    for index, row in enumerate(data.select_columns(list(columns))):
+    for index, row in enumerate(data if every_column else data.select_columns(list(columns))):
         why = bad_row(row, prompt_field, answer_field)
         if why:
             # datasets may have coerced a JSON column's types; the file itself names the first bad line
@@ -106,7 +110,7 @@ def bad_row(row: dict, prompt_field: str, answer_field: str) -> str | None:
         why = _bad_string(prompt, prompt_field, "task.prompt_field")
         if why:
             return why
-    return _bad_string(row.get(answer_field, _MISSING), answer_field, "task.answer_field")
+    return _bad_string(row.get(answer_field, _MISSING), answer_field, "task.answer_field") if answer_field else None
 
 
 def _bad_string(value, field: str, key: str) -> str | None:
@@ -152,3 +156,28 @@ def _find_bad_json_row(path: Path, prompt_field: str, answer_field: str) -> str 
             if why:
                 return f"{path}:{line_no}: {why}"
     return None
+
+
+def split_rows(cfg: TaskConfig, rows: list[dict], val_rows: list[dict], make: Callable[[int, dict], Prompt]) -> Split:
+    """Training and held-out prompts (`make(prompt_id, row)`): task.num_val rows drawn by task.seed from
+    `val_rows` (read from task.val_path; their ids follow the training rows'), else split off `rows`."""
+    if cfg.num_val < 0:
+        raise ConfigError(f"config key 'task.num_val' = {cfg.num_val}: must be >= 0")
+    if val_rows:
+        val_ids = _draw(len(val_rows), cfg.num_val, cfg.seed)
+        return Split(train=[make(i, row) for i, row in enumerate(rows)],
+                     val=[make(len(rows) + i, val_rows[i]) for i in val_ids])
+    if cfg.num_val >= len(rows):
+        raise ConfigError(f"config key 'task.num_val' = {cfg.num_val} leaves no training prompts "
+                          f"({len(rows)} rows in {cfg.data_path}; or set task.val_path)")
+    val_ids = _draw(len(rows), cfg.num_val, cfg.seed)
+    held_out = set(val_ids)
+    return Split(train=[make(i, rows[i]) for i in range(len(rows)) if i not in held_out],
+                 val=[make(i, rows[i]) for i in val_ids])
+
+
+def _draw(num_rows: int, num: int, seed: int) -> list[int]:
+    """Up to `num` row indices drawn by `seed`, in file order."""
+    order = list(range(num_rows))
+    random.Random(seed).shuffle(order)
+    return sorted(order[:num])

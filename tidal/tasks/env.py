@@ -5,6 +5,7 @@ is the one-turn case, `SingleTurn`, run by the same episode loop.
 
     start(payload) -> state                         once per episode (sample)
     step(state, reply) -> Turn(messages, done, reward)   after every model turn without a tool call
+    finish(state)                                   once the episode is over, however it ended (optional)
     tools() -> [callables]                          offered to the model; the actor runs its calls
 
 `start` and `step` may be `async`; plain functions run on a worker thread, so a slow one never
@@ -52,6 +53,10 @@ class Env:
 
     def step(self, state: Any, reply: str) -> Turn:
         raise NotImplementedError(f"{type(self).__name__}.step")
+
+    def finish(self, state: Any) -> None:
+        """Release what the episode holds (a connection, a sandbox): called once it is over, whether the
+        environment ended it, a budget did or it failed."""
 
 
 class SingleTurn(Env):

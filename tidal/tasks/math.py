@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import select
 import signal
 import string
@@ -31,7 +30,7 @@ from collections.abc import Callable
 
 from tidal.config import ConfigError, TaskConfig
 from tidal.tasks import Prompt, Split
-from tidal.tasks.data import load_rows
+from tidal.tasks.data import load_rows, split_rows
 
 log = logging.getLogger(__name__)
 
@@ -63,37 +62,16 @@ def __getattr__(name: str):
 
 def load_prompts(cfg: TaskConfig) -> Split:
     """Rows of task.data_path; held out: num_val rows drawn by seed from task.val_path, else split off data_path."""
-    if cfg.num_val < 0:
-        raise ConfigError(f"config key 'task.num_val' = {cfg.num_val}: must be >= 0")
     rows = read_rows(cfg, cfg.data_path, "task.data_path", cfg.data_split)
     val_rows = read_rows(cfg, cfg.val_path, "task.val_path", cfg.val_split) if cfg.val_path else []
     # the template is for string prompts; chat messages go through the tokenizer's chat template instead
     strings = any(isinstance(r[cfg.prompt_field], str) for r in rows + val_rows)
     render = build_renderer(cfg.prompt_template, cfg.prompt_field) if strings else None
-    if cfg.val_path:
-        # val ids follow the train file's, so the two files never share a prompt id
-        train_ids, val_ids = range(len(rows)), _draw(len(val_rows), cfg.num_val, cfg.seed)
-        val = [_prompt(len(rows) + i, val_rows[i], cfg, render) for i in val_ids]
-    else:
-        if cfg.num_val >= len(rows):
-            raise ConfigError(f"config key 'task.num_val' = {cfg.num_val} leaves no training prompts "
-                             f"({len(rows)} rows in {cfg.data_path}; or set task.val_path)")
-        val_ids = _draw(len(rows), cfg.num_val, cfg.seed)
-        held_out = set(val_ids)
-        train_ids = [i for i in range(len(rows)) if i not in held_out]
-        val = [_prompt(i, rows[i], cfg, render) for i in val_ids]
-    return Split(train=[_prompt(i, rows[i], cfg, render) for i in train_ids], val=val)
+    return split_rows(cfg, rows, val_rows, lambda i, row: _prompt(i, row, cfg, render))
 
 
 def read_rows(cfg: TaskConfig, source: str, key: str, split: str) -> list[dict]:
     return load_rows(source, key, cfg.prompt_field, cfg.answer_field, split=split, config=cfg.data_config)
-
-
-def _draw(num_rows: int, num: int, seed: int) -> list[int]:
-    """Up to `num` row indices drawn by `seed`, in file order."""
-    order = list(range(num_rows))
-    random.Random(seed).shuffle(order)
-    return sorted(order[:num])
 
 
 def _prompt(prompt_id: int, row: dict, cfg: TaskConfig, render: Callable[[str], str] | None) -> Prompt:
