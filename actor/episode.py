@@ -81,7 +81,7 @@ class Episodes:
         transcript, counts, messages = Transcript().add_sampled(turn), Counts(), []
         reward, finish, state = 0.0, turn.finish_reason, None
         try:
-            state = await self.call_env(counts, self.env.start, dict(group.payload))
+            state = await self.begin(counts, group.payload)
             while True:
                 messages.append({"role": "assistant", "content": turn.text})
                 answer, done, gained = await self.respond(counts, state, turn)
@@ -148,6 +148,13 @@ class Episodes:
             raise EnvFailed(f"{name} raised {type(err).__name__}: {err}") from err
         finally:
             counts.env_seconds += time.perf_counter() - start
+
+    async def begin(self, counts: Counts, payload: dict[str, str]):
+        """The episode's state from the environment's `start`; the base one's (a copy of the payload)
+        is made here, not on a worker thread: a single-turn task's samples make one thread hop each."""
+        if type(self.env).start is Env.start:
+            return dict(payload)
+        return await self.call_env(counts, self.env.start, dict(payload))
 
     async def release(self, counts: Counts, state) -> None:
         """The environment's `finish`; a failure there is logged, and the episode kept as it went."""

@@ -68,9 +68,6 @@ class SingleTurn(Env):
         super().__init__()
         self.reward = reward
 
-    def start(self, payload: dict[str, str]) -> dict[str, str]:
-        return payload  # the reward only reads it
-
     def step(self, state: dict[str, str], reply: str) -> Turn:
         return Turn(done=True, reward=float(self.reward(reply, state)))
 
