@@ -26,7 +26,8 @@ from tidal.actor.engine import Completion
 from tidal.actor.length_control import Transcript, generate
 from tidal.actor.tools import ToolCallParser, ToolRunner
 from tidal.broker.schema import Episode, PromptGroup
-from tidal.config import EnvConfig
+from tidal.config import EnvConfig, TaskConfig
+from tidal.tasks import get_environment
 from tidal.tasks.env import ChatRenderer, Env, Message, Turn, is_async, tool_schemas
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,11 @@ class Episodes:
         self.max_turns = min(cfg.max_turns, env.max_turns or cfg.max_turns)
         self.multi_turn = self.max_turns > 1 or bool(tools)
         self._stop_texts: dict[int, str] = {}
+
+    @classmethod
+    def of(cls, task: TaskConfig, env: EnvConfig, tokenizer) -> Episodes:
+        """The episodes of `task`'s environment, built with env.kwargs."""
+        return cls(get_environment(task, env.kwargs), env, tokenizer, task.chat_template)
 
     async def run(self, engine, group: PromptGroup) -> list[EpisodeResult]:
         """The group's n episodes: their first turns sampled together, then each on its own."""

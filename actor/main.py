@@ -18,7 +18,6 @@ async def serve(cfg: RunConfig) -> str:
     from tidal.actor.loop import Actor
     from tidal.broker.factory import actor_transport
     from tidal.broker.weights import build_receiver
-    from tidal.tasks import get_environment
 
     transport = actor_transport(cfg.broker, cfg.actor.id, cfg.name)
     receiver = build_receiver(cfg.weights)
@@ -31,7 +30,7 @@ async def serve(cfg: RunConfig) -> str:
     # that no garbage is frozen with them; unfrozen at the end, so that Engine.shutdown can collect the engine
     gc.collect()
     gc.freeze()
-    episodes = Episodes(get_environment(cfg.task), cfg.env, engine.tokenizer, cfg.task.chat_template)
+    episodes = Episodes.of(cfg.task, cfg.env, engine.tokenizer)
     actor = Actor(cfg.actor, engine, transport, receiver, episodes)
     loop = asyncio.get_running_loop()
 

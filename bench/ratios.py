@@ -551,7 +551,7 @@ async def actor_case(cfg, num_groups: int, repeats: int) -> dict:
     from tidal.tasks import PromptEncoder, get_task
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    encode = PromptEncoder.for_task(tokenizer, cfg.task)
+    encode = PromptEncoder.for_task(tokenizer, cfg.task, cfg.env.kwargs)
     plan = dispatch_plan(cfg, tokenizer)
     prompts = get_task(cfg.task.name).load_prompts(cfg.task).train
 

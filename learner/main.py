@@ -86,7 +86,7 @@ def build(cfg: RunConfig, checkpoint: Path | None = None, transport=None):
     plan.sampling.check()  # the interruption text's token count is known only now: does it fit max_tokens?
     ledger_offset = state["coordinator"]["ledger_offset"] if state else 0  # the ledger describes the live lineage
     book = GroupBook(Ledger(run_dir / "ledger.jsonl", truncate_to=ledger_offset))
-    encode = PromptEncoder.for_task(tokenizer, cfg.task)
+    encode = PromptEncoder.for_task(tokenizer, cfg.task, cfg.env.kwargs)
     coordinator = Coordinator(plan, split.train, split.val, encode, transport, book, cfg.curriculum)
     tracker = Tracker(cfg.tracking, run_dir, cfg.name, resume_run_id=state["mlflow_run_id"] if state else None)
     parts = LearnerParts(

@@ -182,6 +182,7 @@ class EnvConfig:
     max_tool_calls: int = 4  # tool calls run per model turn; more are answered with an error
     tool_timeout_s: float = 10.0  # a tool call that takes longer is answered with an error
     tool_output_chars: int = 2000  # a tool's output beyond this is cut, and the model told how much was cut
+    kwargs: dict[str, Any] = field(default_factory=dict)  # options of the task's environment (its self.kwargs)
 
 
 @dataclass(frozen=True)

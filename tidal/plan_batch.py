@@ -39,7 +39,7 @@ async def measure(cfg: RunConfig, batch_sizes: list[int], reps: int) -> list[Thr
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     prompts = get_task(cfg.task.name).load_prompts(cfg.task).train
-    encode = PromptEncoder.for_task(tokenizer, cfg.task)
+    encode = PromptEncoder.for_task(tokenizer, cfg.task, cfg.env.kwargs)
     params = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_tokens,
                             (tokenizer.eos_token_id,))
     engine = Engine(cfg.actor, cfg.model.path, cfg.model.dtype,

@@ -24,7 +24,7 @@ def preflight(cfg: RunConfig) -> list[str]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    encode = PromptEncoder.for_task(tokenizer, cfg.task)
+    encode = PromptEncoder.for_task(tokenizer, cfg.task, cfg.env.kwargs)
     longest = max(len(encode(p)) for p in split.train[:64] + split.val[:64])
     limit = cfg.actor.vllm.max_model_len
     if limit and longest + cfg.sampling.max_tokens > limit:

@@ -373,20 +373,21 @@ def test_a_skyrl_gym_environment_trains_unchanged(tokenizer, tmp_path):
     import json
 
     from tidal.config import TaskConfig
-    from tidal.tasks import get_environment, get_task
+    from tidal.tasks import get_task
 
     rows = [{"prompt": [{"role": "user", "content": f"Natalia sold {n} clips, then half as many. How many?"}],
              "env_class": "gsm8k_multi_turn", "reward_spec": {"method": "rule", "ground_truth": str(n + n // 2)},
              "extra_info": {"split": "train"}} for n in (48, 50, 52, 54)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     task = TaskConfig(name="skyrl", data_path=str(tmp_path / "train.jsonl"), prompt_field="prompt", num_val=1,
-                      chat_template=True, kwargs={"max_turns": 3})
+                      chat_template=True)
+    env = EnvConfig(kwargs={"max_turns": 3})
     split = get_task("skyrl").load_prompts(task)
     assert (len(split.train), len(split.val)) == (3, 1)
     prompt = next(p for p in split.train if "48" in p.messages[0]["content"])
-    prompt_ids = PromptEncoder.for_task(tokenizer, task)(prompt)
+    prompt_ids = PromptEncoder.for_task(tokenizer, task, env.kwargs)(prompt)
     engine = ScriptedTurns(tokenizer, ["48 + 24 = 70.\n#### 70", "48 + 24 = 72.\n#### 72"])
-    episodes = Episodes(get_environment(task), EnvConfig(), tokenizer, chat_template=True)
+    episodes = Episodes.of(task, env, tokenizer)
     g = PromptGroup(run_id="r", group_id="g0", prompt_id=prompt.prompt_id, prompt_tokens=int32s(prompt_ids),
                     task="skyrl", payload=prompt.payload, n=1, sampling=SamplingParams(max_tokens=512), min_version=0)
     [result] = run(episodes, engine, g)

@@ -21,7 +21,6 @@ from tidal.broker.zmq_transport import ZmqActorTransport, ZmqLearnerTransport
 from tidal.config import load_config, resolve
 from tidal.learner.export import export_checkpoint
 from tidal.learner.main import build, serve
-from tidal.tasks import get_environment
 from tidal.tiny import build_tiny_model, save_model
 
 MAX_STEPS, MAX_LAG = 4, 1
@@ -53,7 +52,7 @@ def start_actor(actor_side, cfg, engine: ScriptedEngine) -> tuple[threading.Thre
     result = {}
 
     def main():
-        episodes = Episodes(get_environment(cfg.task), cfg.env, engine.tokenizer, cfg.task.chat_template)
+        episodes = Episodes.of(cfg.task, cfg.env, engine.tokenizer)
         actor = Actor(cfg.actor, engine, actor_side(), build_receiver(cfg.weights), episodes)
         result["reason"] = asyncio.run(actor.run())
         result["stats"] = actor.stats

@@ -70,9 +70,10 @@ class PromptEncoder:
                               "template")
 
     @classmethod
-    def for_task(cls, tokenizer, cfg: TaskConfig) -> PromptEncoder:
-        """The encoder of `cfg`'s prompts, its environment's tools listed."""
-        return cls(tokenizer, cfg.chat_template, cfg.system_prompt, tool_schemas(get_environment(cfg).tools()))
+    def for_task(cls, tokenizer, cfg: TaskConfig, env_kwargs: dict | None = None) -> PromptEncoder:
+        """The encoder of `cfg`'s prompts, its environment's tools (built with `env_kwargs`) listed."""
+        tools = tool_schemas(get_environment(cfg, env_kwargs).tools())
+        return cls(tokenizer, cfg.chat_template, cfg.system_prompt, tools)
 
     def __call__(self, prompt: Prompt) -> list[int]:
         if prompt.messages is None and not (self.chat_template or self.tools):
@@ -121,8 +122,9 @@ def get_reward(cfg: TaskConfig) -> Reward:
     return build(cfg) if callable(build) else module.reward
 
 
-def get_environment(cfg: TaskConfig) -> Env:
-    """The task's environment: its Environment built with its config, or its reward as one turn."""
+def get_environment(cfg: TaskConfig, env_kwargs: dict | None = None) -> Env:
+    """The task's environment: its Environment built with its config and `env_kwargs` (env.kwargs),
+    or its reward as one turn."""
     module = get_task(cfg.name)
     env_class = getattr(module, "Environment", None)
     if env_class is None:
@@ -130,4 +132,4 @@ def get_environment(cfg: TaskConfig) -> Env:
     if not (isinstance(env_class, type) and issubclass(env_class, Env)):
         raise ConfigError(f"config key 'task.name' = {cfg.name!r}: {module.__name__}.Environment is not a "
                           "subclass of tidal.tasks.Env")
-    return env_class(cfg)
+    return env_class(cfg, env_kwargs)

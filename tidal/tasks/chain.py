@@ -69,8 +69,8 @@ def load_prompts(cfg: TaskConfig) -> Split:
 class Environment(Env):
     """The lookup tool; the first turn that calls no tool is the answer."""
 
-    def __init__(self, cfg: TaskConfig):
-        super().__init__(cfg)
+    def __init__(self, cfg: TaskConfig, kwargs: dict | None = None):
+        super().__init__(cfg, kwargs)
         table = links(cfg.seed)
 
         def look(x: int) -> str:

@@ -39,8 +39,9 @@ class Env:
 
     max_turns: int | None = None
 
-    def __init__(self, cfg=None):
-        self.cfg = cfg  # the task's config (TaskConfig): options in cfg.kwargs
+    def __init__(self, cfg=None, kwargs: dict | None = None):
+        self.cfg = cfg  # the task's config (TaskConfig)
+        self.kwargs = dict(kwargs or {})  # env.kwargs: the environment's own options
 
     def tools(self) -> Sequence[Callable]:
         """Python callables the model may call, each with type hints and a docstring with Args (its

@@ -4,14 +4,14 @@
     task.data_path: train.parquet      # skyrl-gym's dataset rows: prompt (chat messages), env_class,
                                        # reward_spec, extra_info, ... (JSON Lines too)
     task.chat_template: true
-    task.kwargs: {env_class: ..., env_config: {...}, imports: [my_pkg.envs], max_turns: 5}
+    env.kwargs: {env_class: ..., env_config: {...}, imports: [my_pkg.envs], max_turns: 5}
 
 Each episode makes its own environment (`skyrl_gym.make(env_class, env_config, extras)`, the row's
 fields as extras), calls its `init` with the prompt, then `step` with each model turn's text; each
 step's observations are the environment's messages, its reward is added to the episode's (so an
 environment with turn-level rewards gets their sum) and `done` ends the episode, which then `close`s
-its environment. A row's `env_class` wins over `task.kwargs.env_class`; modules in
-`task.kwargs.imports` are imported first, so that environments they register (`skyrl_gym.register`)
+its environment. A row's `env_class` wins over `env.kwargs.env_class`; modules in
+`env.kwargs.imports` are imported first, so that environments they register (`skyrl_gym.register`)
 can be made. What tidal does not take from skyrl-gym: the prompt `init` returns (tidal's prompt is
 the row's, encoded on the learner) and a step's `postprocessed_action` (tidal trains on the tokens
 as sampled).
@@ -43,11 +43,8 @@ def _prompt(prompt_id: int, row: dict, cfg: TaskConfig) -> Prompt:
     messages = row[cfg.prompt_field]
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
-    env_class = row.get("env_class") or cfg.kwargs.get("env_class")
-    if not env_class:
-        raise ConfigError(f"{cfg.data_path}: row {prompt_id} has no env_class, and task.kwargs.env_class is unset")
     extras = {k: v for k, v in row.items() if k != cfg.prompt_field}
-    payload = {"env_class": str(env_class), "extras": json.dumps(extras, default=str),
+    payload = {"env_class": str(row.get("env_class") or ""), "extras": json.dumps(extras, default=str),
                "prompt": json.dumps(messages)}
     long = [k for k, v in payload.items() if len(v) > PAYLOAD_CHARS]
     if long:
@@ -59,8 +56,8 @@ def _prompt(prompt_id: int, row: dict, cfg: TaskConfig) -> Prompt:
 class Environment(Env):
     """One skyrl-gym environment per episode, made from the row's class and fields."""
 
-    def __init__(self, cfg: TaskConfig):
-        super().__init__(cfg)
+    def __init__(self, cfg: TaskConfig, kwargs: dict | None = None):
+        super().__init__(cfg, kwargs)
         try:
             import skyrl_gym
         except ModuleNotFoundError:
@@ -68,16 +65,20 @@ class Environment(Env):
                               "(pip install tidal[skyrl])") from None
         from omegaconf import OmegaConf
 
-        for module in cfg.kwargs.get("imports", []):
+        for module in self.kwargs.get("imports", []):
             importlib.import_module(module)  # registers its environments with skyrl-gym
         self.make = skyrl_gym.make
-        self.env_config = OmegaConf.create(dict(cfg.kwargs.get("env_config", {})))
-        self.max_turns_hint = int(cfg.kwargs.get("max_turns", DEFAULT_MAX_TURNS))
+        self.env_class = self.kwargs.get("env_class", "")  # for rows without one
+        self.env_config = OmegaConf.create(dict(self.kwargs.get("env_config", {})))
+        self.max_turns_hint = int(self.kwargs.get("max_turns", DEFAULT_MAX_TURNS))
 
     def start(self, payload: dict[str, str]):
+        env_class = payload["env_class"] or self.env_class
+        if not env_class:
+            raise ValueError("the row has no env_class, and env.kwargs.env_class is unset")
         extras = json.loads(payload["extras"])
         extras.setdefault("max_turns", self.max_turns_hint)
-        env = self.make(payload["env_class"], env_config=self.env_config, extras=extras)
+        env = self.make(env_class, env_config=self.env_config, extras=extras)
         env.init(json.loads(payload["prompt"]))
         return env
 
