@@ -28,6 +28,7 @@ from tidal.actor.tools import ToolCallParser, ToolRunner
 from tidal.broker.schema import Episode, PromptGroup
 from tidal.config import EnvConfig, TaskConfig
 from tidal.tasks import get_environment
+from tidal.tasks.data import bad_messages
 from tidal.tasks.env import ChatRenderer, Env, Message, Turn, is_async, tool_schemas
 
 log = logging.getLogger(__name__)
@@ -85,9 +86,10 @@ class Episodes:
     async def episode(self, engine, group: PromptGroup, prompt: list[int], index: int,
                       turn: Completion) -> EpisodeResult:
         transcript, counts, messages = Transcript().add_sampled(turn), Counts(), []
-        reward, finish, state = 0.0, turn.finish_reason, None
+        reward, finish, state, started = 0.0, turn.finish_reason, None, False
         try:
             state = await self.begin(counts, group.payload)
+            started = True
             while True:
                 messages.append({"role": "assistant", "content": turn.text})
                 answer, done, gained = await self.respond(counts, state, turn)
@@ -95,7 +97,7 @@ class Episodes:
                 reward += gained
                 if done or counts.turns >= self.max_turns or turn.finish_reason == "length":
                     break
-                increment = self.renderer.increment(answer, self.stop_text(turn))
+                increment = self.render(answer, turn)
                 room = group.sampling.max_tokens - transcript.size - len(increment)
                 if room < 1:  # the environment's reply does not fit: the episode ends at its budget
                     finish = "length"
@@ -109,7 +111,7 @@ class Episodes:
         except EnvFailed as err:
             reward, counts.env_error = 0.0, str(err)[:512]
             log.warning("group %s episode %d scored as failed: %s", group.group_id, index, err)
-        if state is not None:
+        if started:
             await self.release(counts, state)
         stats = None
         if self.multi_turn or counts.env_error:
@@ -136,10 +138,23 @@ class Episodes:
         result = await self.call_env(counts, self.env.step, state, turn.text)
         if not isinstance(result, Turn):
             raise EnvFailed(f"{type(self.env).__name__}.step returned {type(result).__name__}, not a Turn")
+        messages = result.messages or []
+        why = "not a list" if not isinstance(messages, list | tuple) else bad_messages(messages) if messages else None
+        if why:
+            raise EnvFailed(f"{type(self.env).__name__}.step's messages: {why}")
         gained = 0.0 if result.reward is None else float(result.reward)
         if not math.isfinite(gained):
             raise EnvFailed(f"{type(self.env).__name__}.step gave a non-finite reward {result.reward}")
-        return list(result.messages), result.done, gained
+        return list(messages), result.done, gained
+
+    def render(self, answer: list[Message], turn: Completion) -> list[int]:
+        """The tokens of the answer to `turn`; messages the chat template cannot render fail the episode
+        (the environment wrote them), not the actor."""
+        try:
+            return self.renderer.increment(answer, self.stop_text(turn))
+        except Exception as err:
+            roles = [m.get("role") if isinstance(m, dict) else type(m).__name__ for m in answer]
+            raise EnvFailed(f"messages {roles} could not be rendered: {type(err).__name__}: {err}") from err
 
     async def call_env(self, counts: Counts, fn, *args):
         """An environment method, async or plain (on a worker thread), within env.step_timeout_s."""

@@ -396,3 +396,17 @@ def test_a_skyrl_gym_environment_trains_unchanged(tokenizer, tmp_path):
     assert result.messages[1]["role"] == "user" and "#### ANSWER" in result.messages[1]["content"]
     injected = tokenizer.decode(result.completion.tokens[slice(*result.completion.injected_spans[0])].tolist())
     assert result.messages[1]["content"] in injected
+
+
+class Garbage(Env):
+    async def step(self, state, reply):
+        return Turn([{"role": "user", "content": None}, "not a message"])
+
+
+def test_messages_the_template_cannot_render_fail_the_episode_not_the_actor(tokenizer):
+    prompt = PromptEncoder(tokenizer, chat_template=True)(Prompt(0, "go", {}))
+    [result] = run(Episodes(Garbage(), EnvConfig(), tokenizer, chat_template=True), ScriptedTurns(tokenizer, ["1"]),
+                   group(prompt))
+    assert result.reward == 0.0
+    assert result.episode.env_error == "Garbage.step's messages: message 0 is not {\"role\": str, \"content\": str}: " \
+        "{'role': 'user', 'content': None}"

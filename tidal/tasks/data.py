@@ -103,7 +103,7 @@ def bad_row(row: dict, prompt_field: str, answer_field: str) -> str | None:
     """Why a row cannot be used, or None."""
     prompt = row.get(prompt_field, _MISSING)
     if isinstance(prompt, list):
-        why = _bad_messages(prompt)
+        why = bad_messages(prompt)
         if why:
             return f"{prompt_field!r} {why} (config key task.prompt_field)"
     else:
@@ -124,7 +124,7 @@ def _bad_string(value, field: str, key: str) -> str | None:
     return None
 
 
-def _bad_messages(messages: list) -> str | None:
+def bad_messages(messages: list) -> str | None:
     """Chat messages: a non-empty list of {"role": str, "content": str}."""
     if not messages:
         return "holds no chat messages"
