@@ -179,5 +179,7 @@ def test_each_sharded_rank_builds_steps_and_checkpoints_within_a_few_times_its_s
         # an unsharded rank adds 3x the model (gradients and AdamW's two moments); a sharded one its share of
         # them, and the units it gathers
         assert m["step_peak_bytes"] < 3 * model_bytes
-        # its own files, never the model gathered: safetensors writes a file from memory, and its largest is AdamW's
-        assert m["checkpoint_peak_bytes"] < 3 * m["shard_bytes"]
+        # its own files, never the model gathered (the model and AdamW's state whole: 6x a shard of two ranks).
+        # safetensors writes a file from memory, and its largest is AdamW's (2x the shard): 113-301 MB were
+        # measured on 2 cores, as the state's temporaries happened to be freed before or after the write
+        assert m["checkpoint_peak_bytes"] < 4 * m["shard_bytes"]

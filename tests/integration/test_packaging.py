@@ -44,4 +44,4 @@ def test_the_wheel_runs_presets_by_name_from_any_folder(tmp_path, tiny_model_pat
     assert prepared.returncode == 0, prepared.stderr[-2000:]
     assert prepared.stdout.strip().splitlines()[-1] == tiny_model_path
     missing = tidal("prepare", "no-such-preset")
-    assert missing.returncode == 2 and "not a preset (long, loo/tiny-loo-group-norm" in missing.stderr
+    assert missing.returncode == 2 and "not a preset (agent, long, loo/tiny-loo-group-norm" in missing.stderr

@@ -12,10 +12,12 @@ import redis
 from conftest import RedisServer, require_redis_server, rollout, sample
 from conftest import prompt_group as prompt
 from tidal.actor.engine import Completion
+from tidal.actor.episode import Episodes
 from tidal.actor.loop import Actor
 from tidal.broker.redis_transport import BrokerAuthError, BrokerUnavailable, RedisActorTransport, RedisLearnerTransport
 from tidal.broker.schema import Episode, Heartbeat, RolloutGroup, Shutdown, WeightUpdate, WireCodec
-from tidal.config import ActorConfig, RedisConfig
+from tidal.config import ActorConfig, EnvConfig, RedisConfig
+from tidal.tasks import SingleTurn
 
 
 def config(server, **kw) -> RedisConfig:
@@ -394,8 +396,9 @@ def test_a_resumed_learner_withdraws_groups_released_after_its_checkpoint(redis_
     again.resubmit_prompts(at_checkpoint)
 
     async def restarted_actor():
+        episodes = Episodes(SingleTurn(lambda text, payload: 1.0), EnvConfig(), tokenizer=None, chat_template=False)
         actor = Actor(ActorConfig(id="a0", max_inflight=8), VersionSeven(), RedisActorTransport(
-            cfg, WireCodec(1 << 20), "a0", "t"), receiver=None)
+            cfg, WireCodec(1 << 20), "a0", "t"), receiver=None, episodes=episodes)
         filling = actor.spawn(actor.fill_slots())
         got = await asyncio.to_thread(drain, again, 2)
         for task in [filling, *actor.tasks]:
