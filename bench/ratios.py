@@ -512,16 +512,17 @@ async def tidal_generate(cfg, engine, groups, publisher, receiver) -> tuple[floa
     import torch
     from transformers import AutoModelForCausalLM
 
+    from tidal.actor.episode import Episodes
     from tidal.actor.loop import Actor
     from tidal.broker.inproc import InprocBroker
     from tidal.broker.schema import WireCodec
-    from tidal.tasks import get_reward
 
     broker = InprocBroker(WireCodec(cfg.broker.max_message_bytes))
     learner = broker.learner()
     state = AutoModelForCausalLM.from_pretrained(cfg.model.path, torch_dtype=torch.float32).state_dict()
     learner.publish_weights(publisher.publish(state, 1))  # what a learner announces first
-    actor = Actor(cfg.actor, engine, broker.actor(cfg.actor.id), receiver, {cfg.task.name: get_reward(cfg.task)})
+    episodes = Episodes.of(cfg.task, cfg.env, engine.tokenizer)
+    actor = Actor(cfg.actor, engine, broker.actor(cfg.actor.id), receiver, episodes)
 
     def learner_side() -> tuple[float, int]:
         while not learner.actors():

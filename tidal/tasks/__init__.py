@@ -119,6 +119,9 @@ def get_reward(cfg: TaskConfig) -> Reward:
     """The task's reward function, built from its config when the task asks (build_reward)."""
     module = get_task(cfg.name)
     build = getattr(module, "build_reward", None)
+    if not callable(build) and not callable(getattr(module, "reward", None)):
+        raise ConfigError(f"config key 'task.name' = {cfg.name!r}: {module.__name__} is an environment of "
+                          "episodes (Environment), with no reward of one completion to score alone")
     return build(cfg) if callable(build) else module.reward
 
 
