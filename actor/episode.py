@@ -56,6 +56,41 @@ class Counts:
     env_error: str = ""
 
 
+class ThreadBatches:
+    """Plain-function calls made in one pass of the event loop run in one hop to a worker thread, in
+    order, rather than a hop each: a group's episodes all ask at once after their first turns, so a
+    single-turn task's rewards cost one hop per group, as they did before episodes. A call that hangs
+    holds the calls after it in its batch (each then fails at its own timeout)."""
+
+    def __init__(self):
+        self.pending: list[tuple] = []
+
+    def call(self, fn, *args) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.pending.append((fn, args, future))
+        if len(self.pending) == 1:
+            loop.call_soon(self._flush, loop)
+        return future
+
+    def _flush(self, loop) -> None:
+        batch, self.pending = self.pending, []
+
+        def work() -> None:
+            for fn, args, future in batch:
+                try:
+                    outcome = (True, fn(*args))
+                except Exception as err:
+                    outcome = (False, err)
+                loop.call_soon_threadsafe(self._settle, future, *outcome)
+        loop.run_in_executor(None, work)
+
+    @staticmethod
+    def _settle(future: asyncio.Future, ok: bool, value) -> None:
+        if not future.done():  # one whose wait timed out was cancelled
+            future.set_result(value) if ok else future.set_exception(value)
+
+
 class Episodes:
     """Runs a group's samples as episodes of `env` (one instance for every episode of the run)."""
 
@@ -70,6 +105,7 @@ class Episodes:
         self.max_turns = min(cfg.max_turns, env.max_turns or cfg.max_turns)
         self.multi_turn = self.max_turns > 1 or bool(tools)
         self._stop_texts: dict[int, str] = {}
+        self.threads = ThreadBatches()
 
     @classmethod
     def of(cls, task: TaskConfig, env: EnvConfig, tokenizer) -> Episodes:
@@ -161,7 +197,7 @@ class Episodes:
         start = time.perf_counter()
         name = f"{type(self.env).__name__}.{fn.__name__}"
         try:
-            work = fn(*args) if is_async(fn) else asyncio.to_thread(fn, *args)
+            work = fn(*args) if is_async(fn) else self.threads.call(fn, *args)
             return await asyncio.wait_for(work, self.cfg.step_timeout_s)
         except TimeoutError:
             raise EnvFailed(f"{name} took longer than env.step_timeout_s = {self.cfg.step_timeout_s:g} s") from None
@@ -172,7 +208,7 @@ class Episodes:
 
     async def begin(self, counts: Counts, payload: dict[str, str]):
         """The episode's state from the environment's `start`; the base one's (a copy of the payload)
-        is made here, not on a worker thread: a single-turn task's samples make one thread hop each."""
+        is made here, not on a worker thread."""
         if type(self.env).start is Env.start:
             return dict(payload)
         return await self.call_env(counts, self.env.start, dict(payload))

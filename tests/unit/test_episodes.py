@@ -410,3 +410,23 @@ def test_messages_the_template_cannot_render_fail_the_episode_not_the_actor(toke
     assert result.reward == 0.0
     assert result.episode.env_error == "Garbage.step's messages: message 0 is not {\"role\": str, \"content\": str}: " \
         "{'role': 'user', 'content': None}"
+
+
+def test_a_groups_plain_steps_share_one_thread_hop_and_a_hung_one_holds_only_those_after_it(tokenizer):
+    import threading
+
+    threads, calls = set(), []
+
+    def reward(text, payload):
+        threads.add(threading.get_ident())
+        calls.append(text)
+        if len(calls) == 2:
+            time.sleep(0.6)  # the group's second episode hangs past its timeout
+        return 1.0
+
+    engine = ScriptedTurns(tokenizer, ["42"])
+    results = run(Episodes(SingleTurn(reward), EnvConfig(step_timeout_s=0.3), tokenizer, chat_template=False),
+                  engine, group([5, 6], n=4))
+    assert len(threads) == 1 and threading.get_ident() not in threads  # one worker thread, not the loop's
+    assert [r.reward for r in results] == [1.0, 0.0, 0.0, 0.0]
+    assert all(r.episode.env_error.startswith("SingleTurn.step took longer") for r in results[1:])
