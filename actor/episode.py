@@ -20,7 +20,7 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from tidal.actor.engine import Completion
 from tidal.actor.length_control import Transcript, generate
@@ -47,7 +47,7 @@ class EpisodeResult:
 
 
 @dataclass
-class Counts:
+class Counts:  # the fields of the wire's Episode, counted as the episode runs
     turns: int = 1
     tool_calls: int = 0
     tool_errors: int = 0
@@ -139,7 +139,7 @@ class Episodes:
                     finish = "length"
                     break
                 transcript.add_injected(increment, self.tokenizer.decode(increment))
-                [turn] = await engine.sample(prompt + transcript_tokens(transcript), 1, group.sampling,
+                [turn] = await engine.sample(prompt + transcript.token_ids(), 1, group.sampling,
                                              request_id=f"{group.group_id}-e{index}-t{counts.turns}", max_tokens=room)
                 transcript.add_sampled(turn)
                 counts.turns += 1
@@ -149,11 +149,7 @@ class Episodes:
             log.warning("group %s episode %d scored as failed: %s", group.group_id, index, err)
         if started:
             await self.release(counts, state)
-        stats = None
-        if self.multi_turn or counts.env_error:
-            stats = Episode(turns=counts.turns, tool_calls=counts.tool_calls, tool_errors=counts.tool_errors,
-                            tool_timeouts=counts.tool_timeouts, env_seconds=counts.env_seconds,
-                            env_error=counts.env_error)
+        stats = Episode(**asdict(counts)) if self.multi_turn or counts.env_error else None
         return EpisodeResult(transcript.completion(finish), reward, stats, messages)
 
     async def respond(self, counts: Counts, state, turn: Completion) -> tuple[list[Message], bool, float]:
@@ -233,7 +229,3 @@ class Episodes:
 
     def close(self) -> None:
         self.tools.close()
-
-
-def transcript_tokens(transcript: Transcript) -> list[int]:
-    return [int(t) for piece in transcript.tokens for t in piece]

@@ -85,6 +85,10 @@ class Transcript:
         self.size += len(tokens)
         return self
 
+    def token_ids(self) -> list[int]:
+        """Every token so far, as the next request's continuation of the prompt."""
+        return np.concatenate(self.tokens).tolist()
+
     def completion(self, finish_reason: str) -> Completion:
         return Completion(tokens=np.concatenate(self.tokens), logprobs=np.concatenate(self.logprobs),
                           version_spans=list(self.spans), text="".join(self.texts), finish_reason=finish_reason,

@@ -25,9 +25,7 @@ from tidal.tasks import (
     Prompt,
     PromptEncoder,
     encode_prompt,
-    get_environment,
     get_task,
-    tool_schemas,
 )
 from tidal.tiny import build_tiny_model, max_positions, save_model
 
@@ -90,8 +88,7 @@ class Teacher:
     def __init__(self, tokenizer, task: TaskConfig, demonstrate):
         self.tokenizer, self.task, self.demonstrate = tokenizer, task, demonstrate
         self.encode = PromptEncoder.for_task(tokenizer, task)
-        tools = tool_schemas(get_environment(task).tools())
-        self.renderer = ChatRenderer(tokenizer, task.chat_template, tools)
+        self.renderer = ChatRenderer(tokenizer, task.chat_template, self.encode.tools)
         self.stop_text = tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=False)
 
     def __call__(self, prompt: Prompt, rng: random.Random, sloppy: bool) -> tuple[list[int], list[int], list[bool]]:
