@@ -58,7 +58,7 @@ class Admission:
         """Count a claimed training group and append it to `batch` unless it is stale or carries no signal."""
         count(group, batch.stats)
         # every received group is evidence of the prompt's pass rate, discarded ones included
-        self.on_rewards(group.prompt_id, [s.task_reward for s in group.samples])
+        self.on_rewards(self._released_prompt_id(group), [s.task_reward for s in group.samples])
         generated = [~s.injected_mask() for s in group.samples]  # interruption text is never trained
         masks, num_stale = staleness_masks([version - s.versions() for s in group.samples],
                                            self.staleness.max_lag, self.staleness.on_violation, generated)
@@ -76,6 +76,14 @@ class Admission:
             batch.stats["masked_stale_tokens"] += num_stale
         batch.groups.append(group)
         batch.token_masks.append([m & g for m, g in zip(masks, generated)])  # aggregation counts real tokens only
+
+    def _released_prompt_id(self, group: RolloutGroup) -> int:
+        """The prompt the book released this group for: the curriculum never takes a rollout's word for
+        it (the validator refuses one naming another; this holds without a validator too). A group the
+        book holds no release of (admitted directly, as in unit tests) is taken at its word."""
+        with self.book.cond:
+            release = self.book.outstanding.get(group.group_id)
+        return group.prompt_id if release is None or release.prompt_id is None else release.prompt_id
 
 
 def count(group: RolloutGroup, stats: Counter) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,8 +45,16 @@ class DispatchPlan:
 
 
 def release_of(group: PromptGroup, index: int) -> Release:
-    """The record a group's rollout is checked against."""
-    return Release(index, group.min_version, group.n, prompt_digest(group.prompt_tokens.data), group.eval_version)
+    """The record a group's rollout is checked against, stamped with the time it goes out."""
+    return Release(index, group.min_version, group.n, prompt_digest(group.prompt_tokens.data), group.eval_version,
+                   prompt_id=group.prompt_id, interrupted_max_tokens=longest_interrupted(group.sampling),
+                   released_at=time.time())
+
+
+def longest_interrupted(sampling: SamplingParams) -> int:
+    """The most tokens a completion finishing "interrupted" can have (0: no forced interruptions)."""
+    interrupt = sampling.interrupt
+    return 0 if interrupt is None else interrupt.max_think_tokens + len(interrupt.tokens) + interrupt.answer_tokens
 
 
 class Coordinator:
@@ -190,8 +199,17 @@ class Coordinator:
             self.epoch, self.cursor = state["epoch"], state["cursor"]
             self.num_released, self.version = state["num_released"], state["version"]
             self.book.load_state_dict(state)
+            self._complete_older_releases(state["outstanding"])
             self.curriculum.load_state_dict(state.get("curriculum", {}))  # absent in checkpoints made before it
             self._order = self._shuffled(self.epoch)
+
+    def _complete_older_releases(self, stored: dict[str, dict]) -> None:
+        """Releases from a checkpoint made before they carried their prompt id and interruption budget:
+        both as this coordinator releases that prompt (lock held)."""
+        for group_id, release in self.book.outstanding.items():
+            if "prompt_id" not in stored[group_id]:
+                release.prompt_id = self.train[release.index].prompt_id
+                release.interrupted_max_tokens = longest_interrupted(self.plan.sampling)
 
     def resubmit_outstanding(self) -> int:
         """After a restart: queue the groups outstanding at the checkpoint again, and only those (the

@@ -39,6 +39,13 @@ class Release:
     digest: str  # prompt_digest of the prompt tokens
     eval_version: int | None = None
     claimed: bool = False  # its first copy arrived
+    # the released prompt's id: a rollout naming another is refused. None only in a checkpoint made
+    # before releases carried it (the coordinator fills it in on resume, with interrupted_max_tokens)
+    prompt_id: int | None = None
+    # the longest completion that may finish "interrupted" (thinking budget + interruption + answer);
+    # 0: released without forced interruptions, so no sample of it can finish "interrupted"
+    interrupted_max_tokens: int = 0
+    released_at: float = 0.0  # wall-clock time.time() of the release; 0.0: unknown (older checkpoints)
 
 
 class _Recent:

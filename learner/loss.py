@@ -24,6 +24,9 @@ class LossInputs:
     token_mask: torch.Tensor | None = None  # bool [tokens], False = left out of the loss (gspo's sequence ratio)
 
 
+# e^20 (about 5e8) is far outside any clip range; exp overflows float32 past 88
+GSPO_MAX_LOG_RATIO = 20.0
+
 Metrics = dict[str, torch.Tensor]  # name -> float [tokens]; "clipped" is 1 where the loss clipped the token
 
 
@@ -68,7 +71,9 @@ def gspo(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, Metrics]:
     log_ratio = (inputs.logprobs - inputs.behavior_logprobs) * keep  # masked tokens stay out of the mean
     sums = log_ratio.new_zeros(num_samples).index_add(0, index, log_ratio)  # [samples]
     counts = keep.new_zeros(num_samples).index_add(0, index, keep).clamp(min=1)  # [samples]
-    seq_ratio = torch.exp(sums / counts)[index]  # [tokens], the sample's ratio on each token
+    # [tokens], the sample's ratio on each token; capped where exp would overflow float32 (and its product
+    # with an advantage turn into inf or NaN): so far off-policy, the sample's gradient is dropped
+    seq_ratio = torch.exp((sums / counts).clamp(max=GSPO_MAX_LOG_RATIO))[index]
     clipped_ratio = seq_ratio.clamp(1 - cfg.gspo_clip_low, 1 + cfg.gspo_clip_high)
     adv = inputs.advantages
     per_token = -torch.minimum(seq_ratio * adv, clipped_ratio * adv)

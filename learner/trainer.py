@@ -504,6 +504,7 @@ class _StepStats:
 
 def _fresh_samples(mb: MicroBatch, version: int) -> torch.Tensor:
     """bool [tokens]: unmasked tokens of samples whose every token was produced at `version`."""
-    stale = torch.zeros(int(mb.sample_index.max()) + 1, dtype=torch.bool, device=mb.versions.device)
+    num_rows = int(mb.sample_index.max()) + 1 if mb.sample_index.numel() else 0  # a micro-batch may hold no token
+    stale = torch.zeros(num_rows, dtype=torch.bool, device=mb.versions.device)
     stale.index_put_((mb.sample_index,), mb.versions != version, accumulate=True)
     return ~stale[mb.sample_index] & mb.token_mask

@@ -151,6 +151,20 @@ def test_gspo_sequence_ratio_leaves_masked_tokens_out():
     np.testing.assert_allclose(logp.grad.numpy(), [1.0, 1.0, 0.0], rtol=1e-6)
 
 
+@pytest.mark.parametrize("loss_type", list(LossType))
+@pytest.mark.parametrize("advantage", [1.0, 0.0, -1.0])
+def test_far_off_policy_tokens_give_a_finite_loss_and_gradient(loss_type, advantage):
+    # behaviour logprobs near the validator's floor, the learner's near 0: log rho ~ 110, past float32's exp
+    logp = torch.tensor([-0.5, -1.0], requires_grad=True)
+    behavior = torch.tensor([-110.0, -105.0])
+    inputs = LossInputs(logp, behavior, torch.full((2,), advantage), torch.tensor([0.5, 0.5]),
+                        prox_logprobs=logp.detach(), sample_index=torch.zeros(2, dtype=torch.long),
+                        token_mask=torch.ones(2, dtype=torch.bool))
+    loss, _ = policy_loss(inputs, LossConfig(type=loss_type))
+    loss.backward()
+    assert math.isfinite(float(loss.detach())) and torch.isfinite(logp.grad).all()
+
+
 # ---- counts over every rank -------------------------------------------------------------------------
 
 def test_aggregation_counts_come_from_every_rank_and_skip_masked_tokens():

@@ -1,9 +1,13 @@
 """Decoding never crashes: mutated frames of every message type, seeded, are either decoded into
-a message that passes its checks or rejected with a counted WireError, nothing else.
+a message that passes its checks or rejected with a counted WireError, nothing else. And the
+mutated rollouts that decode and pass the learner's validator train: a bounded number of them go
+through a real `Trainer.step` of the tiny model, which must not raise nor give a non-finite metric.
 
 Mutations come in two kinds: bytes (flips, truncation, insertion, splices of two frames) and
 structure (the frame decoded to plain msgpack values, one leaf replaced by a hostile value: huge
 or negative integers, NaN, deep nesting, wrong types, long strings, then encoded again)."""
+import copy
+import math
 import random
 import time
 from collections import Counter
@@ -11,11 +15,12 @@ from collections import Counter
 import msgspec
 import pytest
 
-from conftest import prompt_group, rollout
+from conftest import ALPHABET, TINY, prompt_group, rollout
 from tidal.broker.schema import (
     Episode,
     Heartbeat,
     InterruptParams,
+    PromptGroup,
     RolloutGroup,
     SampleArrays,
     SamplingParams,
@@ -26,15 +31,23 @@ from tidal.broker.schema import (
     WireError,
     WorkGrant,
     WorkRequest,
+    int32s,
 )
+from tidal.config import LearnerConfig, LossConfig, LossType
+from tidal.learner.coordinator import release_of
+from tidal.learner.trainer import Trainer
+from tidal.learner.validation import Validator
+from tidal.tiny import build_tiny_model
 
 FRAMES_PER_KIND = 10_000
+MAX_REPLAYED_ROLLOUTS = 32  # distinct accepted rollouts trained on (tens of ms a step)
+REPLAY_VERSION = 3  # the learner's version: the valid rollout's newest tokens are of it
+INTERRUPT = InterruptParams((3, 4), "==", 1, 2, 2)
 
 
 def valid_messages() -> dict[str, object]:
-    interrupt = InterruptParams((3, 4), "==", 1, 2, 2)
     group = prompt_group(1)
-    group.sampling = SamplingParams(0.9, 1.0, 8, (1,), interrupt, 2)
+    group.sampling = SamplingParams(0.9, 1.0, 8, (1,), INTERRUPT, 2)
     sample = SampleArrays.of([3, 4, 5, 1], [-0.1, 0.0, 0.0, -0.3], version_spans=[(2, 0, 1), (3, 1, 4)], reward=1.0,
                              finish_reason="interrupted", injected_spans=[(1, 3)], raw_reward=1.0)
     # a sample of an episode: two model turns around a tool's reply (injected), and how the episode went
@@ -44,7 +57,7 @@ def valid_messages() -> dict[str, object]:
                                               env_seconds=0.25, env_error=""))
     one = rollout()
     two = RolloutGroup.pack([*one.unpack(), sample, episode], group_id=one.group_id, prompt_id=one.prompt_id,
-                            actor_id=one.actor_id, prompt_tokens=one.prompt_tokens)
+                            actor_id=one.actor_id, prompt_tokens=one.prompt_tokens, gen_seconds=1.0)
     return {
         "prompt_group": group,
         "rollout_group": two,
@@ -112,18 +125,19 @@ def mutate(frame: bytes, rng: random.Random, others: list[bytes]) -> bytes:
 # huge logprobs overflow the check's dot product (then each value is tested); the schema silences
 # that warning itself, but pytest shows every warning
 @pytest.mark.filterwarnings("ignore:overflow encountered in dot")
-def test_every_mutated_frame_is_a_message_or_a_counted_wire_error():
+def test_every_mutated_frame_is_a_message_or_a_counted_wire_error(accelerator):
     codec = WireCodec(1 << 20)
     frames = {kind: codec.encode(msg) for kind, msg in valid_messages().items()}
     for frame in frames.values():  # the originals decode and pass their checks
         codec.decode(frame)
     rng = random.Random(0)
     crashes, outcomes, start = [], Counter(), time.monotonic()
+    admitted = AdmittedRollouts()
     for kind, frame in frames.items():
         for _ in range(FRAMES_PER_KIND):
             bad = mutate(frame, rng, list(frames.values()))
             try:
-                codec.decode(bad)
+                admitted.offer(bad, codec.decode(bad))
                 outcomes["decoded"] += 1
             except WireError as err:
                 outcomes[err.reason] += 1
@@ -134,3 +148,48 @@ def test_every_mutated_frame_is_a_message_or_a_counted_wire_error():
           f"{len(crashes)} crashes")
     assert crashes == [], Counter((k, t) for k, t, _, _ in crashes).most_common(10)
     assert sum(codec.rejected.values()) == sum(v for k, v in outcomes.items() if k != "decoded")
+    print(f"{len(admitted.groups)} distinct mutated rollouts passed the validator (kept at most "
+          f"{MAX_REPLAYED_ROLLOUTS}); refused: {dict(admitted.validator.rejected)}")
+    assert len(admitted.groups) >= 5  # the replay below is not vacuous
+    failures = admitted.replay(accelerator)
+    assert failures == [], failures
+
+
+class AdmittedRollouts:
+    """Decoded rollouts the learner's validator accepts against the valid rollout's release (distinct
+    frames, at most MAX_REPLAYED_ROLLOUTS of them), and their replay through a real training step."""
+
+    def __init__(self):
+        released = PromptGroup(run_id="r", group_id="g1", prompt_id=7, prompt_tokens=int32s([5, 6]), task="arithmetic",
+                               payload={}, n=3, sampling=SamplingParams(max_tokens=8, interrupt=INTERRUPT),
+                               min_version=0)
+        self.release = release_of(released, 0)
+        self.validator = Validator(len(ALPHABET) + 2, 8, (-10.0, 10.0))  # the tiny vocabulary: the alphabet, bos, eos
+        self.frames: set[bytes] = set()
+        self.groups: list[RolloutGroup] = []
+
+    def offer(self, frame: bytes, msg) -> None:
+        if not isinstance(msg, RolloutGroup) or frame in self.frames or len(self.groups) >= MAX_REPLAYED_ROLLOUTS:
+            return
+        if self.validator.check(msg, self.release, REPLAY_VERSION) is None:
+            self.frames.add(frame)
+            self.groups.append(msg)
+
+    def replay(self, accelerator) -> list[tuple[int, str]]:
+        """(index, what went wrong) of each accepted rollout whose step raised or gave a non-finite metric;
+        each trained by a fresh copy of the tiny model under the next loss type."""
+        model, _ = build_tiny_model(TINY, ALPHABET, seed=0)
+        assert model.config.vocab_size == self.validator.vocab_size
+        losses, failures = list(LossType), []
+        for i, group in enumerate(self.groups):
+            cfg = LearnerConfig(groups_per_step=1, micro_batch_tokens=16, kernel_backend="torch",
+                                loss=LossConfig(type=losses[i % len(losses)]))
+            masks = [[~s.injected_mask() for s in group.samples]]  # as admission leaves them: injected text untrained
+            try:
+                metrics = Trainer(cfg, copy.deepcopy(model), accelerator, temperature=0.9).step([group], masks,
+                                                                                               REPLAY_VERSION)
+            except Exception as err:  # noqa: BLE001 (any exception is the failure this test looks for)
+                failures.append((i, f"{type(err).__name__}: {err}"[:200]))
+                continue
+            failures += [(i, f"{key} = {value}") for key, value in metrics.items() if not math.isfinite(value)]
+        return failures
