@@ -17,9 +17,10 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-SCHEMA_VERSION = 5  # 2: eval groups carry eval_version; grants no longer carry weights. 3: a rollout's
+SCHEMA_VERSION = 6  # 2: eval groups carry eval_version; grants no longer carry weights. 3: a rollout's
 # token ids and logprobs are one buffer per group. 4: a weight update comes from one learner rank (no sources).
-# 5: a sample may carry its episode's counts (turns, tool calls)
+# 5: a sample may carry its episode's counts (turns, tool calls). 6: a weight update carries the channel's
+# token, and each byte range its sha256 (was a crc32)
 
 
 # Bounds every decoded value must keep: a frame that breaks one is rejected at decode ("malformed",
@@ -330,12 +331,18 @@ class TensorSpec(msgspec.Struct, frozen=True):
     nbytes: Count
 
 
+DIGEST_BYTES = 32  # a sha256
+TOKEN_BYTES = 32  # a weight channel's token: random bytes the learner draws once per process
+
+
 class WeightBucket(msgspec.Struct, frozen=True):
-    """One byte range of a version's payload, fetched and checked on its own (the tcp channel)."""
+    """One byte range of a version's payload (or file), fetched and checked on its own. Its digest
+    travels over the broker, whose peers are authenticated: whoever can write the weights folder
+    or sit on the data path cannot make altered bytes match it."""
 
     offset: Count  # where the range starts in the payload
     nbytes: Count
-    crc32: Annotated[int, Meta(ge=0, le=2**32 - 1)]  # zlib.crc32 of the range's bytes
+    sha256: Annotated[bytes, Meta(min_length=DIGEST_BYTES, max_length=DIGEST_BYTES)]  # of the range's bytes
 
 
 class WeightUpdate(Message, tag="weight_update"):
@@ -348,9 +355,12 @@ class WeightUpdate(Message, tag="weight_update"):
     # which learner process announced it: a resumed learner counts versions again from its
     # checkpoint, and actors that outlived the crash must load those over higher, abandoned ones
     incarnation: Annotated[str, Meta(max_length=64)] = ""
-    # the payload's (tcp, gloo) or file's (file) byte ranges in order, each with its own crc32; gloo's
+    # the payload's (tcp, gloo) or file's (file) byte ranges in order, each with its own sha256; gloo's
     # hold whole tensors. None for nccl, whose chunks vLLM's packing cuts from the manifest
     buckets: Annotated[list[WeightBucket], Meta(max_length=1_000_000)] = []
+    # the network channels (tcp, gloo, nccl): the secret every request to the learner's weight port
+    # must carry (TOKEN_BYTES); it travels only in this announcement, over the authenticated broker
+    token: Annotated[bytes, Meta(max_length=TOKEN_BYTES)] = b""
 
 
 class Heartbeat(Message, tag="heartbeat"):

@@ -3,12 +3,12 @@ What every channel's worker side shares sits at the end."""
 from __future__ import annotations
 
 import abc
+import hashlib
 import logging
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from tidal.broker.schema import WeightBucket, WeightUpdate
+from tidal.broker.schema import TOKEN_BYTES, WeightBucket, WeightUpdate
 
 
 class WeightPublisher(abc.ABC):
@@ -84,7 +84,7 @@ class UpdateInfo:
 
     transport: str  # the channel that carries this update
     update: dict  # the WeightUpdate announcement, as plain values
-    staged: str = ""  # tcp: the prefetched payload's path; file: the file; empty: fetch in the worker
+    staged: str = ""  # tcp: the prefetched payload's path; file: the actor's checked copy; empty: fetch in the worker
     timeout_s: float = 30.0  # a worker gives up on a learner silent this long
 
 
@@ -99,29 +99,49 @@ def check_transport(update: WeightUpdate, expected: str) -> None:
         raise ValueError(f"weights v{update.version} came by {update.transport!r}; this actor takes {expected!r}")
 
 
-# ---- integrity: a crc32 per byte range (never one hash of a multi-GB whole) ---------------------
+def check_token(update: WeightUpdate) -> None:
+    """A network channel's announcement must carry the token its learner's weight port asks for."""
+    if len(update.token) != TOKEN_BYTES:
+        raise ValueError(f"weights v{update.version}: the announcement carries no token for the learner's weight "
+                         f"port ({len(update.token)} bytes, expected {TOKEN_BYTES}): refused")
+
+
+# ---- integrity: a sha256 per byte range (never one hash of a multi-GB whole) --------------------
+# The digests are announced over the broker, whose peers are authenticated; a checksum (crc32) would
+# let whoever writes the weights folder or sits on the data path alter bytes and keep it matching.
+
+def digest(data) -> bytes:
+    """The sha256 of `data` (bytes-like); hashlib lets go of the GIL while it hashes a large buffer."""
+    return hashlib.sha256(data).digest()
+
 
 def split_buckets(payload: memoryview, bucket_bytes: int) -> list[WeightBucket]:
-    """`payload` cut into ranges of `bucket_bytes`, each with the crc32 of its bytes."""
+    """`payload` cut into ranges of `bucket_bytes`, each with the sha256 of its bytes."""
     return [WeightBucket(offset=start, nbytes=len(payload[start:start + bucket_bytes]),
-                         crc32=zlib.crc32(payload[start:start + bucket_bytes]))
+                         sha256=digest(payload[start:start + bucket_bytes]))
             for start in range(0, len(payload), bucket_bytes)]
 
 
+def digest_problem(data, bucket: WeightBucket, index: int) -> str | None:
+    """What is wrong with `data`, the bytes of range `index`, against its announced digest, or None."""
+    got = digest(data)
+    if got == bucket.sha256:
+        return None
+    return (f"bytes [{bucket.offset}, {bucket.offset + bucket.nbytes}) (range {index}) have sha256 "
+            f"{got.hex()[:16]}…, the announcement says {bucket.sha256.hex()[:16]}…: altered or damaged")
+
+
 def bucket_problem(payload: memoryview, update: WeightUpdate) -> str | None:
-    """What is wrong with `payload` against the announced ranges (the first range whose crc32 differs),
-    or None. Ranges are checked on several threads (zlib lets go of the GIL). Returned, not raised:
+    """What is wrong with `payload` against the announced ranges (the first range whose sha256 differs),
+    or None. Ranges are checked on several threads (hashlib lets go of the GIL). Returned, not raised:
     a traceback would keep `payload`, a view of the caller's map, from being released."""
     covered = sum(b.nbytes for b in update.buckets)
     if covered != len(payload):
         return f"{len(payload)} bytes, the announced ranges cover {covered}"
     with ThreadPoolExecutor(max_workers=4) as pool:
-        crcs = list(pool.map(lambda b: zlib.crc32(payload[b.offset:b.offset + b.nbytes]), update.buckets))
-    for i, (bucket, crc) in enumerate(zip(update.buckets, crcs)):
-        if crc != bucket.crc32:
-            return (f"bytes [{bucket.offset}, {bucket.offset + bucket.nbytes}) (range {i}) have crc32 {crc:08x}, "
-                    f"the announcement says {bucket.crc32:08x}: damaged")
-    return None
+        problems = pool.map(lambda ib: digest_problem(payload[ib[1].offset:ib[1].offset + ib[1].nbytes], ib[1], ib[0]),
+                            enumerate(update.buckets))
+        return next((p for p in problems if p is not None), None)
 
 
 # ---- inside vLLM's workers ----------------------------------------------------------------------

@@ -5,9 +5,11 @@ workers' models, a bounded piece at a time. Learner and actor agree on each step
 control connection; the data plane (gloo.py, nccl.py) is the only part that differs.
 
     learner  CollectivePublisher.publish ─► payload in host memory (page-locked on GPUs) ─► GroupServer
-             per actor connection, on a thread of its own bound to the learner's device:
+             per actor connection, once its token is checked, on a thread of its own bound to the
+             learner's device (every request carries the token of the announcement):
                JOIN n   ─► the new group's spec ─► form the group as rank 0 with the actor's n workers
                FETCH v  ─► yes, or why not ─► send v through the group (streams of its own) ─► done, or failed
+               STORE g  ─► one operation on group g's rendezvous keys (gloo's workers: no store port)
     actor    CollectiveReceiver.apply: join once (engine.init_weight_transfer: every worker forms its
              side) ─► FETCH v ─► engine.transfer_weights: pause(keep) ─► each worker receives the pieces
              and loads each as it lands ─► version label ─► resume ─► the learner's "done"
@@ -35,7 +37,7 @@ import threading
 import time
 from functools import partial
 
-from tidal.broker.schema import WeightUpdate
+from tidal.broker.schema import TOKEN_BYTES, WeightUpdate
 from tidal.broker.weights import server
 from tidal.broker.weights.base import (
     EngineStuck,
@@ -43,6 +45,7 @@ from tidal.broker.weights.base import (
     Transport,
     WeightPublisher,
     WeightReceiver,
+    check_token,
     check_transport,
     update_info,
 )
@@ -50,9 +53,10 @@ from tidal.broker.weights.payload import pack, payload_bytes, tensor_buckets
 from tidal.broker.weights.server import Served, WeightServer, error_reply, next_request, read_reply, reply
 from tidal.config import WeightsConfig
 
-CONTROL = struct.Struct("<4sBQ")  # magic, op, argument (JOIN: the engine's workers; FETCH: the version)
-CONTROL_MAGIC = b"TDG2"
-JOIN, FETCH = 1, 2
+# magic, the channel's token, op, argument (JOIN: the engine's workers; FETCH: the version; STORE: the group)
+CONTROL = struct.Struct(f"<4s{TOKEN_BYTES}sBQ")
+CONTROL_MAGIC = b"TDG3"
+JOIN, FETCH, STORE = 1, 2, 3
 MAX_WORKERS = 4096  # workers of one engine (tensor x pipeline parallel)
 
 log = logging.getLogger(__name__)
@@ -64,7 +68,7 @@ class Plane(abc.ABC):
 
     name: str
     pin: bool = False  # payloads in page-locked host memory (copied to a GPU as they are sent)
-    checksums: bool = False  # each bucket carries a crc32 the worker checks (host memory only)
+    checksums: bool = False  # each bucket carries a sha256 the worker checks (host memory only)
 
     def __init__(self, cfg: WeightsConfig):
         self.cfg = cfg
@@ -92,6 +96,13 @@ class Plane(abc.ABC):
     def send(self, group, served: Served, progress) -> None:
         """Every byte of `served` through `group`, calling `progress()` as pieces go out; returns
         once sent, or once the group was aborted."""
+
+    def abandon(self, spec: dict) -> None:
+        """Let go of what `mint` kept for a group that never formed."""
+
+    def serve_store(self, conn: socket.socket, group_id: int) -> None:
+        """Answer one operation on group `group_id`'s rendezvous keys (an authenticated worker's)."""
+        conn.sendall(error_reply(server.NOT_SERVED, f"the {self.name} channel keeps no rendezvous keys"))
 
     @classmethod
     @abc.abstractmethod
@@ -131,9 +142,18 @@ class Watchdog:
 
 # ---- the learner's side ------------------------------------------------------------------------
 
+def control(token: bytes, op: int, arg: int) -> bytes:
+    """A request to the learner's group server."""
+    return CONTROL.pack(CONTROL_MAGIC, token, op, arg)
+
+
 class GroupServer(WeightServer):
-    """Answers each actor's JOIN and FETCH on the connection's own thread; the connection's group
-    lives as long as the connection and ends with it."""
+    """Answers each actor's JOIN and FETCH, and its workers' STOREs, on the connection's own thread;
+    the connection's group lives as long as the connection and ends with it. Each actor's JOIN is
+    served on its own thread, so one that never forms its group delays no other."""
+
+    magic = CONTROL_MAGIC
+    request_bytes = CONTROL.size
 
     def __init__(self, plane: Plane, cfg: WeightsConfig):
         super().__init__(cfg.tcp_host, cfg.tcp_port, max(cfg.keep, 2), cfg.tcp_timeout_s)
@@ -142,16 +162,19 @@ class GroupServer(WeightServer):
         self.groups: set = set()  # every live group, aborted on close
         self.turns = threading.BoundedSemaphore(cfg.max_sends)  # transfers running at once
 
-    def _handle(self, conn: socket.socket) -> None:
+    def _handle(self, conn: socket.socket, opening: bytes) -> None:
         self.plane.bind(self.device_index)
-        group = None
+        group, request = None, opening
         try:
-            while (request := next_request(conn, CONTROL.size, self.timeout_s)) is not None:
-                magic, op, arg = CONTROL.unpack(request)
-                if magic != CONTROL_MAGIC or op not in (JOIN, FETCH):
-                    conn.sendall(error_reply(server.BAD_REQUEST, f"not a tidal weight group request "
-                                                                 f"(magic {magic!r}, op {op})"))
+            while request is not None:
+                _, _, op, arg = CONTROL.unpack(request)
+                if not self.authentic(request) or op not in (JOIN, FETCH, STORE):
+                    conn.sendall(error_reply(server.BAD_REQUEST, f"not a tidal weight group request with this "
+                                                                 f"learner's token (op {op})"))
                     return
+                if op == STORE:
+                    self.plane.serve_store(conn, arg)
+                    return  # one operation a connection: a worker's rendezvous is a handful of them
                 if op == JOIN:
                     self._drop(group)
                     group = None  # gone: a join that fails must not abort it a second time
@@ -159,6 +182,7 @@ class GroupServer(WeightServer):
                         return  # the actor joins again, on a new connection
                 elif not self._fetch(conn, group, arg):
                     return  # the transfer failed: the group is gone, and the actor joins again
+                request = next_request(conn, CONTROL.size, self.timeout_s)
         finally:
             self._drop(group)
 
@@ -166,12 +190,16 @@ class GroupServer(WeightServer):
         if not 1 <= num_workers <= MAX_WORKERS:
             conn.sendall(error_reply(server.BAD_REQUEST, f"an engine of {num_workers} workers (1..{MAX_WORKERS})"))
             return None
-        spec = self.plane.mint(num_workers, self.bucket_bytes)
-        conn.sendall(reply(server.OK, json.dumps(spec).encode()))
+        spec, group = self.plane.mint(num_workers, self.bucket_bytes), None
         try:
+            conn.sendall(reply(server.OK, json.dumps(spec).encode()))
             group = self.plane.form(spec, self.timeout_s)
         except RuntimeError as err:  # the actor's workers never came (gloo: its timeout; nccl: ours)
             log.warning("weights: an actor's group did not form (%s); its connection is closed", err)
+        finally:
+            if group is None:  # never formed, or the actor went away: what was kept for it goes
+                self.plane.abandon(spec)
+        if group is None:
             return None
         with self.lock:
             self.groups.add(group)
@@ -243,7 +271,7 @@ class CollectivePublisher(WeightPublisher):
         buckets = tensor_buckets(payload, manifest, self.bucket_bytes) if self.plane.checksums else []
         self.server.add(version, Served(payload, manifest, buckets))
         return WeightUpdate(version=version, transport=self.plane.name, location=self.location, manifest=manifest,
-                            checksum="", incarnation=self.incarnation, buckets=buckets)
+                            checksum="", incarnation=self.incarnation, buckets=buckets, token=self.server.token)
 
     def close(self) -> None:
         self.server.close()
@@ -268,11 +296,12 @@ class CollectiveReceiver(WeightReceiver):
     async def apply(self, update: WeightUpdate, engine) -> float:
         check_transport(update, self.transport)
         payload_bytes(update)  # a malformed announcement is refused before the engine is touched
+        check_token(update)
         where = f"weights v{update.version} from the learner at {update.location} by {self.transport}"
         async with self.lock:
             try:
                 await self._join(update, engine, where)
-                await asyncio.to_thread(self._request, FETCH, update.version, where)
+                await asyncio.to_thread(self._request, update.token, FETCH, update.version, where)
                 info = update_info(self.transport, update, "", self.cfg.tcp_timeout_s)
                 paused = await engine.transfer_weights(update.version, info, streaming=True)
                 await asyncio.to_thread(read_reply, self.conn, f"{where} (the learner's end of the transfer)")
@@ -297,8 +326,9 @@ class CollectiveReceiver(WeightReceiver):
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.conn = conn
-            spec = json.loads(await asyncio.to_thread(self._request, JOIN, engine.num_workers(), where))
-            group = {**spec, "location": update.location}
+            spec = json.loads(await asyncio.to_thread(self._request, update.token, JOIN, engine.num_workers(), where))
+            # the workers reach the learner's rendezvous keys (gloo) with the announcement's token
+            group = {**spec, "location": update.location, "token": update.token.hex()}
             # the workers form their side while the learner's connection thread forms its own
             try:
                 await asyncio.wait_for(engine.init_weight_transfer(
@@ -313,8 +343,8 @@ class CollectiveReceiver(WeightReceiver):
             raise
         self.learner = learner
 
-    def _request(self, op: int, arg: int, where: str) -> bytes:
-        self.conn.sendall(CONTROL.pack(CONTROL_MAGIC, op, arg))
+    def _request(self, token: bytes, op: int, arg: int, where: str) -> bytes:
+        self.conn.sendall(control(token, op, arg))
         try:
             return read_reply(self.conn, where)
         except ValueError as err:

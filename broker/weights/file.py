@@ -1,18 +1,19 @@
 """The file weight channel: the learner writes a safetensors file per version (temp file, then
 rename) into a folder the actors can read (/dev/shm on one machine, a shared volume on a
-cluster) and announces it with a crc32 per byte range (`weights.bucket_mib`), never one hash of
-the whole file; each actor checks the file's ranges on several threads and its workers load it
-in place (`base.load_into_model`).
+cluster) and announces it with a sha256 per byte range (`weights.bucket_mib`), never one hash of
+the whole file, over the authenticated broker. Each actor copies the file once into memory of its
+own (tcp's staging), checks the copy's ranges on several threads, and its workers load that copy
+in place: what was checked is what loads, whatever a writer of the folder does meanwhile.
 """
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import json
-import mmap
 import os
 import shutil
 import struct
+import weakref
 from pathlib import Path
 
 from tidal.broker.schema import TensorSpec, WeightUpdate
@@ -23,10 +24,10 @@ from tidal.broker.weights.base import (
     WeightReceiver,
     bucket_problem,
     check_transport,
-    load_into_model,
     split_buckets,
     update_info,
 )
+from tidal.broker.weights.tcp import Staging, load_payload, map_staged
 from tidal.config import WeightsConfig
 
 NAME = "file"
@@ -109,43 +110,68 @@ class FilePublisher(WeightPublisher):
 class FileReceiver(WeightReceiver):
     def __init__(self, cfg: WeightsConfig):
         self.cfg = cfg
+        self.staging: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its workers' Staging
+        self.lock = asyncio.Lock()  # one version at a time through a staging file
 
     async def apply(self, update: WeightUpdate, engine) -> float:
         check_transport(update, NAME)
-        path = await asyncio.to_thread(verify_weight_file, update, self.cfg.dir)
-        return await engine.transfer_weights(update.version, update_info(NAME, update, str(path)))
+        async with self.lock:
+            staging = self.staging.setdefault(engine, Staging())
+            try:
+                await asyncio.to_thread(stage_weight_file, update, self.cfg.dir, staging)
+                paused = await engine.transfer_weights(update.version, update_info(NAME, update, str(staging.path)))
+            except BaseException:
+                staging.failed()
+                raise
+            staging.loaded()
+            return paused
 
 
-def verify_weight_file(update: WeightUpdate, weights_dir: str) -> Path:
-    """Check that the announced file lies inside weights_dir (symbolic links resolved) and is there,
-    complete and unchanged; returns its path."""
+def stage_weight_file(update: WeightUpdate, weights_dir: str, staging: Staging) -> None:
+    """Copy the announced file into `staging` and check the copy against the announced digests: the
+    workers load these very bytes, so a file rewritten after the check changes nothing."""
+    path = weight_file(update, weights_dir)
+    if not update.buckets:
+        raise ValueError(f"weights v{update.version}: the announcement carries no digests for {path}: refused")
+    total = announced_size(update)  # the file may change after its size was checked: read no further
+    buffer = staging.buffer_for(total)
+    view = memoryview(buffer.numpy())
+    with open(path, "rb") as f:
+        got = f.readinto(view)
+        grew = f.read(1)
+    problem = (f"{got} bytes read of {total}" if got != total or grew else None) or bucket_problem(view, update)
+    view.release()
+    if problem:
+        raise ValueError(f"weight file {path} (version {update.version}): {problem}, refused")
+
+
+def weight_file(update: WeightUpdate, weights_dir: str) -> Path:
+    """The announced file, once it is known to lie inside weights_dir (symbolic links resolved) and to
+    have the announced size."""
     path, root = Path(update.location).resolve(), Path(weights_dir).resolve()
     if not path.is_relative_to(root):
         raise ValueError(f"weight file {update.location!r} (version {update.version}) is outside weights.dir "
                          f"{str(root)!r}: refused")
     if not path.is_file():
         raise FileNotFoundError(f"weight file for version {update.version} is missing: {path}")
-    expected = max((t.offset + t.nbytes for t in update.manifest), default=0)
+    expected = announced_size(update)
     if path.stat().st_size != expected:
         raise ValueError(f"weight file {path} is {path.stat().st_size} bytes, manifest says {expected}")
-    if not update.buckets:
-        raise ValueError(f"weights v{update.version}: the announcement carries no checksums for {path}: refused")
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        view = memoryview(mapped)
-        problem = bucket_problem(view, update)
-        view.release()
-    if problem:
-        raise ValueError(f"weight file {path} (version {update.version}): {problem}, refused")
     return path
 
 
 def load_received(model, model_config, info: UpdateInfo) -> str:
-    """In a vLLM worker: load every tensor of the checked file `info.staged`; returns how it loaded."""
-    from safetensors import safe_open
+    """In a vLLM worker: load every tensor of the checked copy `info.staged` (the whole file, the
+    manifest's offsets into it); returns how it loaded."""
+    import msgspec
 
-    with safe_open(info.staged, framework="pt") as f:
-        weights = [(name, f.get_tensor(name)) for name in f.keys()]
-    return load_into_model(model, weights, model_config)
+    update = msgspec.convert(info.update, WeightUpdate)
+    return load_payload(model, model_config, update, map_staged(info.staged, announced_size(update)))
+
+
+def announced_size(update: WeightUpdate) -> int:
+    """The file's size as the announcement's manifest says: its last tensor's end."""
+    return max((t.offset + t.nbytes for t in update.manifest), default=0)
 
 
 class _File(Transport):

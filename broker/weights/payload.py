@@ -7,6 +7,7 @@ import math
 from collections.abc import Iterable, Mapping
 
 from tidal.broker.schema import TensorSpec, WeightBucket, WeightUpdate
+from tidal.broker.weights.base import digest
 
 ALIGN_BYTES = 64  # each tensor starts on a 64-byte boundary of the payload, as CPU kernels like
 # safetensors' dtype names, as the file channel's manifest writes them
@@ -112,16 +113,14 @@ def tensors_of(manifest: list[TensorSpec], payload, base: int = 0):
 
 def tensor_buckets(payload, manifest: list[TensorSpec], bucket_bytes: int) -> list[WeightBucket]:
     """`payload` cut into ranges of whole tensors, each closed once it holds `bucket_bytes` or more
-    (or ends the payload), with the crc32 of its bytes: what a collective channel sends and loads
+    (or ends the payload), with the sha256 of its bytes: what a collective channel sends and loads
     at once."""
-    import zlib
-
     view = memoryview(payload.numpy())
     ends = [spec.offset for spec in manifest[1:]] + [len(view)]  # each tensor's padding goes with it
     buckets, start = [], 0
     for i, end in enumerate(ends):
         if end - start >= bucket_bytes or i + 1 == len(ends):
-            buckets.append(WeightBucket(offset=start, nbytes=end - start, crc32=zlib.crc32(view[start:end])))
+            buckets.append(WeightBucket(offset=start, nbytes=end - start, sha256=digest(view[start:end])))
             start = end
     return buckets
 

@@ -1,26 +1,53 @@
 """The learner's side of the network weight channels: a server that keeps the newest versions'
-payloads and answers each connected actor on a thread of its own, and the small framing both
-sides of those channels speak (a request struct, a reply header with a status, a body)."""
+payloads and answers every actor that proves it holds the channel's token, and the small framing
+both sides of those channels speak (a request that opens with a magic and the token, a reply header
+with a status, a body).
+
+    accept loop (one thread) ─► a new connection waits, holding no thread, for its first request
+                                (at most AUTH_TIMEOUT_S; at most MAX_PENDING wait, the oldest dropped first)
+                             ─► the token compared in constant time: wrong ─► a short refusal, closed
+                             ─► a handler thread while fewer than `max_connections` run; else refused at once
+    handler                  ─► the channel's requests (each carrying the token) until the actor goes away
+
+A stranger's connection gets nothing (no version list either) and never holds a handler thread, so
+it cannot delay an honest actor. The accept loop outlives any error (no thread left, no descriptor
+left): it logs it, counts it, pauses a moment and serves on.
+"""
 from __future__ import annotations
 
+import collections
+import hmac
 import logging
+import secrets
+import selectors
 import socket
 import struct
 import threading
 import time
 from dataclasses import dataclass, field
 
-from tidal.broker.schema import TensorSpec, WeightBucket
+from tidal.broker.schema import TOKEN_BYTES, TensorSpec, WeightBucket
 from tidal.config import WeightsConfig
 
-MAGIC = b"TDW1"
+MAGIC = b"TDW2"
 REPLY = struct.Struct("<4sBQ")  # magic, status, bytes that follow (the body, or an error text)
 OK, NOT_SERVED, BAD_REQUEST, FAILED = 0, 1, 2, 3
 QUEUED = 4  # no body: the request waits its turn, the answer follows (sent every so often while it waits)
+UNAUTHORIZED, BUSY = 5, 6  # the request lacks the token; the learner serves as many connections as it will
 MAX_ERROR_BYTES = 4096
 KEEPALIVE_S = 30  # an idle connection's peer is probed after this long, then every this long, 4 times
+MAX_CONNECTIONS = 256  # authenticated connections served at once (a thread each); more are refused at once
+MAX_PENDING = 128  # connections still to present their token; beyond it the oldest is dropped
+AUTH_TIMEOUT_S = 5.0  # a connection presents its token within this long (or weights.tcp_timeout_s if shorter)
+ACCEPT_BACKOFF_S = 0.1  # after a failed accept (no descriptor or thread left), before the next one
+TOKEN_AT = slice(4, 4 + TOKEN_BYTES)  # where every request carries the token: right after its magic
 
 log = logging.getLogger(__name__)
+
+
+def new_token() -> bytes:
+    """A weight channel's token: random bytes drawn once per learner process."""
+    return secrets.token_bytes(TOKEN_BYTES)
 
 
 @dataclass(eq=False)
@@ -34,21 +61,47 @@ class Served:
     users: int = field(default=0)  # connections sending it now (its buffer is reused only at 0)
 
 
-class WeightServer:
-    """Serves the newest `keep` versions from memory, one thread per connected actor (`_handle`).
-    A version's buffer is reused for a later one of the same size once it is no longer served and no
-    connection still sends it: a pinned buffer costs seconds to allocate for a large model."""
+@dataclass(eq=False)
+class Pending:
+    """A connection that has not yet presented its token: the bytes of its first request so far."""
 
-    def __init__(self, host: str, port: int, keep: int, timeout_s: float):
+    deadline: float
+    received: bytearray = field(default_factory=bytearray)
+
+
+class WeightServer:
+    """Serves the newest `keep` versions from memory to the holders of `token`, one thread per
+    authenticated connection (`_handle`), at most `max_connections` at once. A version's buffer is
+    reused for a later one of the same size once it is no longer served and no connection still
+    sends it: a pinned buffer costs seconds to allocate for a large model."""
+
+    magic: bytes = MAGIC  # what a request of this channel opens with
+    request_bytes: int = 4 + TOKEN_BYTES  # the size of a request of this channel (its first one included)
+
+    def __init__(self, host: str, port: int, keep: int, timeout_s: float, max_connections: int | None = None):
         self.keep, self.timeout_s = keep, timeout_s
+        max_connections = max_connections or MAX_CONNECTIONS
+        self.token = new_token()
         self.versions: dict[int, Served] = {}
         self.retired: list[Served] = []  # no longer served; reusable once no connection sends them
         self.lock = threading.Lock()
         self.connections: set[socket.socket] = set()
-        self.handlers: set[threading.Thread] = set()  # one per connection, while it lasts
+        self.handlers: set[threading.Thread] = set()  # one per authenticated connection, while it lasts
+        self.slots = threading.BoundedSemaphore(max_connections)
+        self.max_connections = max_connections
         self.errors = 0  # connections ended by something other than the network (a bug: logged with its trace)
-        self.listener = socket.create_server((host, port), reuse_port=False)
+        self.accept_errors = 0  # failures of the accept loop itself (it serves on)
+        self.refused: collections.Counter[str] = collections.Counter()  # by reason: unauthorized, busy, ...
+        self.pending: collections.OrderedDict[socket.socket, Pending] = collections.OrderedDict()
+        self.auth_timeout_s = min(AUTH_TIMEOUT_S, timeout_s)
+        self.closed = False
+        self.listener = socket.create_server((host, port), reuse_port=False)  # only where it is told
+        self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]
+        self.selector = selectors.DefaultSelector()
+        self.wake_r, self.wake_w = socket.socketpair()  # close() wakes the accept loop through it
+        self.selector.register(self.listener, selectors.EVENT_READ)
+        self.selector.register(self.wake_r, selectors.EVENT_READ)
         self.thread = threading.Thread(target=self._accept, name="tidal-weight-server", daemon=True)
         self.thread.start()
 
@@ -83,24 +136,125 @@ class WeightServer:
         with self.lock:
             served.users -= 1
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:  # the listener was closed: the publisher is done
-                return
-            conn.settimeout(self.timeout_s)  # an actor that stops reading frees its thread
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a reply's header must not wait for an ACK
-            keepalive(conn)
-            handler = threading.Thread(target=self._serve, args=(conn,), name="tidal-weight-send", daemon=True)
-            with self.lock:
-                self.connections.add(conn)
-                self.handlers.add(handler)
-            handler.start()
+    def authentic(self, request: bytes) -> bool:
+        """Whether `request` is this channel's and carries the token (compared in constant time)."""
+        return request[:4] == self.magic and hmac.compare_digest(request[TOKEN_AT], self.token)
 
-    def _serve(self, conn: socket.socket) -> None:
+    # ---- the accept loop: one thread, no thread per connection until it is authenticated ----------
+
+    def _accept(self) -> None:
         try:
-            self._handle(conn)
+            while not self.closed:
+                try:
+                    self._poll()
+                except Exception:  # noqa: BLE001 - no descriptor or thread left, or a bug: serve on
+                    self.accept_errors += 1
+                    if self.accept_errors & (self.accept_errors - 1) == 0:  # the 1st, 2nd, 4th, ...: cannot flood
+                        log.exception("weight server: accepting a connection failed (%d failures so far); "
+                                      "it serves on", self.accept_errors)
+                    time.sleep(ACCEPT_BACKOFF_S)
+        finally:
+            for conn in list(self.pending):
+                self._forget(conn)
+            self.selector.close()
+
+    def _poll(self) -> None:
+        """One turn: take new connections, read what waiting ones sent, drop those past their deadline."""
+        wait_s = min((p.deadline for p in self.pending.values()), default=time.monotonic() + 1.0) - time.monotonic()
+        for key, _ in self.selector.select(timeout=max(0.0, wait_s)):
+            if key.fileobj is self.listener:
+                self._admit()
+            elif key.fileobj is self.wake_r:
+                self.wake_r.recv(64)
+            else:
+                self._read_opening(key.fileobj)
+        now = time.monotonic()
+        for conn in [c for c, p in self.pending.items() if p.deadline <= now]:
+            self.refused["no token in time"] += 1
+            self._forget(conn)
+
+    def _admit(self) -> None:
+        try:
+            conn = self._take_connection()
+        except BlockingIOError:
+            return  # another wake-up took it
+        conn.setblocking(False)
+        if len(self.pending) >= MAX_PENDING:  # a flood of silent connections: the oldest goes first
+            self.refused["too many waiting"] += 1
+            self._forget(next(iter(self.pending)))
+        self.pending[conn] = Pending(time.monotonic() + self.auth_timeout_s)
+        self.selector.register(conn, selectors.EVENT_READ)
+
+    def _take_connection(self) -> socket.socket:
+        return self.listener.accept()[0]
+
+    def _read_opening(self, conn: socket.socket) -> None:
+        pending = self.pending[conn]
+        try:
+            data = conn.recv(self.request_bytes - len(pending.received))
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._forget(conn)
+            return
+        pending.received += data
+        if len(pending.received) < self.request_bytes:
+            return
+        self.selector.unregister(conn)
+        del self.pending[conn]
+        if not self.authentic(bytes(pending.received)):
+            self._refuse(conn, "unauthorized", UNAUTHORIZED,
+                         "the request does not carry this learner's weight token (it travels in the weight "
+                         "announcements): refused")
+            return
+        self._dispatch(conn, bytes(pending.received))
+
+    def _dispatch(self, conn: socket.socket, opening: bytes) -> None:
+        """An authenticated connection onto a handler thread of its own, while fewer than max_connections run."""
+        if not self.slots.acquire(blocking=False):
+            self._refuse(conn, "busy", BUSY, f"the learner serves {self.max_connections} weight connections "
+                                             "already; try again later")
+            return
+        conn.setblocking(True)
+        conn.settimeout(self.timeout_s)  # an actor that stops reading frees its thread
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a reply's header must not wait for an ACK
+        keepalive(conn)
+        handler = threading.Thread(target=self._serve, args=(conn, opening), name="tidal-weight-send", daemon=True)
+        with self.lock:
+            self.connections.add(conn)
+            self.handlers.add(handler)
+        try:
+            handler.start()
+        except BaseException:  # no thread left: this connection is closed, the loop serves on
+            with self.lock:
+                self.connections.discard(conn)
+                self.handlers.discard(handler)
+            self.slots.release()
+            conn.close()
+            raise
+
+    def _refuse(self, conn: socket.socket, reason: str, status: int, text: str) -> None:
+        self.refused[reason] += 1
+        try:
+            conn.send(error_reply(status, text))  # a few dozen bytes into an empty send buffer: never blocks
+            conn.recv(1 << 16)  # what else already came: closed unread, it would reset the refusal away
+        except OSError:
+            pass  # gone already, or nothing else came
+        conn.close()
+
+    def _forget(self, conn: socket.socket) -> None:
+        self.pending.pop(conn, None)
+        try:
+            self.selector.unregister(conn)
+        except (KeyError, ValueError):
+            pass  # never registered, or the selector is closed
+        conn.close()
+
+    def _serve(self, conn: socket.socket, opening: bytes) -> None:
+        try:
+            self._handle(conn, opening)
         except OSError:
             pass  # the actor went away or stalled; it reports its own error, and the learner carries on
         except Exception:  # noqa: BLE001 - one actor's connection never takes the learner down
@@ -113,9 +267,10 @@ class WeightServer:
                 self.connections.discard(conn)
                 self.handlers.discard(threading.current_thread())
             conn.close()
+            self.slots.release()
 
-    def _handle(self, conn: socket.socket) -> None:
-        """Answer one actor's requests until it goes away."""
+    def _handle(self, conn: socket.socket, opening: bytes) -> None:
+        """Answer one actor's requests, `opening` (authenticated) the first, until it goes away."""
         raise NotImplementedError
 
     def wait_for_handlers(self, timeout_s: float) -> bool:
@@ -129,11 +284,16 @@ class WeightServer:
 
     def close(self) -> None:
         """Stop serving: refuse new connections and cut the open ones (their actors see a reset)."""
+        self.closed = True
         try:
-            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+            self.wake_w.send(b"x")
         except OSError:
-            pass  # not connected: some systems refuse shutdown on a listening socket
+            pass  # closed by an earlier close()
+        if self.thread is not threading.current_thread():
+            self.thread.join(5.0)
         self.listener.close()
+        self.wake_r.close()
+        self.wake_w.close()
         with self.lock:
             for conn in list(self.connections):
                 try:

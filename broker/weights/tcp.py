@@ -4,14 +4,16 @@ holds the learner up. Inside the actor the weights enter vLLM through its weight
 (`init_weight_transfer_engine` once, `update_weights` per version), with an engine registered
 here in every vLLM process.
 
-    learner  TcpPublisher.publish ─► payload (one buffer) + buckets (byte ranges, crc32 each) ─► WeightServer
-    actor    TcpReceiver.apply ─► fetch every bucket over TCP, check it ─► staged payload (/dev/shm)
+    learner  TcpPublisher.publish ─► payload (one buffer) + buckets (byte ranges, sha256 each) ─► WeightServer
+    actor    TcpReceiver.apply ─► fetch every bucket over TCP (each request carries the announcement's
+             token), check its sha256 ─► staged payload (/dev/shm)
              engine.transfer_weights: pause(keep) ─► AsyncLLM.update_weights ─► TcpWeightTransferEngine
              (in each worker: map the staged payload ─► load in place) ─► version label ─► resume
 
 With `weights.tcp_prefetch` off the workers fetch the buckets themselves, inside the pause. Every
 byte is fetched and checked before the load starts: a load cannot be undone halfway, so a failed
-fetch leaves the engine on its current weights.
+fetch leaves the engine on its current weights. The token and the digests travel only in the
+announcement, over the authenticated broker: a peer without it is refused before it learns anything.
 """
 from __future__ import annotations
 
@@ -22,17 +24,18 @@ import struct
 import tempfile
 import uuid
 import weakref
-import zlib
 from pathlib import Path
 
-from tidal.broker.schema import WeightUpdate
+from tidal.broker.schema import TOKEN_BYTES, WeightUpdate
 from tidal.broker.weights import server
 from tidal.broker.weights.base import (
     Transport,
     UpdateInfo,
     WeightPublisher,
     WeightReceiver,
+    check_token,
     check_transport,
+    digest_problem,
     load_into_model,
     split_buckets,
     update_info,
@@ -42,33 +45,46 @@ from tidal.broker.weights.server import MAGIC, OK, REPLY, Served, WeightServer, 
 from tidal.config import WeightsConfig
 
 NAME = "tcp"
-REQUEST = struct.Struct("<4sQQ")  # magic, version, bucket index
+REQUEST = struct.Struct(f"<4s{TOKEN_BYTES}sQQ")  # magic, the channel's token, version, bucket index
+
+
+def bucket_request(token: bytes, version: int, index: int) -> bytes:
+    return REQUEST.pack(MAGIC, token, version, index)
 
 
 # ---- the learner's side ------------------------------------------------------------------------
 
 class TcpServer(WeightServer):
-    """A request names (version, bucket); the reply is that bucket's bytes, or an error text."""
+    """A request names (version, bucket) and carries the token; the reply is that bucket's bytes, or
+    an error text."""
 
-    def _handle(self, conn: socket.socket) -> None:
-        while (request := recv_exact(conn, REQUEST.size, eof_ok=True)) is not None:
-            magic, version, index = REQUEST.unpack(request)
-            if magic != MAGIC:
-                conn.sendall(error_reply(server.BAD_REQUEST, f"not a tidal weight request (magic {magic!r})"))
+    request_bytes = REQUEST.size
+
+    def _handle(self, conn: socket.socket, opening: bytes) -> None:
+        request: bytes | None = opening
+        while request is not None:
+            if not self.authentic(request):
+                conn.sendall(error_reply(server.UNAUTHORIZED, "not a tidal weight request with this learner's "
+                                                              "token: refused"))
                 return
-            served, known = self.lease(version)
-            if served is None or index >= len(served.buckets):
-                what = f"version {version}" if served is None else f"bucket {index} of version {version}"
-                conn.sendall(error_reply(server.NOT_SERVED, f"{what} is not served here (versions served: {known})"))
-                if served is not None:
-                    self.release(served)
-                continue
-            try:
-                bucket = served.buckets[index]
-                conn.sendall(REPLY.pack(MAGIC, OK, bucket.nbytes))
-                conn.sendall(served.view[bucket.offset:bucket.offset + bucket.nbytes])
-            finally:
+            _, _, version, index = REQUEST.unpack(request)
+            self._send_bucket(conn, version, index)
+            request = recv_exact(conn, REQUEST.size, eof_ok=True)
+
+    def _send_bucket(self, conn: socket.socket, version: int, index: int) -> None:
+        served, known = self.lease(version)
+        if served is None or index >= len(served.buckets):
+            what = f"version {version}" if served is None else f"bucket {index} of version {version}"
+            conn.sendall(error_reply(server.NOT_SERVED, f"{what} is not served here (versions served: {known})"))
+            if served is not None:
                 self.release(served)
+            return
+        try:
+            bucket = served.buckets[index]
+            conn.sendall(REPLY.pack(MAGIC, OK, bucket.nbytes))
+            conn.sendall(served.view[bucket.offset:bucket.offset + bucket.nbytes])
+        finally:
+            self.release(served)
 
 
 class TcpPublisher(WeightPublisher):
@@ -87,7 +103,7 @@ class TcpPublisher(WeightPublisher):
         buckets = split_buckets(view, self.bucket_bytes)
         self.server.add(version, Served(payload, manifest, buckets, view))
         return WeightUpdate(version=version, transport=NAME, location=self.location, manifest=manifest,
-                            checksum="", incarnation=self.incarnation, buckets=buckets)
+                            checksum="", incarnation=self.incarnation, buckets=buckets, token=self.server.token)
 
     def close(self) -> None:
         self.server.close()
@@ -97,8 +113,9 @@ class TcpPublisher(WeightPublisher):
 
 def fetch(update: WeightUpdate, into: memoryview, timeout_s: float) -> None:
     """Every bucket of `update` from the learner into `into` (the payload's size), each checked
-    against its announced size and crc32. A learner that cannot be reached, or goes away mid-way,
+    against its announced size and sha256. A learner that cannot be reached, or goes away mid-way,
     raises ConnectionError naming the address and version; a damaged bucket raises ValueError."""
+    check_token(update)
     host, port = server.parse_location(update.location)
     done = 0
     try:
@@ -113,7 +130,7 @@ def fetch(update: WeightUpdate, into: memoryview, timeout_s: float) -> None:
 
 
 def fetch_bucket(sock: socket.socket, update: WeightUpdate, index: int, into: memoryview) -> None:
-    sock.sendall(REQUEST.pack(MAGIC, update.version, index))
+    sock.sendall(bucket_request(update.token, update.version, index))
     magic, status, nbytes = REPLY.unpack(recv_exact(sock, REPLY.size))
     where = f"weights v{update.version} bucket {index} from {update.location}"
     if magic != MAGIC:
@@ -124,10 +141,8 @@ def fetch_bucket(sock: socket.socket, update: WeightUpdate, index: int, into: me
     if nbytes != len(into):
         raise ValueError(f"{where}: the learner sends {nbytes} bytes, the announcement says {len(into)}: refused")
     server.recv_into_exact(sock, into)
-    crc = zlib.crc32(into)
-    if crc != update.buckets[index].crc32:
-        raise ValueError(f"{where}: crc32 {crc:08x} does not match the announced {update.buckets[index].crc32:08x}: "
-                         "damaged in transit, refused")
+    if problem := digest_problem(into, update.buckets[index], index):
+        raise ValueError(f"{where}: {problem} in transit, refused")
 
 
 def staging_dir() -> Path:
@@ -220,6 +235,7 @@ class TcpReceiver(WeightReceiver):
 
     async def apply(self, update: WeightUpdate, engine) -> float:
         check_transport(update, NAME)
+        check_token(update)
         timeout_s = self.cfg.tcp_timeout_s
         total = payload_bytes(update)  # a malformed announcement is refused before anything is fetched
         if not self.cfg.tcp_prefetch:

@@ -120,7 +120,7 @@ def two_gpu_group(publisher, die_after: int = 0):
     from tidal.broker.weights import collective, server
 
     conn = socket.create_connection(server.parse_location(publisher.location))
-    conn.sendall(collective.CONTROL.pack(collective.CONTROL_MAGIC, collective.JOIN, 1))
+    conn.sendall(collective.control(publisher.server.token, collective.JOIN, 1))  # the announcement carries it
     spec = json.loads(server.read_reply(conn, "join"))
     env = os.environ | ({"DIE_AFTER": str(die_after)} if die_after else {})
     worker = subprocess.Popen([sys.executable, "-c", WORKER, json.dumps({"group": spec})], stdin=subprocess.PIPE,
@@ -132,7 +132,7 @@ def two_gpu_group(publisher, die_after: int = 0):
 def fetch(worker, conn, update) -> None:
     from tidal.broker.weights import collective, server
 
-    conn.sendall(collective.CONTROL.pack(collective.CONTROL_MAGIC, collective.FETCH, update.version))
+    conn.sendall(collective.control(update.token, collective.FETCH, update.version))
     server.read_reply(conn, "fetch")
     worker.stdin.write(json.dumps({"version": update.version, "manifest": [
         {"name": s.name, "dtype": s.dtype, "shape": list(s.shape), "offset": s.offset, "nbytes": s.nbytes}

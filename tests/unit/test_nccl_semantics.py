@@ -316,7 +316,7 @@ def test_an_actor_whose_workers_never_form_its_group_costs_one_timeout(channel):
     try:
         update = publisher.publish(weights(0), 1)
         conn = socket.create_connection(server.parse_location(update.location), timeout=10)
-        conn.sendall(collective.CONTROL.pack(collective.CONTROL_MAGIC, collective.JOIN, 1))
+        conn.sendall(collective.control(update.token, collective.JOIN, 1))
         server.read_reply(conn, "join")
         started = time.monotonic()
         assert conn.recv(1) == b""  # the learner closed it

@@ -119,6 +119,21 @@ def test_unexpected_kind_is_rejected():
     assert err.value.reason == "unexpected_kind"
 
 
+def test_a_weight_update_carries_its_token_and_a_sha256_per_range_and_refuses_a_short_digest():
+    from tidal.broker.schema import TOKEN_BYTES, WeightBucket
+
+    codec = WireCodec(1 << 20)
+    bucket = WeightBucket(offset=0, nbytes=4, sha256=bytes(range(32)))
+    update = WeightUpdate(version=1, transport="tcp", location="h:1", manifest=[], checksum="", buckets=[bucket],
+                          token=b"t" * TOKEN_BYTES)
+    assert codec.decode(codec.encode(update)) == update
+    fields = msgspec.msgpack.decode(codec.encode(update))
+    for bad, where in (({"offset": 0, "nbytes": 4, "sha256": b"\x00" * 4}, r"buckets\[0\]\.sha256"),
+                       ({"offset": 0, "nbytes": 4, "crc32": 7}, r"missing required field `sha256`")):
+        with pytest.raises(WireError, match=rf"malformed: weight_update: .*{where}"):
+            codec.decode(msgspec.msgpack.encode({**fields, "buckets": [bad]}))
+
+
 def interrupted(injected=((1, 2),), finish="interrupted", raw_reward=1.0):
     g = rollout(logprobs=(-0.5, 0.0, -0.1), reward=0.5)
     g.samples[0].injected_spans = [tuple(s) for s in injected]

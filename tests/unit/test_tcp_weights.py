@@ -2,8 +2,8 @@
 by bucket; a damaged, short or cut bucket and an unreachable learner are refused with errors that
 name the version and the address, and the engine keeps its weights."""
 import asyncio
+import hashlib
 import os
-import zlib
 
 import msgspec
 import pytest
@@ -56,16 +56,16 @@ def test_later_versions_reuse_the_staging_map_and_a_failed_fetch_spoils_none(ser
     assert all(torch.equal(engine.loaded[k], v) for k, v in moved.items())
 
 
-def test_buckets_tile_the_payload_and_each_carries_its_crc(served):
+def test_buckets_tile_the_payload_and_each_carries_its_sha256(served):
     publisher, update, state, _ = served
     view = publisher.server.versions[3].view
     total = payload.payload_bytes(update)
     assert len(view) == total >= sum(t.numel() * t.element_size() for t in state.values())
     assert len(update.buckets) == -(-total // 4096) > 1
     assert [b.offset for b in update.buckets] == list(range(0, total, 4096))
-    assert all(b.crc32 == zlib.crc32(view[b.offset:b.offset + b.nbytes]) for b in update.buckets)
+    assert all(b.sha256 == hashlib.sha256(view[b.offset:b.offset + b.nbytes]).digest() for b in update.buckets)
     assert all(spec.offset % payload.ALIGN_BYTES == 0 for spec in update.manifest)
-    assert publisher.publish(state, version=4).buckets == update.buckets  # padding included: same bytes, same crcs
+    assert publisher.publish(state, version=4).buckets == update.buckets  # padding included: same bytes, same digests
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(update), type=type(update))
     assert decoded.buckets == update.buckets  # the bucket table travels in the announcement
 
@@ -73,9 +73,10 @@ def test_buckets_tile_the_payload_and_each_carries_its_crc(served):
 def test_a_damaged_bucket_is_refused_and_the_engine_keeps_its_weights(served):
     _, update, _, tokenizer = served
     buckets = list(update.buckets)
-    buckets[2] = msgspec.structs.replace(buckets[2], crc32=buckets[2].crc32 ^ 1)
+    buckets[2] = msgspec.structs.replace(buckets[2], sha256=bytes(32))
     engine = ScriptedEngine(tokenizer)
-    with pytest.raises(ValueError, match=r"weights v3 bucket 2 from 127\.0\.0\.1:\d+: crc32 .* does not match"):
+    with pytest.raises(ValueError, match=r"weights v3 bucket 2 from 127\.0\.0\.1:\d+: .* have sha256 .* altered or "
+                                         r"damaged in transit, refused"):
         asyncio.run(build_receiver(config()).apply(msgspec.structs.replace(update, buckets=buckets), engine))
     assert engine.swaps == [] and engine.version == 0
     assert staged_files() == set()
@@ -150,9 +151,9 @@ def test_an_actor_that_dies_or_stalls_mid_transfer_holds_up_neither_the_learner_
     publisher, update, state, tokenizer = served
     host, port = server.parse_location(update.location)
     stalled = socket.create_connection((host, port))  # asks for a bucket and never reads it
-    stalled.sendall(tcp.REQUEST.pack(server.MAGIC, 3, 0))
+    stalled.sendall(tcp.bucket_request(update.token, 3, 0))
     dying = socket.create_connection((host, port))  # reads a few bytes of a bucket, then is killed
-    dying.sendall(tcp.REQUEST.pack(server.MAGIC, 3, 1))
+    dying.sendall(tcp.bucket_request(update.token, 3, 1))
     dying.recv(16)
     dying.close()
     later = publisher.publish(state, version=4)  # the learner's next push does not wait for either
