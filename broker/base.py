@@ -11,6 +11,8 @@ redelivered, so every consumer of the learner side deduplicates by group id.
 from __future__ import annotations
 
 import abc
+import collections
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +30,50 @@ class ActorInfo:
     num_generated_tokens: int = 0
     weight_swap_paused_s: float = 0.0
     last_seen: float = field(default_factory=time.monotonic)
+
+
+log = logging.getLogger(__name__)
+
+HELLO_LOG_EVERY_S = 10.0  # an actor's hello is logged when its engine changes, at most this often per id
+ENGINE_LOG_CHARS = 512  # of an engine description in a log line
+OUTSTANDING_KEPT = 256  # group ids of a heartbeat kept in ActorInfo (for inspection): a table of live actors
+# is then at most broker.max_actors x (an engine description, ~35 KB by the wire's bounds, + these ids)
+
+
+class HelloLog:
+    """Hellos in the log only when an actor's engine changed (a restart changes its pid), and at most
+    once per HELLO_LOG_EVERY_S per id: a peer repeating a hello, or alternating two, grows the log by
+    a bounded amount. Remembers at most `max_ids` ids, the oldest forgotten first."""
+
+    def __init__(self, max_ids: int, every_s: float = HELLO_LOG_EVERY_S):
+        self.max_ids, self.every_s = max_ids, every_s
+        # actor id -> (the engine last logged, when, hellos since that were not logged)
+        self._last: collections.OrderedDict[str, tuple[dict, float, int]] = collections.OrderedDict()
+
+    def hello(self, beat: Heartbeat, announced: int) -> None:
+        now = time.monotonic()
+        engine, logged_at, unlogged = self._last.pop(beat.actor_id, (None, -self.every_s, 0))
+        if beat.engine == engine or now - logged_at < self.every_s:
+            self._remember(beat.actor_id, (engine, logged_at, unlogged + 1))
+            return
+        since = f"; {unlogged} hellos since the last one logged" if unlogged else ""
+        log.info("actor %s joined (engine %s, weight version %d, latest announced %d%s)", beat.actor_id,
+                 str(beat.engine)[:ENGINE_LOG_CHARS], beat.version, announced, since)
+        self._remember(beat.actor_id, (beat.engine, now, 0))
+
+    def _remember(self, actor_id: str, entry: tuple[dict, float, int]) -> None:
+        self._last[actor_id] = entry
+        while len(self._last) > self.max_ids:
+            self._last.popitem(last=False)
+
+
+def actor_info(beat: Heartbeat, known: ActorInfo | None, now: float | None = None) -> ActorInfo:
+    """What the learner keeps of a heartbeat: the engine description of the last one when unchanged
+    (one copy per actor, not one per heartbeat) and the first OUTSTANDING_KEPT group ids."""
+    engine = known.engine if known is not None and known.engine == beat.engine else dict(beat.engine)
+    return ActorInfo(beat.actor_id, beat.version, engine, beat.outstanding[:OUTSTANDING_KEPT],
+                     beat.num_generated_tokens, beat.weight_swap_paused_s,
+                     time.monotonic() if now is None else now)
 
 
 @dataclass

@@ -15,7 +15,7 @@ import collections
 import logging
 import time
 
-from tidal.broker.base import ActorInfo, ActorJoin, common_metrics
+from tidal.broker.base import ActorInfo, ActorJoin, HelloLog, actor_info, common_metrics
 from tidal.broker.schema import Heartbeat, PromptGroup
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,8 @@ class GrantTable:
         self.granted: dict[str, tuple[str, PromptGroup]] = {}  # group id -> (actor id, group), until returned
         self.holders: dict[str, set[str]] = {}  # group id -> every actor it was granted to, until returned
         self.actors: dict[str, ActorInfo] = {}
-        self.joins: list[ActorJoin] = []
+        self.joins: dict[str, ActorJoin] = {}  # the newest hello of each id since take_joins, in arrival order
+        self.hellos = HelloLog(max_actors)
         self.announced_version = 0  # the newest weight version announced, for the join record
         self.num_granted = 0
         self.num_redispatched = 0
@@ -71,12 +72,11 @@ class GrantTable:
             self.refused["too_many_actors"] += 1
             return False
         if beat.hello:
-            log.info("actor %s joined (engine %s, weight version %d, latest announced %d)",
-                     beat.actor_id, beat.engine, beat.version, self.announced_version)
-            self.joins.append(ActorJoin(beat.actor_id, beat.version, self.announced_version))
+            self.hellos.hello(beat, self.announced_version)
+            self.joins.pop(beat.actor_id, None)  # the newest one, moved to the end: bounded by the live ids
+            self.joins[beat.actor_id] = ActorJoin(beat.actor_id, beat.version, self.announced_version)
             self._requeue(beat.actor_id, "said hello again (restarted)")
-        self.actors[beat.actor_id] = ActorInfo(beat.actor_id, beat.version, beat.engine, beat.outstanding,
-                                               beat.num_generated_tokens, beat.weight_swap_paused_s)
+        self.actors[beat.actor_id] = actor_info(beat, self.actors.get(beat.actor_id))
         return True
 
     def seen(self, actor_id: str) -> None:
@@ -93,8 +93,8 @@ class GrantTable:
                 self._requeue(actor_id, f"silent for {now - info.last_seen:.1f} s")
 
     def take_joins(self) -> list[ActorJoin]:
-        joins, self.joins = self.joins, []
-        return joins
+        joins, self.joins = self.joins, {}
+        return list(joins.values())
 
     def _requeue(self, actor_id: str, why: str) -> None:
         """Queue an actor's unreturned groups again, at the front (they are the oldest)."""

@@ -5,29 +5,64 @@ to its key: a peer is who its key says, whatever id it claims.
     <keys_dir>/actors/<actor id>.key               the public keys the learner trusts, one per actor id
     <keys_dir>/actors/<actor id>.key_secret        an actor's key pair: only where that actor runs
 
-`tidal keys DIR --actors actor-0,actor-1` makes them; on Kubernetes they come from a Secret.
+`tidal keys DIR --actors actor-0,actor-1` makes them; `tidal run` makes a set of its own in the run
+folder (`run_keys`); on Kubernetes they come from a Secret. Folders are 0700 and key files 0600:
+a secret key readable by another user would let that user be the learner or an actor.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import msgspec
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from tidal.broker.schema import ActorId
+
 LEARNER = "learner"
+FOLDER_MODE, FILE_MODE = 0o700, 0o600
+
+
+def check_actor_id(actor_id: str) -> str:
+    """The id, if the wire accepts it as an actor's (letters, digits and ._:@-, 128 at most, no
+    leading dot): a key file named after it stays inside the keys folder."""
+    try:
+        return msgspec.convert(actor_id, ActorId)
+    except msgspec.ValidationError as err:
+        raise ValueError(f"actor id {actor_id!r} is not valid: {err} (letters, digits and ._:@- only, "
+                         "starting with a letter or digit, 1 to 128 characters)") from None
 
 
 def generate(keys_dir: str | Path, actor_ids: list[str]) -> Path:
-    """The learner's key pair and one per actor (existing ones are kept)."""
+    """The learner's key pair and one per actor (existing ones are kept, their modes tightened)."""
     keys_dir = Path(keys_dir)
-    (keys_dir / "actors").mkdir(parents=True, exist_ok=True)
+    for actor_id in actor_ids:  # every id checked before anything is written
+        check_actor_id(actor_id)
+    _private_folder(keys_dir)
+    _private_folder(keys_dir / "actors")
     if not (keys_dir / f"{LEARNER}.key_secret").exists():
         zmq.auth.create_certificates(keys_dir, LEARNER)
     for actor_id in actor_ids:
         if not (keys_dir / "actors" / f"{actor_id}.key_secret").exists():
             zmq.auth.create_certificates(keys_dir / "actors", actor_id)
+    for path in (*keys_dir.glob("*.key*"), *(keys_dir / "actors").glob("*.key*")):
+        path.chmod(FILE_MODE)  # written under the process umask; unreadable to others from here on
     return keys_dir
+
+
+def run_keys(run_dir: str | Path, actor_ids: list[str]) -> Path:
+    """This run's own keys, in <run_dir>/keys: `tidal run` authenticates every peer of every port it
+    opens, loopback included, without asking for a keys folder."""
+    return generate(Path(run_dir) / "keys", actor_ids)
+
+
+def _private_folder(path: Path) -> None:
+    # made 0700 (mkdir's mode is cut by the umask, and an existing folder keeps its own): the key files
+    # are written before their chmod, so nobody else may look inside in between
+    path.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
+    os.chmod(path, FOLDER_MODE)
 
 
 def _load(path: Path) -> tuple[bytes, bytes | None]:
@@ -36,35 +71,65 @@ def _load(path: Path) -> tuple[bytes, bytes | None]:
     return zmq.auth.load_certificate(str(path))
 
 
+def require_keys(keys_dir: str, host: str) -> None:
+    """CURVE is on: a role started on its own needs the keys folder named (`tidal run` names its own)."""
+    if not keys_dir:
+        raise ValueError(f"broker.zmq.keys_dir is empty but CURVE is on (broker.zmq.curve, host {host}): name "
+                         "the keys folder (make one with `tidal keys DIR --actors actor-0,actor-1`)")
+
+
 def secure_server(sock: zmq.Socket, keys_dir: str) -> None:
     public, secret = _load(Path(keys_dir) / f"{LEARNER}.key_secret")
     sock.curve_publickey, sock.curve_secretkey, sock.curve_server = public, secret, True
 
 
 def secure_client(sock: zmq.Socket, keys_dir: str, actor_id: str) -> None:
-    public, secret = _load(Path(keys_dir) / "actors" / f"{actor_id}.key_secret")
+    public, secret = _load(Path(keys_dir) / "actors" / f"{check_actor_id(actor_id)}.key_secret")
     server, _ = _load(Path(keys_dir) / f"{LEARNER}.key")
     sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, server
 
 
 class ActorKeys(ThreadAuthenticator):
     """ZAP for the learner's context: only the actors' public keys in <keys_dir>/actors get in, and
-    each connection's User-Id is the actor id its key belongs to."""
+    each connection's User-Id is the actor id its key belongs to. A key the learner does not know
+    makes it read the folder again if the folder changed since, so an actor whose key was added
+    with `tidal keys` while the run goes on can join without a restart."""
 
     def __init__(self, context: zmq.Context, keys_dir: str):
         super().__init__(context)
-        folder = Path(keys_dir) / "actors"
-        self.actor_of = {zmq.auth.load_certificate(str(p))[0]: p.stem for p in sorted(folder.glob("*.key"))}
+        self.folder = Path(keys_dir) / "actors"
+        self.actor_of: dict[bytes, str] = {}
+        self.read_at: float | None = None
+        self._read()
         if not self.actor_of:
-            raise FileNotFoundError(f"no actor keys in {folder} (make them with `tidal keys DIR --actors ...`)")
-        self.folder = folder
+            raise FileNotFoundError(f"no actor keys in {self.folder} (make them with `tidal keys DIR --actors ...`)")
 
     def begin(self) -> ActorKeys:
         self.start()
-        self.configure_curve(domain="*", location=str(self.folder))
+        self.configure_curve_callback(domain="*", credentials_provider=self)
         return self
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        """Whether a connecting key (z85) is an actor's (pyzmq's credentials-provider hook)."""
+        if client_key not in self.actor_of:
+            self._read()
+        return client_key in self.actor_of
 
     def curve_user_id(self, client_public_key: bytes) -> str:
         from zmq.utils import z85
 
         return self.actor_of.get(z85.encode(client_public_key), "")
+
+    def _read(self) -> None:
+        # a stranger's attempts cost one stat each, not a read of the folder
+        try:
+            changed = self.folder.stat().st_mtime_ns
+        except FileNotFoundError:
+            return
+        if changed == self.read_at:
+            return
+        try:
+            self.actor_of = {zmq.auth.load_certificate(str(p))[0]: p.stem for p in sorted(self.folder.glob("*.key"))}
+        except (OSError, ValueError):  # a key file being written as we read: the next attempt reads again
+            return
+        self.read_at = changed

@@ -12,22 +12,36 @@ PUB/SUB drops what a subscriber was not yet connected for, so the learner repeat
 announcement every ANNOUNCE_EVERY_S: a joining actor hears the current weights within about a
 second, from the same socket that brings every later version.
 
-Peers: with CURVE (`broker.zmq.curve`, on by default beyond loopback) every connection is
-encrypted and its key says which actor it is; a message claiming another actor's id is refused.
-A second connection under a live actor's id is refused by the ROUTER itself. Every buffer is
-bounded: frames by ZMQ_MAXMSGSIZE, control messages by broker.max_control_bytes and a rate per
-identity, rollouts by the PULL socket's high-water mark per actor: the training thread reads it
-itself, and what it has not read yet stays there; beyond that mark an actor's rollouts wait in the
-actor. An actor's own queue has no mark: it holds at most the groups it was granted, and the learner
-grants no more than its admission control releases.
+Peers: with CURVE (`broker.zmq.curve`; always on in `tidal run`) every connection is encrypted and
+its key says which actor it is (the ZAP User-Id); a message claiming another actor's id is refused.
+A connection's routing id is `<actor id>/<random nonce>`, new for each connection: the ROUTER refuses
+a second connection under a routing id in use (no ROUTER_HANDOVER), and nobody can take an actor's
+routing id before it connects, since nobody knows the nonce, so no peer can lock an actor out or take
+its grants. Without CURVE (curve=off, a role started alone) anyone who reaches the ports can claim any
+actor's id and send what that actor could: only the lock-out holds.
+
+Every buffer a peer fills is bounded in bytes per connection: frames by ZMQ_MAXMSGSIZE; control
+messages by broker.max_control_bytes, broker.zmq.control_hwm per connection (the I/O thread reads
+them as they come) and a rate per actor, shared by all its connections; rollouts by the PULL
+socket's high-water mark (`rollout_mark`: rollout_hwm frames, fewer where frames of
+broker.max_message_bytes would hold more than rollout_buffer_bytes). The training thread reads the
+PULL socket itself, and what it has not read yet stays there; beyond the mark an actor's rollouts
+wait in the actor. In all, it is that times the connections: with CURVE only key holders get one
+(a stranger's handshake fails before any buffer fills), and how many a key holder opens is bounded
+only by the learner's open-file limit. What the learner keeps per actor (its newest heartbeat, its
+newest parked request per connection) has a size set by the wire's bounds, for at most
+broker.max_actors ids. An actor's own queue has no mark: it holds at most the groups it was
+granted, and the learner grants no more than its admission control releases.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
 import logging
 import math
 import os
+import secrets
 import threading
 import time
 
@@ -48,7 +62,7 @@ from tidal.broker.schema import (
     WorkGrant,
     WorkRequest,
 )
-from tidal.broker.zmq_keys import ActorKeys, secure_client, secure_server
+from tidal.broker.zmq_keys import ActorKeys, require_keys, secure_client, secure_server
 from tidal.config import BrokerConfig, curve_on
 
 log = logging.getLogger(__name__)
@@ -76,6 +90,33 @@ def _bind(sock: zmq.Socket, host: str, port: int) -> int:
         sock.bind(f"tcp://{host}:{port}")
         return port
     return sock.bind_to_random_port(f"tcp://{host}")
+
+
+def routing_id(actor_id: str) -> bytes:
+    """A connection's routing id: the actor id, and a nonce nobody else knows (no one can take it first)."""
+    return f"{actor_id}/{secrets.token_hex(16)}".encode()
+
+
+def claimed_actor(identity: bytes) -> bytes:
+    """The actor id a routing id claims (b"" for one not of the form <actor id>/<nonce>)."""
+    actor, slash, nonce = identity.partition(b"/")
+    return actor if slash and nonce else b""
+
+
+def rollout_mark(cfg: BrokerConfig) -> int:
+    """The PULL socket's high-water mark, in frames: rollout_hwm, fewer where frames as large as the wire
+    allows would hold more than rollout_buffer_bytes."""
+    return max(1, min(cfg.zmq.rollout_hwm, cfg.zmq.rollout_buffer_bytes // cfg.max_message_bytes))
+
+
+def seed_routing_ids() -> None:
+    """Seed the C library's rand(), from which libzmq draws a ROUTER's first automatic routing id and which
+    nothing else seeds: unseeded, that id is known in advance, and a peer that claims it as its own and then
+    connects once more without one trips an assertion that aborts the process (libzmq 4.3)."""
+    try:
+        ctypes.CDLL(None).srand(secrets.randbits(32))
+    except (OSError, AttributeError):  # no C library to reach: libzmq's own default then
+        log.warning("could not seed the C library's rand(): the ROUTER's automatic routing ids are predictable")
 
 
 def _resolve(waiter: asyncio.Future) -> None:
@@ -111,7 +152,8 @@ class ZmqLearnerTransport(LearnerTransport):
         self._control_codec.rejected = codec.rejected  # one count of rejected frames
         self._grants = GrantTable(cfg.actor_timeout_s, cfg.max_actors)
         self._rate = _RateLimit(CONTROL_RATE)
-        self._parked: collections.deque[tuple[bytes, WorkRequest, float]] = collections.deque()
+        # requests waiting for prompts, by connection, in arrival order: the newest of each (an actor has one open)
+        self._parked: dict[bytes, tuple[WorkRequest, float]] = {}
         # a parked request found no prompts at its last try: new ones must wake the I/O thread. Set and
         # read under the lock, in the same section as that try and as the submission, so a submitter that
         # reads False either comes before a try (which then sees its prompts) or after one that got some
@@ -232,13 +274,17 @@ class ZmqLearnerTransport(LearnerTransport):
         keys, own = None, []
         try:
             if curve_on(self._zmq):
+                require_keys(self._zmq.keys_dir, self._zmq.host)
                 keys = ActorKeys(ctx, self._zmq.keys_dir).begin()
+            seed_routing_ids()
             router, pull, pub = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
             own = [router, pub]  # the PULL socket is the training thread's once bound; close() closes it
-            # no ROUTER_HANDOVER: a second connection under a live actor's id is refused, not handed the first's work
+            # no ROUTER_HANDOVER: a second connection under a routing id in use is refused and never displaces the
+            # first; and each actor connection's routing id holds a nonce, so nobody can take it first
             router.setsockopt(zmq.MAXMSGSIZE, self._cfg.max_control_bytes)
+            router.setsockopt(zmq.RCVHWM, self._zmq.control_hwm)
             pull.setsockopt(zmq.MAXMSGSIZE, self._cfg.max_message_bytes)  # bigger frames drop the connection
-            pull.setsockopt(zmq.RCVHWM, self._zmq.rollout_hwm)
+            pull.setsockopt(zmq.RCVHWM, rollout_mark(self._cfg))
             for sock in (router, pull, pub):
                 sock.setsockopt(zmq.LINGER, 0)
                 if keys is not None:
@@ -310,7 +356,9 @@ class ZmqLearnerTransport(LearnerTransport):
                 self._refuse("malformed", "a control message with an unexpected number of frames")
                 continue
             identity, frame = frames
-            if not self._rate.allow(identity.bytes):
+            # one budget per actor, however many connections it opens: its key's, else the id it claims
+            sender = frame.get("User-Id").encode() if self._authenticated else claimed_actor(identity.bytes)
+            if not self._rate.allow(sender):
                 self._refuse("rate_limited", f"control messages from {identity.bytes[:40]!r}", quiet=True)
                 continue
             try:
@@ -319,7 +367,7 @@ class ZmqLearnerTransport(LearnerTransport):
                 log.warning("rejected a frame on the control socket from %r: %s", identity.bytes[:40], err)
                 continue
             wrong_key = self._authenticated and frame.get("User-Id") != msg.actor_id
-            if msg.actor_id.encode() != identity.bytes or wrong_key:
+            if msg.actor_id.encode() != claimed_actor(identity.bytes) or wrong_key:
                 self._refuse("impersonation", f"{type(msg).__name__} claims {msg.actor_id!r} from connection "
                              f"{identity.bytes[:40]!r}")
                 continue
@@ -333,7 +381,8 @@ class ZmqLearnerTransport(LearnerTransport):
             live = msg.actor_id in self._grants.actors
             self._grants.seen(msg.actor_id)
         # an id that never introduced itself with a heartbeat gets an empty grant at once
-        self._parked.append((identity, msg, time.monotonic() + (LONG_POLL_S if live else 0.0)))
+        self._parked.pop(identity, None)
+        self._parked[identity] = (msg, time.monotonic() + (LONG_POLL_S if live else 0.0))
         if not live:
             self._refuse("unknown_actor", f"work request from {msg.actor_id!r}, which sent no heartbeat", quiet=True)
 
@@ -351,15 +400,14 @@ class ZmqLearnerTransport(LearnerTransport):
         if not self._parked:
             return
         now = time.monotonic()
-        still_parked = collections.deque()
-        while self._parked:
-            identity, request, deadline = self._parked.popleft()
+        still_parked = {}
+        for identity, (request, deadline) in self._parked.items():
             with self._lock:
                 groups = self._grants.take(request.actor_id, request.max_samples)
                 waits = not groups and now < deadline
                 self._starving |= waits
             if waits:
-                still_parked.append((identity, request, deadline))
+                still_parked[identity] = (request, deadline)
             else:
                 router.send_multipart([identity, self._codec.encode(WorkGrant(groups=groups))])
         self._parked = still_parked
@@ -373,13 +421,15 @@ class ZmqActorTransport(ActorTransport):
         if not (z.control_port and z.rollout_port and z.weights_port):
             raise ValueError("broker.zmq.control_port, rollout_port and weights_port must be set for an actor "
                              "(the launcher fills them in; on a cluster set them in the config)")
+        if curve_on(z):
+            require_keys(z.keys_dir, z.host)
         self._codec = codec
         self._ctx = zmq.asyncio.Context()
         # the DEALER is a plain socket driven without the asyncio socket's futures and callbacks, which
         # cost more than the request itself; the event loop watches its FD (`_readable`). Not made by
         # the context, so close() closes it
         self._dealer = zmq.Socket(self._ctx, zmq.DEALER)
-        self._dealer.setsockopt(zmq.IDENTITY, actor_id.encode())
+        self._dealer.setsockopt(zmq.IDENTITY, routing_id(actor_id))
         self._push = self._ctx.socket(zmq.PUSH)
         # no high-water mark on the actor's side: a rollout it finished is queued at once. A mark here
         # stalled sends that had room: the socket learns that its I/O thread took messages only every

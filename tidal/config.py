@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -248,10 +249,18 @@ class ZmqConfig:
     weights_port: int = 0  # PUB: weight announcements
     # rollouts the learner holds unread per actor connection (messages); beyond it they wait in the actor
     rollout_hwm: int = 64
-    # CURVE encryption and authentication (each actor's id bound to its key): auto = on when broker.zmq.host is
-    # not a loopback address | on | off
+    # and in bytes: fewer rollouts are held when rollout_hwm frames of broker.max_message_bytes would be more
+    # than this (the socket counts frames, so its mark is this / broker.max_message_bytes, at least 1)
+    rollout_buffer_bytes: int = 512 * 1024 * 1024
+    # control messages (hellos, heartbeats, work requests; each at most broker.max_control_bytes) the learner
+    # holds unread per connection; its I/O thread reads them as they come
+    control_hwm: int = 16
+    # CURVE encryption and authentication (each actor's id bound to its key): auto | on | off. `tidal run` always
+    # turns it on (with keys of its own in run_dir/keys when keys_dir is empty) and refuses off. A role started on
+    # its own: auto = on when keys_dir is named or broker.zmq.host is beyond loopback; off = anyone who reaches
+    # the ports is trusted as any actor (tests, and one-machine setups that accept that)
     curve: str = "auto"
-    keys_dir: str = ""  # CURVE keys, made by `tidal keys DIR --actors ...`; required when CURVE is on
+    keys_dir: str = ""  # CURVE keys, made by `tidal keys DIR --actors ...`; a role started alone with CURVE on needs it
 
 
 @dataclass(frozen=True)
@@ -475,8 +484,8 @@ def load_config(path: str | Path | list | tuple | None = None,
     try:
         merged = OmegaConf.structured(RunConfig)
         for layer in paths:
-            merged = OmegaConf.merge(merged, *layers_of(preset_path(layer)))
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+            merged = OmegaConf.merge(merged, *map(yaml_words, layers_of(preset_path(layer))))
+        merged = OmegaConf.merge(merged, yaml_words(OmegaConf.from_dotlist(list(overrides))))
         cfg: RunConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise ConfigError(_one_line(err)) from None
@@ -573,23 +582,48 @@ def flatten(cfg: RunConfig) -> dict[str, str]:
             if isinstance(value, dict):
                 walk(value, name + ".")
             else:
-                out[name] = redact_url(str(value)) if key.endswith("url") else str(value)
+                out[name] = redact_uri(str(value)) if key.endswith(("url", "uri")) else str(value)
 
     walk(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True), "")
     return out
 
 
-def redact_url(url: str) -> str:
-    """A URL with any password replaced, fit for logs and MLflow params."""
-    from urllib.parse import urlsplit, urlunsplit
+REDACTED = "***"
+# query parameters that carry a credential: tokens, passwords, keys, signatures (SAS `sig`), auth
+SECRET_PARAM = re.compile(r"token|pass|pwd|secret|key|auth|credential|signature|^sig$|session", re.IGNORECASE)
 
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+
+def redact_uri(uri: str) -> str:
+    """`uri` fit for logs, params and artifacts: a password (or a user part without one, which may be
+    a token) becomes ***, and so does every query value whose name says it is a credential. The rest
+    is kept character for character (sqlite:////abs/path stays as it is)."""
+    try:
+        parts = urlsplit(uri)
+    except ValueError:  # not a URI at all: nothing of it is shown
+        return REDACTED
+    out = uri
+    if "@" in parts.netloc:
+        userinfo, host = parts.netloc.rsplit("@", 1)
+        user, has_password, _ = userinfo.partition(":")
+        netloc = f"{user}:{REDACTED}@{host}" if has_password else f"{REDACTED}@{host}"
+        out = out.replace(f"//{parts.netloc}", f"//{netloc}", 1)
+    if parts.query:
+        fields = [_redact_field(field) for field in parts.query.split("&")]
+        out = out.replace(f"?{parts.query}", "?" + "&".join(fields), 1)
+    return out
+
+
+def _redact_field(field: str) -> str:
+    name, has_value, _ = field.partition("=")
+    return f"{name}={REDACTED}" if has_value and SECRET_PARAM.search(unquote(name)) else field
+
+
+
+def redacted_config(cfg: RunConfig) -> RunConfig:
+    """The config as it may be shown: the URIs that can carry credentials redacted."""
+    redis = replace(cfg.broker.redis, url=redact_uri(cfg.broker.redis.url))
+    return replace(cfg, tracking=replace(cfg.tracking, uri=redact_uri(cfg.tracking.uri)),
+                   broker=replace(cfg.broker, redis=redis))
 
 
 # ---- cross-field rules, each a named check -------------------------------------------------
@@ -765,13 +799,16 @@ def check_curriculum(cfg: RunConfig) -> None:
 def check_broker(cfg: RunConfig) -> None:
     z = cfg.broker.zmq
     _require(z.curve in ("auto", "on", "off"), "broker.zmq.curve", z.curve, "expected auto, on or off")
-    _require(not curve_on(z) or bool(z.keys_dir), "broker.zmq.keys_dir", z.keys_dir,
-             f"CURVE is on (broker.zmq.curve = {z.curve}, host {z.host}): name the keys folder "
-             "(make one with `tidal keys DIR --actors actor-0,actor-1`)")
+    # keys_dir is not required here: `tidal run` makes keys of its own, and a role started alone with CURVE on
+    # and no keys fails as it builds its transport, naming broker.zmq.keys_dir
     for key in ("max_message_bytes", "max_control_bytes", "max_actors"):
         _require(getattr(cfg.broker, key) >= 1, f"broker.{key}", getattr(cfg.broker, key), "must be >= 1")
+    for key in ("rollout_hwm", "control_hwm"):
+        _require(getattr(z, key) >= 1, f"broker.zmq.{key}", getattr(z, key), "must be >= 1 (0 would mean no bound)")
+    _require(z.rollout_buffer_bytes >= cfg.broker.max_message_bytes, "broker.zmq.rollout_buffer_bytes",
+             z.rollout_buffer_bytes, f"must hold a frame of broker.max_message_bytes = {cfg.broker.max_message_bytes}")
     r = cfg.broker.redis
-    _require(r.url.startswith(("redis://", "rediss://", "unix://")), "broker.redis.url", redact_url(r.url),
+    _require(r.url.startswith(("redis://", "rediss://", "unix://")), "broker.redis.url", redact_uri(r.url),
              "expected redis://, rediss:// (TLS) or unix://")
     _require(not r.ca_file or r.url.startswith("rediss://"), "broker.redis.ca_file", r.ca_file,
              "a CA bundle verifies TLS: use a rediss:// URL")
@@ -790,8 +827,25 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def curve_on(cfg: ZmqConfig) -> bool:
-    """CURVE is on when asked, and by default whenever the learner binds beyond loopback."""
-    return cfg.curve == "on" or (cfg.curve == "auto" and cfg.host not in LOOPBACK and not cfg.host.startswith("127."))
+    """CURVE is on when asked, and by default whenever keys are named or the learner binds beyond
+    loopback (`tidal run` writes curve=on for its children)."""
+    beyond_loopback = cfg.host not in LOOPBACK and not cfg.host.startswith("127.")
+    return cfg.curve == "on" or (cfg.curve == "auto" and (bool(cfg.keys_dir) or beyond_loopback))
+
+
+# keys whose words YAML 1.1 reads as booleans (on/off, yes/no): given back as the words the schema expects
+YAML_BOOLEAN_WORDS = {"broker.zmq.curve": ("off", "on")}
+
+
+def yaml_words(layer):
+    """A config layer with `curve: on` (parsed by YAML as True) given back as the word "on"."""
+    if not isinstance(layer, DictConfig):
+        return layer
+    for key, words in YAML_BOOLEAN_WORDS.items():
+        value = OmegaConf.select(layer, key, default=None)
+        if isinstance(value, bool):
+            OmegaConf.update(layer, key, words[value], merge=False)
+    return layer
 
 
 def validate(cfg: RunConfig) -> None:

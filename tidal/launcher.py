@@ -4,7 +4,9 @@ Resolves the config (model path, run directory; a local redis-server when
 `broker.redis.embedded`) and writes it to the run directory, starts `tidal learner`, waits for
 the endpoints it bound (`endpoints.json`: ports chosen by the kernel, so nothing can take them
 in between), then starts `tidal actor` processes with the same file plus those ports, and
-follows the learner's metrics with a progress bar. A dead actor is restarted with backoff
+follows the learner's metrics with a progress bar. Every ZeroMQ port of a run authenticates its
+peers, loopback included: CURVE is on, with the keys folder named or keys made for the run in
+<run_dir>/keys (`with_run_keys`). A dead actor is restarted with backoff
 (up to `actor.max_restarts` times); the learner failing stops everything, naming it; so does
 Ctrl-C. On Kubernetes each role is its own pod and this launcher is not used.
 """
@@ -20,12 +22,12 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
-from tidal.broker.zmq_keys import generate
-from tidal.config import BrokerType, RunConfig, curve_on, resolve
+from tidal.broker.zmq_keys import generate, run_keys
+from tidal.config import BrokerType, RunConfig, resolve
 from tidal.learner.tracking import log_final_logs
 from tidal.memory import check_gpus
 from tidal.placement import Placement, PlacementError, Slot, place, visible_gpus
@@ -60,6 +62,17 @@ def prepare(cfg: RunConfig, redis_url: str | None = None) -> RunConfig:
                   redis_url=redis_url)
     write_config(cfg, Path(cfg.run_dir))
     return cfg
+
+
+def with_run_keys(cfg: RunConfig) -> RunConfig:
+    """CURVE on for the run (zmq broker): keys for every actor in the folder named, else this run's own
+    in run_dir/keys (secret keys 0600 in a 0700 folder). The children read both from config.yaml."""
+    z = cfg.broker.zmq
+    if cfg.broker.type is not BrokerType.zmq:
+        return cfg
+    actor_ids = [f"actor-{i}" for i in range(cfg.actor.replicas)]
+    keys_dir = generate(z.keys_dir, actor_ids) if z.keys_dir else run_keys(cfg.run_dir, actor_ids)
+    return replace(cfg, broker=replace(cfg.broker, zmq=replace(z, curve="on", keys_dir=str(Path(keys_dir).resolve()))))
 
 
 def start_children(cfg: RunConfig, placement: Placement, children: list[Child], resume: str | None = None) -> None:
@@ -325,6 +338,10 @@ def launch(cfg: RunConfig, resume: str | None = None) -> int:
     if resume and not cfg.run_dir:
         print("tidal run: --resume needs run_dir=<the run's folder>", file=sys.stderr)
         return 2
+    if cfg.broker.type is BrokerType.zmq and cfg.broker.zmq.curve == "off":
+        print("tidal run: broker.zmq.curve=off: a run authenticates every actor, with keys it makes itself "
+              "(off is for a role started on its own)", file=sys.stderr)
+        return 2
     preflight(cfg)  # a bad dataset, model or tokenizer stops here, before anything is created
     try:
         placement = place(cfg.learner, cfg.actor, visible_gpus(), sorted(os.sched_getaffinity(0)))
@@ -341,9 +358,7 @@ def launch(cfg: RunConfig, resume: str | None = None) -> int:
         if cfg.broker.type is BrokerType.redis and cfg.broker.redis.embedded:
             redis, redis_url = start_redis(cfg, run_dir)
             children.append(redis)
-        cfg = prepare(cfg, redis_url)
-        if cfg.broker.type is BrokerType.zmq and curve_on(cfg.broker.zmq):  # keys for this machine's actors
-            generate(cfg.broker.zmq.keys_dir, [f"actor-{i}" for i in range(cfg.actor.replicas)])
+        cfg = prepare(with_run_keys(cfg), redis_url)
         print(f"[run] {run_dir}: learner + {cfg.actor.replicas} actor(s)", flush=True)
         start_children(cfg, placement, children, resume)
         supervise(children, run_dir, cfg)

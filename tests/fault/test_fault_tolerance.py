@@ -23,6 +23,7 @@ import pytest
 import zmq
 
 from conftest import RedisServer, child_pids, require_redis_server, wait_until_group_is_gone
+from tidal.broker.zmq_keys import secure_client
 
 ROOT = Path(__file__).parents[2]
 TINY = str(ROOT / "configs/tiny.yaml")
@@ -228,7 +229,8 @@ def test_async_run_with_two_actors_survives_junk_frames_and_a_killed_actor(tmp_p
 
 
 def send_junk(run_dir: Path) -> None:
-    """Once training is under way, put a malformed and an oversized frame on the rollout socket."""
+    """Once training is under way, put a malformed and an oversized frame on the rollout socket, and a
+    malformed one from a peer without a key, which the run's CURVE keeps out."""
     metrics, endpoints = run_dir / "metrics.jsonl", run_dir / "endpoints.json"
     deadline = time.monotonic() + 300
     while not (endpoints.exists() and metrics.exists() and "learner/loss" in metrics.read_text()):
@@ -237,8 +239,11 @@ def send_junk(run_dir: Path) -> None:
         time.sleep(0.5)
     ports = json.loads(endpoints.read_text())
     ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.connect(f"tcp://127.0.0.1:{ports['rollout']}")
+    stranger, push = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
+    secure_client(push, str(run_dir / "keys"), "actor-0")  # a key holder's junk: the run made the keys itself
+    for sock in (stranger, push):
+        sock.connect(f"tcp://127.0.0.1:{ports['rollout']}")
+    stranger.send(b"\x93not a tidal message")  # no key: its handshake fails, nothing arrives, nothing is counted
     push.send(b"\x93not a tidal message")
     push.send(b"\x00" * (2 * 1024 * 1024))  # above broker.max_message_bytes below
     time.sleep(1)

@@ -38,3 +38,8 @@ def test_a_bad_dataset_is_one_line_before_anything_starts(tmp_path, capsys, cont
 def test_a_missing_model_folder_is_one_line(tmp_path, capsys):
     assert "is not a Hugging Face model folder" in tidal_run(tmp_path, capsys, ROOT / "configs/tiny.yaml",
                                                              f"model.path={tmp_path / 'nothing'}")
+
+
+def test_tidal_run_refuses_curve_off(tmp_path, capsys):
+    """A run authenticates every actor, loopback included: curve=off is for a role started on its own."""
+    assert "broker.zmq.curve=off" in tidal_run(tmp_path, capsys, ROOT / "configs/tiny.yaml", "broker.zmq.curve=off")

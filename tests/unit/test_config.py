@@ -215,3 +215,27 @@ def test_version_and_flags_between_configs(capsys):
     assert (args.layers, args.resume) == (["run.yaml", "run_dir=/data", "overlay.yaml"], "auto")
     assert main(["run", "learner.max_steps=3"]) == 2  # no config at all
     assert "needs a config" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("word, value", [("on", "on"), ("off", "off"), ("auto", "auto"), ("yes", "on"), ("no", "off")])
+def test_curve_on_and_off_in_yaml_are_the_words_not_booleans(tmp_path, word, value):
+    """YAML 1.1 reads on/off (and yes/no) as booleans; broker.zmq.curve takes them as the words."""
+    path = tmp_path / "run.yaml"
+    path.write_text(f"broker:\n  zmq:\n    curve: {word}\n    keys_dir: /keys\n")
+    assert load_config(path).broker.zmq.curve == value
+    assert load_config(None, [f"broker.zmq.curve={word}"]).broker.zmq.curve == value
+
+
+def test_curve_on_without_a_keys_folder_loads_for_tidal_run_to_fill_in():
+    assert load_config(None, ["broker.zmq.curve=on"]).broker.zmq.keys_dir == ""
+
+
+@pytest.mark.parametrize("key", ["rollout_hwm", "control_hwm"])
+def test_receive_buffers_must_be_bounded(key):
+    with pytest.raises(ConfigError, match=f"broker.zmq.{key}"):
+        load_config(None, [f"broker.zmq.{key}=0"])
+
+
+def test_a_rollout_buffer_that_cannot_hold_one_frame_is_refused():
+    with pytest.raises(ConfigError, match="broker.zmq.rollout_buffer_bytes"):
+        load_config(None, ["broker.max_message_bytes=2048", "broker.zmq.rollout_buffer_bytes=1024"])
