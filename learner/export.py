@@ -2,12 +2,14 @@
 model's own parameter names) that `from_pretrained` and vLLM load as they are.
 
 Every run exports its final policy to `<run_dir>/model`; `tidal export RUN_DIR [--step N]` exports
-any checkpoint (verified against its manifest first).
+any checkpoint (verified against its manifest first), into a folder that is new or empty unless told
+`--force`. A folder is replaced only once the new export is complete beside it.
 """
 from __future__ import annotations
 
 import json
 import shutil
+import uuid
 from pathlib import Path
 
 import torch
@@ -22,18 +24,43 @@ def export_model(policy, tokenizer_from: str, out: Path, dtype: str, state: dict
     from transformers import AutoTokenizer
 
     out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    state = {k: v.detach().to(getattr(torch, dtype)).cpu() for k, v in (state or policy.state_dict()).items()}
-    policy.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-    config = json.loads((tmp / "config.json").read_text())
-    config.update({k: dtype for k in ("dtype", "torch_dtype") if k in config} or {"dtype": dtype})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.{uuid.uuid4().hex[:12]}"  # its own (never a folder of the user's), umask's mode
+    tmp.mkdir()
+    try:
+        state = {k: v.detach().to(getattr(torch, dtype)).cpu() for k, v in (state or policy.state_dict()).items()}
+        policy.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        config = json.loads((tmp / "config.json").read_text())
+        config.update({k: dtype for k in ("dtype", "torch_dtype") if k in config} or {"dtype": dtype})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists() or out.is_symlink():  # the earlier export goes only once the new one is complete
+        old = tmp.with_name(tmp.name + ".old")
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)
     return out
+
+
+def check_export_folder(out: Path, run_dir: Path, force: bool) -> None:
+    """`tidal export` writes into a new or empty folder (with `force`: replaces a folder's contents),
+    never into the run it exports; ValueError naming what is in the way."""
+    target, run = out.resolve(), run_dir.resolve()
+    checkpoints = run / "checkpoints"
+    if target == run or target in run.parents or target == checkpoints or checkpoints in target.parents:
+        raise ValueError(f"{out} holds the run's checkpoints ({checkpoints}): choose another --out")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a folder: choose another --out")
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if entries and not force:
+        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        raise ValueError(f"{out} is not empty ({len(entries)} entries: {shown}): pass --force to replace its "
+                         "contents, or --out a new folder")
 
 
 class FinalExport:
@@ -70,8 +97,9 @@ def load_checkpoint_policy(checkpoint: Path, model_path: str):
     return policy
 
 
-def export_checkpoint(run_dir: Path, step: int | None, out: Path | None) -> Path:
-    """`tidal export`: a run's checkpoint at `step` (default: the newest) as a model folder."""
+def export_checkpoint(run_dir: Path, step: int | None, out: Path | None, force: bool = False) -> Path:
+    """`tidal export`: a run's checkpoint at `step` (default: the newest) as a model folder at `out`
+    (default RUN_DIR/model-step-<N>), which must be new or empty unless `force`."""
     from tidal.config import load_config
     from tidal.learner.checkpoint import latest_valid
 
@@ -86,5 +114,7 @@ def export_checkpoint(run_dir: Path, step: int | None, out: Path | None) -> Path
         if not checkpoint.is_dir():
             found = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
             raise FileNotFoundError(f"--step {step}: no {checkpoint} (checkpoints: {', '.join(found) or 'none'})")
+    out = Path(out) if out else run_dir / f"model-{checkpoint.name}"
+    check_export_folder(out, run_dir, force)  # before the minutes a large model takes to load
     policy = load_checkpoint_policy(checkpoint, cfg.model.path)
-    return export_model(policy, cfg.model.path, out or run_dir / f"model-{checkpoint.name}", cfg.model.dtype)
+    return export_model(policy, cfg.model.path, out, cfg.model.dtype)

@@ -16,14 +16,16 @@ from tidal.config import LearnerConfig, RunConfig
 log = logging.getLogger("tidal.learner")
 
 
-def setup_trainer(cfg: RunConfig, checkpoint: Path | None = None):
+def setup_trainer(cfg: RunConfig, checkpoint: Path | None = None, fresh_if_damaged: bool = False):
     """What every learner rank builds alike: the accelerator, the trainer around the policy, the
     checkpointer (saving is collective). Returns (accelerator, trainer, checkpointer, checkpoint):
-    the checkpoint to continue from is rank 0's `checkpoint` on every rank."""
+    the checkpoint to continue from is rank 0's `checkpoint` on every rank, or the newest older one
+    that verifies; none verifying raises NoValidCheckpoint unless rank 0 is told `fresh_if_damaged`."""
     import torch
 
     from tidal.config import compute_dtype
     from tidal.learner.checkpoint import Checkpointer
+    from tidal.learner.resume import check_resume_state
     from tidal.learner.trainer import Trainer, load_policy
 
     lc = cfg.learner
@@ -35,7 +37,7 @@ def setup_trainer(cfg: RunConfig, checkpoint: Path | None = None):
     trainer = Trainer(lc, policy, accelerator, cfg.sampling.temperature, cfg.model.head, cfg.model.dtype,
                       model_path=cfg.model.path if lc.fsdp.enabled else None)
     checkpointer = Checkpointer(cfg.checkpoint, Path(cfg.run_dir) / "checkpoints", accelerator, trainer)
-    return accelerator, trainer, checkpointer, checkpointer.agree(checkpoint)
+    return accelerator, trainer, checkpointer, checkpointer.agree(checkpoint, fresh_if_damaged, check_resume_state)
 
 
 def build_accelerator(cfg: LearnerConfig):
@@ -55,9 +57,10 @@ def build_accelerator(cfg: LearnerConfig):
                        kwargs_handlers=[InitProcessGroupKwargs(**group)])
 
 
-def build(cfg: RunConfig, checkpoint: Path | None = None, transport=None):
-    """Every part of rank 0's learner; with `checkpoint`, restored to continue from it. `transport`
-    replaces the one `broker.type` names (the in-process one, with actors in this process)."""
+def build(cfg: RunConfig, checkpoint: Path | None = None, transport=None, fresh_if_damaged: bool = False):
+    """Every part of rank 0's learner; with `checkpoint`, restored to continue from it (or the newest
+    older one that verifies: `setup_trainer`). `transport` replaces the one `broker.type` names (the
+    in-process one, with actors in this process)."""
     from transformers import AutoTokenizer
 
     from tidal.broker.factory import learner_transport
@@ -77,7 +80,7 @@ def build(cfg: RunConfig, checkpoint: Path | None = None, transport=None):
 
     run_dir = Path(cfg.run_dir)
     write_config(cfg, run_dir)
-    accelerator, trainer, checkpointer, checkpoint = setup_trainer(cfg, checkpoint)
+    accelerator, trainer, checkpointer, checkpoint = setup_trainer(cfg, checkpoint, fresh_if_damaged)
     state = read_state(checkpoint) if checkpoint else None
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     split = get_task(cfg.task.name).load_prompts(cfg.task)
@@ -161,21 +164,36 @@ def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)  # unwinds through main's handlers, so the MLflow run is closed
 
 
+class MissingCheckpoint(FileNotFoundError):
+    """`--resume` (required) where the run has no checkpoint."""
+
+
 def find_checkpoint(run_dir: Path, resume: str | None) -> Path | None:
     """The newest finished checkpoint to continue from (its hashes are checked once, by every rank for
-    its own part, when the ranks agree on it): None for a fresh start; raises when one is required
-    and missing."""
-    from tidal.learner.checkpoint import candidates
+    its own part, when the ranks agree on it): None for a fresh start. `resume`: None starts fresh;
+    "required" needs a checkpoint; "auto" starts fresh only where there is none at all (a pod on a
+    new volume); "fresh" also starts over checkpoints that are all damaged, setting them aside. Raises
+    MissingCheckpoint (none, where one is required) or NoValidCheckpoint (all damaged, naming each)."""
+    from tidal.learner.checkpoint import NoValidCheckpoint, folders, set_aside, survey
 
     if resume is None:
         return None
-    found = next(iter(candidates(run_dir / "checkpoints")), None)
-    if found is None and resume == "required":
-        raise FileNotFoundError(f"--resume: no finished checkpoint in {run_dir / 'checkpoints'} "
+    directory = run_dir / "checkpoints"
+    found, damage = survey(directory)
+    if found:
+        return found[0]
+    if damage and resume != "fresh":
+        raise NoValidCheckpoint(directory, damage)
+    if resume == "required":
+        raise MissingCheckpoint(f"--resume: no finished checkpoint in {directory} "
                                 "(set run_dir to the run to continue, or use --resume auto)")
-    if found is None:
-        log.info("--resume auto: no checkpoint in %s, starting fresh", run_dir / "checkpoints")
-    return found
+    if damage:
+        moved = set_aside(directory, [p.name for p in folders(directory)])
+        log.warning("--resume fresh: every checkpoint in %s is damaged; set aside as %s, starting at step 0 with "
+                    "empty broker streams and ledger", directory, ", ".join(p.name for p in moved))
+    else:
+        log.info("--resume %s: no checkpoint in %s, starting fresh", resume, directory)
+    return None
 
 
 def main(cfg: RunConfig, resume: str | None = None) -> int:
@@ -192,16 +210,17 @@ def main(cfg: RunConfig, resume: str | None = None) -> int:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    if rank > 0:  # under torchrun: only rank 0 talks to actors and MLflow, and picks the checkpoint
-        from tidal.learner.ranks import follow
+    from tidal.learner.checkpoint import NoValidCheckpoint
 
-        return leave_group(follow(cfg))
-    try:
-        checkpoint = find_checkpoint(run_dir, resume)
-    except FileNotFoundError as err:
+    try:  # a run that must not start (no checkpoint where one is required, or none that verifies): exit 2
+        if rank > 0:  # under torchrun: only rank 0 talks to actors and MLflow, and picks the checkpoint
+            from tidal.learner.ranks import follow
+
+            return leave_group(follow(cfg))
+        learner = build(cfg, find_checkpoint(run_dir, resume), fresh_if_damaged=resume == "fresh")
+    except (MissingCheckpoint, NoValidCheckpoint) as err:
         print(f"tidal learner: {err}", file=sys.stderr)
         return 2
-    learner = build(cfg, checkpoint)
     return leave_group(serve(learner, run_dir))
 
 

@@ -50,3 +50,29 @@ def restore_learner_state(state: dict, accounting: Accounting, evals: Evaluation
     evals.results = {int(k): v for k, v in state["evals"].items()}
     evals.multi_version_samples = state["eval_multi_version"]
     return state.get("evals_pending", [])
+
+
+NUMBER = (int, float)
+RESUMED_FIELDS = {  # what a resumed learner reads of a checkpoint's tidal state, by where it sits
+    "": {"version": int, "mlflow_run_id": (str, type(None)), "coordinator": dict, "learner": dict, "unlogged": list},
+    "coordinator": {"epoch": int, "cursor": int, "num_released": int, "version": int, "ledger_offset": int,
+                    "outstanding": dict, "consumed": list, "dead": list, "counts": dict},
+    "learner": {"totals": dict, "by_actor": dict, "device_seconds": NUMBER, "wall_s": NUMBER, "evals": dict,
+                "eval_multi_version": int},
+}
+
+
+def check_resume_state(state) -> None:
+    """A checkpoint's tidal state holds what a resumed learner reads, each of its type; ValueError
+    naming the first field that does not (before anything is restored from it)."""
+    for where, fields in RESUMED_FIELDS.items():
+        table = state.get(where) if where else state
+        if not isinstance(table, dict):
+            raise ValueError(f"{where or 'the state'} is not a table")
+        for key, kind in fields.items():
+            if not isinstance(table.get(key), kind) or isinstance(table.get(key), bool):
+                kinds = kind if isinstance(kind, tuple) else (kind,)
+                raise ValueError(f"{'.'.join(filter(None, (where, key)))} is missing or not "
+                                 f"{' or '.join(k.__name__ for k in kinds)}")
+    if state["coordinator"]["ledger_offset"] < 0 or not all(k.lstrip("-").isdigit() for k in state["learner"]["evals"]):
+        raise ValueError("coordinator.ledger_offset is negative or learner.evals is not keyed by version")

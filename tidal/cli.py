@@ -46,9 +46,11 @@ def _parser() -> argparse.ArgumentParser:
         _layered(sub.add_parser(name, help=text))
     for name in ("run", "learner"):
         sub.choices[name].add_argument(
-            "--resume", nargs="?", const="required", choices=("required", "auto"),
-            help="continue from the latest checkpoint in run_dir (same MLflow run, steps continue); "
-                 "`--resume auto` starts fresh when there is none (for pods that restart)")
+            "--resume", nargs="?", const="required", choices=("required", "auto", "fresh"),
+            help="continue from the newest checkpoint in run_dir that verifies (same MLflow run, steps "
+                 "continue); `--resume auto` starts fresh when there is none at all (for pods that restart) "
+                 "and refuses (exit 2) when every one is damaged; `--resume fresh` then starts over them, "
+                 "setting them aside and clearing the run's broker streams and ledger")
     config = sub.add_parser("config", help="show, check or explain a config without starting anything")
     what = config.add_subparsers(dest="action", required=True)
     _layered(what.add_parser("show", help="print the resolved config as YAML"))
@@ -64,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="a run's checkpoint as a Hugging Face model folder (transformers, vLLM)")
     export.add_argument("run_dir", help="the run's folder (runs/<name>-<time>)")
     export.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
-    export.add_argument("--out", help="where the model folder goes (default: RUN_DIR/model-step-<N>)")
+    export.add_argument("--out", help="where the model folder goes, new or empty (default: RUN_DIR/model-step-<N>)")
+    export.add_argument("--force", action="store_true", help="replace the contents of a --out folder that is not empty")
     sub.add_parser("presets", help="list the presets shipped with tidal (tidal run <name>)")
     keys = sub.add_parser("keys", help="make CURVE keys for the ZeroMQ transport (broker.zmq.keys_dir)")
     keys.add_argument("dir", help="the keys folder (existing keys are kept)")
@@ -191,9 +194,9 @@ def _config(cfg, args) -> int:
     the model path and run_dir); check: the memory plan first (it needs no data), then everything
     `tidal run` checks before it starts anything."""
     if args.action == "show":
-        from tidal.config import to_yaml
+        from tidal.config import redacted_config, to_yaml
 
-        print(to_yaml(cfg), end="")
+        print(to_yaml(redacted_config(cfg)), end="")  # credentials in URIs shown as ***
         return 0
     from tidal.memory import check_lines
     from tidal.preflight import preflight
@@ -209,7 +212,11 @@ def _config(cfg, args) -> int:
 def _keys(folder: str, actors: str) -> int:
     from tidal.broker.zmq_keys import generate
 
-    out = generate(folder, [a for a in actors.split(",") if a])
+    try:
+        out = generate(folder, [a for a in actors.split(",") if a])
+    except ValueError as err:  # an actor id that is not a plain name; nothing was written
+        print(f"tidal keys: {err}", file=sys.stderr)
+        return 2
     print(f"{out}: give the learner {out}/learner.key_secret and actors/*.key; each actor learner.key "
           "and its own actors/<id>.key_secret")
     return 0
@@ -246,8 +253,8 @@ def _export(args) -> int:
     from tidal.learner.export import export_checkpoint
 
     try:
-        out = export_checkpoint(Path(args.run_dir), args.step, Path(args.out) if args.out else None)
-    except (ConfigError, FileNotFoundError, ValueError) as err:
+        out = export_checkpoint(Path(args.run_dir), args.step, Path(args.out) if args.out else None, args.force)
+    except (ConfigError, OSError, ValueError) as err:  # OSError: a folder that cannot be made or read
         print(f"tidal export: {err}", file=sys.stderr)
         return 2
     print(out)

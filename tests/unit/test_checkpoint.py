@@ -88,7 +88,9 @@ def test_a_save_interrupted_by_a_crash_leaves_the_previous_one_whole(saved, acce
     assert (directory / "step-000003.tmp").is_dir() and not (directory / "step-000003").exists()
     assert latest_valid(directory) == directory / "step-000002"
     monkeypatch.undo()
-    Checkpointer(CheckpointConfig(keep=2), directory, accelerator, t).save(3, {})
+    resumed = Checkpointer(CheckpointConfig(keep=2), directory, accelerator, t)
+    assert resumed.agree(directory / "step-000002") == directory / "step-000002"
+    resumed.save(3, {})  # what a resumed learner keeps: the one it continues from, and the new one
     assert sorted(p.name for p in directory.iterdir()) == ["step-000002", "step-000003"]
     assert read_state(directory / "step-000003")["version"] == 3
 

@@ -208,3 +208,46 @@ def test_the_readme_environment_trains_end_to_end(tmp_path, tiny_model, monkeypa
     trained = [m for m in steps if "episode/turns_mean" in m]
     assert len(trained) == 2
     assert all(1.0 < m["episode/turns_mean"] < 2.0 and m["rollout/injected_token_frac"] > 0 for m in trained)
+
+
+def damaged_trainer_meta(checkpoint) -> None:
+    """trainer.json rewritten to a list, its manifest entry with it: only its contents tell."""
+    from tidal.files import sha256_file
+
+    (checkpoint / "trainer.json").write_text("[]")
+    manifest = json.loads((checkpoint / "MANIFEST.json").read_text())
+    manifest["trainer.json"] = [2, sha256_file(checkpoint / "trainer.json")]
+    (checkpoint / "MANIFEST.json").write_text(json.dumps(manifest))
+
+
+def test_a_learner_resumes_past_a_damaged_checkpoint_and_refuses_when_none_verifies(tmp_path, tiny_model,
+                                                                                   monkeypatch, capsys):
+    from tidal.learner import main as learner_main
+
+    model_path, tokenizer = tiny_model
+    run_dir = tmp_path / "run"
+    cfg = resolve(load_config("configs/tiny.yaml", [
+        f"run_dir={run_dir}", f"model.path={model_path}", "learner.max_steps=2", "learner.groups_per_step=4",
+        "sampling.n=4", "eval.every=0", "eval.n=2", "task.num_val=4", "actor.heartbeat_s=0.2", "checkpoint.every=1",
+        "checkpoint.keep=3"]), actor=True)
+    learner_side, actor_side = transports("inproc", cfg)
+    learner = build(cfg, transport=learner_side)
+    thread, _ = start_actor(actor_side, cfg, ScriptedEngine(tokenizer, p_correct=0.5))
+    assert serve(learner, run_dir) == 0
+    thread.join(timeout=30)
+    checkpoints = run_dir / "checkpoints"
+
+    damaged_trainer_meta(checkpoints / "step-000002")
+    resumed = build(cfg, learner_main.find_checkpoint(run_dir, "auto"), transport=transports("inproc", cfg)[0])
+    assert resumed.version == 1  # from step 1, the damaged step 2 named in one warning
+    for close in (resumed.transport.close, resumed.book.ledger.close, resumed.parts.publisher.close):
+        close()
+
+    (checkpoints / "step-000001" / "MANIFEST.json").write_text("[]")
+    kept = {p: p.read_bytes() for p in [run_dir / "ledger.jsonl", *checkpoints.rglob("*")] if p.is_file()}
+    monkeypatch.setattr(learner_main.signal, "signal", lambda *args: None)
+    monkeypatch.setattr(learner_main, "serve", lambda *args: pytest.fail("a learner started over damaged checkpoints"))
+    assert learner_main.main(cfg, resume="auto") == 2
+    err = capsys.readouterr().err
+    assert "step-000001/MANIFEST.json" in err and "step-000002/trainer.json" in err and "--resume fresh" in err
+    assert {p: p.read_bytes() for p in kept} == kept  # the ledger and the checkpoints as they were
