@@ -21,8 +21,10 @@ def tidal_run(config: list[str], overrides: list[str], run_dir: Path, label: str
 
 def mlflow_run(run_dir: Path) -> tuple[str, str]:
     """The tracking URI and MLflow run id a finished run wrote into its summary."""
+    from tidal.learner.tracking import run_tracking_uri
+
     summary = json.loads((run_dir / "summary.json").read_text())
-    return summary["mlflow_uri"], summary["mlflow_run_id"]
+    return run_tracking_uri(run_dir, summary["mlflow_uri"]), summary["mlflow_run_id"]
 
 
 def history(run_dir: Path, names: tuple[str, ...] = METRICS) -> dict[str, dict[int, float]]:

@@ -12,7 +12,7 @@ def learner_transport(cfg: BrokerConfig, run: str, fresh: bool) -> LearnerTransp
     if cfg.type is BrokerType.redis:
         from tidal.broker.redis_transport import RedisLearnerTransport
 
-        return RedisLearnerTransport(cfg.redis, codec, run, cfg.actor_timeout_s, fresh)
+        return RedisLearnerTransport(cfg.redis, codec, run, cfg.actor_timeout_s, fresh, cfg.max_actors)
     from tidal.broker.zmq_transport import ZmqLearnerTransport
 
     return ZmqLearnerTransport(cfg, codec)

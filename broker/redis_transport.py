@@ -17,7 +17,13 @@ Acknowledgement rules, so that a crash anywhere loses nothing:
   checkpoint is trained again, once, by the resumed model. It sends again the groups outstanding
   at the checkpoint and withdraws (XACK + XDEL) every other prompt an earlier process left.
 - The learner moves prompts delivered more than `max_deliveries` times to the dead stream.
-- Trimming (XTRIM MINID) never passes the oldest pending entry or the group's read position.
+- Trimming (XTRIM MINID) never passes the oldest pending entry or the group's read position. The
+  learner also trims what actors write (heartbeats it has read; refused rollouts are deleted at once),
+  since an actor's XADD may leave out MAXLEN.
+- A full Redis (an OOM reply under maxmemory) is back-pressure, not an error: the call waits with
+  backoff while the learner trims what it may, counted (broker/redis_oom_waits) and logged once per
+  episode. Commands that free memory (XACK, XDEL, XTRIM, DEL, reads) are allowed then, so a learner
+  restarted on a full AOF comes up and trims.
 - Every call goes through `Reconnect`: while Redis is away (restart, failover) calls retry
   with backoff; after `reconnect_timeout_s` the error is raised, naming the URL.
 Writes retried after a lost reply may land twice; consumers deduplicate by group id.
@@ -34,11 +40,11 @@ from collections import deque
 import msgspec
 import redis
 import redis.asyncio
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError, ResponseError
 
 from tidal.broker.base import ActorInfo, ActorJoin, ActorTransport, LearnerTransport, common_metrics
 from tidal.broker.schema import Heartbeat, PromptGroup, RolloutGroup, Shutdown, WeightUpdate, WireCodec, WireError
-from tidal.config import RedisConfig, redact_url
+from tidal.config import RedisConfig, redact_uri
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +52,13 @@ ACTORS, LEARNER = "actors", "learner"  # consumer group names
 WEIGHTS_KEPT = 16
 HEARTBEATS_KEPT = 1000
 DEAD_KEPT = 100_000
+DEAD_KEPT_FULL = 1000  # dead letters kept while Redis is full
 READ_COUNT = 64
 HEARTBEAT_POLL_S = 0.5
+DEAD_FRAME_BYTES = 64 * 1024  # a dead letter keeps this much of its frame: enough to diagnose, bounded
+HELLO_LOG_INTERVAL_S = 60.0  # an actor's hello is logged on change, and at most this often per id
+ENGINE_LOG_CHARS = 512  # of an engine description in a log line
+PRESSURE_DELAY_S = (0.05, 2.0)  # first and longest wait while Redis is full
 
 
 class BrokerUnavailable(ConnectionError):
@@ -85,16 +96,56 @@ def client_kwargs(cfg: RedisConfig, block_ms: int) -> dict:
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError)
 
 
-class Reconnect:
-    """Retry policy shared by the sync (learner) and asyncio (actor) sides."""
+def shown_url(url: str) -> str:
+    """The Redis URL for logs and errors: password redacted, and no query string (redis-py takes
+    connection options there, a password among them)."""
+    return redact_uri(url).split("?", 1)[0]
 
-    def __init__(self, cfg: RedisConfig):
-        self.url = redact_url(cfg.url)
+
+def is_oom(err: Exception) -> bool:
+    """Redis at maxmemory refusing a command that would grow it (also inside a pipeline's error)."""
+    return isinstance(err, OutOfMemoryError) or (isinstance(err, ResponseError)
+                                                 and "command not allowed when used memory" in str(err))
+
+
+class Reconnect:
+    """Retry policy shared by the sync (learner) and asyncio (actor) sides: while Redis is away, and
+    while it is full (back-pressure: `relieve`, if set, is asked to free memory before each wait)."""
+
+    def __init__(self, cfg: RedisConfig, relieve=None):
+        self.url = shown_url(cfg.url)
         self.who = f"user {cfg.username or '(from the URL or default)'}, password from ${cfg.password_env}"
         self.timeout_s = cfg.reconnect_timeout_s
         self.down_since: float | None = None
         self.delay = 0.1
         self.reconnects = 0
+        self.relieve = relieve  # () -> None: frees what it may (the learner trims); never raises OOM itself
+        self.full_since: float | None = None  # start of the current episode of memory pressure
+        self.full_delay = PRESSURE_DELAY_S[0]
+        self.oom_waits = 0  # waits on a full Redis, over the whole process
+        self._relieving = False
+
+    def pressure(self, err: Exception) -> float:
+        """Seconds to wait before retrying a write Redis refused for lack of memory."""
+        if self.full_since is None:
+            self.full_since, self.full_delay = time.monotonic(), PRESSURE_DELAY_S[0]
+            log.warning("Redis at %s is full (%s); writes wait and retry until memory is freed "
+                        "(the learner trims consumed entries; raise maxmemory if this persists)", self.url, err)
+        self.oom_waits += 1
+        if self.relieve is not None and not self._relieving:
+            self._relieving = True
+            try:
+                self.relieve()
+            finally:
+                self._relieving = False
+        delay, self.full_delay = self.full_delay, min(self.full_delay * 2, PRESSURE_DELAY_S[1])
+        return delay
+
+    def relieved(self) -> None:
+        if self.full_since is not None:
+            log.warning("Redis at %s accepts writes again after %.1f s full (%d waits so far)", self.url,
+                        time.monotonic() - self.full_since, self.oom_waits)
+            self.full_since = None
 
     def failed(self, err: Exception) -> float:
         """Seconds to wait before the next try; raises once Redis has been away too long."""
@@ -110,30 +161,47 @@ class Reconnect:
         delay, self.delay = self.delay, min(self.delay * 2, 2.0)
         return delay
 
-    def succeeded(self) -> None:
+    def succeeded(self, wrote_after_full: bool = False) -> None:
+        """A call went through; one that had waited on a full Redis ends the episode of pressure."""
+        if wrote_after_full:
+            self.relieved()
         if self.down_since is not None:
             log.warning("Redis at %s back after %.1f s", self.url, time.monotonic() - self.down_since)
             self.reconnects += 1
             self.down_since = None
 
     def call(self, fn, *args, **kwargs):
+        waited_full = False
         while True:
             try:
                 result = fn(*args, **kwargs)
             except TRANSIENT as err:
                 time.sleep(self.failed(err))
                 continue
-            self.succeeded()
+            except ResponseError as err:
+                if not is_oom(err):
+                    raise
+                waited_full = True
+                time.sleep(self.pressure(err))
+                continue
+            self.succeeded(waited_full)
             return result
 
     async def acall(self, fn, *args, **kwargs):
+        waited_full = False
         while True:
             try:
                 result = await fn(*args, **kwargs)
             except TRANSIENT as err:
                 await asyncio.sleep(self.failed(err))
                 continue
-            self.succeeded()
+            except ResponseError as err:
+                if not is_oom(err):
+                    raise
+                waited_full = True
+                await asyncio.sleep(self.pressure(err))
+                continue
+            self.succeeded(waited_full)
             return result
 
 
@@ -142,7 +210,10 @@ def is_nogroup(err: ResponseError) -> bool:
 
 
 def dead_letter_fields(frame: bytes, stream: str, reason: str, group_id: str = "", deliveries: int = 0) -> dict:
-    return {"m": frame, "stream": stream, "reason": reason, "group_id": group_id, "deliveries": deliveries}
+    """A dead letter's record: its frame cut to DEAD_FRAME_BYTES, so a flood of large bad frames
+    cannot grow the dead stream by their size."""
+    return {"m": frame[:DEAD_FRAME_BYTES], "bytes": len(frame), "stream": stream, "reason": reason,
+            "group_id": group_id, "deliveries": deliveries}
 
 
 class _GroupIdOnly(msgspec.Struct):
@@ -255,15 +326,21 @@ class PromptReceipts:
 
 
 class RedisLearnerTransport(LearnerTransport):
-    def __init__(self, cfg: RedisConfig, codec: WireCodec, run: str, actor_timeout_s: float, fresh: bool):
+    def __init__(self, cfg: RedisConfig, codec: WireCodec, run: str, actor_timeout_s: float, fresh: bool,
+                 max_actors: int = 1024):
         self.cfg, self.codec = cfg, codec
         self.keys = StreamKeys(cfg.prefix, run)
-        self.link = Reconnect(cfg)
+        self.link = Reconnect(cfg, relieve=self.relieve)
         self.r = redis.Redis.from_url(cfg.url, **client_kwargs(cfg, cfg.block_ms))
         self.actor_timeout_s = actor_timeout_s
+        self.max_actors = max_actors  # live actor ids tracked; heartbeats of further new ids are refused, counted
         self.ports: dict[str, int] = {}
+        self._init_actor_table()
         if fresh:  # a new run under this name: leftovers of an earlier one must not be consumed
             self.link.call(self.r.delete, *self.keys.all())
+        last = self.link.call(self.r.xrevrange, self.keys.heartbeats, "+", "-", count=1)
+        self._heartbeat_cursor = last[0][0] if last else b"0"  # hellos from before a restart are history
+        self._trim_heartbeats()  # and so is their memory: a Redis restarted full comes up with room
         self._ensure_groups()
         self.receipts = PromptReceipts(self.r, self.link, self.keys, cfg.max_deliveries)
         if not fresh:
@@ -273,37 +350,88 @@ class RedisLearnerTransport(LearnerTransport):
         self._to_ack: list[tuple[bytes, bytes]] = []  # (rollout entry, prompt entry) handed out, not committed
         self._last_entry: dict[str, bytes] = {}  # group id -> its entry, for leave_pending
         self._pending_cursor: bytes | None = b"0"  # re-read our own pending entries first
-        last = self.link.call(self.r.xrevrange, self.keys.heartbeats, "+", "-", count=1)
-        self._heartbeat_cursor = last[0][0] if last else b"0"  # hellos from before a restart are history
         self._dead_cursor = b"0"
-        self._actors: dict[str, ActorInfo] = {}
-        self._joins: list[ActorJoin] = []
-        self._last_heartbeat_poll = 0.0
-        self._latest_version = 0
         self.num_dead_lettered = 0
+        self.num_dead_unrecorded = 0  # dead letters a full Redis had no room to record
+        self._dead_unrecorded: list[str] = []  # their group ids, for the next take_dead_letters
+
+    def _init_actor_table(self) -> None:
+        """What heartbeats fill; before the first Redis call, since a full Redis reads them (`relieve`)."""
+        self._beats_lock = threading.RLock()
+        self._last_heartbeat_poll = 0.0
+        self._heartbeat_cursor = b"0"
+        self._actors: dict[str, ActorInfo] = {}
+        self._hello_logged: dict[str, tuple[str, float]] = {}  # actor id -> (engine as logged, when)
+        self._joins: list[ActorJoin] = []
+        self._latest_version = 0
 
     def _ensure_groups(self) -> None:
+        """Created only when missing: XGROUP CREATE is refused by a full Redis even when the group exists."""
         for key, group in ((self.keys.prompts, ACTORS), (self.keys.rollouts, LEARNER)):
+            if self._has_group(key, group):
+                continue
             try:
                 self.link.call(self.r.xgroup_create, key, group, id="0", mkstream=True)
             except ResponseError as err:
                 if "BUSYGROUP" not in str(err):
                     raise
 
+    def _has_group(self, key: str, group: str) -> bool:
+        try:
+            groups = self.link.call(self.r.xinfo_groups, key)
+        except ResponseError as err:
+            if "no such key" in str(err):
+                return False
+            raise
+        return any(g["name"].decode() == group for g in groups)
+
+    # ---- memory ----------------------------------------------------------------------------------
+
+    def relieve(self) -> None:
+        """Redis is full: free what the learner may without losing work. Heartbeats (read first, hellos
+        included), all but DEAD_KEPT_FULL dead letters, and consumed prompts and rollouts. Unread rollouts
+        stay: the training thread reads them and deletes the refused ones."""
+        self._poll_heartbeats(force=True)  # read what is there (hellos included), then trim it
+        self.link.call(self.r.xtrim, self.keys.dead, maxlen=DEAD_KEPT_FULL, approximate=False)
+        self._trim(self.keys.prompts, ACTORS)
+        self._trim(self.keys.rollouts, LEARNER)
+
+    def _trim_heartbeats(self) -> None:
+        """Heartbeats before the newest one read are history: actors may append without MAXLEN."""
+        if self._heartbeat_cursor not in (b"0", "0"):
+            self.link.call(self.r.xtrim, self.keys.heartbeats, minid=self._heartbeat_cursor, approximate=False)
+
     # ---- prompts and weights out -------------------------------------------------------------
 
     def submit_prompts(self, groups: list[PromptGroup]) -> None:
         if not groups:
             return
-        frames = [self.codec.encode(g) for g in groups]
+        waiting = [(g.group_id, self.codec.encode(g)) for g in groups]
+        while waiting:  # a full Redis takes some of a pipeline and refuses the rest: only the rest again
+            landed, waiting, full = self._xadd_pipelined(waiting)
+            self.receipts.added(landed)
+            if full is not None:
+                time.sleep(self.link.pressure(full))
+            elif landed and self.link.full_since is not None:
+                self.link.relieved()
 
+    def _xadd_pipelined(self, items: list[tuple[str, bytes]]):
+        """One pipeline of prompt XADDs: (group id, entry) landed, items refused for memory, an OOM error."""
         def send():
             pipe = self.r.pipeline(transaction=False)
-            for frame in frames:
+            for _, frame in items:
                 pipe.xadd(self.keys.prompts, {"m": frame})
-            return pipe.execute()
-        entries = self.link.call(send)
-        self.receipts.added([(g.group_id, e if isinstance(e, bytes) else e.encode()) for g, e in zip(groups, entries)])
+            return pipe.execute(raise_on_error=False)
+        landed, refused, full = [], [], None
+        for item, reply in zip(items, self.link.call(send)):
+            if isinstance(reply, Exception):
+                if not is_oom(reply):
+                    raise reply
+                refused.append(item)
+                full = reply
+            else:
+                landed.append((item[0], reply if isinstance(reply, bytes) else reply.encode()))
+        return landed, refused, full
 
     def resubmit_prompts(self, groups: list[PromptGroup]) -> None:
         """Also withdraws (acknowledges and deletes, read or not) every entry an earlier learner process
@@ -394,10 +522,20 @@ class RedisLearnerTransport(LearnerTransport):
                 self.codec.rejected[why] += 1
                 log.warning("refused rollout entry %s (group %s from %s): %s", entry_id.decode(),
                             group.group_id[:80], group.actor_id, why)
-                self.link.call(self.r.xack, self.keys.rollouts, LEARNER, entry_id)
+                self._forget(entry_id)
                 self._seen.discard(entry_id)
             else:
                 self._buffer.append((entry_id, group, prompt_entry))
+
+    def _forget(self, entry_id: bytes) -> None:
+        """A rollout entry nobody will use: acknowledged and deleted now, so that a flood of refused
+        entries frees its memory at once (XACK and XDEL are allowed when Redis is full)."""
+        def forget():
+            pipe = self.r.pipeline(transaction=False)
+            pipe.xack(self.keys.rollouts, LEARNER, entry_id)
+            pipe.xdel(self.keys.rollouts, entry_id)
+            pipe.execute()
+        self.link.call(forget)
 
     def _decode(self, entry_id: bytes, fields: dict | None) -> RolloutGroup | None:
         """The entry's rollout; None (acknowledged, or moved to the dead stream) when there is none."""
@@ -418,12 +556,29 @@ class RedisLearnerTransport(LearnerTransport):
 
     def _move_dead(self, key: str, group: str, entry_id: bytes, frame: bytes, stream: str, reason: str,
                    group_id: str, deliveries: int) -> None:
-        def move():
-            pipe = self.r.pipeline(transaction=True)
-            pipe.xadd(self.keys.dead, dead_letter_fields(frame, stream, reason, group_id, deliveries), maxlen=DEAD_KEPT)
+        """Entry out first (acknowledged and deleted: frees memory even when Redis is full), then its
+        bounded record. A full Redis gets no record (waiting for room would stop the reads that free
+        it): the group id is reported from memory and the loss counted."""
+        def remove():
+            pipe = self.r.pipeline(transaction=False)
             pipe.xack(key, group, entry_id)
+            pipe.xdel(key, entry_id)
             pipe.execute()
-        self.link.call(move)
+
+        def record():
+            try:
+                return self.r.xadd(self.keys.dead, dead_letter_fields(frame, stream, reason, group_id, deliveries),
+                                   maxlen=DEAD_KEPT, approximate=True)
+            except ResponseError as err:
+                if not is_oom(err):
+                    raise
+                return None
+        self.link.call(remove)
+        if self.link.call(record) is None:
+            self.num_dead_unrecorded += 1
+            self.num_dead_lettered += 1
+            if group_id:
+                self._dead_unrecorded.append(group_id)
 
     def commit(self) -> None:
         pairs, self._to_ack = self._to_ack, []
@@ -438,7 +593,12 @@ class RedisLearnerTransport(LearnerTransport):
 
     def _trim(self, key: str, group: str) -> None:
         """Drop entries before the oldest one still pending, and never past the read position."""
-        groups = {g["name"].decode(): g for g in self.link.call(self.r.xinfo_groups, key)}
+        try:
+            groups = {g["name"].decode(): g for g in self.link.call(self.r.xinfo_groups, key)}
+        except ResponseError as err:
+            if "no such key" in str(err):  # Redis lost its data; the next read creates the group again
+                return
+            raise
         if group not in groups:
             return
         pending = self.link.call(self.r.xpending, key, group)
@@ -448,26 +608,57 @@ class RedisLearnerTransport(LearnerTransport):
 
     # ---- actors, dead letters, metrics -------------------------------------------------------
 
-    def _poll_heartbeats(self) -> None:
-        """Read new heartbeats; at most every HEARTBEAT_POLL_S, since each step asks several times."""
-        if time.monotonic() - self._last_heartbeat_poll < HEARTBEAT_POLL_S:
+    def _poll_heartbeats(self, force: bool = False) -> None:
+        """Read new heartbeats, then trim them away; at most every HEARTBEAT_POLL_S (each step asks
+        several times) unless forced (Redis is full). Locked: `relieve` may run on another thread."""
+        with self._beats_lock:
+            if not force and time.monotonic() - self._last_heartbeat_poll < HEARTBEAT_POLL_S:
+                return
+            self._last_heartbeat_poll = time.monotonic()
+            reply = self.link.call(self.r.xread, {self.keys.heartbeats: self._heartbeat_cursor},
+                                   count=HEARTBEATS_KEPT)
+            now = time.monotonic()
+            entries = reply[0][1] if reply else []
+            bad = []
+            for entry_id, fields in entries:
+                self._heartbeat_cursor = entry_id
+                try:
+                    self._on_heartbeat(self.codec.decode(fields.get(b"m", b""), expect=Heartbeat), now)
+                except WireError as err:
+                    bad.append((entry_id, err))
+            if bad:  # one line per poll: a flood of bad entries must not become a flood of log lines
+                log.warning("rejected %d heartbeat entries, the last %s: %s", len(bad), bad[-1][0].decode(), bad[-1][1])
+            if entries:
+                self._trim_heartbeats()
+            self._forget_silent(now)
+
+    def _on_heartbeat(self, beat: Heartbeat, now: float) -> None:
+        """Track a live actor; a new id beyond broker.max_actors is refused and counted (heartbeats from ever
+        new ids must not grow the table without bound)."""
+        if beat.actor_id not in self._actors and len(self._actors) >= self.max_actors:
+            self.codec.rejected["too_many_actors"] += 1
             return
-        self._last_heartbeat_poll = time.monotonic()
-        reply = self.link.call(self.r.xread, {self.keys.heartbeats: self._heartbeat_cursor}, count=HEARTBEATS_KEPT)
-        now = time.monotonic()
-        for entry_id, fields in (reply[0][1] if reply else []):
-            self._heartbeat_cursor = entry_id
-            try:
-                beat = self.codec.decode(fields.get(b"m", b""), expect=Heartbeat)
-            except WireError as err:
-                log.warning("rejected heartbeat entry %s: %s", entry_id.decode(), err)
-                continue
-            if beat.hello:
+        if beat.hello:
+            if len(self._joins) < self.max_actors:
                 self._joins.append(ActorJoin(beat.actor_id, beat.version, self._latest_version))
-                log.info("actor %s joined (engine %s, weight version %d, latest announced %d)",
-                         beat.actor_id, beat.engine, beat.version, self._latest_version)
-            self._actors[beat.actor_id] = ActorInfo(beat.actor_id, beat.version, beat.engine, beat.outstanding,
-                                                    beat.num_generated_tokens, beat.weight_swap_paused_s, now)
+            self._log_hello(beat, now)
+        self._actors[beat.actor_id] = ActorInfo(beat.actor_id, beat.version, beat.engine, beat.outstanding,
+                                                beat.num_generated_tokens, beat.weight_swap_paused_s, now)
+
+    def _log_hello(self, beat: Heartbeat, now: float) -> None:
+        """Logged when the id is new or its engine changed, and at most every HELLO_LOG_INTERVAL_S per id:
+        hellos repeated at the allowed rate must not fill the learner's log."""
+        engine = str(beat.engine)[:ENGINE_LOG_CHARS]
+        before = self._hello_logged.get(beat.actor_id)
+        if before is not None and (before[0] == engine or now - before[1] < HELLO_LOG_INTERVAL_S):
+            return
+        if len(self._hello_logged) >= self.max_actors and beat.actor_id not in self._hello_logged:
+            self._hello_logged = {a: v for a, v in self._hello_logged.items() if a in self._actors}
+        self._hello_logged[beat.actor_id] = (engine, now)
+        log.info("actor %s joined (engine %s, weight version %d, latest announced %d)",
+                 beat.actor_id, engine, beat.version, self._latest_version)
+
+    def _forget_silent(self, now: float) -> None:
         for actor_id, info in list(self._actors.items()):
             if now - info.last_seen > self.actor_timeout_s:
                 log.warning("actor %s silent for %.1f s; its prompts go to others after %d ms idle",
@@ -476,11 +667,13 @@ class RedisLearnerTransport(LearnerTransport):
 
     def actors(self) -> dict[str, ActorInfo]:
         self._poll_heartbeats()
-        return dict(self._actors)
+        with self._beats_lock:
+            return dict(self._actors)
 
     def take_joins(self) -> list[ActorJoin]:
         self._poll_heartbeats()
-        joins, self._joins = self._joins, []
+        with self._beats_lock:
+            joins, self._joins = self._joins, []
         return joins
 
     def take_dead_letters(self) -> list[str]:
@@ -492,7 +685,7 @@ class RedisLearnerTransport(LearnerTransport):
                             "prompts", "max_deliveries", group_id, times)
             self.receipts.acknowledge([entry])
         reply = self.link.call(self.r.xread, {self.keys.dead: self._dead_cursor}, count=1000)
-        ids = []
+        ids, self._dead_unrecorded = self._dead_unrecorded, []
         for entry_id, fields in (reply[0][1] if reply else []):
             self._dead_cursor = entry_id
             self.num_dead_lettered += 1
@@ -502,7 +695,8 @@ class RedisLearnerTransport(LearnerTransport):
 
     def metrics(self) -> dict[str, float]:
         out = {"broker/live_actors": float(len(self.actors())), "broker/dead_lettered": float(self.num_dead_lettered),
-               "broker/reconnects": float(self.link.reconnects)}
+               "broker/reconnects": float(self.link.reconnects), "broker/redis_oom_waits": float(self.link.oom_waits),
+               "broker/dead_unrecorded": float(self.num_dead_unrecorded)}
         for key, group, name in ((self.keys.prompts, ACTORS, "prompt"), (self.keys.rollouts, LEARNER, "rollout")):
             for g in self.link.call(self.r.xinfo_groups, key):
                 if g["name"].decode() == group:

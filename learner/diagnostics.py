@@ -9,7 +9,6 @@ and covers the whole run).
 """
 from __future__ import annotations
 
-import logging
 import math
 from collections import Counter
 from collections.abc import Callable
@@ -19,8 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from tidal.broker.schema import RolloutGroup
+from tidal.learner.tracking import redacting_logger
 
-log = logging.getLogger(__name__)
+log = redacting_logger(__name__)  # a figure that failed to reach MLflow names its URL
 
 
 @dataclass

@@ -215,7 +215,7 @@ class Learner:
                 "val_pass_rate_by_version": {str(k): v for k, v in sorted(results.items())},
                 "steps": self.version, "samples": self.accounting.totals["samples"],
                 "gen_tokens": self.accounting.totals["gen_tokens"], "wall_s": self.accounting.wall_s(),
-                "mlflow_run_id": tracker.run_id, "mlflow_uri": tracker.uri,
+                "mlflow_run_id": tracker.run_id, "mlflow_uri": tracker.shown_uri,
                 "rejected_frames": broker["broker/rejected_frames"], "broker": broker,  # as at shutdown
                 "stopped_early": self.stopped_early, "groups_by_actor": dict(self.accounting.by_actor),
                 "groups": dict(self.book.counts), "outstanding_groups": sorted(self.book.outstanding)}

@@ -5,6 +5,9 @@ plus a JSON-lines file in the run directory that the launcher's progress bar fol
 Where MLflow is: `tracking.uri`, else $MLFLOW_TRACKING_URI, else a sqlite file in the run
 directory (its artifacts beside it), so a run works with no server and lands on the team's
 server when the environment names one.
+
+Credentials in a URI (`user:password@`, `?token=...`) never leave this module unredacted: params,
+config.yaml, summary.json and log lines carry `redact_uri(...)`; only the MLflow client gets the URI.
 """
 from __future__ import annotations
 
@@ -12,18 +15,45 @@ import json
 import logging
 import math
 import os
+import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from tidal.config import RunConfig, TrackingConfig, flatten, to_yaml
+from tidal.config import RunConfig, TrackingConfig, flatten, load_config, redact_uri, redacted_config, to_yaml
 
-log = logging.getLogger(__name__)
 DEFAULT_EXPERIMENT = "tidal"
 EXPERIMENT_KIND = "mlflow.experimentKind"
 MAX_BATCH_METRICS = 1000  # the most metrics MLflow's log_batch takes
+URI_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+
+
+def scrub_uris(text: str) -> str:
+    """Every URI inside `text` redacted: MLflow's errors quote the URL they failed on."""
+    return URI_IN_TEXT.sub(lambda found: redact_uri(found.group(0)), text)
+
+
+class RedactingFilter(logging.Filter):
+    """Redacts URIs in a record's message and in its traceback, before any handler formats it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = scrub_uris(record.getMessage()), None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = scrub_uris(logging.Formatter().formatException(record.exc_info))
+        return True
+
+
+def redacting_logger(name: str) -> logging.Logger:
+    """The module logger of a place that may log MLflow's errors (and with them its URI)."""
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, RedactingFilter) for f in logger.filters):
+        logger.addFilter(RedactingFilter())
+    return logger
+
+
+log = redacting_logger(__name__)
 
 
 def tracking_uri(cfg: TrackingConfig, run_dir: Path) -> str:
@@ -72,7 +102,8 @@ class Tracker:
 
         self._mlflow = mlflow
         self.run_dir = run_dir
-        self.uri = tracking_uri(cfg, run_dir)
+        self.uri = tracking_uri(cfg, run_dir)  # only for MLflow's client: it may hold credentials
+        self.shown_uri = redact_uri(self.uri)
         use_store(self.uri, experiment_name(cfg), run_dir / "artifacts")
         system = cfg.system_metrics_interval_s > 0
         if system:
@@ -99,12 +130,12 @@ class Tracker:
 
     def log_config(self, cfg: RunConfig, split=None) -> None:
         """A new run's params (the flattened config), tags, config.yaml and dataset."""
-        params = flatten(cfg)
+        params = flatten(redacted_config(cfg))
         items = list(params.items())
         for i in range(0, len(items), 100):  # log_batch takes at most 100 params
             self._mlflow.log_params(dict(items[i:i + 100]))
         self._mlflow.set_tags(run_tags(cfg))
-        self._mlflow.log_text(to_yaml(cfg), "config.yaml")
+        self._mlflow.log_text(to_yaml(redacted_config(cfg)), "config.yaml")
         if split is not None:
             self.log_dataset(cfg, split)
 
@@ -128,7 +159,7 @@ class Tracker:
 
     def log_resumed_config(self, cfg: RunConfig, version: int) -> None:
         """Params are immutable in a run; a resume records its (possibly changed) config as an artifact."""
-        self._mlflow.log_text(to_yaml(cfg), f"config-resumed-at-{version}.yaml")
+        self._mlflow.log_text(to_yaml(redacted_config(cfg)), f"config-resumed-at-{version}.yaml")
         self._mlflow.set_tag("tidal.resumed_at", str(version))
 
     def log_artifacts(self, folder: Path, name: str) -> None:
@@ -196,7 +227,7 @@ class Tracker:
                 raise
             log.exception("metrics of the failed run did not all reach MLflow")  # the run's own error matters more
         self._writer.shutdown()
-        summary = {**summary, "mlflow_run_id": self.run_id, "mlflow_uri": self.uri}
+        summary = {**summary, "mlflow_run_id": self.run_id, "mlflow_uri": self.shown_uri}
         self._mlflow.log_dict(summary, "summary.json")
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self._jsonl.flush()
@@ -219,9 +250,18 @@ def log_final_logs(run_dir: Path) -> None:
         return
     s = json.loads(summary.read_text())
     try:
-        MlflowClient(s["mlflow_uri"]).log_artifacts(s["mlflow_run_id"], str(logs), "logs")
+        MlflowClient(run_tracking_uri(run_dir, s["mlflow_uri"])).log_artifacts(s["mlflow_run_id"], str(logs), "logs")
     except Exception as err:  # the run is over; its logs are still in the run directory
         log.warning("could not log %s to MLflow run %s: %s", logs, s.get("mlflow_run_id"), err)
+
+
+def run_tracking_uri(run_dir: Path, shown: str) -> str:
+    """The URI, credentials included, that the run's config resolves to (summary.json shows it
+    redacted); `shown` where the run directory has no config."""
+    config = run_dir / "config.yaml"
+    if not config.is_file():
+        return shown
+    return tracking_uri(load_config(config).tracking, run_dir)
 
 
 def _dataset_source(task, path: str, context: str):

@@ -1,5 +1,6 @@
 """The Redis ACL users of k8s/ on a real redis-server: each role may send exactly the commands its
-transport sends, and the server flags and probes of the manifest work."""
+transport sends, each actor has a password of its own (another actor's does not open it, and one can
+be revoked alone), KEDA reads only the lag, and the server flags and probes of the manifest work."""
 import re
 import secrets
 import shutil
@@ -49,6 +50,26 @@ LEARNER_MAY_NOT = ["GET other", "XADD other:tiny:prompts * g 1", "XADD tidal:oth
                    "DEL tidal:other:rollouts", "FLUSHALL", "FLUSHDB", "SWAPDB 0 1", "KEYS *", "SCAN 0",
                    "CONFIG SET appendfsync no", "SHUTDOWN", "ACL SETUSER someone on", "DEBUG SLEEP 0",
                    "SET tidal:tiny:prompts x", "EVAL return 1 0"]
+KEDA_MAY = ["XINFO GROUPS tidal:tiny:prompts", "XLEN tidal:tiny:prompts", "PING"]
+KEDA_MAY_NOT = ["XADD tidal:tiny:prompts * g 1", "XREADGROUP GROUP actors k STREAMS tidal:tiny:prompts >",
+                "XRANGE tidal:tiny:prompts - +", "XINFO GROUPS tidal:tiny:rollouts", "XADD tidal:tiny:rollouts * m 1",
+                "XREAD STREAMS tidal:tiny:weights 0-0", "DEL tidal:tiny:prompts", "KEYS *", "CONFIG GET *"]
+NUM_ACTOR_USERS = 3
+
+
+def client(sock: str, username: str | None = None, password: str | None = None):
+    """No retries: a refused login should fail at once, not after redis-py's backoff."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return redis.Redis(unix_socket_path=sock, username=username, password=password, retry=Retry(NoBackoff(), 0))
+
+
+def actor_password(script, secret: str, pod: str) -> str:
+    """What the actor pod's init container computes: its own password, from the actors' secret."""
+    return subprocess.run(["sh", str(script), "--actor-password", pod], capture_output=True, text=True, check=True,
+                          env={"PATH": "/usr/bin:/bin", "ACTOR_PASSWORD": secret}).stdout.strip()
 
 
 def test_redis_acl_gives_each_role_only_its_commands(tmp_path):
@@ -60,12 +81,18 @@ def test_redis_acl_gives_each_role_only_its_commands(tmp_path):
                            text=True,
                            env={"PATH": "/usr/bin:/bin", "LEARNER_PASSWORD": "short", "ACTOR_PASSWORD": "x" * 20})
     assert short.returncode == 1 and "learner password" in short.stderr
-    passwords = {"learner": secrets.token_hex(16), "actor": secrets.token_hex(16)}
+    secret = {"learner": secrets.token_hex(16), "actor": secrets.token_hex(16), "keda": secrets.token_hex(16)}
     acl = tmp_path / "users.acl"
     subprocess.run(["sh", str(script), str(acl), str(run_config)], check=True, env={
-        "PATH": "/usr/bin:/bin", "LEARNER_PASSWORD": passwords["learner"], "ACTOR_PASSWORD": passwords["actor"]})
+        "PATH": "/usr/bin:/bin", "LEARNER_PASSWORD": secret["learner"], "ACTOR_PASSWORD": secret["actor"],
+        "KEDA_PASSWORD": secret["keda"], "NUM_ACTOR_USERS": str(NUM_ACTOR_USERS), "REVOKED_ACTORS": "tidal-actor-2"})
+    pods = [f"tidal-actor-{i}" for i in range(NUM_ACTOR_USERS)]
+    passwords = {"learner": secret["learner"], "keda": secret["keda"]} | {
+        pod: actor_password(script, secret["actor"], pod) for pod in pods}
+    revoked = pods.pop()  # tidal-actor-2: listed in REVOKED_ACTORS
+    assert len(set(passwords.values())) == len(passwords) and all(len(passwords[pod]) == 64 for pod in pods)
     text = acl.read_text()
-    assert not [pw for pw in passwords.values() if pw in text], "the ACL file must hold hashes only"
+    assert not [pw for pw in [*secret.values(), *passwords.values()] if pw in text], "hashes only in the ACL file"
     acl.write_text(text + "user tester on >tester ~* &* +@all\n")  # ACL DRYRUN needs an admin
 
     # the server flags of the manifest, on a socket in tmp_path instead of the pod's paths
@@ -84,9 +111,19 @@ def test_redis_acl_gives_each_role_only_its_commands(tmp_path):
             time.sleep(0.05)
         sock = str(tmp_path / "redis.sock")
         with pytest.raises(redis.exceptions.RedisError):
-            redis.Redis(unix_socket_path=sock).xadd("tidal:tiny:rollouts", {"g": 1})  # default user is off
+            client(sock).xadd("tidal:tiny:rollouts", {"g": 1})  # default user is off
         for role, pw in passwords.items():
-            assert redis.Redis(unix_socket_path=sock, username=role, password=pw).ping()
+            if role != revoked:
+                assert redis.Redis(unix_socket_path=sock, username=role, password=pw).ping()
+        # one actor's password opens no other actor's user, nor the learner's; the actors' secret opens none;
+        # a revoked actor is shut out
+        beyond = f"tidal-actor-{NUM_ACTOR_USERS}"  # no such user
+        refused = [(revoked, passwords[revoked]), ("tidal-actor-0", passwords["tidal-actor-1"]),
+                   ("learner", passwords["tidal-actor-0"]), ("tidal-actor-0", secret["actor"]),
+                   (beyond, actor_password(script, secret["actor"], beyond))]
+        for user, pw in refused:
+            with pytest.raises(redis.AuthenticationError):
+                client(sock, user, pw).ping()
         # the pod's probe, pointed at this server: passes with the password the pod gets, not without
         probe = container["readinessProbe"]["exec"]["command"]
         assert probe == container["livenessProbe"]["exec"]["command"] == container["startupProbe"]["exec"]["command"]
@@ -94,7 +131,7 @@ def test_redis_acl_gives_each_role_only_its_commands(tmp_path):
             here = [probe[0], probe[1], probe[2].replace("redis-cli", f"redis-cli -s {sock}")]
             auth_env = next(e for e in container["env"] if e["name"] == "REDISCLI_AUTH")
             assert auth_env["valueFrom"]["secretKeyRef"]["key"] == "learner-password"
-            for password, code in ((passwords["learner"], 0), (passwords["actor"], 1)):
+            for password, code in ((passwords["learner"], 0), (passwords["tidal-actor-0"], 1)):
                 assert subprocess.run(here, env={"PATH": "/usr/bin:/bin", "REDISCLI_AUTH": password},
                                       capture_output=True).returncode == code
         tester = redis.Redis(unix_socket_path=sock, username="tester", password="tester")
@@ -102,10 +139,17 @@ def test_redis_acl_gives_each_role_only_its_commands(tmp_path):
         def allowed(user: str, command: str) -> bool:
             return tester.execute_command("ACL", "DRYRUN", user, *command.split()) in (b"OK", "OK")
 
-        table = [("actor", c, True) for c in ACTOR_MAY] + [("actor", c, False) for c in ACTOR_MAY_NOT] + \
-                [("learner", c, True) for c in LEARNER_MAY] + [("learner", c, False) for c in LEARNER_MAY_NOT]
+        table = [(pod, c, True) for pod in pods for c in ACTOR_MAY] + \
+                [(pod, c, False) for pod in pods for c in ACTOR_MAY_NOT] + \
+                [("learner", c, True) for c in LEARNER_MAY] + [("learner", c, False) for c in LEARNER_MAY_NOT] + \
+                [("keda", c, True) for c in KEDA_MAY] + [("keda", c, False) for c in KEDA_MAY_NOT]
         wrong = [(user, c, want) for user, c, want in table if allowed(user, c) != want]
         assert not wrong, f"(user, command, should be allowed) that Redis decides otherwise: {wrong}"
+        # revoking one actor leaves the others working
+        tester.execute_command("ACL", "SETUSER", "tidal-actor-1", "off")
+        with pytest.raises(redis.AuthenticationError):
+            client(sock, "tidal-actor-1", passwords["tidal-actor-1"]).ping()
+        assert client(sock, "tidal-actor-0", passwords["tidal-actor-0"]).ping()
     finally:
         server.terminate()
         server.wait(timeout=10)

@@ -216,3 +216,50 @@ def test_a_refused_chunk_costs_only_its_own_steps_and_its_error_is_raised_once(t
     tracker.settle()  # raised once: the writes after it go on
     history = tracker._client.get_metric_history(tracker.run_id, "learner/version")
     assert sorted((m.step, m.value) for m in history) == [(1, 1.0), (2, 2.0), (4, 4.0)]
+
+
+def test_credentials_in_the_config_reach_mlflow_redacted(tracker, tmp_path):
+    """tracking.uri and broker.redis.url with a password and a token: neither is in the params nor
+    in the config.yaml artifact (both showed them before)."""
+    from dataclasses import replace
+
+    from mlflow.tracking import MlflowClient
+
+    from tidal.config import RedisConfig, RunConfig
+
+    cfg = RunConfig()
+    cfg = replace(cfg, tracking=replace(cfg.tracking, uri="https://bob:hunter22@mlflow.example/?token=t0k3n"),
+                  broker=replace(cfg.broker, redis=RedisConfig(url="redis://learner:hunter22@redis:6379/0")))
+    tracker.log_config(cfg)
+    client = MlflowClient(tracker.uri)
+    params = client.get_run(tracker.run_id).data.params
+    assert params["tracking.uri"] == "https://bob:***@mlflow.example/?token=***"
+    path = client.download_artifacts(tracker.run_id, "config.yaml", str(tmp_path / "dl"))
+    shown = open(path).read() + repr(params)
+    assert "hunter22" not in shown and "t0k3n" not in shown
+    assert "https://bob:***@mlflow.example/?token=***" in shown
+
+
+def test_the_launchers_last_word_finds_the_store_from_the_runs_config_not_the_redacted_summary(tmp_path):
+    """summary.json shows the URI redacted; the run's logs still reach MLflow through the URI the
+    run's own config.yaml resolves to."""
+    from dataclasses import replace
+
+    from mlflow.tracking import MlflowClient
+
+    from tidal.config import RunConfig, to_yaml
+    from tidal.learner.tracking import Tracker, log_final_logs
+
+    uri = f"sqlite:///{tmp_path}/store.db"
+    cfg = RunConfig()
+    cfg = replace(cfg, tracking=replace(cfg.tracking, uri=uri, system_metrics_interval_s=0))
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    t = Tracker(cfg.tracking, run_dir, "r")
+    t.finish({})
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (run_dir / "summary.json").write_text(json.dumps({**summary, "mlflow_uri": "https://***@elsewhere/"}))
+    (run_dir / "logs" / "actor-0.log").write_text("written after the learner finished\n")
+    log_final_logs(run_dir)
+    assert "actor-0.log" in {f.path.split("/")[-1] for f in MlflowClient(uri).list_artifacts(t.run_id, "logs")}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import hashlib
 import re
 import secrets
 import shutil
@@ -31,6 +32,10 @@ K8S_VERSION = "1.30.0"
 RUN_CONFIG = "/etc/tidal/run.yaml"
 SECRET_ENV = K8S / "base" / "redis.env"
 SECRET_NAME = re.compile(r"pass|secret|token|auth|credential|api_?key", re.IGNORECASE)
+# how each role's container starts `tidal`: an actor first reads its own Redis password from a file
+ACTOR_PASSWORD_FILE = "/run/tidal-redis/password"
+LAUNCH = {"learner": ["tidal"],
+          "actor": ["sh", "-c", f'TIDAL_REDIS_PASSWORD="$(cat {ACTOR_PASSWORD_FILE})" exec tidal "$@"', "tidal"]}
 # ids that are not bare "gpu": conftest skips items with a "gpu" keyword on machines without CUDA
 for_each_overlay = pytest.mark.parametrize("overlay", OVERLAYS, ids=[f"overlays/{o}" for o in OVERLAYS])
 
@@ -123,15 +128,20 @@ def schema_problems(objects: list[dict]) -> list[str]:
 
 
 def pod_problems(objects: list[dict]) -> list[str]:
-    """Resources, probes, non-root, secret env vars: for every container of every workload."""
+    """Resources, probes, non-root, read-only root, secret env vars: for every container of every
+    workload; no service-account token in any pod."""
     problems = []
     for obj in objects:
         spec = pod_spec(obj)
         if spec is None:
             continue
         pod_ctx = spec.get("securityContext", {})
+        if spec.get("automountServiceAccountToken") is not False:  # no pod of tidal calls the API server
+            problems.append(f"{obj['kind']}/{obj['metadata']['name']}: mounts a service-account token")
         for is_init, c in containers(spec):
             where = f"{obj['kind']}/{obj['metadata']['name']} container {c['name']}"
+            if c.get("securityContext", {}).get("readOnlyRootFilesystem") is not True:
+                problems.append(f"{where}: root filesystem is writable")
             res = c.get("resources", {})
             for part in ("requests", "limits"):
                 missing = {"cpu", "memory"} - set(res.get(part, {}))
@@ -258,15 +268,21 @@ def test_pods_run_the_launchers_commands_on_the_mounted_config(rendered, overlay
     objects = rendered[overlay]
     spec, container = role_container(objects, role)
     args = container["args"]
-    assert container["command"] == ["tidal"] and args[:2] == [role, RUN_CONFIG]
+    assert container["command"] == LAUNCH[role] and args[:2] == [role, RUN_CONFIG]
     configs, overrides = _split(parse(args))
     assert configs == [RUN_CONFIG]
     index = {"actor": "2", "learner": "1"}[role]  # a learner pod's ordinal is its node rank: 2 nodes at most
     overrides = [o.replace("$(POD_NAME)", f"tidal-{role}-{index}").replace("$(POD_INDEX)", index) for o in overrides]
     cfg = load_config(run_config_of(objects, spec, container, tmp_path), overrides)
-    assert cfg.broker.type.value == "redis" and cfg.broker.redis.username == role
+    # each actor logs in as its own user, the learner as `learner`
+    assert cfg.broker.type.value == "redis" and cfg.broker.redis.username == {"actor": "tidal-actor-2",
+                                                                              "learner": "learner"}[role]
     secrets_env = {e["name"] for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})}
-    assert cfg.broker.redis.password_env in secrets_env
+    if role == "learner":
+        assert cfg.broker.redis.password_env in secrets_env
+    else:  # its own password, from the file its init container wrote, never the actors' secret
+        assert not secrets_env
+        assert f"{cfg.broker.redis.password_env}=\"$(cat {ACTOR_PASSWORD_FILE})\"" in LAUNCH[role][2]
     if role == "actor":
         assert (cfg.actor.id, cfg.actor.index) == ("tidal-actor-2", 2)
         assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
@@ -344,18 +360,95 @@ def selects(selector: dict, labels: dict) -> bool:
     return True
 
 
+# who may open a connection to each workload's pods: the learner's ports (torchrun's store, the ranks'
+# TCPStore, the weight server) and the actors' (NCCL's sockets) only from tidal's own pods; MLflow from
+# the learner and pods labelled as its clients
+MAY_CONNECT = {"redis": {"tidal-learner", "tidal-actor"}, "tidal-learner": {"tidal-learner", "tidal-actor"},
+               "tidal-actor": {"tidal-learner", "tidal-actor"}, "mlflow": {"tidal-learner"}}
+MLFLOW_CLIENT = {"tidal.io/mlflow-client": "true"}
+
+
+def ingress_peers(objects: list[dict], labels: dict) -> list[dict]:
+    """Every peer the NetworkPolicies selecting pods with `labels` admit; a rule without `from`
+    admits everyone, and is returned as an empty peer."""
+    policies = [p for p in objects if p["kind"] == "NetworkPolicy" and selects(p["spec"]["podSelector"], labels)]
+    assert policies and all("Ingress" in p["spec"]["policyTypes"] for p in policies), labels
+    return [peer for p in policies for rule in p["spec"].get("ingress", []) for peer in rule.get("from") or [{}]]
+
+
 @for_each_overlay
-def test_only_learner_and_actor_pods_reach_redis(rendered, overlay):
+def test_every_workload_admits_only_the_pods_that_need_it(rendered, overlay):
     objects = rendered[overlay]
     labels = {o["metadata"]["name"]: o["spec"]["template"]["metadata"]["labels"]
               for o in objects if pod_spec(o) is not None}
-    policies = [p for p in objects
-                if p["kind"] == "NetworkPolicy" and selects(p["spec"]["podSelector"], labels["redis"])]
-    assert policies
-    peers = [peer for p in policies for rule in p["spec"]["ingress"] for peer in rule["from"]]
-    assert all(set(peer) == {"podSelector"} for peer in peers), "no namespace or IP block may reach Redis"
-    admitted = {name for name, lab in labels.items() if any(selects(peer["podSelector"], lab) for peer in peers)}
-    assert admitted == {"tidal-learner", "tidal-actor"}
+    assert set(labels) <= set(MAY_CONNECT), f"a workload without a rule here: {set(labels) - set(MAY_CONNECT)}"
+    for name, own in labels.items():
+        peers = ingress_peers(objects, own)
+        assert all(set(peer) == {"podSelector"} for peer in peers), f"{name}: open to a namespace, IP block or all"
+        admitted = {other for other, lab in labels.items() if any(selects(p["podSelector"], lab) for p in peers)}
+        assert admitted == MAY_CONNECT[name], name
+        clients = [p for p in peers if not selects(p["podSelector"], {})  # a selector matching any pod
+                   and not any(selects(p["podSelector"], lab) for lab in labels.values())]
+        assert [p["podSelector"] for p in clients] == ([{"matchLabels": MLFLOW_CLIENT}] if name == "mlflow" else [])
+    if "mlflow" in labels:
+        policy = next(p for p in objects if p["kind"] == "NetworkPolicy" and p["metadata"]["name"] == "mlflow")
+        assert [port["port"] for rule in policy["spec"]["ingress"] for port in rule["ports"]] == [5000]
+
+
+@for_each_overlay
+def test_writable_paths_are_volumes_under_a_read_only_root(rendered, overlay):
+    """Read-only roots (pod_problems); the health file, HOME and its caches live on an emptyDir at /tmp."""
+    objects = rendered[overlay]
+    for role in ("learner", "actor"):
+        spec, container = role_container(objects, role)
+        volume, _ = volume_of(spec, container, "/tmp/tidal-health")
+        assert volume is not None and "emptyDir" in volume and volume["emptyDir"].get("sizeLimit")
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert volume_of(spec, container, env["HOME"])[0] is volume
+
+
+@for_each_overlay
+def test_learner_and_actors_load_one_pinned_model_snapshot(rendered, overlay, tmp_path):
+    """A Hub model without a revision is whatever `main` is when each pod fetches it: learner and
+    actors could train and sample different weights."""
+    models = {}
+    for role in ("learner", "actor"):
+        cfg = role_config(rendered[overlay], role, tmp_path)
+        if HUB_ID.match(cfg.model.path):
+            assert re.fullmatch(r"[0-9a-f]{40}", cfg.model.revision), f"{overlay} {role}: {cfg.model.revision!r}"
+        models[role] = (cfg.model.path, cfg.model.revision)
+    assert models["learner"] == models["actor"]
+
+
+@for_each_overlay
+def test_each_actor_pod_holds_only_its_own_redis_password(tree, rendered, overlay, tmp_path):
+    """The actors' secret reaches only the init container, which writes the pod's own password (the one
+    redis-users.sh gives the pod's Redis user) to a memory volume the actor reads."""
+    _, passwords = tree
+    spec, container = role_container(rendered[overlay], "actor")
+    init = next(c for c in spec["initContainers"] if c["name"] == "redis-password")
+    refs = [e["valueFrom"]["secretKeyRef"]["key"] for e in init["env"] if "secretKeyRef" in e.get("valueFrom", {})]
+    assert refs == ["actor-password"]
+    assert not [e for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})]
+    init_volume, init_mount = volume_of(spec, init, ACTOR_PASSWORD_FILE)
+    volume, mount = volume_of(spec, container, ACTOR_PASSWORD_FILE)
+    assert volume is init_volume and volume["emptyDir"]["medium"] == "Memory" and mount["readOnly"] is True
+    script, _ = volume_of(spec, init, "/opt/redis-users/redis-users.sh")
+    assert script["configMap"]["name"].startswith("tidal-redis-users")
+    # the init container's command, run here with the script and the volume in tmp_path
+    command = init["command"][2].replace("/opt/redis-users", str(K8S / "base")).replace(
+        str(Path(ACTOR_PASSWORD_FILE).parent), str(tmp_path))
+    subprocess.run(["sh", "-c", command], check=True, env={"PATH": "/usr/bin:/bin", "POD_NAME": "tidal-actor-2",
+                                                           "ACTOR_PASSWORD": passwords["actor-password"]})
+    own = (tmp_path / "password").read_text().strip()
+    acl = tmp_path / "users.acl"
+    subprocess.run(["sh", str(K8S / "base" / "redis-users.sh"), str(acl), str(K8S / "base" / "run.yaml")], check=True,
+                   capture_output=True, env={"PATH": "/usr/bin:/bin", "LEARNER_PASSWORD": passwords["learner-password"],
+                                             "ACTOR_PASSWORD": passwords["actor-password"]})
+    words = [line.split() for line in acl.read_text().splitlines()]
+    users = {w[1]: w[3] for w in words if w[3].startswith("#")}  # user -> "#<sha256 of its password>"
+    assert users["tidal-actor-2"] == "#" + hashlib.sha256(own.encode()).hexdigest()
+    assert users["tidal-actor-1"] != users["tidal-actor-2"] and passwords["actor-password"] not in own
 
 
 def test_cpu_demo_finds_the_model_baked_into_the_image(rendered):
@@ -412,6 +505,10 @@ def test_keda_autoscaling_stays_outside_the_validated_overlays(tree):
     secret = next(o for o in objects if o["kind"] == "Secret")
     assert all(ref["name"] == secret["metadata"]["name"] and ref["key"] in secret["data"]
                for ref in auth["spec"]["secretTargetRef"])
+    # KEDA reads with its own read-only user, never with the learner's password
+    refs = {ref["parameter"]: ref["key"] for ref in auth["spec"]["secretTargetRef"]}
+    assert refs == {"username": "keda-username", "password": "keda-password"}
+    assert base64.b64decode(secret["data"]["keda-username"]).decode() == "keda"
     cfg = load_config(K8S / "base" / "run.yaml")
     trigger = scaled["spec"]["triggers"][0]
     assert scaled["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "tidal-actor"}

@@ -182,3 +182,28 @@ def test_pathological_answer_times_out_and_the_helper_is_replaced():
         assert verifier.counts == {math_task.CORRECT: 2, math_task.TIMEOUT: 1}
     finally:
         verifier.close()
+
+
+def test_the_helpers_address_space_is_capped():
+    """Without a cap, an answer whose evaluation needs gigabytes grows the helper until the actor's
+    pod is out of memory; with it, the allocation fails inside the helper (MemoryError: scored 0)."""
+    verifier = math_task.Verifier()
+    try:
+        assert verifier.judge("3", "\\boxed{3}") == math_task.CORRECT
+        limits = Path(f"/proc/{verifier._helper.proc.pid}/limits").read_text()
+        soft = next(line.split()[3] for line in limits.splitlines() if line.startswith("Max address space"))
+        assert soft != "unlimited" and int(soft) < 8 << 30
+    finally:
+        verifier.close()
+
+
+def test_a_capped_process_fails_a_huge_allocation_and_goes_on():
+    import subprocess
+    import sys
+
+    probe = ("from tidal.tasks.math import cap_memory\n"
+             "cap_memory(64 << 20)\n"
+             "try:\n    bytearray(1 << 30)\nexcept MemoryError:\n    print('refused')\n"
+             "print(len(bytearray(1 << 20)))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["refused", str(1 << 20)], out.stderr

@@ -8,7 +8,10 @@ math-verify bounds its own work with signal.alarm, which works only on a process
 (elsewhere `parse` and `verify` raise ValueError even with raise_on_error=False) and only in whole
 seconds. So the checks run in a helper process with the library's timeouts off, and the caller, on
 any thread, waits at most REWARD_TIMEOUT_S: a helper stuck on an input like `\\boxed{9^{9^{9^{9}}}}`
-is killed and replaced, and that sample scores 0. Outcomes are counted (`reward_stats`); timeouts
+is killed and replaced, and that sample scores 0. Its address space is capped too (RLIMIT_AS,
+HELPER_MEMORY_HEADROOM_BYTES above what it holds once math-verify is imported), so an answer whose
+evaluation would need gigabytes fails with MemoryError (scored 0) instead of taking the actor's
+memory with it. Outcomes are counted (`reward_stats`); timeouts
 and other oddities are logged at 1, 10, 100, ... occurrences.
 
 For real models only (model.path): the tiny model is character-level and built for arithmetic.
@@ -39,6 +42,8 @@ STARTUP_TIMEOUT_S = 120.0  # a fresh helper imports sympy and math-verify (secon
 # CPU seconds one check may use before the kernel ends the helper: the parent kills it long before,
 # unless the parent itself was killed mid-check (a stuck check ignores its stdin closing).
 HELPER_CPU_LIMIT_S = 30
+# Address space one helper may grow by once math-verify is imported: a legitimate check needs a few MiB.
+HELPER_MEMORY_HEADROOM_BYTES = 1 << 30
 # Only the completion's tail is checked: the final answer is there, and extraction regexes over a
 # runaway completion would cost more than sampling it did.
 MAX_COMPLETION_CHARS = 4000
@@ -186,7 +191,8 @@ class _Helper:
         # engine state, and spawn re-runs the caller's __main__, which breaks unguarded scripts.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", f"from tidal.tasks.math import _serve; _serve({write_fd}, {HELPER_CPU_LIMIT_S})"],
+            [sys.executable, "-c", "from tidal.tasks.math import _serve; "
+             f"_serve({write_fd}, {HELPER_CPU_LIMIT_S}, {HELPER_MEMORY_HEADROOM_BYTES})"],
             stdin=subprocess.PIPE, pass_fds=(write_fd,), env=env, bufsize=0)
         os.close(write_fd)
         self.replies = os.fdopen(read_fd, "rb", buffering=0)
@@ -223,7 +229,26 @@ def _is_power_of_ten(n: int) -> bool:
     return n == 1
 
 
-def _serve(reply_fd: int, cpu_limit_s: int) -> None:
+def cap_memory(headroom_bytes: int) -> int:
+    """Cap this process's address space at what it maps now plus `headroom_bytes` (soft and hard: the
+    helper cannot raise it again); returns the cap. Where the mapped size is unknown, the cap is the
+    headroom alone above 1 GiB."""
+    import resource
+
+    try:
+        with open("/proc/self/statm") as statm:
+            mapped = int(statm.read().split()[0]) * resource.getpagesize()
+    except OSError:
+        mapped = 1 << 30
+    limit = mapped + headroom_bytes
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    return limit
+
+
+def _serve(reply_fd: int, cpu_limit_s: int, memory_headroom_bytes: int = HELPER_MEMORY_HEADROOM_BYTES) -> None:
     """The helper process: a reply line per request line ([gold, completion] as JSON) until stdin closes."""
     import resource
 
@@ -236,6 +261,7 @@ def _serve(reply_fd: int, cpu_limit_s: int) -> None:
     except Exception as err:
         replies.write(f"cannot import math_verify: {type(err).__name__}: {err}".replace("\n", " ") + "\n")
         return
+    cap_memory(memory_headroom_bytes)  # after the imports: only the checks are bounded
     replies.write("ready\n")
     _, hard = resource.getrlimit(resource.RLIMIT_CPU)
     for line in sys.stdin.buffer:  # ends when the parent closes the pipe or exits
