@@ -8,7 +8,7 @@
              of the same bytes; for the run's model and a ~100M-parameter one, on an engine per
              CPU linear layout (actor.vllm.cpu_linear), with each layout's generation speed
              (goal: tcp pause <= 2x memcpy and below the file channel's)
-    broker   groups/s through tidal's transports (zmq, redis) against raw pyzmq / redis-py moving
+    broker   groups/s through tidal's transports (zmq, zmq with CURVE as runs use it, redis) against raw pyzmq / redis-py moving
              the same frames the same way (request, grant, rollout, acknowledge)        goal >= 0.5
 
 `python bench/ratios.py` (all three, about 5 minutes on 2 cores); `--only broker` for one. Each
@@ -292,7 +292,11 @@ def bench_broker(args) -> None:
     groups, rollouts = frames_for(args.groups, args.sample_tokens, args.n)
     codec = WireCodec(64 << 20)
     prompt_frames = [codec.encode(g) for g in groups]
-    kinds = ["zmq"]
+    from tidal.broker.zmq_keys import generate
+
+    # zmq-curve: tidal's transport as `tidal run` uses it (CURVE on) against the same plain pyzmq
+    kinds = ["zmq", "zmq-curve"]
+    curve = ["broker.zmq.curve=on", f"broker.zmq.keys_dir={generate(tempfile.mkdtemp(prefix='bench-keys-'), [ACTOR_ID])}"]
     server = None
     if shutil.which("redis-server"):
         from conftest import RedisServer
@@ -302,11 +306,12 @@ def bench_broker(args) -> None:
         kinds.append("redis")
     try:
         for kind in kinds:
-            overrides = [f"broker.type={kind}"] + ([f"broker.redis.url={server.url}"] if kind == "redis" else [])
+            overrides = {"zmq": ["broker.type=zmq"], "zmq-curve": ["broker.type=zmq", *curve],
+                         "redis": ["broker.type=redis", f"broker.redis.url={server.url if server else ''}"]}[kind]
             cfg = load_config("configs/tiny.yaml", overrides)
             raw, ours = [], []
             for _ in range(args.repeats):
-                if kind == "zmq":
+                if kind.startswith("zmq"):
                     raw.append(raw_zmq_run(prompt_frames, spec))
                 else:
                     raw.append(raw_redis_run(server.url, prompt_frames, spec))
