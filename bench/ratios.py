@@ -8,8 +8,9 @@
              of the same bytes; for the run's model and a ~100M-parameter one, on an engine per
              CPU linear layout (actor.vllm.cpu_linear), with each layout's generation speed
              (goal: tcp pause <= 2x memcpy and below the file channel's)
-    broker   groups/s through tidal's transports (zmq, zmq with CURVE as runs use it, redis) against raw pyzmq / redis-py moving
-             the same frames the same way (request, grant, rollout, acknowledge)        goal >= 0.5
+    broker   groups/s through tidal's transports (zmq; zmq with CURVE, as every run has it; redis) against
+             raw pyzmq / redis-py moving the same frames the same way (request, grant, rollout,
+             acknowledge)                                                                  goal >= 0.5
 
 `python bench/ratios.py` (all three, about 5 minutes on 2 cores); `--only broker` for one. Each
 pair is measured in alternation, `--repeats` times, and the medians compared.
@@ -296,7 +297,8 @@ def bench_broker(args) -> None:
 
     # zmq-curve: tidal's transport as `tidal run` uses it (CURVE on) against the same plain pyzmq
     kinds = ["zmq", "zmq-curve"]
-    curve = ["broker.zmq.curve=on", f"broker.zmq.keys_dir={generate(tempfile.mkdtemp(prefix='bench-keys-'), [ACTOR_ID])}"]
+    keys = generate(tempfile.mkdtemp(prefix="bench-keys-"), [ACTOR_ID])
+    curve = ["broker.zmq.curve=on", f"broker.zmq.keys_dir={keys}"]
     server = None
     if shutil.which("redis-server"):
         from conftest import RedisServer

@@ -42,7 +42,15 @@ import redis
 import redis.asyncio
 from redis.exceptions import OutOfMemoryError, ResponseError
 
-from tidal.broker.base import ActorInfo, ActorJoin, ActorTransport, LearnerTransport, common_metrics
+from tidal.broker.base import (
+    ActorInfo,
+    ActorJoin,
+    ActorTransport,
+    HelloLog,
+    LearnerTransport,
+    actor_info,
+    common_metrics,
+)
 from tidal.broker.schema import Heartbeat, PromptGroup, RolloutGroup, Shutdown, WeightUpdate, WireCodec, WireError
 from tidal.config import RedisConfig, redact_uri
 
@@ -56,8 +64,6 @@ DEAD_KEPT_FULL = 1000  # dead letters kept while Redis is full
 READ_COUNT = 64
 HEARTBEAT_POLL_S = 0.5
 DEAD_FRAME_BYTES = 64 * 1024  # a dead letter keeps this much of its frame: enough to diagnose, bounded
-HELLO_LOG_INTERVAL_S = 60.0  # an actor's hello is logged on change, and at most this often per id
-ENGINE_LOG_CHARS = 512  # of an engine description in a log line
 PRESSURE_DELAY_S = (0.05, 2.0)  # first and longest wait while Redis is full
 
 
@@ -361,7 +367,7 @@ class RedisLearnerTransport(LearnerTransport):
         self._last_heartbeat_poll = 0.0
         self._heartbeat_cursor = b"0"
         self._actors: dict[str, ActorInfo] = {}
-        self._hello_logged: dict[str, tuple[str, float]] = {}  # actor id -> (engine as logged, when)
+        self.hellos = HelloLog(self.max_actors)
         self._joins: list[ActorJoin] = []
         self._latest_version = 0
 
@@ -641,22 +647,8 @@ class RedisLearnerTransport(LearnerTransport):
         if beat.hello:
             if len(self._joins) < self.max_actors:
                 self._joins.append(ActorJoin(beat.actor_id, beat.version, self._latest_version))
-            self._log_hello(beat, now)
-        self._actors[beat.actor_id] = ActorInfo(beat.actor_id, beat.version, beat.engine, beat.outstanding,
-                                                beat.num_generated_tokens, beat.weight_swap_paused_s, now)
-
-    def _log_hello(self, beat: Heartbeat, now: float) -> None:
-        """Logged when the id is new or its engine changed, and at most every HELLO_LOG_INTERVAL_S per id:
-        hellos repeated at the allowed rate must not fill the learner's log."""
-        engine = str(beat.engine)[:ENGINE_LOG_CHARS]
-        before = self._hello_logged.get(beat.actor_id)
-        if before is not None and (before[0] == engine or now - before[1] < HELLO_LOG_INTERVAL_S):
-            return
-        if len(self._hello_logged) >= self.max_actors and beat.actor_id not in self._hello_logged:
-            self._hello_logged = {a: v for a, v in self._hello_logged.items() if a in self._actors}
-        self._hello_logged[beat.actor_id] = (engine, now)
-        log.info("actor %s joined (engine %s, weight version %d, latest announced %d)",
-                 beat.actor_id, engine, beat.version, self._latest_version)
+            self.hellos.hello(beat, self._latest_version)
+        self._actors[beat.actor_id] = actor_info(beat, self._actors.get(beat.actor_id), now)
 
     def _forget_silent(self, now: float) -> None:
         for actor_id, info in list(self._actors.items()):

@@ -11,7 +11,9 @@ a secret key readable by another user would let that user be the learner or an a
 """
 from __future__ import annotations
 
+import logging
 import os
+import stat
 from pathlib import Path
 
 import msgspec
@@ -20,6 +22,9 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from tidal.broker.schema import ActorId
+from tidal.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 LEARNER = "learner"
 FOLDER_MODE, FILE_MODE = 0o700, 0o600
@@ -48,7 +53,7 @@ def generate(keys_dir: str | Path, actor_ids: list[str]) -> Path:
         if not (keys_dir / "actors" / f"{actor_id}.key_secret").exists():
             zmq.auth.create_certificates(keys_dir / "actors", actor_id)
     for path in (*keys_dir.glob("*.key*"), *(keys_dir / "actors").glob("*.key*")):
-        path.chmod(FILE_MODE)  # written under the process umask; unreadable to others from here on
+        _tighten(path, FILE_MODE)  # written under the process umask; unreadable to others from here on
     return keys_dir
 
 
@@ -62,7 +67,19 @@ def _private_folder(path: Path) -> None:
     # made 0700 (mkdir's mode is cut by the umask, and an existing folder keeps its own): the key files
     # are written before their chmod, so nobody else may look inside in between
     path.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
-    os.chmod(path, FOLDER_MODE)
+    _tighten(path, FOLDER_MODE)
+
+
+def _tighten(path: Path, mode: int) -> None:
+    """Nobody but the owner may read `path`. Left alone when it is already so (a read-only mount of keys,
+    a folder of another user's that this process may only read); a warning when it cannot be made so."""
+    if not stat.S_IMODE(path.stat().st_mode) & 0o077:
+        return
+    try:
+        os.chmod(path, mode)
+    except OSError as err:
+        log.warning("%s is readable by other users and cannot be made private (%s): anyone who reads a "
+                    "secret key there can act as the learner or that actor", path, err)
 
 
 def _load(path: Path) -> tuple[bytes, bytes | None]:
@@ -74,7 +91,7 @@ def _load(path: Path) -> tuple[bytes, bytes | None]:
 def require_keys(keys_dir: str, host: str) -> None:
     """CURVE is on: a role started on its own needs the keys folder named (`tidal run` names its own)."""
     if not keys_dir:
-        raise ValueError(f"broker.zmq.keys_dir is empty but CURVE is on (broker.zmq.curve, host {host}): name "
+        raise ConfigError(f"broker.zmq.keys_dir is empty but CURVE is on (broker.zmq.curve, host {host}): name "
                          "the keys folder (make one with `tidal keys DIR --actors actor-0,actor-1`)")
 
 

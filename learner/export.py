@@ -57,10 +57,13 @@ def check_export_folder(out: Path, run_dir: Path, force: bool) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} exists and is not a folder: choose another --out")
     entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
     if entries and not force:
-        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
         raise ValueError(f"{out} is not empty ({len(entries)} entries: {shown}): pass --force to replace its "
                          "contents, or --out a new folder")
+    if entries and "config.json" not in entries:  # --force replaces an earlier export, not any folder
+        raise ValueError(f"{out} is not a model folder (no config.json; {len(entries)} entries: {shown}): --force "
+                         "replaces only an earlier export; --out a new folder")
 
 
 class FinalExport:

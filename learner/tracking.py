@@ -39,9 +39,14 @@ class RedactingFilter(logging.Filter):
     """Redacts URIs in a record's message and in its traceback, before any handler formats it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.msg, record.args = scrub_uris(record.getMessage()), None
-        if record.exc_info and not record.exc_text:
-            record.exc_text = scrub_uris(logging.Formatter().formatException(record.exc_info))
+        try:
+            record.msg, record.args = scrub_uris(record.getMessage()), None
+            if record.exc_info and not record.exc_text:
+                record.exc_text = scrub_uris(logging.Formatter().formatException(record.exc_info))
+            if record.stack_info:
+                record.stack_info = scrub_uris(record.stack_info)
+        except Exception:  # noqa: BLE001 - a record that cannot be formatted goes on to logging's own error path
+            pass
         return True
 
 

@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("run_dir", help="the run's folder (runs/<name>-<time>)")
     export.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
     export.add_argument("--out", help="where the model folder goes, new or empty (default: RUN_DIR/model-step-<N>)")
-    export.add_argument("--force", action="store_true", help="replace the contents of a --out folder that is not empty")
+    export.add_argument("--force", action="store_true", help="replace an earlier export (a folder with config.json)")
     sub.add_parser("presets", help="list the presets shipped with tidal (tidal run <name>)")
     keys = sub.add_parser("keys", help="make CURVE keys for the ZeroMQ transport (broker.zmq.keys_dir)")
     keys.add_argument("dir", help="the keys folder (existing keys are kept)")
@@ -166,6 +166,8 @@ def _role(cfg, args) -> int:
     if args.command == "config":
         return _config(cfg, args)
     get_task(cfg.task.name)  # an unknown or incomplete task is one line, before any process starts
+    if args.command in ("learner", "actor"):
+        _check_keys(cfg)
     if args.command == "run":
         from tidal.launcher import launch
 
@@ -187,6 +189,17 @@ def _role(cfg, args) -> int:
         return _plan_batch(cfg, args)
     print(cfg.model.path)
     return 0
+
+
+def _check_keys(cfg) -> None:
+    """A role started on its own with CURVE on names its keys folder (`tidal run` makes keys of its own):
+    one line naming broker.zmq.keys_dir, before any engine or model is built."""
+    from tidal.config import BrokerType, curve_on
+
+    if cfg.broker.type is BrokerType.zmq and curve_on(cfg.broker.zmq):
+        from tidal.broker.zmq_keys import require_keys
+
+        require_keys(cfg.broker.zmq.keys_dir, cfg.broker.zmq.host)
 
 
 def _config(cfg, args) -> int:

@@ -313,6 +313,9 @@ class WeightsConfig:
     # version is received in the pause, each piece loaded as it lands)
     max_sends: int = 2  # nccl, gloo: versions the learner sends at once (to that many actors); nccl holds
     # 2 GPU buffers of a bucket plus the largest tensor for each
+    # connections the learner's weight port serves at once, a thread each (tcp: fetches in flight; gloo, nccl:
+    # one per joined actor for the whole run, plus its workers' brief rendezvous ones); more are told to retry
+    max_connections: int = 256
 
 
 @dataclass(frozen=True)

@@ -510,12 +510,13 @@ def learner_host_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
 
 
 def actor_host_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
-    """Host memory of one actor (a pod's): a whole version staged in /dev/shm for the tcp channel, and
-    the actor's process, vLLM's engine core and its workers."""
+    """Host memory of one actor (a pod's): a whole version staged in /dev/shm for the tcp and file
+    channels (the file channel checks a copy of its own, so a rewrite after the check loads nothing),
+    and the actor's process, vLLM's engine core and its workers."""
     terms = []
-    if cfg.weights.transport == "tcp":
-        terms.append(Term("weights staged in /dev/shm (tcp)", payload_bytes(cfg, shape), ("weights.transport",),
-                          shm=True))
+    if cfg.weights.transport in ("tcp", "file"):
+        terms.append(Term(f"weights staged in /dev/shm ({cfg.weights.transport})", payload_bytes(cfg, shape),
+                          ("weights.transport",), shm=True))
     processes = 1 + cfg.actor.vllm.tensor_parallel_size
     terms.append(Term(f"actor processes ({processes})", processes * HOST_PROCESS_BYTES,
                       ("actor.vllm.tensor_parallel_size",)))

@@ -54,7 +54,7 @@ def check_transport(cfg: WeightsConfig) -> str:
         raise ValueError(f"config key 'weights.transport' = {cfg.transport!r}: expected one of {', '.join(TRANSPORTS)}")
     rules = {"bucket_mib": (cfg.bucket_mib >= 1, ">= 1"), "tcp_timeout_s": (cfg.tcp_timeout_s > 0, "> 0"),
              "tcp_port": (0 <= cfg.tcp_port < 65536, "in 0..65535 (0: any free port)"),
-             "max_sends": (cfg.max_sends >= 1, ">= 1")}
+             "max_sends": (cfg.max_sends >= 1, ">= 1"), "max_connections": (cfg.max_connections >= 1, ">= 1")}
     for key, (ok, expected) in rules.items():
         if cfg.transport != file.NAME and not ok:  # the network channels' keys
             raise ValueError(f"config key 'weights.{key}' = {getattr(cfg, key)!r}: must be {expected}")

@@ -156,7 +156,7 @@ class GroupServer(WeightServer):
     request_bytes = CONTROL.size
 
     def __init__(self, plane: Plane, cfg: WeightsConfig):
-        super().__init__(cfg.tcp_host, cfg.tcp_port, max(cfg.keep, 2), cfg.tcp_timeout_s)
+        super().__init__(cfg.tcp_host, cfg.tcp_port, max(cfg.keep, 2), cfg.tcp_timeout_s, cfg.max_connections)
         self.plane, self.bucket_bytes = plane, cfg.bucket_mib << 20
         self.device_index = plane.device_index()  # the training thread's device, where sends start from
         self.groups: set = set()  # every live group, aborted on close

@@ -6,7 +6,7 @@ with a status, a body).
     accept loop (one thread) ─► a new connection waits, holding no thread, for its first request
                                 (at most AUTH_TIMEOUT_S; at most MAX_PENDING wait, the oldest dropped first)
                              ─► the token compared in constant time: wrong ─► a short refusal, closed
-                             ─► a handler thread while fewer than `max_connections` run; else refused at once
+                             ─► a handler thread while fewer than weights.max_connections run; else "busy", at once
     handler                  ─► the channel's requests (each carrying the token) until the actor goes away
 
 A stranger's connection gets nothing (no version list either) and never holds a handler thread, so
@@ -36,7 +36,6 @@ QUEUED = 4  # no body: the request waits its turn, the answer follows (sent ever
 UNAUTHORIZED, BUSY = 5, 6  # the request lacks the token; the learner serves as many connections as it will
 MAX_ERROR_BYTES = 4096
 KEEPALIVE_S = 30  # an idle connection's peer is probed after this long, then every this long, 4 times
-MAX_CONNECTIONS = 256  # authenticated connections served at once (a thread each); more are refused at once
 MAX_PENDING = 128  # connections still to present their token; beyond it the oldest is dropped
 AUTH_TIMEOUT_S = 5.0  # a connection presents its token within this long (or weights.tcp_timeout_s if shorter)
 ACCEPT_BACKOFF_S = 0.1  # after a failed accept (no descriptor or thread left), before the next one
@@ -78,9 +77,8 @@ class WeightServer:
     magic: bytes = MAGIC  # what a request of this channel opens with
     request_bytes: int = 4 + TOKEN_BYTES  # the size of a request of this channel (its first one included)
 
-    def __init__(self, host: str, port: int, keep: int, timeout_s: float, max_connections: int | None = None):
+    def __init__(self, host: str, port: int, keep: int, timeout_s: float, max_connections: int):
         self.keep, self.timeout_s = keep, timeout_s
-        max_connections = max_connections or MAX_CONNECTIONS
         self.token = new_token()
         self.versions: dict[int, Served] = {}
         self.retired: list[Served] = []  # no longer served; reusable once no connection sends them
@@ -189,7 +187,9 @@ class WeightServer:
         return self.listener.accept()[0]
 
     def _read_opening(self, conn: socket.socket) -> None:
-        pending = self.pending[conn]
+        pending = self.pending.get(conn)
+        if pending is None:  # dropped for a newer connection earlier in this same pass of the loop
+            return
         try:
             data = conn.recv(self.request_bytes - len(pending.received))
         except BlockingIOError:
@@ -346,8 +346,16 @@ def read_reply(conn: socket.socket, where: str, max_bytes: int = MAX_ERROR_BYTES
         raise ValueError(f"{where}: a {nbytes}-byte reply, more than the {max_bytes} expected")
     body = recv_exact(conn, nbytes) if nbytes else b""
     if status != OK:
-        raise ValueError(f"{where}: refused by the learner: {body.decode(errors='replace')}")
+        raise refusal(where, status, body.decode(errors="replace"))
     return body
+
+
+def refusal(where: str, status: int, reason: str) -> Exception:
+    """The error for a refused request. A learner serving its most connections, or one that no longer
+    knows the token (a restarted learner process: its next announcement carries a new one), says
+    nothing about this actor: ConnectionError, which an actor does not count toward giving up."""
+    message = f"{where}: refused by the learner: {reason}"
+    return ConnectionError(message) if status in (BUSY, UNAUTHORIZED) else ValueError(message)
 
 
 def recv_exact(sock: socket.socket, nbytes: int, eof_ok: bool = False) -> bytes | None:

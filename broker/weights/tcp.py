@@ -94,7 +94,7 @@ class TcpPublisher(WeightPublisher):
         self.incarnation = incarnation
         self.dtype = dtype  # what the actors serve: weights travel in it (master weights may be fp32)
         self.bucket_bytes = cfg.bucket_mib << 20
-        self.server = TcpServer(cfg.tcp_host, cfg.tcp_port, max(cfg.keep, 2), cfg.tcp_timeout_s)
+        self.server = TcpServer(cfg.tcp_host, cfg.tcp_port, max(cfg.keep, 2), cfg.tcp_timeout_s, cfg.max_connections)
         self.location = server.advertised(cfg, self.server.port)
 
     def publish(self, named_tensors, version: int, entries=None) -> WeightUpdate:
@@ -137,7 +137,7 @@ def fetch_bucket(sock: socket.socket, update: WeightUpdate, index: int, into: me
         raise ValueError(f"{where}: not a tidal weight server's reply (magic {magic!r})")
     if status != OK:
         reason = recv_exact(sock, min(nbytes, server.MAX_ERROR_BYTES)).decode(errors="replace")
-        raise ValueError(f"{where}: refused by the learner: {reason}")
+        raise server.refusal(where, status, reason)
     if nbytes != len(into):
         raise ValueError(f"{where}: the learner sends {nbytes} bytes, the announcement says {len(into)}: refused")
     server.recv_into_exact(sock, into)

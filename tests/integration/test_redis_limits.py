@@ -109,7 +109,7 @@ def test_hellos_are_logged_on_change_only_and_new_ids_are_bounded(redis_server, 
     codec = WireCodec(1 << 20)
     r = redis.Redis.from_url(redis_server.url)
     engine = {"model": "m" * 1000, "pid": "1"}
-    with caplog.at_level(logging.INFO, logger="tidal.broker.redis_transport"):
+    with caplog.at_level(logging.INFO, logger="tidal.broker.base"):
         for _ in range(50):  # the same hello again and again
             r.xadd("tidal:t:heartbeats", {"m": codec.encode(Heartbeat(actor_id="a0", version=0, engine=engine,
                                                                       outstanding=[], hello=True))})

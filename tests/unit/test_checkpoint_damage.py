@@ -382,7 +382,13 @@ def test_export_refuses_a_folder_that_is_not_empty_unless_forced(exportable, tmp
     err = capsys.readouterr().err
     assert "is not empty (1 entries: notes.txt)" in err and "--force" in err
     assert (out / "notes.txt").read_text() == "keep me" and (tmp_path / "mine.tmp").is_dir()
-    assert main(["export", str(exportable), "--out", str(out), "--force"]) == 0
+    assert main(["export", str(exportable), "--out", str(out), "--force"]) == 2  # not a model folder: kept
+    assert "is not a model folder (no config.json" in capsys.readouterr().err
+    assert (out / "notes.txt").read_text() == "keep me"
+    assert main(["export", str(exportable), "--out", str(out / "model")]) == 0
+    (out / "model" / "notes.txt").write_text("an earlier export's folder")
+    assert main(["export", str(exportable), "--out", str(out / "model"), "--force"]) == 0  # an export replaced
+    out = out / "model"
     assert (out / "model.safetensors").is_file() and not (out / "notes.txt").exists()
     assert (tmp_path / "mine.tmp").is_dir()
     assert main(["export", str(exportable), "--out", str(exportable), "--force"]) == 2  # never the run itself

@@ -59,3 +59,21 @@ def test_log_lines_and_tracebacks_of_mlflow_errors_hold_no_credentials(caplog):
             tracking.log.exception("metrics of the failed run did not all reach MLflow")
     assert "x.png" in caplog.text and "API request to https://bob:***@mlflow.example" in caplog.text  # the traceback
     assert not [s for s in SECRETS if s in caplog.text]
+
+
+def test_a_log_call_with_wrong_arguments_does_not_raise_where_it_is_made():
+    """The redacting filter formats the message itself; one that cannot be formatted goes on to logging's
+    own error handling, as without the filter, instead of raising in the tracker's code."""
+    import logging
+
+    from tidal.learner import tracking
+
+    raised = []
+    logging.raiseExceptions, before = False, logging.raiseExceptions
+    try:
+        tracking.log.warning("two values %s %s", "only one")  # a bug in a log call must not stop a run
+    except TypeError as err:
+        raised.append(err)
+    finally:
+        logging.raiseExceptions = before
+    assert raised == []

@@ -46,6 +46,24 @@ def test_keys_made_before_are_tightened(tmp_path):
     assert mode(keys) == 0o700 and mode(keys / "actors" / "actor-0.key_secret") == 0o600
 
 
+def test_keys_that_cannot_be_changed_are_used_as_they_are(tmp_path, monkeypatch, caplog):
+    """A mounted keys folder (read-only, perhaps another user's): private keys are read without a chmod;
+    loose ones give a warning naming the file, not a crash."""
+    keys = generate(tmp_path / "keys", ["actor-0"])
+    (keys / "actors" / "actor-0.key").chmod(0o400)
+
+    def refused(path, mode):
+        raise PermissionError(f"read-only file system: {path}")
+    monkeypatch.setattr(os, "chmod", refused)
+    assert generate(keys, ["actor-0"]) == keys  # nothing to change, nothing changed
+    monkeypatch.undo()
+    (keys / "learner.key").chmod(0o644)
+    monkeypatch.setattr(os, "chmod", refused)
+    with caplog.at_level(logging.WARNING, logger="tidal.broker.zmq_keys"):
+        generate(keys, ["actor-0"])
+    assert [r.getMessage().split(" is ")[0] for r in caplog.records] == [str(keys / "learner.key")]
+
+
 @pytest.mark.parametrize("bad", ["../x", "a/b", "", "x" * 129, ".hidden", "/abs"])
 def test_an_actor_id_that_could_leave_the_keys_folder_is_refused_before_anything_is_written(tmp_path, bad):
     with pytest.raises(ValueError, match="actor id .* is not valid"):
@@ -76,6 +94,15 @@ def test_a_learner_with_curve_on_and_no_keys_folder_names_the_key():
     with pytest.raises(RuntimeError) as err:
         ZmqLearnerTransport(BrokerConfig(zmq=ZmqConfig(curve="on")), WireCodec(4096))
     assert "broker.zmq.keys_dir is empty but CURVE is on" in str(err.value.__cause__)
+
+
+@pytest.mark.parametrize("role", ["learner", "actor"])
+def test_a_role_started_alone_with_curve_on_and_no_keys_is_one_line_naming_the_key(role, capsys):
+    from tidal.cli import main
+
+    assert main([role, "configs/tiny.yaml", "broker.zmq.curve=on"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tidal {role}: broker.zmq.keys_dir is empty but CURVE is on") and err.count("\n") == 1
 
 
 # ---- identity: a routing id belongs to its key -------------------------------------------------------
