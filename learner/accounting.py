@@ -42,6 +42,7 @@ class Accounting:
         samples = max(stats["samples"], 1)
         return {
             "rollout/reward": stats["reward_sum"] / samples,
+            "rollout/reward_mean": stats["task_reward_sum"] / samples,
             "rollout/pass_rate": stats["passed"] / samples,
             "rollout/truncation_rate": stats["truncated"] / samples,
             "rollout/completion_len_mean": stats["gen_tokens"] / samples,

@@ -8,6 +8,7 @@ those tokens out of the loss, or keep them (counted either way). Tokens the acto
 """
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ import numpy as np
 from tidal.broker.schema import RolloutGroup
 from tidal.config import OnViolation, StalenessConfig
 from tidal.learner.groups import GroupBook
+
+log = logging.getLogger(__name__)
 
 
 def staleness_masks(lags: list[np.ndarray], max_lag: int, on_violation: OnViolation,
@@ -48,15 +51,18 @@ class StepBatch:
 
 class Admission:
     def __init__(self, staleness: StalenessConfig, zero_variance_filter: bool, book: GroupBook,
-                 on_rewards: Callable[[int, list[float]], None]):
+                 on_rewards: Callable[[int, list[float]], None], pass_threshold: float = 1.0):
         self.staleness = staleness
         self.zero_variance_filter = zero_variance_filter
         self.book = book
         self.on_rewards = on_rewards  # (prompt id, task rewards): the curriculum's evidence
+        self.pass_threshold = pass_threshold  # task.pass_threshold: a task reward at least this is a pass
+        self.warned_reward_scale = False
 
     def add(self, group: RolloutGroup, batch: StepBatch, version: int) -> None:
         """Count a claimed training group and append it to `batch` unless it is stale or carries no signal."""
-        count(group, batch.stats)
+        count(group, batch.stats, self.pass_threshold)
+        self._check_reward_scale(group)
         # every received group is evidence of the prompt's pass rate, discarded ones included
         self.on_rewards(self._released_prompt_id(group), [s.task_reward for s in group.samples])
         generated = [~s.injected_mask() for s in group.samples]  # interruption text is never trained
@@ -77,6 +83,20 @@ class Admission:
         batch.groups.append(group)
         batch.token_masks.append([m & g for m, g in zip(masks, generated)])  # aggregation counts real tokens only
 
+    def _check_reward_scale(self, group: RolloutGroup) -> None:
+        """Warn once when rewards other than 0 and 1 meet the default threshold 1.0, which assumes them:
+        partial credit or summed components then pass only at 1.0 or more, which may not be what was meant."""
+        if self.warned_reward_scale or self.pass_threshold != 1.0:
+            return
+        other = next((s.task_reward for s in group.samples if s.task_reward not in (0.0, 1.0)), None)
+        if other is None:
+            return
+        self.warned_reward_scale = True
+        log.warning("task rewards are not all 0 or 1 (prompt %d got %.4g) and task.pass_threshold is 1.0: a sample "
+                    "counts as a pass only at a reward >= 1.0 (rollout/pass_rate, eval/pass_rate, the curriculum); "
+                    "set task.pass_threshold to the reward a solved sample earns if that is not it",
+                    group.prompt_id, other)
+
     def _released_prompt_id(self, group: RolloutGroup) -> int:
         """The prompt the book released this group for: the curriculum never takes a rollout's word for
         it (the validator refuses one naming another; this holds without a validator too). A group the
@@ -86,15 +106,17 @@ class Admission:
         return group.prompt_id if release is None or release.prompt_id is None else release.prompt_id
 
 
-def count(group: RolloutGroup, stats: Counter) -> None:
-    """The rollout counts every received training group adds to its step's metrics."""
+def count(group: RolloutGroup, stats: Counter, pass_threshold: float = 1.0) -> None:
+    """The rollout counts every received training group adds to its step's metrics; a sample passes when
+    its task reward is at least `pass_threshold` (task.pass_threshold)."""
     stats["groups_received"] += 1
     stats["samples"] += len(group.samples)
     stats["gen_tokens"] += sum(s.num_tokens for s in group.samples)
     stats["prompt_tokens"] += len(group.samples) * group.num_prompt_tokens
     stats["truncated"] += sum(s.finish_reason == "length" for s in group.samples)
     stats["reward_sum"] += sum(s.reward for s in group.samples)
-    stats["passed"] += sum(s.task_reward > 0 for s in group.samples)  # pass rates ignore length shaping
+    stats["task_reward_sum"] += sum(s.task_reward for s in group.samples)
+    stats["passed"] += sum(s.task_reward >= pass_threshold for s in group.samples)  # pass rates ignore length shaping
     stats["multi_version_samples"] += sum(s.spans_several_versions() for s in group.samples)
     stats["injected_tokens"] += sum(end - start for s in group.samples for start, end in s.injected_spans)
     episodes = [s.episode for s in group.samples if s.episode is not None]

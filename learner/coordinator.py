@@ -60,7 +60,7 @@ def longest_interrupted(sampling: SamplingParams) -> int:
 class Coordinator:
     def __init__(self, plan: DispatchPlan, train: list[Prompt], val: list[Prompt],
                  encode: Callable[[Prompt], list[int]], transport: LearnerTransport, book: GroupBook,
-                 curriculum: CurriculumConfig | None = None):
+                 curriculum: CurriculumConfig | None = None, pass_threshold: float = 1.0):
         self.plan = plan
         self.train = train
         self.val = val
@@ -71,7 +71,8 @@ class Coordinator:
         self.epoch = 0
         self.cursor = 0
         self.num_released = 0
-        self.curriculum = Curriculum(curriculum, (p.prompt_id for p in train))  # None: every prompt stays
+        self.pass_threshold = pass_threshold  # task.pass_threshold: a pass, for the curriculum and evaluations
+        self.curriculum = Curriculum(curriculum, (p.prompt_id for p in train), pass_threshold)  # None: all stay
         self._order = self._shuffled(0)
         self._cond = book.cond  # one lock: releases wait for slots the book frees
         self._stop = False
@@ -100,8 +101,10 @@ class Coordinator:
             raise CurriculumExhausted(
                 f"every training prompt ({len(self.curriculum.prompt_ids)}) is retired by the curriculum "
                 f"(pass rate >= curriculum.retire_pass_rate = {cfg.retire_pass_rate} over curriculum.min_samples = "
-                f"{cfg.min_samples} samples) and no group is left in flight at version {self.version}: nothing to "
-                "train on. Lower learner.max_steps, raise curriculum.retire_pass_rate or set curriculum.enabled=false")
+                f"{cfg.min_samples} samples, a pass being a reward >= task.pass_threshold = {self.pass_threshold}) "
+                f"and no group is left in flight at version {self.version}: nothing to "
+                "train on. Lower learner.max_steps, raise curriculum.retire_pass_rate or task.pass_threshold, "
+                "or set curriculum.enabled=false")
 
     # ---- called by the training loop ---------------------------------------------------------
 

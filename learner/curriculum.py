@@ -2,10 +2,12 @@
 
 Each training prompt's pass rate is learned from the rewards of the groups the learner receives
 (trained or discarded alike: an all-pass group is dropped as zero-variance, and it is exactly
-the evidence that retires a prompt). A prompt is judged once `curriculum.min_samples` of its
-samples arrived since its last judgement; a pass rate >= `curriculum.retire_pass_rate` retires
-it for good, also after a resume. When every prompt is retired nothing more is released, and
-the learner ends the run (`CurriculumExhausted`) once the groups in flight are consumed.
+the evidence that retires a prompt). A sample passes when its task reward is at least
+`task.pass_threshold`, whatever the reward's scale: partial credit for a wrong answer is no pass.
+A prompt is judged once `curriculum.min_samples` of its samples arrived since its last judgement;
+a pass rate >= `curriculum.retire_pass_rate` retires it for good, also after a resume. When every
+prompt is retired nothing more is released, and the learner ends the run (`CurriculumExhausted`)
+once the groups in flight are consumed.
 """
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ class CurriculumExhausted(RuntimeError):
 class Curriculum:
     """No-positive-resampling: per-prompt pass counts and the set of retired prompt ids."""
 
-    def __init__(self, cfg: CurriculumConfig | None, prompt_ids: Iterable[int]):
+    def __init__(self, cfg: CurriculumConfig | None, prompt_ids: Iterable[int], pass_threshold: float = 1.0):
         self.cfg = cfg
+        self.pass_threshold = pass_threshold  # task.pass_threshold: a reward at least this is a pass
         self.prompt_ids = frozenset(prompt_ids)
         self.pending: dict[int, list[int]] = {}  # prompt id -> [samples, passes] since its last judgement
         self.retired: set[int] = set()
@@ -45,7 +48,7 @@ class Curriculum:
             return None  # eval or unknown prompts never count; a retired prompt's late groups change nothing
         counts = self.pending.setdefault(prompt_id, [0, 0])
         counts[0] += len(rewards)
-        counts[1] += sum(r > 0 for r in rewards)  # tidal's rewards are 1 for a pass, 0 otherwise
+        counts[1] += sum(r >= self.pass_threshold for r in rewards)
         if counts[0] < self.cfg.min_samples:
             return None
         samples, passes = self.pending.pop(prompt_id)  # judged: the next judgement uses fresh samples

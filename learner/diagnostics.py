@@ -59,9 +59,10 @@ class Diagnostics:
     """Collects what the tables and figures show, and hands them to the tracker."""
 
     def __init__(self, tracker, decode: Callable[[np.ndarray], str], run_dir: Path, completions_per_eval: int,
-                 max_lag: int, reservoir: int = 4096):
+                 max_lag: int, reservoir: int = 4096, pass_threshold: float = 1.0):
         self.tracker, self.decode, self.run_dir = tracker, decode, run_dir
         self.completions_per_eval, self.max_lag = completions_per_eval, max_lag
+        self.pass_threshold = pass_threshold  # task.pass_threshold: the table's `passed` column and the figure's label
         self.shown: dict[int, set[str]] = {}  # eval version -> group ids whose completions go in its table
         self.rows: dict[int, list[dict]] = {}
         self.lags: Counter = Counter()  # lag -> trained tokens, over every step of this process
@@ -85,7 +86,8 @@ class Diagnostics:
             versions = [v for v, _, _ in sample.version_spans] or [group.eval_version]
             self.rows[group.eval_version].append({
                 "prompt": prompt, "completion": self.decode(tokens),
-                "reward": sample.task_reward, "finish_reason": sample.finish_reason, "tokens": sample.num_tokens,
+                "reward": sample.task_reward, "passed": sample.task_reward >= self.pass_threshold,
+                "finish_reason": sample.finish_reason, "tokens": sample.num_tokens,
                 "versions": f"{min(versions)}..{max(versions)}" if min(versions) != max(versions) else str(versions[0]),
                 "lag": arrived_at - min(versions), "actor": group.actor_id, "group_id": group.group_id,
                 **(self.episode_columns(sample, tokens) if sample.episode is not None else {})})
@@ -159,7 +161,8 @@ class Diagnostics:
             return None
         fig, (by_step, by_compute) = _subplots(2)
         by_step.plot(steps, rate, "o-", ms=4)
-        by_step.set(xlabel="optimizer step", ylabel="val pass rate", ylim=(0, 1.02), title="pass rate by step")
+        label = f"val pass rate (reward >= {self.pass_threshold:g})"  # eval/pass_rate, never the mean reward
+        by_step.set(xlabel="optimizer step", ylabel=label, ylim=(0, 1.02), title="pass rate by step")
         c, r = np.asarray(compute, dtype=float), np.asarray(rate, dtype=float)
         by_compute.scatter(c[c > 0], r[c > 0], s=16, label="measured")
         try:
@@ -172,7 +175,7 @@ class Diagnostics:
             by_compute.set_title("pass rate by compute (ScaleRL sigmoid)")
         if (c > 0).any():
             by_compute.set_xscale("log")
-        by_compute.set(xlabel="compute (FLOPs)", ylabel="val pass rate", ylim=(0, 1.02))
+        by_compute.set(xlabel="compute (FLOPs)", ylabel=label, ylim=(0, 1.02))
         by_compute.legend(fontsize=7)
         return fig
 

@@ -1,4 +1,6 @@
-"""Evaluations: held-out prompts sampled at a version, aggregated into a mean@n pass rate.
+"""Evaluations: held-out prompts sampled at a version, aggregated into a mean@n pass rate (the share of
+samples whose task reward is at least `task.pass_threshold`) and the mean task reward, two metrics that
+agree only when every reward is 0 or 1.
 
 Eval groups travel the same path as training groups (actors generate and score them) and carry
 the version they evaluate (`eval_version`); the learner never trains on them. An evaluation is
@@ -19,9 +21,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Evaluations:
+    pass_threshold: float = 1.0  # task.pass_threshold: a task reward at least this is a pass
     expected: dict[int, dict[str, Release]] = field(default_factory=dict)  # version -> groups still to come
     rewards: dict[int, list[float]] = field(default_factory=dict)
     results: dict[int, float] = field(default_factory=dict)  # version -> pass rate
+    reward_means: dict[int, float] = field(default_factory=dict)  # version -> mean task reward
     dispatched: set[str] = field(default_factory=set)  # every eval group id this learner sent out
     multi_version_samples: int = 0  # eval samples whose tokens came from two or more weight versions
 
@@ -41,7 +45,7 @@ class Evaluations:
         if pending is None or group.group_id not in pending:
             return None  # a duplicate or a leftover of an earlier run
         del pending[group.group_id]
-        self.rewards[group.eval_version].extend(s.reward for s in group.samples)
+        self.rewards[group.eval_version].extend(s.task_reward for s in group.samples)
         return None if pending else self._complete(group.eval_version)
 
     def drop(self, group_id: str) -> tuple[int, float] | None:
@@ -65,18 +69,21 @@ class Evaluations:
         return [v for v, pending in self.expected.items() if pending]
 
     def _complete(self, version: int) -> tuple[int, float]:
-        self.results[version] = float(np.mean(self.rewards[version]))
+        rewards = np.asarray(self.rewards[version], dtype=np.float64)
+        self.results[version] = float(np.mean(rewards >= self.pass_threshold))
+        self.reward_means[version] = float(np.mean(rewards))
         return version, self.results[version]
 
 
 class Evaluator:
     """The evaluation flow of a run: dispatch held-out prompts at a version, check and collect what
-    comes back, log each completed pass rate on the compute axes."""
+    comes back, log each completed pass rate and mean reward on the compute axes. A pass is what the
+    coordinator's curriculum counts as one too (task.pass_threshold)."""
 
     def __init__(self, coordinator, metrics_log, accounting, transport, validator=None, diagnostics=None):
         self.coordinator, self.metrics_log, self.accounting = coordinator, metrics_log, accounting
         self.transport, self.validator, self.diagnostics = transport, validator, diagnostics
-        self.evals = Evaluations()
+        self.evals = Evaluations(pass_threshold=coordinator.pass_threshold)
 
     def start(self, version: int) -> None:
         if version not in self.evals.expected:
@@ -108,8 +115,10 @@ class Evaluator:
     def report(self, done: tuple[int, float] | None) -> None:
         if done is not None:
             version, pass_rate = done
-            log.info("eval at version %d: val pass rate %.3f", version, pass_rate)
+            reward_mean = self.evals.reward_means[version]
+            log.info("eval at version %d: val pass rate %.3f (reward >= %g), mean reward %.3f", version, pass_rate,
+                     self.evals.pass_threshold, reward_mean)
             axis = self.accounting.compute_axis(len(self.transport.actors()))
-            self.metrics_log.log({"eval/pass_rate": pass_rate} | axis, step=version)
+            self.metrics_log.log({"eval/pass_rate": pass_rate, "eval/reward_mean": reward_mean} | axis, step=version)
             if self.diagnostics is not None:
                 self.diagnostics.eval_done(version)

@@ -90,18 +90,22 @@ def build(cfg: RunConfig, checkpoint: Path | None = None, transport=None, fresh_
     ledger_offset = state["coordinator"]["ledger_offset"] if state else 0  # the ledger describes the live lineage
     book = GroupBook(Ledger(run_dir / "ledger.jsonl", truncate_to=ledger_offset))
     encode = PromptEncoder.for_task(tokenizer, cfg.task, cfg.env.kwargs)
-    coordinator = Coordinator(plan, split.train, split.val, encode, transport, book, cfg.curriculum)
+    coordinator = Coordinator(plan, split.train, split.val, encode, transport, book, cfg.curriculum,
+                              cfg.task.pass_threshold)
     tracker = Tracker(cfg.tracking, run_dir, cfg.name, resume_run_id=state["mlflow_run_id"] if state else None)
     parts = LearnerParts(
         trainer=trainer, coordinator=coordinator, book=book, transport=transport, tracker=tracker,
-        admission=Admission(cfg.staleness, cfg.learner.zero_variance_filter, book, coordinator.on_rewards),
+        admission=Admission(cfg.staleness, cfg.learner.zero_variance_filter, book, coordinator.on_rewards,
+                            cfg.task.pass_threshold),
         publisher=build_publisher(cfg.weights, uuid.uuid4().hex[:12], cfg.name, cfg.run_dir, cfg.model.dtype),
         checkpointer=checkpointer, ranks=BatchBroadcast(accelerator), push=WeightPush.of(cfg),
         validator=Validator(trainer.policy.config.vocab_size, cfg.sampling.max_tokens, cfg.task.reward_range),
         export=FinalExport(cfg.model.path, run_dir / "model", cfg.model.dtype,
                            tracker if cfg.tracking.log_model else None),
         diagnostics=Diagnostics(tracker, lambda ids: tokenizer.decode(ids.tolist()), run_dir,
-                                cfg.tracking.eval_completions, cfg.staleness.max_lag))
+                                cfg.tracking.eval_completions, cfg.staleness.max_lag,
+                                pass_threshold=cfg.task.pass_threshold),
+        num_actors=cfg.actor.replicas)
     learner = Learner(cfg.learner, cfg.eval, parts)
     if state is None:
         tracker.log_config(cfg, split)

@@ -136,6 +136,9 @@ class TaskConfig:
     chat_template: bool = False
     system_prompt: str = ""  # with a chat template: a system message first, unless the prompt's messages have one
     reward_range: tuple[float, float] = (-10.0, 10.0)  # rollouts with a reward outside it are rejected, counted
+    # a sample passes when its reward is at least this: pass rates (rollout/, eval/), the curriculum and the
+    # scaling fits count passes by it, whatever the reward's scale (partial credit, summed components)
+    pass_threshold: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -332,7 +335,8 @@ class CurriculumConfig:
     """No-positive-resampling: the coordinator stops dispatching prompts the policy solves."""
 
     enabled: bool = True  # track each training prompt's pass rate and retire solved prompts
-    retire_pass_rate: float = 0.9  # retire a prompt once this fraction of its samples pass (reward > 0)
+    # retire a prompt once this fraction of its samples pass (reward >= task.pass_threshold)
+    retire_pass_rate: float = 0.9
     min_samples: int = 8  # a prompt is judged once this many of its samples arrived since its last judgement
 
 
@@ -446,6 +450,9 @@ class TrackingConfig:
     system_metrics_interval_s: float = 10.0
     eval_completions: int = 64  # sample completions logged as a table at every evaluation; 0 = none
     log_model: bool = False  # also log the final exported model folder (run_dir/model) to MLflow, as artifacts
+    # one line in the learner's log every this many steps (step, reward, pass rate, loss, lag, tokens/s over
+    # the recent window, time per step), so `kubectl logs -f` shows progress; 0 = none
+    log_every_steps: int = 1
 
 
 @dataclass(frozen=True)

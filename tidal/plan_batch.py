@@ -73,7 +73,8 @@ class RunEvidence:
 
 
 def run_evidence(uri: str, run_ids: list[str], target: float) -> list[RunEvidence]:
-    """Samples consumed when eval/pass_rate first reached `target`, and learner seconds per sample."""
+    """Samples consumed when eval/pass_rate (the share of held-out samples whose reward reached the run's
+    task.pass_threshold, not the mean reward) first reached `target`, and learner seconds per sample."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)

@@ -91,10 +91,12 @@ def test_unknown_prompts_and_a_disabled_curriculum_change_nothing():
     assert Curriculum(None, prompt_ids=[1]).add(1, [1.0]) is None  # a coordinator built without a config
 
 
-def test_pass_means_a_positive_reward():
+def test_a_pass_means_a_reward_at_least_the_pass_threshold():
     cur = Curriculum(CurriculumConfig(retire_pass_rate=0.5, min_samples=4), prompt_ids=[1])
-    assert cur.add(1, [0.0, -1.0, 0.5, 0.0]) is None  # 1 of 4 positive: 0.25 < 0.5
-    assert cur.add(1, [1.0, 0.5, -1.0, 0.0]) == (4, 0.5)
+    assert cur.add(1, [0.1, 0.1, 0.9, 1.0]) is None  # partial credit is no pass: 1 of 4 at 1.0, 0.25 < 0.5
+    assert cur.add(1, [1.0, 1.5, -1.0, 0.0]) == (4, 0.5)
+    low = Curriculum(CurriculumConfig(retire_pass_rate=0.5, min_samples=4), prompt_ids=[1], pass_threshold=0.5)
+    assert low.add(1, [0.1, 0.5, 0.9, 0.0]) == (4, 0.5)  # 0.5 and 0.9 reach task.pass_threshold = 0.5
 
 
 def test_state_round_trips_through_json():

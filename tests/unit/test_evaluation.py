@@ -32,3 +32,16 @@ def test_a_dead_lettered_group_completes_its_evaluation_without_it():
     assert evals.owns("b") and not evals.owns("train-17")
     assert evals.drop("b") == (2, 1.0)
     assert evals.pending_versions() == []
+
+
+def test_the_pass_rate_counts_rewards_at_the_threshold_and_the_mean_reward_is_kept_apart():
+    evals = Evaluations(pass_threshold=1.0)
+    evals.expect(3, released("a", "b", "c", "d", version=3))
+    for gid, reward in zip("abcd", (1.0, 0.1, 0.1, 0.0)):  # partial credit for two wrong answers
+        done = evals.add(eval_group(gid, 3, reward))
+    assert done == (3, 0.25)  # the mean reward, 0.3, was logged as the pass rate
+    assert abs(evals.reward_means[3] - 0.3) < 1e-9
+    lenient = Evaluations(pass_threshold=0.1)
+    lenient.expect(3, released("a", "b", version=3))
+    lenient.add(eval_group("a", 3, 0.1))
+    assert lenient.add(eval_group("b", 3, 0.0)) == (3, 0.5)

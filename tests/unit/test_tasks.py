@@ -187,3 +187,13 @@ def test_the_warm_start_stops_only_after_its_target_holds_at_stable_checks_in_a_
         done = warmstart.warm_start(net, tok, split.train, split.val, arithmetic.reward,
                                     warmstart.stray_suffix(arithmetic.ALPHABET), cfg, progress=lambda _: None)
         assert len(checks) == expected_checks and done >= cfg.target_greedy_pass_rate
+
+
+def test_the_arithmetic_task_gives_partial_credit_when_asked():
+    plain = get_reward(TaskConfig(name="arithmetic"))
+    partial = get_reward(TaskConfig(name="arithmetic", kwargs={"partial_credit": 0.1}))
+    assert (plain("012", {"answer": "085"}), plain("085", {"answer": "085"})) == (0.0, 1.0)
+    assert (partial("012", {"answer": "085"}), partial(" 085", {"answer": "085"})) == (0.1, 1.0)
+    for bad in (1.0, -0.1, "0.1", True):
+        with pytest.raises(ConfigError, match="task.kwargs.partial_credit"):
+            get_reward(TaskConfig(name="arithmetic", kwargs={"partial_credit": bad}))

@@ -2,7 +2,8 @@
 actors). A task is a module with
 
     load_prompts(cfg: TaskConfig) -> Split          training and held-out prompts
-    reward(text: str, payload: dict) -> float       1.0 for a pass; or build_reward(cfg) -> that function;
+    reward(text: str, payload: dict) -> float       on any scale; a pass is a reward >= task.pass_threshold
+                                                    (default 1.0); or build_reward(cfg) -> that function;
                                                     or Environment: an Env subclass, for episodes of several
                                                     turns and tool calls (tidal.tasks.env)
     ALPHABET (optional)                             characters the tiny model's tokenizer is built from

@@ -1,4 +1,8 @@
-"""Synthetic arithmetic: `37+48=` -> `085`, `05+07=` -> `012`; exact-match reward 1/0. Needs no download."""
+"""Synthetic arithmetic: `37+48=` -> `085`, `05+07=` -> `012`; exact-match reward 1/0. Needs no download.
+
+`task.kwargs.partial_credit` (default 0) is the reward of a wrong answer: a reward scale other than
+0/1, where a pass is still the exact answer (task.pass_threshold = 1.0).
+"""
 from __future__ import annotations
 
 import random
@@ -27,3 +31,17 @@ def load_prompts(cfg: TaskConfig) -> Split:
 def reward(text: str, payload: dict[str, str]) -> float:
     """1.0 for the exact answer (surrounding whitespace ignored), else 0.0."""
     return 1.0 if text.strip() == payload["answer"] else 0.0
+
+
+def build_reward(cfg: TaskConfig):
+    """`reward`, with task.kwargs.partial_credit (in [0, 1)) for a wrong answer instead of 0.0."""
+    partial = cfg.kwargs.get("partial_credit", 0.0)
+    if isinstance(partial, bool) or not isinstance(partial, int | float) or not 0.0 <= partial < 1.0:
+        raise ConfigError(f"task.kwargs.partial_credit = {partial!r}: the reward of a wrong answer must be a number "
+                          "in [0, 1) (a right one earns 1.0)")
+    if not partial:
+        return reward
+
+    def partial_credit_reward(text: str, payload: dict[str, str]) -> float:
+        return reward(text, payload) or float(partial)
+    return partial_credit_reward

@@ -1,0 +1,115 @@
+"""Any reward scale: a pass is a task reward >= task.pass_threshold everywhere a pass is counted
+(rollout/pass_rate, eval/pass_rate, the curriculum), the mean reward is its own metric, and a
+default threshold meeting rewards other than 0 and 1 is named in one warning."""
+import logging
+from types import SimpleNamespace
+
+from conftest import sample
+from tidal.broker.inproc import InprocBroker
+from tidal.broker.schema import RolloutGroup, SamplingParams, WireCodec, int32s
+from tidal.config import CurriculumConfig, StalenessConfig, TaskConfig
+from tidal.learner.accounting import Accounting
+from tidal.learner.admission import Admission, StepBatch
+from tidal.learner.coordinator import Coordinator, DispatchPlan
+from tidal.learner.evaluation import Evaluator
+from tidal.learner.groups import GroupBook, Release
+from tidal.learner.ledger import Ledger
+from tidal.tasks import Prompt, get_reward
+
+VERSION = 3
+SOLVED = {0, 1}  # the prompts the policy answers right; the other six it never does
+
+
+# the issue's case: task.kwargs.partial_credit=0.1, a wrong answer still earns 0.1
+partial_credit_reward = get_reward(TaskConfig(name="arithmetic", kwargs={"partial_credit": 0.1}))
+
+
+def build(tmp_path, pass_threshold=1.0, num_prompts=8):
+    plan = DispatchPlan(run_id="r", task="arithmetic", n=4, sampling=SamplingParams(), eval_n=1,
+                        eval_sampling=SamplingParams(), groups_per_step=4, max_lag=1, seed=0)
+    prompts = [Prompt(prompt_id=i, text=f"{i:02d}+01=", payload={"answer": f"{i + 1:03d}"}) for i in range(num_prompts)]
+    book = GroupBook(Ledger(tmp_path / "ledger.jsonl"))
+    coordinator = Coordinator(plan, prompts, [], lambda prompt: [1], InprocBroker(WireCodec(1 << 20)).learner(),
+                              book, CurriculumConfig(min_samples=4), pass_threshold)
+    admission = Admission(StalenessConfig(max_lag=1), True, book, coordinator.on_rewards, pass_threshold)
+    return coordinator, admission, prompts
+
+
+def scored_group(prompt: Prompt, rewards: list[float], gid: str) -> RolloutGroup:
+    samples = [sample([(VERSION, 2)], r) for r in rewards]
+    return RolloutGroup.pack(samples, group_id=gid, prompt_id=prompt.prompt_id, actor_id="actor-0",
+                             prompt_tokens=int32s([2, 3]))
+
+
+def answers(prompt: Prompt) -> list[str]:
+    """Four completions: right for a solved prompt, a wrong number otherwise."""
+    return [prompt.payload["answer"] if prompt.prompt_id in SOLVED else "000"] * 4
+
+
+def test_partial_credit_neither_passes_every_sample_nor_retires_unsolved_prompts(tmp_path):
+    coordinator, admission, prompts = build(tmp_path)
+    accounting = Accounting(num_params=1000, learner_devices=1)
+    pass_rates = []
+    for step in range(3):  # every prompt is judged each step (4 samples = curriculum.min_samples)
+        batch = StepBatch()
+        for prompt in prompts:
+            rewards = [partial_credit_reward(text, prompt.payload) for text in answers(prompt)]
+            admission.add(scored_group(prompt, rewards, f"s{step}-p{prompt.prompt_id}"), batch, VERSION)
+        pass_rates.append(accounting.add_step(batch.stats, computed_tokens=0)["rollout/pass_rate"])
+    assert pass_rates[0] == 2 / 8  # counting every reward above 0 made it 1.0 at every step
+    assert coordinator.curriculum.retired == SOLVED  # not all eight: the run keeps its unsolved prompts
+    assert not coordinator.curriculum.exhausted
+
+
+def test_rollout_reward_mean_and_pass_rate_are_different_metrics(tmp_path):
+    _, admission, prompts = build(tmp_path)
+    batch = StepBatch()
+    admission.add(scored_group(prompts[5], [1.0, 0.1, 0.1, 0.1], "g"), batch, VERSION)
+    metrics = Accounting(num_params=1000, learner_devices=1).add_step(batch.stats, computed_tokens=0)
+    assert metrics["rollout/pass_rate"] == 0.25
+    assert abs(metrics["rollout/reward_mean"] - 1.3 / 4) < 1e-9
+
+
+def test_a_threshold_on_another_scale_counts_passes_by_it(tmp_path):
+    # two components summed (accuracy 1 + format 1): a solved sample earns at least 1.5 here
+    coordinator, admission, prompts = build(tmp_path, pass_threshold=1.5, num_prompts=2)
+    batch = StepBatch()
+    admission.add(scored_group(prompts[0], [2.0, 2.0, 1.5, 2.0], "a"), batch, VERSION)
+    admission.add(scored_group(prompts[1], [1.0, 1.0, 1.0, 0.0], "b"), batch, VERSION)
+    assert batch.stats["passed"] == 4
+    assert coordinator.curriculum.retired == {0}  # format alone (1.0) never solves a prompt
+
+
+def test_rewards_beyond_0_and_1_at_the_default_threshold_warn_once(tmp_path, caplog):
+    _, admission, prompts = build(tmp_path)
+    batch = StepBatch()
+    with caplog.at_level(logging.WARNING, logger="tidal.learner.admission"):
+        admission.add(scored_group(prompts[2], [1.0, 0.0, 1.0, 0.0], "binary"), batch, VERSION)
+        assert caplog.records == []
+        for i in range(3):
+            admission.add(scored_group(prompts[3], [0.1, 1.0, 0.1, 0.1], f"partial{i}"), batch, VERSION)
+    [warning] = caplog.records
+    assert "task.pass_threshold" in warning.getMessage() and "0.1" in warning.getMessage()
+
+
+def test_an_explicit_threshold_does_not_warn(tmp_path, caplog):
+    _, admission, prompts = build(tmp_path, pass_threshold=0.5)
+    with caplog.at_level(logging.WARNING, logger="tidal.learner.admission"):
+        admission.add(scored_group(prompts[3], [0.1, 1.0, 0.7, 0.1], "g"), StepBatch(), VERSION)
+    assert caplog.records == []
+
+
+def test_an_evaluation_logs_its_pass_rate_and_its_mean_reward_apart(tmp_path):
+    coordinator, _, _ = build(tmp_path)
+    logged = []
+    metrics_log = SimpleNamespace(log=lambda metrics, step: logged.append((step, metrics)))
+    accounting = SimpleNamespace(compute_axis=lambda num_actors: {"compute/samples": 8.0})
+    transport = SimpleNamespace(actors=lambda: ["actor-0"])
+    evaluator = Evaluator(coordinator, metrics_log, accounting, transport)
+    evaluator.evals.expect(VERSION, {"e": Release(0, VERSION, 4, "", eval_version=VERSION)})
+    group = scored_group(Prompt(0, "", {}), [1.0, 0.1, 0.1, 0.1], "e")
+    group.eval_version = VERSION
+    evaluator.on_group(group, VERSION)
+    [(step, metrics)] = logged
+    assert step == VERSION and metrics["eval/pass_rate"] == 0.25  # the mean reward was logged as pass rate
+    assert abs(metrics["eval/reward_mean"] - 0.325) < 1e-9
