@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import functools
 import gc
+import json
 import os
+import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -54,7 +59,9 @@ class Engine:
             args = AsyncEngineArgs(**kwargs)
         except TypeError as err:  # an engine_kwargs key this vLLM does not know
             raise ValueError(f"config key 'actor.vllm.engine_kwargs' = {dict(cfg.vllm.engine_kwargs)}: {err}") from None
-        with _environ(engine_env):  # the engine-core process is spawned with it; this process keeps its own
+        # the engine-core process is spawned with engine_env (this process keeps its own) and reads its
+        # logging config from a file, which is needed only while the engine's processes start
+        with _environ(engine_env), quiet_update_logs(args):
             self._llm = AsyncLLM.from_engine_args(args)
         self._decode = batch_decoder(self._llm.tokenizer)  # None when the engine runs without a tokenizer
         self.version = 0
@@ -210,6 +217,43 @@ def head_overrides(dtype: str, chosen: dict | None) -> dict:
     if dtype not in ("bfloat16", "float16"):
         return {}
     return {"hf_overrides": {"head_dtype": "float32", **(chosen or {})}}
+
+
+# vLLM loggers that write INFO lines at every weight update (the scheduler paused and unpaused, the
+# prefix cache reset): 453 of the 662 lines of a demo actor's log. At WARNING their warnings still show
+PER_UPDATE_LOGGERS = ("vllm.v1.core.sched.scheduler", "vllm.v1.core.block_pool")
+
+
+def quiet_logging_config(default: Mapping) -> dict:
+    """vLLM's logging config (`default`: vllm.logger.DEFAULT_LOGGING_CONFIG) with PER_UPDATE_LOGGERS at
+    WARNING; every other vLLM logger as vLLM sets it."""
+    config = copy.deepcopy(dict(default))
+    config["loggers"] = {**config.get("loggers", {}), **{name: {"level": "WARNING"} for name in PER_UPDATE_LOGGERS}}
+    return config
+
+
+def user_configures_logging(engine_args: Mapping, environ: Mapping[str, str]) -> bool:
+    """Whether the user set vLLM's logging (its environment, or engine_kwargs): then tidal leaves it as set."""
+    return (environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0" or bool(environ.get("VLLM_LOGGING_CONFIG_PATH"))
+            or any(engine_args.get(key) for key in ("logging_config", "log_config_file")))
+
+
+@contextlib.contextmanager
+def quiet_update_logs(args):
+    """While the engine starts, `args` (AsyncEngineArgs) carry a logging config with PER_UPDATE_LOGGERS
+    at WARNING, in a file: vLLM applies it in this process and in each process it spawns (the
+    engine core, its workers), which a logger level set here would not reach."""
+    if user_configures_logging(vars(args), os.environ):
+        yield
+        return
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import DEFAULT_LOGGING_CONFIG
+
+    with tempfile.TemporaryDirectory(prefix="tidal-vllm-logging-") as folder:
+        path = Path(folder) / "logging.json"
+        path.write_text(json.dumps(quiet_logging_config(DEFAULT_LOGGING_CONFIG)))
+        args.logging_config = LoggingConfig(pylogging_config_file=str(path))
+        yield
 
 
 IN_PROCESS_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"

@@ -7,7 +7,9 @@
           ▼
         train_step: trainer.step (advantages → micro-batches → fused logprobs → loss → AdamW; v → v+1)
           ▼
-        publish_weights (channel + announcement) → coordinator.on_step → eval? → log → checkpoint (+ commit, figures)
+        publish_weights (channel + announcement) → coordinator.on_step → eval? → log (+ progress line)
+          ▼
+        checkpoint (+ commit, figures)
 
 `run` is the loop; each named step is a method below. A resumed learner starts from a
 checkpoint's version, and its metrics reach MLflow exactly once (`MetricsLog`).
@@ -31,6 +33,7 @@ from tidal.learner.groups import DUPLICATE, NEW, GroupBook
 from tidal.learner.inbox import Inbox
 from tidal.learner.ranks import WeightPush
 from tidal.learner.resume import MetricsLog, learner_state, restore_learner_state
+from tidal.learner.tracking import ProgressLog
 from tidal.learner.trainer import Trainer
 from tidal.learner.validation import Validator
 
@@ -52,6 +55,7 @@ class LearnerParts:
     export: object = None  # tidal.learner.export.FinalExport: what happens to the final policy
     diagnostics: object = None  # tidal.learner.diagnostics.Diagnostics: completion tables and figures
     push: WeightPush | None = None  # what a weight push gathers (every rank the same)
+    num_actors: int = 0  # actors the run starts, named while the learner waits for them (0: not known here)
 
 
 class Learner:
@@ -62,6 +66,9 @@ class Learner:
         self.version = 0
         self.accounting = Accounting(self.trainer.num_params, parts.ranks.world if parts.ranks else 1)
         self.metrics_log = MetricsLog(parts.tracker, self.checkpointer.periodic)
+        # progress lines as often as the tracker's config says; none without a tracker (unit tests of parts)
+        every = parts.tracker.log_every_steps if parts.tracker is not None else 0
+        self.progress = ProgressLog(every, cfg.max_steps, parts.num_actors)
         self.evaluator = Evaluator(self.coordinator, self.metrics_log, self.accounting, self.transport, parts.validator,
                                    parts.diagnostics)
         self.evals = self.evaluator.evals
@@ -104,6 +111,7 @@ class Learner:
                 self.stop_early(str(err))
                 return None
             group = self.inbox.next(self.version)
+            self.progress.on_receive(group is not None, self.transport.actors)
             if group is not None and group.is_eval:
                 self.evaluator.on_group(group, self.version)
             elif group is not None:
@@ -121,7 +129,9 @@ class Learner:
         self.coordinator.on_step(self.version, [g.group_id for g in batch.groups])
         if self.eval_cfg.every and self.version % self.eval_cfg.every == 0 and self.version < self.cfg.max_steps:
             self.evaluator.start(self.version)
-        self.metrics_log.log(self.step_metrics(batch, metrics), step=self.version)
+        metrics = self.step_metrics(batch, metrics)
+        self.metrics_log.log(metrics, step=self.version)
+        self.progress.on_step(metrics, self.version)
         if self.checkpointer.due(self.version):
             self.save_checkpoint()
         elif not self.checkpointer.periodic:

@@ -1,6 +1,7 @@
 """The one place a run talks to MLflow: params, tags, the dataset, per-step metrics, system
 metrics, tables and figures, and at the end the files a run leaves (ledger, metrics.jsonl, logs);
-plus a JSON-lines file in the run directory that the launcher's progress bar follows.
+plus a JSON-lines file in the run directory that the launcher's progress bar follows, and the
+learner's progress lines in its own log (`ProgressLog`), for `kubectl logs -f`.
 
 Where MLflow is: `tracking.uri`, else $MLFLOW_TRACKING_URI, else a sqlite file in the run
 directory (its artifacts beside it), so a run works with no server and lands on the team's
@@ -18,6 +19,8 @@ import os
 import re
 import threading
 import time
+from collections import deque
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -120,6 +123,7 @@ class Tracker:
             self.run = mlflow.start_run(run_name=run_name, parent_run_id=cfg.parent_run_id or None,
                                         log_system_metrics=system)
         self.run_id = self.run.info.run_id
+        self.log_every_steps = cfg.log_every_steps  # how often the learner writes a progress line (ProgressLog)
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         # per-step metrics reach MLflow from a thread of their own, in order: a write to a sqlite store
         # took about 30 ms, a tenth of the demo's learner step, on the training thread. The steps logged
@@ -243,6 +247,71 @@ class Tracker:
             self.log_artifacts(self.run_dir / "logs", "logs")
         self._mlflow.end_run(status=status)
         self._jsonl.close()
+
+
+PROGRESS_WINDOW_STEPS = 10  # tokens/s and time per step are measured over this many recent steps
+WAITING_LOG_EVERY_S = 20.0  # how often the learner says it still waits for its first rollouts
+progress_log = logging.getLogger("tidal.learner.progress")
+
+
+class ProgressLog:
+    """The learner's progress in its log: one compact line every `every_steps` steps (0: none), and
+    until the first rollout arrives, a line every WAITING_LOG_EVERY_S saying which actors said hello."""
+
+    def __init__(self, every_steps: int, max_steps: int, num_actors: int = 0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.every_steps, self.max_steps, self.num_actors = every_steps, max_steps, num_actors
+        self.clock = clock
+        self.started = clock()
+        self.next_waiting_line = self.started  # the first one at once: the log says at start what it waits for
+        self.received = False  # a rollout (training or evaluation) has arrived
+        self.window: deque = deque(maxlen=PROGRESS_WINDOW_STEPS + 1)  # (step, time, generated tokens so far)
+
+    def on_receive(self, received: bool, actors: Callable[[], Iterable[str]]) -> None:
+        """After one wait for a rollout: until the first arrives, say now and then what the learner waits for."""
+        self.received = self.received or received
+        now = self.clock()
+        if self.received or now < self.next_waiting_line:
+            return
+        self.next_waiting_line = now + WAITING_LOG_EVERY_S
+        progress_log.info("%s", waiting_line(sorted(actors()), self.num_actors, now - self.started))
+
+    def on_step(self, metrics: dict[str, float], step: int) -> None:
+        """One training step's metrics; every `every_steps` steps, the line that sums them up."""
+        if self.every_steps <= 0:
+            return
+        self.window.append((step, self.clock(), metrics.get("compute/gen_tokens", 0.0)))
+        if step % self.every_steps == 0:
+            progress_log.info("%s", progress_line(metrics, step, self.max_steps, self.rates()))
+
+    def rates(self) -> tuple[float, float] | None:
+        """(generated tokens per second, seconds per step) over the window; None before two steps are in it."""
+        (first_step, first_t, first_tokens), (step, t, tokens) = self.window[0], self.window[-1]
+        if step <= first_step or t <= first_t:
+            return None
+        return (tokens - first_tokens) / (t - first_t), (t - first_t) / (step - first_step)
+
+
+def waiting_line(actors: list[str], num_actors: int, waited_s: float) -> str:
+    """'waiting for 2 actor(s): 1 said hello (actor-0), no rollout yet after 35 s' (num_actors 0: unknown)."""
+    wanted = f"{num_actors} actor(s)" if num_actors else "actors"
+    hello = f"{len(actors)} said hello ({', '.join(actors)})" if actors else "none has said hello yet"
+    return f"waiting for {wanted}: {hello}, no rollout yet after {waited_s:.0f} s"
+
+
+def progress_line(metrics: dict[str, float], step: int, max_steps: int, rates: tuple[float, float] | None) -> str:
+    """'step 12/100 | reward 0.412 | pass 0.375 | loss -0.0123 | lag 0.40/1 | gen 1830 tok/s | 2.31 s/step'.
+    A metric the step did not report reads n/a; the rates read n/a until two steps are measured."""
+    def value(key: str, spec: str) -> str:
+        found = metrics.get(key)
+        return "n/a" if found is None or not math.isfinite(found) else format(found, spec)
+
+    tok_s, s_step = (f"{rates[0]:.0f}", f"{rates[1]:.2f}") if rates else ("n/a", "n/a")
+    return " | ".join([
+        f"step {step}/{max_steps}", f"reward {value('rollout/reward', '.3f')}",
+        f"pass {value('rollout/pass_rate', '.3f')}", f"loss {value('learner/loss', '.4g')}",
+        f"lag {value('offpolicy/lag_mean', '.2f')}/{value('offpolicy/lag_max', '.0f')}",
+        f"gen {tok_s} tok/s", f"{s_step} s/step"])
 
 
 def log_final_logs(run_dir: Path) -> None:

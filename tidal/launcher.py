@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -211,6 +212,9 @@ def tail(path: Path, lines: int = 15) -> str:
 
 
 MAX_BACKOFF_S = 30.0
+# tqdm's own ETA and rate count from the bar's creation, start-up included (the actors' engines start
+# before the first step): the bar shows neither, only the ETA `StepEta` measures from training steps
+BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt}{postfix}"
 
 
 def supervise(children: list[Child], run_dir: Path, cfg: RunConfig) -> None:
@@ -219,12 +223,12 @@ def supervise(children: list[Child], run_dir: Path, cfg: RunConfig) -> None:
     from tqdm import tqdm
 
     metrics_path = run_dir / "metrics.jsonl"
-    bar = tqdm(total=cfg.learner.max_steps, desc="steps", unit="step", dynamic_ncols=True)
-    offset, learner = 0, next(c for c in children if c.role == "learner")
+    bar = tqdm(total=cfg.learner.max_steps, desc="steps", unit="step", dynamic_ncols=True, bar_format=BAR_FORMAT)
+    eta, offset, learner = StepEta(), 0, next(c for c in children if c.role == "learner")
     warmed = False
     try:
         while True:
-            offset = _advance(bar, metrics_path, offset)
+            offset = _advance(bar, eta, metrics_path, offset)
             if bar.n and not warmed:  # training is under way: the start-up's imports are done
                 threading.Thread(target=_import_mlflow, name="warm-mlflow", daemon=True).start()
                 warmed = True
@@ -233,7 +237,7 @@ def supervise(children: list[Child], run_dir: Path, cfg: RunConfig) -> None:
                 if code is None:
                     continue
                 if c is learner and code == 0:
-                    _advance(bar, metrics_path, offset)
+                    _advance(bar, eta, metrics_path, offset)
                     return
                 if c.role != "actor":
                     raise LaunchError(f"{c.name} exited with code {code}; last lines of {c.log_path}:\n"
@@ -295,7 +299,45 @@ def sweep_orphan_shm() -> None:
             pass
 
 
-def _advance(bar, metrics_path: Path, offset: int) -> int:
+MIN_MEASURED_STEPS = 3  # steps timed after the first before the bar shows an ETA
+RECENT_STEPS = 10  # the bar's generation tokens/s is measured over this many recent steps
+
+
+class StepEta:
+    """Time left, from the learner's own clock (`compute/wall_s`) over the steps seen since the first:
+    the start-up before it (engines, the first evaluation) is not a step's time. None until
+    MIN_MEASURED_STEPS steps are measured. Also the generation rate over the recent steps."""
+
+    def __init__(self):
+        self.first: tuple[int, float] | None = None  # (step, learner wall s) of the first step seen
+        self.last: tuple[int, float] | None = None
+        self.recent: deque = deque(maxlen=RECENT_STEPS + 1)  # (learner wall s, generated tokens so far)
+
+    def observe(self, step: int, wall_s: float, gen_tokens: float = 0.0) -> None:
+        self.first = self.first or (step, wall_s)
+        self.last = (step, wall_s)
+        self.recent.append((wall_s, gen_tokens))
+
+    def gen_tokens_per_s(self) -> float | None:
+        (t0, tokens0), (t1, tokens1) = self.recent[0], self.recent[-1]
+        return (tokens1 - tokens0) / (t1 - t0) if t1 > t0 else None
+
+    def remaining_s(self, max_steps: int) -> float | None:
+        if self.first is None or self.last[0] - self.first[0] < MIN_MEASURED_STEPS:
+            return None
+        s_per_step = (self.last[1] - self.first[1]) / (self.last[0] - self.first[0])
+        return max(max_steps - self.last[0], 0) * s_per_step
+
+
+def eta_text(remaining_s: float | None) -> str:
+    """'eta 0:01:23', or 'eta measuring' before enough steps are timed."""
+    if remaining_s is None:
+        return "eta measuring"
+    minutes, seconds = divmod(round(remaining_s), 60)
+    return f"eta {minutes // 60}:{minutes % 60:02d}:{seconds:02d}"
+
+
+def _advance(bar, eta: StepEta, metrics_path: Path, offset: int) -> int:
     if not metrics_path.exists():
         return offset
     with open(metrics_path) as f:
@@ -308,18 +350,27 @@ def _advance(bar, metrics_path: Path, offset: int) -> int:
             if "eval/pass_rate" in m:
                 bar.write(f"[eval] step {m['step']}: val pass rate {m['eval/pass_rate']:.3f}")
             elif "rollout/reward" in m:
-                bar.update(int(m["step"]) - bar.n)
-                bar.set_postfix(reward=f"{m['rollout/reward']:.2f}", gen_tok_s=f"{m['rollout/gen_tokens_per_s']:.0f}",
-                                learn_tok_s=f"{m['learner/tokens_per_s']:.0f}")
+                show_step(bar, eta, m)
     return offset
 
 
+def show_step(bar, eta: StepEta, m: dict) -> None:
+    """One training step's record on the bar: the step, its reward and throughput, the measured ETA."""
+    eta.observe(int(m["step"]), m["compute/wall_s"], m["compute/gen_tokens"])
+    gen = eta.gen_tokens_per_s()
+    bar.set_postfix_str(f"reward={m['rollout/reward']:.2f}, gen_tok_s={'n/a' if gen is None else f'{gen:.0f}'}, "
+                        f"learn_tok_s={m['learner/tokens_per_s']:.0f}, {eta_text(eta.remaining_s(bar.total))}",
+                        refresh=False)  # drawn once, by the update
+    bar.update(int(m["step"]) - bar.n)
+
+
 def print_summary(run_dir: Path, wall_s: float) -> None:
+    """The run's outcome; its one wall time is the whole `tidal run`, start-up and shutdown included."""
     s = json.loads((run_dir / "summary.json").read_text())
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     print(f"val pass rate: {fmt(s['val_pass_rate_initial'])} -> {fmt(s['val_pass_rate_final'])}")
-    print(f"steps: {s['steps']}  samples: {s['samples']}  generated tokens: {s['gen_tokens']}  "
-          f"wall time: {wall_s:.1f} s (learner {s['wall_s']:.1f} s)")
+    print(f"steps: {s['steps']}  samples: {s['samples']}  generated tokens: {s['gen_tokens']}")
+    print(f"wall time: {wall_s:.1f} s (tidal run from start to end, start-up included)")
     if s.get("stopped_early"):
         print(f"stopped early: {s['stopped_early']}")
     print(f"mlflow run id: {s['mlflow_run_id']}  tracking uri: {s['mlflow_uri']}")

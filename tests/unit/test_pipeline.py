@@ -251,3 +251,30 @@ def test_a_learner_resumes_past_a_damaged_checkpoint_and_refuses_when_none_verif
     err = capsys.readouterr().err
     assert "step-000001/MANIFEST.json" in err and "step-000002/trainer.json" in err and "--resume fresh" in err
     assert {p: p.read_bytes() for p in kept} == kept  # the ledger and the checkpoints as they were
+
+
+def test_the_learner_logs_a_progress_line_every_n_steps(tmp_path, tiny_model, caplog):
+    """`kubectl logs -f` on the learner shows training: one line every tracking.log_every_steps steps."""
+    import logging
+
+    import mlflow
+
+    mlflow.end_run()  # one an earlier test's resumed learner left open (it never finished) would refuse this run
+    caplog.set_level(logging.INFO, logger="tidal.learner.progress")
+    model_path, tokenizer = tiny_model
+    cfg = resolve(load_config("configs/tiny.yaml", [
+        f"run_dir={tmp_path / 'run'}", f"model.path={model_path}", "learner.max_steps=4", "learner.groups_per_step=4",
+        "sampling.n=4", "eval.every=0", "eval.n=2", "task.num_val=4", "actor.heartbeat_s=0.2",
+        "tracking.log_every_steps=2"]), actor=True)
+    learner_side, actor_side = transports("inproc", cfg)
+    learner = build(cfg, transport=learner_side)
+    thread, _ = start_actor(actor_side, cfg, ScriptedEngine(tokenizer, p_correct=0.5))
+    assert serve(learner, tmp_path / "run") == 0
+    thread.join(timeout=30)
+    lines = [r.getMessage() for r in caplog.records if r.name == "tidal.learner.progress"]
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in steps] == ["step 2/4", "step 4/4"]
+    fields = [part.split()[0] for part in steps[-1].split(" | ")]
+    assert fields[:6] == ["step", "reward", "pass", "loss", "lag", "gen"] and len(fields) == 7
+    assert "n/a" not in steps[-1] and steps[-1].endswith(" s/step")  # rates measured over the steps so far
+    assert all(line.startswith("waiting for actors: ") for line in lines if line not in steps)
