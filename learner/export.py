@@ -34,6 +34,7 @@ def export_model(policy, tokenizer_from: str, out: Path, dtype: str, state: dict
         config.update({k: dtype for k in ("dtype", "torch_dtype") if k in config} or {"dtype": dtype})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(tmp)
+        umask_modes(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -45,6 +46,16 @@ def export_model(policy, tokenizer_from: str, out: Path, dtype: str, state: dict
     else:
         tmp.rename(out)
     return out
+
+
+def umask_modes(folder: Path) -> None:
+    """Every file in `folder` as the umask would make it: safetensors writes the weights 0600 (its
+    own temporary file, renamed), which keeps the user's group from reading a model it may read
+    every other file of. `folder` was made by mkdir, so its mode is 0777 less the umask's bits."""
+    mode = folder.stat().st_mode & 0o666
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
 
 
 def check_export_folder(out: Path, run_dir: Path, force: bool) -> None:

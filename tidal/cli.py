@@ -148,16 +148,51 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    """The `tidal` command (and `python -m tidal`): `main`, then out without tearing the interpreter
-    down. With torch, transformers, vLLM or MLflow loaded, finalizing takes seconds (2.4 s for
-    `tidal run` on a 2-core machine) and every role's work is done and written by then: MLflow runs
-    ended, transports closed, child processes stopped. Logs and the standard streams are flushed
-    first. An exception still unwinds and exits the usual way."""
-    code = main()
+    """The `tidal` command (and `python -m tidal`): `main` (quiet where its reader stops early,
+    `main_to_a_pipe`), then out without tearing the interpreter down. With torch, transformers, vLLM
+    or MLflow loaded, finalizing takes seconds (2.4 s for `tidal run` on a 2-core machine) and every
+    role's work is done and written by then: MLflow runs ended, transports closed, child processes
+    stopped. Logs and the standard streams are flushed first. An exception still unwinds and exits
+    the usual way."""
+    code = main_to_a_pipe()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code or 0)
+    os._exit(code)
+
+
+CLOSED_PIPE_EXIT = 128 + 13  # what a shell reports for a command that SIGPIPE ended, as `yes | head` does
+
+
+def main_to_a_pipe(argv: list[str] | None = None) -> int:
+    """`main`, whose output may go to a reader that stops early (`tidal presets | head -1`): the reader
+    has what it wanted, so tidal stops quietly, exit 141, with no BrokenPipeError. A BrokenPipeError
+    from anything else (a socket whose peer went away) is still raised."""
+    try:
+        code = main(argv)
+        sys.stdout.flush()  # what is still buffered meets the closed pipe here, not at exit
+        return code or 0
+    except BrokenPipeError:
+        closed = [stream for stream in (sys.stdout, sys.stderr) if _reader_gone(stream)]
+        if not closed:
+            raise
+        for stream in closed:  # the flush at exit then has somewhere to go
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
+            os.close(devnull)
+        return CLOSED_PIPE_EXIT
+
+
+def _reader_gone(stream) -> bool:
+    """Whether `stream` is a pipe or socket whose reading end is closed (poll says POLLERR or POLLHUP)."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(stream.fileno(), select.POLLOUT)
+    except (AttributeError, OSError, ValueError):  # no file descriptor (a stream replaced in-process)
+        return False
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
 
 
 def _role(cfg, args) -> int:
@@ -275,32 +310,43 @@ def _export(args) -> int:
 
 
 def _analysis(args) -> int:
-    """fit and sweep: user errors (bad CSV, degenerate curves, bad keys) as one line, exit 2."""
+    """fit and sweep: user errors (bad CSV, degenerate curves, bad keys, a run id the store lacks) as one
+    line, exit 2; a run of the grid that fails as one line naming its logs, exit 1."""
     import os
     from pathlib import Path
 
     from tidal.scaling import ScalingFitError
+    from tidal.sweep import SweepRunFailed, sweep
 
     try:
         from tidal.scaling_report import Window, fit_csv, report
 
         window = Window(args.fit_fraction, args.skip_fraction)
         if args.command == "sweep":
-            from tidal.sweep import sweep
-
             configs, overrides = _split(args)
             return sweep(configs, overrides, Path(args.out) if args.out else None, args.compute_metric, window)
+        _check_fit_flags(args.predict, Path(args.out))
         if args.csv:
             return fit_csv(args.csv, args.predict, window, Path(args.out))
         uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         if not (uri and args.runs):
-            raise ValueError("tidal fit needs --csv FILE, or --runs RUN_ID ... (and --tracking-uri URI or "
-                             "MLFLOW_TRACKING_URI)")
+            raise ValueError("needs --csv FILE, or --runs RUN_ID ... (and --tracking-uri URI or MLFLOW_TRACKING_URI)")
         return report(uri, {r: r for r in args.runs}, args.compute_metric, Path(args.out), window=window,
                       predict=args.predict)
-    except (ScalingFitError, ConfigError, ValueError, FileNotFoundError) as err:
+    except (ScalingFitError, ConfigError, ValueError, OSError) as err:  # OSError: an --out that cannot be written
         print(f"tidal {args.command}: {err}", file=sys.stderr)
         return 2
+    except SweepRunFailed as err:  # the run said why in its own lines, above; the sweep's parent run is FAILED
+        print(f"tidal sweep: {err}", file=sys.stderr)
+        return 1
+
+
+def _check_fit_flags(predict: float | None, out) -> None:
+    """What `tidal fit` can say is wrong with its flags before it reads or fits anything."""
+    if predict is not None and not predict > 0:  # NaN too
+        raise ValueError(f"--predict {predict:g}: the compute to predict the pass rate at must be > 0")
+    if not out.parent.is_dir():
+        raise ValueError(f"--out {out}: the folder {out.parent} does not exist")
 
 
 def _plan_batch(cfg, args) -> int:

@@ -508,26 +508,35 @@ def holdout_score(compute, pass_rate, fit_fraction: float = 0.5, **fit_kwargs) -
 def read_csv(path) -> tuple[np.ndarray, np.ndarray]:
     """(compute, pass_rate) from a CSV whose header names `compute` and `pass_rate`."""
     path = Path(path)
+    try:
+        with path.open(newline="") as f:
+            return _read_rows(path, csv.DictReader(f))
+    except OSError as err:  # missing, a folder, unreadable: one line naming the file
+        raise ScalingFitError(f"{path}: {err.strerror or err}") from None
+    except (UnicodeDecodeError, csv.Error):  # bytes that are not text, a field past csv's size limit
+        raise ScalingFitError(f"{path}: not a text CSV (a header compute,pass_rate, then a row per point)") from None
+
+
+def _read_rows(path: Path, reader: csv.DictReader) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of an open CSV, each checked; an error names the file and line."""
     compute, pass_rate = [], []
-    with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        missing = {"compute", "pass_rate"} - set(reader.fieldnames or [])
-        if missing:
-            raise ScalingFitError(f"{path}: line 1: header lacks column(s) {sorted(missing)} "
-                                  f"(has {reader.fieldnames})")
-        for row in reader:
-            if not any((v or "").strip() for v in row.values() if isinstance(v, str)):
-                continue  # blank line
-            line = reader.line_num
-            try:
-                c, r = float(row["compute"]), float(row["pass_rate"])
-            except (TypeError, ValueError):
-                raise ScalingFitError(f"{path}: line {line}: bad row compute={row['compute']!r}, "
-                                      f"pass_rate={row['pass_rate']!r} (need two numbers)") from None
-            if not (math.isfinite(c) and math.isfinite(r)):
-                raise ScalingFitError(f"{path}: line {line}: NaN/inf in compute={c}, pass_rate={r}")
-            compute.append(c)
-            pass_rate.append(r)
+    missing = {"compute", "pass_rate"} - set(reader.fieldnames or [])
+    if missing:
+        raise ScalingFitError(f"{path}: line 1: header lacks column(s) {sorted(missing)} "
+                              f"(has {reader.fieldnames})")
+    for row in reader:
+        if not any((v or "").strip() for v in row.values() if isinstance(v, str)):
+            continue  # blank line
+        line = reader.line_num
+        try:
+            c, r = float(row["compute"]), float(row["pass_rate"])
+        except (TypeError, ValueError):
+            raise ScalingFitError(f"{path}: line {line}: bad row compute={row['compute']!r}, "
+                                  f"pass_rate={row['pass_rate']!r} (need two numbers)") from None
+        if not (math.isfinite(c) and math.isfinite(r)):
+            raise ScalingFitError(f"{path}: line {line}: NaN/inf in compute={c}, pass_rate={r}")
+        compute.append(c)
+        pass_rate.append(r)
     if not compute:
         raise ScalingFitError(f"{path}: no data rows")
     return np.asarray(compute), np.asarray(pass_rate)
@@ -625,12 +634,10 @@ def points_from_mlflow(tracking_uri: str, run_ids, metric: str = "eval/pass_rate
                        compute_metric: str = "compute/flops") -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """run name (or id) -> (compute, pass_rate), pairing each eval point with the compute
     logged at the same step; a step-0 eval with no compute logged counts as compute 0 (R0)."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri)
+    client = open_store(tracking_uri)
     points = {}
     for run_id in run_ids:
-        name = client.get_run(run_id).info.run_name or run_id
+        name = _run_name(client, tracking_uri, run_id)
         if name in points:
             name = f"{name} ({run_id[:8]})"  # two runs may share a name; keep both
         evals = _by_step(client.get_metric_history(run_id, metric))
@@ -646,6 +653,50 @@ def points_from_mlflow(tracking_uri: str, run_ids, metric: str = "eval/pass_rate
         points[name] = (np.array([compute_by_step[s] for s in steps], dtype=float),
                         np.array([evals[s] for s in steps], dtype=float))
     return points
+
+
+def open_store(tracking_uri: str):
+    """An MlflowClient on an existing store; a sqlite file that is not there (opening it would make an
+    empty one) or a store MLflow cannot open is a ScalingFitError naming the URI."""
+    sqlite_path = tracking_uri.removeprefix("sqlite:///").split("?")[0] if tracking_uri.startswith("sqlite:///") else ""
+    if sqlite_path and not Path(sqlite_path).is_file():
+        raise ScalingFitError(f"{tracking_uri}: no such MLflow store ({Path(sqlite_path).resolve()} does not exist)")
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    try:
+        return MlflowClient(tracking_uri)
+    except MlflowException as err:
+        raise ScalingFitError(f"{tracking_uri}: {one_line(err)}") from None
+
+
+def one_line(err) -> str:
+    """An MlflowException's message on one line."""
+    return " ".join(err.message.split())  # MLflow's span lines; tidal's errors are one line
+
+
+def _run_name(client, tracking_uri: str, run_id: str) -> str:
+    """The run's name (else its id); a run id the store lacks, or a store that cannot be opened, is
+    a ScalingFitError naming the id and the store, with a few of the runs it does hold."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_run(run_id).info.run_name or run_id
+    except MlflowException as err:
+        raise ScalingFitError(f"run {run_id!r} in {tracking_uri}: {one_line(err)}{_runs_held(client)}") from None
+
+
+def _runs_held(client, num_shown: int = 5) -> str:
+    """'; it holds: <id> (<name>), ...' for the newest runs of a store, or '' where it cannot say."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        experiments = [e.experiment_id for e in client.search_experiments()]
+        runs = client.search_runs(experiments, max_results=num_shown) if experiments else []
+    except MlflowException:
+        return ""  # the store itself is what is wrong; the reason already says so
+    held = ", ".join(f"{r.info.run_id} ({r.info.run_name})" for r in runs)
+    return f"; it holds: {held}{', ...' if len(runs) == num_shown else ''}" if held else "; it holds no runs"
 
 
 def _by_step(history) -> dict[int, float]:

@@ -43,3 +43,96 @@ def test_a_missing_model_folder_is_one_line(tmp_path, capsys):
 def test_tidal_run_refuses_curve_off(tmp_path, capsys):
     """A run authenticates every actor, loopback included: curve=off is for a role started on its own."""
     assert "broker.zmq.curve=off" in tidal_run(tmp_path, capsys, ROOT / "configs/tiny.yaml", "broker.zmq.curve=off")
+
+
+# ---- tidal fit and tidal sweep ----------------------------------------------------------------------------
+
+def tidal_analysis(capsys, *args) -> str:
+    """`tidal fit|sweep ARGS` fails as one line naming what is wrong, exit 2."""
+    from tidal.cli import main
+
+    assert main(list(args)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_fit_on_a_store_that_is_not_there_is_one_line_and_makes_none(tmp_path, capsys):
+    store = tmp_path / "mlfow.db"  # a typo'd store: opening it would make an empty one
+    line = tidal_analysis(capsys, "fit", "--runs", "abc", "--tracking-uri", f"sqlite:///{store}")
+    assert line == f"tidal fit: sqlite:///{store}: no such MLflow store ({store} does not exist)"
+    assert not store.exists()
+
+
+def test_fit_on_a_run_the_store_lacks_names_it_and_the_runs_it_holds(tmp_path, capsys, monkeypatch):
+    from types import SimpleNamespace
+
+    import mlflow.tracking
+    from mlflow.exceptions import MlflowException
+
+    class Store:  # an MLflow store holding one run, as MlflowClient answers for it
+        def __init__(self, uri):
+            self.uri = uri
+
+        def get_run(self, run_id):
+            raise MlflowException(f"Run with id={run_id} not\nfound")
+
+        def search_experiments(self):
+            return [SimpleNamespace(experiment_id="0")]
+
+        def search_runs(self, experiment_ids, max_results):
+            return [SimpleNamespace(info=SimpleNamespace(run_id="3dc6dba4", run_name="tiny-20261205"))]
+
+    monkeypatch.setattr(mlflow.tracking, "MlflowClient", Store)
+    line = tidal_analysis(capsys, "fit", "--runs", "tiny-20261205", "--tracking-uri", "http://mlflow:5000")
+    assert line == ("tidal fit: run 'tiny-20261205' in http://mlflow:5000: Run with id=tiny-20261205 not found; "
+                    "it holds: 3dc6dba4 (tiny-20261205)")
+
+
+@pytest.mark.parametrize("content, says", [
+    (None, "Is a directory"),
+    (b"\xff\xfe\x00\x01", "not a text CSV"),
+    (b"compute,pass_rate\n1," + b"5" * 200_000 + b"\n", "not a text CSV"),  # past the csv module's field limit
+])
+def test_fit_on_a_file_that_is_not_a_csv_is_one_line(tmp_path, capsys, content, says):
+    path = tmp_path / "curve.csv"
+    path.mkdir() if content is None else path.write_bytes(content)
+    assert tidal_analysis(capsys, "fit", "--csv", str(path)) == f"tidal fit: {path}: {says}" + (
+        "" if content is None else " (a header compute,pass_rate, then a row per point)")
+
+
+def test_fit_without_input_says_what_it_needs_once(capsys, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert tidal_analysis(capsys, "fit").startswith("tidal fit: needs --csv FILE, or --runs RUN_ID")
+
+
+def test_a_sweep_checks_every_point_of_its_grid_before_it_runs_any(tmp_path, capsys, monkeypatch):
+    """A bad value at the grid's last point used to surface only after the runs before it."""
+    import tidal.launcher
+
+    monkeypatch.setattr(tidal.launcher, "launch", lambda cfg: pytest.fail(f"ran {cfg.run_dir} before the check"))
+    out = tmp_path / "sweep"
+    line = tidal_analysis(capsys, "sweep", "tiny", "learner.max_steps=1,x", "--out", str(out))
+    assert line.startswith("tidal sweep: config key 'learner.max_steps': Value 'x'")
+    assert not out.exists()
+
+
+def test_a_sweep_into_a_file_is_one_line(tmp_path, capsys):
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine")
+    line = tidal_analysis(capsys, "sweep", "tiny", "staleness.max_lag=0,2", "--out", str(taken))
+    assert line == f"tidal sweep: --out {taken} exists and is not a folder: give a new or existing folder"
+    assert taken.read_text() == "mine"
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--predict", "-5"], "--predict -5: the compute to predict the pass rate at must be > 0"),
+    (["--predict", "nan"], "--predict nan: the compute to predict the pass rate at must be > 0"),
+    (["--out", "/no/such/folder/fit.png"], "--out /no/such/folder/fit.png: the folder /no/such/folder does not exist"),
+])
+def test_fit_flags_that_cannot_work_are_one_line_before_any_fit(tmp_path, capsys, flags, says):
+    curve = tmp_path / "curve.csv"
+    curve.write_text("compute,pass_rate\n" + "".join(f"{2 ** i},{0.1 + i / 40}\n" for i in range(12)))
+    out = [] if "--out" in flags else ["--out", str(tmp_path / "fit.png")]
+    assert tidal_analysis(capsys, "fit", "--csv", str(curve), *flags, *out) == f"tidal fit: {says}"
+    assert not (tmp_path / "fit.png").exists()

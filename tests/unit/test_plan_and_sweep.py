@@ -47,3 +47,25 @@ def test_sweep_grid_splits_axes_from_fixed_overrides():
     assert axes == [("staleness.max_lag", ["0", "2", "8"]), ("learner.groups_per_step", ["4", "8"])]
     with pytest.raises(ValueError, match="at least one"):
         split_grid(["learner.max_steps=40"])
+
+
+def test_each_grid_point_is_its_own_run_folder_and_config(tmp_path):
+    from tidal.sweep import grid_points
+
+    points = grid_points(["tiny"], ["staleness.max_lag=0,2", "learner.max_steps=3"], tmp_path)
+    assert [p.label for p in points] == ["staleness.max_lag=0", "staleness.max_lag=2"]
+    assert [p.run_dir for p in points] == [tmp_path / "staleness.max_lag-0", tmp_path / "staleness.max_lag-2"]
+    assert points[1].overrides == ("learner.max_steps=3", "staleness.max_lag=2",
+                                   f"run_dir={tmp_path}/staleness.max_lag-2", "name=staleness.max_lag-2")
+
+
+def test_a_run_of_the_grid_that_fails_stops_the_sweep_naming_its_logs(tmp_path, monkeypatch):
+    import tidal.launcher
+    from tidal.sweep import SweepRunFailed, grid_points, run_grid
+
+    launched = []
+    monkeypatch.setattr(tidal.launcher, "launch", lambda cfg: launched.append(cfg.staleness.max_lag) or 1)
+    points = grid_points(["tiny"], ["staleness.max_lag=0,2"], tmp_path)
+    with pytest.raises(SweepRunFailed, match=f"the run staleness.max_lag=0 failed; its logs: {tmp_path}/"):
+        run_grid(["tiny"], points, tmp_path, "sqlite:///unused.db", "sweep", "parent")
+    assert launched == [0]
