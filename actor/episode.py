@@ -30,6 +30,7 @@ from tidal.config import EnvConfig, TaskConfig
 from tidal.tasks import get_environment
 from tidal.tasks.data import bad_messages
 from tidal.tasks.env import ChatRenderer, Env, Message, Turn, is_async, tool_schemas
+from tidal.tasks.rewards import PROMPT_TEXT, Rewarded, RewardFailed
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class EpisodeResult:
     reward: float
     episode: Episode | None  # None for a single-turn task's episode that went as expected
     messages: list[Message] = field(default_factory=list)  # the conversation after the prompt, for tables
+    components: dict[str, float] = field(default_factory=dict)  # task.reward_funcs: each function's value
 
 
 @dataclass
@@ -116,19 +118,22 @@ class Episodes:
         """The group's n episodes: their first turns sampled together, then each on its own."""
         first = await generate(engine, group)  # with forced interruptions when the group asks
         prompt = group.prompt_tokens.numpy("i4", "prompt_tokens").tolist()
-        return list(await asyncio.gather(*(self.episode(engine, group, prompt, i, turn)
+        payload = group.payload
+        if isinstance(self.env, Rewarded):  # reward functions see the prompt as the model read it
+            payload = {**payload, PROMPT_TEXT: self.tokenizer.decode(prompt)}
+        return list(await asyncio.gather(*(self.episode(engine, group, prompt, i, turn, payload)
                                            for i, turn in enumerate(first))))
 
     async def episode(self, engine, group: PromptGroup, prompt: list[int], index: int,
-                      turn: Completion) -> EpisodeResult:
-        transcript, counts, messages = Transcript().add_sampled(turn), Counts(), []
+                      turn: Completion, payload: dict[str, str]) -> EpisodeResult:
+        transcript, counts, messages, components = Transcript().add_sampled(turn), Counts(), [], {}
         reward, finish, state, started = 0.0, turn.finish_reason, None, False
         try:
-            state = await self.begin(counts, group.payload)
+            state = await self.begin(counts, payload)
             started = True
             while True:
                 messages.append({"role": "assistant", "content": turn.text})
-                answer, done, gained = await self.respond(counts, state, turn)
+                answer, done, gained = await self.respond(counts, state, turn, components)
                 messages.extend(answer)
                 reward += gained
                 if done or counts.turns >= self.max_turns or turn.finish_reason == "length":
@@ -145,15 +150,21 @@ class Episodes:
                 counts.turns += 1
                 finish = turn.finish_reason
         except EnvFailed as err:
-            reward, counts.env_error = 0.0, str(err)[:512]
+            reward, counts.env_error, components = 0.0, str(err)[:512], {}
             log.warning("group %s episode %d scored as failed: %s", group.group_id, index, err)
         if started:
             await self.release(counts, state)
         stats = Episode(**asdict(counts)) if self.multi_turn or counts.env_error else None
-        return EpisodeResult(transcript.completion(finish), reward, stats, messages)
+        return EpisodeResult(transcript.completion(finish), reward, stats, messages, components)
 
-    async def respond(self, counts: Counts, state, turn: Completion) -> tuple[list[Message], bool, float]:
-        """What answers the model's turn: its tool calls' outputs, or the environment's step."""
+    async def respond(self, counts: Counts, state, turn: Completion,
+                      components: dict[str, float]) -> tuple[list[Message], bool, float]:
+        """What answers the model's turn: its tool calls' outputs, the reward functions' scores (filling
+        `components`), or the environment's step."""
+        if isinstance(self.env, Rewarded):
+            total, values = await self.call_env(counts, self.env.score, state, turn.text, turn.tokens.tolist())
+            components.update(values)
+            return [], True, total
         if self.parser is not None and turn.finish_reason != "length":
             calls, garbled = self.parser.parse(turn.text)
             if calls or garbled:
@@ -195,6 +206,8 @@ class Episodes:
         try:
             work = fn(*args) if is_async(fn) else self.threads.call(fn, *args)
             return await asyncio.wait_for(work, self.cfg.step_timeout_s)
+        except RewardFailed as err:  # it names the function, the user's file and line
+            raise EnvFailed(str(err)) from err
         except TimeoutError:
             raise EnvFailed(f"{name} took longer than env.step_timeout_s = {self.cfg.step_timeout_s:g} s") from None
         except Exception as err:

@@ -119,6 +119,8 @@ class Actor:
         completions = [e.completion for e in episodes]
         # the overlong penalty (when the group asks) is added here; Sample.raw_reward keeps the task's
         samples = [to_sample(e.completion, e.reward, group.sampling, e.episode) for e in episodes]
+        for sample, e in zip(samples, episodes):
+            sample.sample.reward_components = e.components  # task.reward_funcs: each function's value
         await self.transport.send_rollout(RolloutGroup.pack(
             samples, group_id=group.group_id, prompt_id=group.prompt_id, actor_id=self.cfg.id,
             prompt_tokens=group.prompt_tokens, eval_version=group.eval_version,

@@ -17,10 +17,11 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-SCHEMA_VERSION = 6  # 2: eval groups carry eval_version; grants no longer carry weights. 3: a rollout's
+SCHEMA_VERSION = 7  # 2: eval groups carry eval_version; grants no longer carry weights. 3: a rollout's
 # token ids and logprobs are one buffer per group. 4: a weight update comes from one learner rank (no sources).
 # 5: a sample may carry its episode's counts (turns, tool calls). 6: a weight update carries the channel's
-# token, and each byte range its sha256 (was a crc32)
+# token, and each byte range its sha256 (was a crc32). 7: a sample carries each reward function's value
+# (reward_components)
 
 
 # Bounds every decoded value must keep: a frame that breaks one is rejected at decode ("malformed",
@@ -196,6 +197,9 @@ class Sample(msgspec.Struct, kw_only=True, gc=False):
     injected_spans: Annotated[list[tuple[Count, Count]], Meta(max_length=1024)] = []
     raw_reward: float | None = None  # the task's reward before length shaping; None: equal to `reward`
     episode: Episode | None = None  # environments of several turns: how the episode went
+    # task.reward_funcs: each function's own (unweighted) value, by the function's name; empty otherwise
+    reward_components: Annotated[dict[Annotated[str, Meta(min_length=1, max_length=128)], float],
+                                 Meta(max_length=64)] = {}
 
     @property
     def task_reward(self) -> float:
@@ -235,6 +239,9 @@ class Sample(msgspec.Struct, kw_only=True, gc=False):
             raise WireError("bad_value", "finish_reason 'interrupted' without injected_spans")
         if not math.isfinite(self.reward) or (self.raw_reward is not None and not math.isfinite(self.raw_reward)):
             raise WireError("bad_value", f"non-finite reward {self.reward} (raw_reward {self.raw_reward})")
+        bad = [name for name, value in self.reward_components.items() if not math.isfinite(value)]
+        if bad:
+            raise WireError("bad_value", f"non-finite reward_components[{bad[0]!r}] {self.reward_components[bad[0]]}")
 
     def versions(self) -> np.ndarray:
         """int64 [completion_len]: the weight version that produced each token."""

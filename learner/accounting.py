@@ -7,8 +7,11 @@ so the axes continue where the checkpoint left them.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
+
+COMPONENT = "reward_component_"  # stats keys of reward functions' values: <COMPONENT>{n,sum,sq}/<name>
 
 
 class Accounting:
@@ -52,6 +55,7 @@ class Accounting:
             "rollout/multi_version_samples": float(stats["multi_version_samples"]),
             "rollout/injected_token_frac": stats["injected_tokens"] / max(stats["gen_tokens"], 1),
             **episode_metrics(stats),
+            **reward_component_metrics(stats),
             "offpolicy/dropped_stale_groups": float(stats["dropped_stale"]),
             "offpolicy/stale_tokens": float(stats["stale_tokens"]),
             "offpolicy/masked_stale_tokens": float(stats["masked_stale_tokens"]),
@@ -82,3 +86,17 @@ def episode_metrics(stats: Counter) -> dict[str, float]:
             "episode/tool_timeout_rate": stats["tool_timeouts"] / max(stats["tool_calls"], 1),
             "episode/env_failed_frac": stats["env_errors"] / episodes,
             "episode/env_s_mean": stats["env_ms"] / 1000 / episodes}
+
+
+def reward_component_metrics(stats: Counter) -> dict[str, float]:
+    """rewards/<name>/mean and /std of each reward function (task.reward_funcs) over the step's samples,
+    from the sums `admission.count` keeps; none without reward functions."""
+    out = {}
+    for key in stats:
+        if not key.startswith(f"{COMPONENT}n/"):
+            continue
+        name, num = key.split("/", 1)[1], stats[key]
+        mean = stats[f"{COMPONENT}sum/{name}"] / num
+        variance = max(stats[f"{COMPONENT}sq/{name}"] / num - mean * mean, 0.0)  # rounding can dip below 0
+        out[f"rewards/{name}/mean"], out[f"rewards/{name}/std"] = mean, math.sqrt(variance)
+    return out

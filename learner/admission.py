@@ -17,6 +17,7 @@ import numpy as np
 
 from tidal.broker.schema import RolloutGroup
 from tidal.config import OnViolation, StalenessConfig
+from tidal.learner.accounting import COMPONENT
 from tidal.learner.groups import GroupBook
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,11 @@ def count(group: RolloutGroup, stats: Counter, pass_threshold: float = 1.0) -> N
     stats["passed"] += sum(s.task_reward >= pass_threshold for s in group.samples)  # pass rates ignore length shaping
     stats["multi_version_samples"] += sum(s.spans_several_versions() for s in group.samples)
     stats["injected_tokens"] += sum(end - start for s in group.samples for start, end in s.injected_spans)
+    for s in group.samples:  # task.reward_funcs: each function's values, for rewards/<name>/mean and /std
+        for name, value in s.reward_components.items():
+            stats[f"{COMPONENT}n/{name}"] += 1
+            stats[f"{COMPONENT}sum/{name}"] += value
+            stats[f"{COMPONENT}sq/{name}"] += value * value
     episodes = [s.episode for s in group.samples if s.episode is not None]
     if episodes:
         stats["episodes"] += len(episodes)

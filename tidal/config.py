@@ -139,6 +139,14 @@ class TaskConfig:
     # a sample passes when its reward is at least this: pass rates (rollout/, eval/), the curriculum and the
     # scaling fits count passes by it, whatever the reward's scale (partial credit, summed components)
     pass_threshold: float = 1.0
+    # reward functions, each an import path (my_pkg.rewards:accuracy or my_pkg.rewards.accuracy) or a name in the
+    # entry-point group tidal.rewards, called with prompt, completion, completion_ids and every column of the row;
+    # the sample's reward is their weighted sum (instead of the task's own reward)
+    reward_funcs: list[str] = field(default_factory=list)
+    reward_weights: list[float] = field(default_factory=list)  # one per reward function; empty = all 1.0
+    # a remote reward (an http:// or https:// URL in reward_funcs): each POST of a batch waits this long
+    remote_timeout_s: float = 30.0
+    remote_retries: int = 2  # more tries of a remote reward's failed POST (error status, timeout, refused)
 
 
 @dataclass(frozen=True)
@@ -453,6 +461,10 @@ class TrackingConfig:
     # one line in the learner's log every this many steps (step, reward, pass rate, loss, lag, tokens/s over
     # the recent window, time per step), so `kubectl logs -f` shows progress; 0 = none
     log_every_steps: int = 1
+    # a table of sampled training rollouts (prompt, completion, reward and its components, advantage, versions,
+    # lag) in MLflow every this many steps; 0 = none
+    rollout_table_every: int = 25
+    rollout_table_rows: int = 16  # rollouts in each such table
 
 
 @dataclass(frozen=True)
@@ -758,6 +770,15 @@ def compute_dtype(cfg: LearnerConfig) -> str:
 def check_task(cfg: RunConfig) -> None:
     low, high = cfg.task.reward_range
     _require(low < high, "task.reward_range", list(cfg.task.reward_range), "expected [low, high] with low < high")
+    funcs, weights = cfg.task.reward_funcs, cfg.task.reward_weights
+    _require(all(isinstance(f, str) and f.strip() for f in funcs), "task.reward_funcs", list(funcs),
+             "each an import path (my_pkg.rewards:accuracy) or an entry-point name")
+    _require(not weights or len(weights) == len(funcs), "task.reward_weights", list(weights),
+             f"one weight per reward function ({len(funcs)} in task.reward_funcs), or none for all 1.0")
+    _require(all(abs(w) < float("inf") for w in weights), "task.reward_weights", list(weights),
+             "weights must be finite")
+    _require(cfg.task.remote_timeout_s > 0, "task.remote_timeout_s", cfg.task.remote_timeout_s, "must be > 0")
+    _require(cfg.task.remote_retries >= 0, "task.remote_retries", cfg.task.remote_retries, "must be >= 0")
 
 
 def check_devices(cfg: RunConfig) -> None:

@@ -1,9 +1,13 @@
-"""What can be checked before any process starts: the task and its data, the model and its
-tokenizer, the prompts as the tokenizer encodes them. `tidal run` checks first and creates nothing
-when a check fails (one line, exit 2)."""
+"""What can be checked before any process starts: the task and its data, its reward on a few rows, the
+model and its tokenizer, the prompts as the tokenizer encodes them. `tidal run` checks first and creates
+nothing when a check fails (one line, or one short block naming the user's file and line; exit 2)."""
 from __future__ import annotations
 
-from tidal.config import ConfigError, RunConfig
+import asyncio
+
+from tidal.config import ConfigError, RunConfig, TaskConfig
+
+SCORED_PROMPTS = 3  # training prompts the reward scores before the run
 
 
 def preflight(cfg: RunConfig) -> list[str]:
@@ -15,12 +19,17 @@ def preflight(cfg: RunConfig) -> list[str]:
     if not split.train:
         raise ConfigError(f"config key 'task.name' = {cfg.task.name!r}: the task gave no training prompts")
     found = [f"task {cfg.task.name}: {len(split.train)} training prompts, {len(split.val)} held out"]
+    if cfg.task.reward_funcs:  # an unknown function is one line before the model is looked for
+        from tidal.tasks.rewards import load_reward_funcs
+
+        load_reward_funcs(cfg.task)
     try:
         path = resolve_model_path(cfg.model, cfg.task)
     except FileNotFoundError:
         if cfg.model.path:
             raise
-        return [*found, "model: the tiny model is not built yet (tidal run builds it)"]
+        scored = check_reward(cfg.task, split.train, None)
+        return [*found, *scored, "model: the tiny model is not built yet (tidal run builds it)"]
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -30,4 +39,72 @@ def preflight(cfg: RunConfig) -> list[str]:
     if limit and longest + cfg.sampling.max_tokens > limit:
         raise ConfigError(f"config key 'actor.vllm.max_model_len' = {limit}: prompts of up to {longest} tokens plus "
                           f"sampling.max_tokens = {cfg.sampling.max_tokens} do not fit")
-    return [*found, f"model {path}: tokenizer of {len(tokenizer)} tokens, prompts of up to {longest} tokens"]
+    scored = check_reward(cfg.task, split.train, tokenizer)
+    return [*found, *scored, f"model {path}: tokenizer of {len(tokenizer)} tokens, prompts of up to {longest} tokens"]
+
+
+def check_reward(cfg: TaskConfig, prompts: list, tokenizer) -> list[str]:
+    """A few training prompts scored by task.reward_funcs, or by a task module of the user's own (the
+    built-in ones are tested), each with its reference answer as the completion where the row has one;
+    one line per function. A reward that raises is a ConfigError naming its file and line."""
+    from tidal.tasks import BUILTIN, get_task
+
+    if cfg.reward_funcs:
+        return _check_reward_funcs(cfg, prompts[:SCORED_PROMPTS], tokenizer)
+    module = get_task(cfg.name)
+    if cfg.name in BUILTIN or getattr(module, "Environment", None) is not None:
+        return []
+    return _check_task_reward(cfg, prompts[:SCORED_PROMPTS])
+
+
+def _check_reward_funcs(cfg: TaskConfig, prompts: list, tokenizer) -> list[str]:
+    from tidal.tasks.rewards import PROMPT_TEXT, RewardFailed, call_kwargs, decode_row, load_reward_funcs, score
+
+    funcs = load_reward_funcs(cfg)
+    values: dict[str, list[float]] = {f.name: [] for f in funcs}
+    totals = []
+    for prompt in prompts:
+        reference = decode_row(prompt.payload).get(cfg.answer_field)
+        completion = reference if isinstance(reference, str) else ""
+        ids = tokenizer(completion, add_special_tokens=False)["input_ids"] if tokenizer is not None else []
+        kwargs = call_kwargs({**prompt.payload, PROMPT_TEXT: prompt.text}, cfg.prompt_field, completion, ids)
+        try:
+            total, components = asyncio.run(score(funcs, kwargs))
+        except RewardFailed as err:
+            raise ConfigError(f"config key 'task.reward_funcs': {err}\n  (scoring training prompt "
+                              f"{prompt.prompt_id}{_completion_said(cfg, reference)})") from None
+        totals.append(total)
+        for name, value in components.items():
+            values[name].append(value)
+    said = _completion_said(cfg, "" if any(isinstance(decode_row(p.payload).get(cfg.answer_field), str)
+                                         for p in prompts) else None)
+    lines = [f"reward {f.name} (weight {f.weight:g}) on {len(prompts)} training prompts{said}: "
+             f"{_listed(values[f.name])}" for f in funcs]
+    return [*lines, f"reward, their weighted sum: {_listed(totals)}"]
+
+
+def _check_task_reward(cfg: TaskConfig, prompts: list) -> list[str]:
+    from tidal.tasks import get_reward
+    from tidal.tasks.rewards import where_raised
+
+    reward, values = get_reward(cfg), []
+    for prompt in prompts:
+        completion = prompt.payload.get("answer", "")
+        try:
+            values.append(float(reward(completion, dict(prompt.payload))))
+        except Exception as err:
+            raise ConfigError(f"config key 'task.name' = {cfg.name!r}: its reward raised {type(err).__name__}: "
+                              f"{err}\n{where_raised(err, reward)}\n  (scoring training prompt {prompt.prompt_id}, "
+                              "completion = its payload's answer)") from None
+    return [f"reward of task {cfg.name} on {len(prompts)} training prompts, completion = the payload's answer: "
+            f"{_listed(values)}"]
+
+
+def _completion_said(cfg: TaskConfig, reference) -> str:
+    if reference is None:
+        return ", completion = '' (no answer column to use)"
+    return f", completion = its {cfg.answer_field!r} column"
+
+
+def _listed(values: list[float]) -> str:
+    return ", ".join(f"{v:g}" for v in values)

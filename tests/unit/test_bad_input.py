@@ -136,3 +136,17 @@ def test_fit_flags_that_cannot_work_are_one_line_before_any_fit(tmp_path, capsys
     out = [] if "--out" in flags else ["--out", str(tmp_path / "fit.png")]
     assert tidal_analysis(capsys, "fit", "--csv", str(curve), *flags, *out) == f"tidal fit: {says}"
     assert not (tmp_path / "fit.png").exists()
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["task.reward_funcs=[no_such_module:accuracy]"],
+     "config key 'task.reward_funcs' entry 'no_such_module:accuracy': cannot import no_such_module"),
+    (["task.reward_funcs=[math:sqrt,math:floor]", "task.reward_weights=[1.0]"],
+     "config key 'task.reward_weights' = [1.0]: one weight per reward function (2 in task.reward_funcs)"),
+])
+def test_reward_functions_that_cannot_be_used_are_one_line(tmp_path, capsys, overrides, says):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?", "answer": "4"}\n')
+    message = tidal_run(tmp_path, capsys, ROOT / "configs/math.yaml", f"task.data_path={data}", "task.num_val=1",
+                        f"model.path={tmp_path}", *overrides)
+    assert says in message

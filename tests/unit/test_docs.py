@@ -12,7 +12,7 @@ from tidal.config import OnViolation
 ROOT = Path(__file__).parents[2]
 DOCS = ROOT / "docs"
 # metric names as the code writes them: literals, and f-strings whose {placeholder} is one family
-FAMILIES = "rollout|learner|offpolicy|broker|compute|timing|eval|curriculum|optim|episode"
+FAMILIES = "rollout|learner|offpolicy|broker|compute|timing|eval|curriculum|optim|episode|rewards"
 METRIC = re.compile(rf"""f?["']((?:{FAMILIES})/[\w/{{}}]+)["']""")
 
 

@@ -230,3 +230,29 @@ def test_values_no_rollout_can_hold_are_wire_errors(change):
     change(frame)
     with pytest.raises(WireError):
         codec.decode(msgspec.msgpack.encode(frame))
+
+
+def test_reward_components_round_trip_and_default_to_none():
+    codec = WireCodec(1 << 20)
+    g = rollout()
+    g.samples[0].reward_components = {"accuracy": 1.0, "format": -0.5}
+    s = codec.decode(codec.encode(g), expect=RolloutGroup).samples[0]
+    assert s.reward_components == {"accuracy": 1.0, "format": -0.5}
+    frame = msgspec.msgpack.decode(codec.encode(rollout()))
+    for sample in frame["samples"]:
+        sample.pop("reward_components", None)  # a sample of a task without reward functions
+    assert codec.decode(msgspec.msgpack.encode(frame), expect=RolloutGroup).samples[0].reward_components == {}
+
+
+@pytest.mark.parametrize("components, reason", [
+    ({"accuracy": float("nan")}, "bad_value"),
+    ({"": 1.0}, "malformed"),  # a component needs a name
+    ({f"f{i}": 1.0 for i in range(65)}, "malformed"),  # past the bound on components
+])
+def test_bad_reward_components_are_rejected(components, reason):
+    codec = WireCodec(1 << 20)
+    g = rollout()
+    g.samples[0].reward_components = components
+    with pytest.raises(WireError, match="reward_components") as err:
+        codec.decode(codec.encode(g))
+    assert err.value.reason == reason

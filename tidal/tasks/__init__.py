@@ -10,7 +10,10 @@ actors). A task is a module with
     MAX_POSITIONS (optional)                        the tiny model's context length (default 64)
     teacher_slip(answer, rng) -> str (optional)     the tiny model's warm-start teacher when sloppy
 
-`task.name` is a built-in task (arithmetic, count, math), one installed under the entry-point group
+Or no module at all: `task.name=rows` reads task.data_path and scores with `task.reward_funcs`, plain
+functions called with the prompt, the completion and every column of the row (tidal.tasks.rewards).
+
+`task.name` is a built-in task (arithmetic, count, math, rows), one installed under the entry-point group
 `tidal.tasks`, or an import path (`my_pkg.my_task`); `task.kwargs` holds its own options. Prompts
 become token ids once, on the learner (`PromptEncoder`): actors receive tokens, so both sides see
 exactly the same prompt, chat template and system prompt included.
@@ -30,7 +33,7 @@ __all__ = ["ChatRenderer", "Env", "Message", "Prompt", "PromptEncoder", "SingleT
            "encode_prompt", "get_environment", "get_reward", "get_task", "installed_tasks", "tool_schemas"]
 
 BUILTIN = {"arithmetic": "tidal.tasks.arithmetic", "chain": "tidal.tasks.chain", "count": "tidal.tasks.count",
-           "math": "tidal.tasks.math", "skyrl": "tidal.tasks.skyrl"}
+           "math": "tidal.tasks.math", "rows": "tidal.tasks.data", "skyrl": "tidal.tasks.skyrl"}
 ENTRY_POINTS = "tidal.tasks"
 
 Reward = Callable[[str, dict[str, str]], float]
@@ -127,10 +130,17 @@ def get_reward(cfg: TaskConfig) -> Reward:
 
 
 def get_environment(cfg: TaskConfig, env_kwargs: dict | None = None) -> Env:
-    """The task's environment: its Environment built with its config and `env_kwargs` (env.kwargs),
-    or its reward as one turn."""
+    """The task's environment: task.reward_funcs as one turn (tidal.tasks.rewards), its Environment built
+    with its config and `env_kwargs` (env.kwargs), or its reward as one turn."""
     module = get_task(cfg.name)
     env_class = getattr(module, "Environment", None)
+    if cfg.reward_funcs:
+        from tidal.tasks.rewards import Rewarded
+
+        if env_class is not None:
+            raise ConfigError(f"config key 'task.reward_funcs' = {list(cfg.reward_funcs)}: task {cfg.name!r} is an "
+                              "environment of episodes, scored by its own steps")
+        return Rewarded(cfg)
     if env_class is None:
         return SingleTurn(get_reward(cfg))
     if not (isinstance(env_class, type) and issubclass(env_class, Env)):

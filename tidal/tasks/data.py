@@ -4,6 +4,9 @@ Hugging Face Hub dataset id (`org/name`, at `task.data_config` / a split), read 
 The prompt column holds a string, or chat messages ([{"role": ..., "content": ...}, ...], the
 conversational format TRL datasets use); the answer column a string. A bad row is an error that
 names the file and line (JSON Lines), or the row.
+
+It is also the `rows` task: task.data_path's rows scored by task.reward_funcs alone, so a user's task can
+be one reward function (tidal.tasks.rewards).
 """
 from __future__ import annotations
 
@@ -181,3 +184,38 @@ def _draw(num_rows: int, num: int, seed: int) -> list[int]:
     order = list(range(num_rows))
     random.Random(seed).shuffle(order)
     return sorted(order[:num])
+
+
+def row_payload(cfg: TaskConfig, row: dict, answer: dict[str, str], where: str) -> dict[str, str]:
+    """A prompt's payload: every column of its row when task.reward_funcs score it (they are called with
+    them all), else what the task's own reward reads (`answer`)."""
+    from tidal.tasks.rewards import encode_row
+
+    return encode_row(row, where) if cfg.reward_funcs else answer
+
+
+# ---- the rows task (task.name=rows): task.data_path's rows, scored by task.reward_funcs -------------
+
+def load_prompts(cfg: TaskConfig) -> Split:
+    """Rows of task.data_path (every column), each prompt column as it is (text, or chat messages), as a
+    dataset's prompt column is the prompt; held out as the math task holds out."""
+    if not cfg.reward_funcs:
+        raise ConfigError("config key 'task.reward_funcs' is empty: task.name = 'rows' is scored by the reward "
+                          "functions it names (my_pkg.rewards:accuracy)")
+    read = lambda source, key, split: load_rows(source, key, cfg.prompt_field, "", split=split,
+                                                config=cfg.data_config, every_column=True)
+    rows = read(cfg.data_path, "task.data_path", cfg.data_split)
+    val_rows = read(cfg.val_path, "task.val_path", cfg.val_split) if cfg.val_path else []
+
+    def make(prompt_id: int, row: dict) -> Prompt:
+        prompt, payload = row[cfg.prompt_field], row_payload(cfg, row, {}, f"{cfg.data_path}: row {prompt_id}")
+        if isinstance(prompt, list):
+            return Prompt(prompt_id=prompt_id, text="", payload=payload, messages=tuple(prompt))
+        return Prompt(prompt_id=prompt_id, text=prompt, payload=payload)
+    return split_rows(cfg, rows, val_rows, make)
+
+
+def build_reward(cfg: TaskConfig):
+    """The rows task has no reward of its own: task.reward_funcs score it (get_environment uses them)."""
+    raise ConfigError("config key 'task.reward_funcs' is empty: task.name = 'rows' is scored by the reward "
+                      "functions it names (my_pkg.rewards:accuracy)")

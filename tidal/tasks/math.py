@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 from tidal.config import ConfigError, TaskConfig
 from tidal.tasks import Prompt, Split
-from tidal.tasks.data import load_rows, split_rows
+from tidal.tasks.data import load_rows, row_payload, split_rows
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +76,15 @@ def load_prompts(cfg: TaskConfig) -> Split:
 
 
 def read_rows(cfg: TaskConfig, source: str, key: str, split: str) -> list[dict]:
-    return load_rows(source, key, cfg.prompt_field, cfg.answer_field, split=split, config=cfg.data_config)
+    # reward functions are called with every column of the row; the built-in reward reads the answer alone
+    return load_rows(source, key, cfg.prompt_field, cfg.answer_field, split=split, config=cfg.data_config,
+                     every_column=bool(cfg.reward_funcs))
 
 
 def _prompt(prompt_id: int, row: dict, cfg: TaskConfig, render: Callable[[str], str] | None) -> Prompt:
     """A string prompt goes through the template; chat messages are kept as they are."""
-    prompt, answer = row[cfg.prompt_field], {"answer": row[cfg.answer_field].strip()}
+    prompt = row[cfg.prompt_field]
+    answer = row_payload(cfg, row, {"answer": row[cfg.answer_field].strip()}, f"{cfg.data_path}: row {prompt_id}")
     if isinstance(prompt, list):
         return Prompt(prompt_id=prompt_id, text="", payload=answer, messages=tuple(prompt))
     return Prompt(prompt_id=prompt_id, text=render(prompt), payload=answer)

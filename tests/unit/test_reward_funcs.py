@@ -1,0 +1,337 @@
+"""Reward functions as users write them (task.reward_funcs, task.reward_weights): loading, the keyword
+arguments they get, weighted sums and components, their metrics, `config check` scoring a few rows, and
+a two-function reward through the whole pipeline in one process."""
+import asyncio
+import json
+import math
+import sys
+import threading
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from conftest import ALPHABET, TINY, ScriptedEngine, sample
+from tidal.broker.schema import RolloutGroup, int32s
+from tidal.config import ConfigError, load_config
+from tidal.learner.accounting import reward_component_metrics
+from tidal.learner.admission import count
+from tidal.tasks import get_environment, get_task
+from tidal.tasks.rewards import (
+    PROMPT_TEXT,
+    Rewarded,
+    RewardFailed,
+    call_kwargs,
+    decode_row,
+    encode_row,
+    load_reward_funcs,
+    score,
+)
+
+REWARDS = '''
+import asyncio
+
+
+def exact(completion, answer, **kwargs):
+    return 1.0 if completion == answer else 0.0
+
+
+async def short(completion_ids, prompt, problem, **kwargs):
+    await asyncio.sleep(0)
+    assert problem in prompt  # the prompt as the model read it holds the row's prompt column
+    return 1.0 if len(completion_ids) <= 4 else 0.0
+
+
+def seen(**kwargs):
+    return float(len(kwargs["tags"]))  # a list column arrives as a list
+
+
+def broken(completion, **kwargs):
+    return kwargs["answr"]  # a typo: raises KeyError on every sample
+'''
+
+
+@pytest.fixture
+def user_rewards(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)  # each test imports its own copy
+    return tmp_path / "my_rewards.py"
+
+
+def task(*overrides):
+    return load_config(None, list(overrides)).task
+
+
+# ---- loading -------------------------------------------------------------------------------
+
+def test_functions_load_by_either_import_path_with_weights_defaulting_to_one(user_rewards):
+    funcs = load_reward_funcs(task("task.reward_funcs=[my_rewards:exact,my_rewards.short]"))
+    assert [(f.name, f.weight) for f in funcs] == [("exact", 1.0), ("short", 1.0)]
+    weighted = load_reward_funcs(task("task.reward_funcs=[my_rewards:exact,my_rewards.short]",
+                                      "task.reward_weights=[2,0.5]"))
+    assert [f.weight for f in weighted] == [2.0, 0.5]
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("my_rewards:nope", "my_rewards has no 'nope'"),
+    ("no_such_pkg.mod:f", "cannot import no_such_pkg.mod"),
+    ("justaname", "not an import path"),
+])
+def test_an_unknown_function_is_one_line_naming_the_key(user_rewards, spec, words):
+    with pytest.raises(ConfigError, match="task.reward_funcs") as err:
+        load_reward_funcs(task(f"task.reward_funcs=[{spec}]"))
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_weights_of_the_wrong_length_fail_at_load():
+    with pytest.raises(ConfigError, match=r"'task.reward_weights' = \[1.0\]: one weight per reward function \(2"):
+        load_config(None, ["task.reward_funcs=[a:b,c:d]", "task.reward_weights=[1]"])
+
+
+def test_a_task_of_episodes_refuses_reward_functions(user_rewards):
+    cfg = task("task.name=skyrl", "task.reward_funcs=[my_rewards:exact]")
+    with pytest.raises(ConfigError, match="task.reward_funcs"):
+        get_environment(cfg)
+
+
+# ---- rows and calls -----------------------------------------------------------------------
+
+def test_a_row_travels_as_strings_and_comes_back_with_its_types():
+    row = {"problem": "1+2=", "answer": "3", "tags": ["easy", "sum"], "level": 2, "meta": {"k": None}}
+    payload = encode_row(row)
+    assert all(isinstance(v, str) for v in payload.values())
+    assert decode_row({**payload, PROMPT_TEXT: "x"}) == row
+
+
+def test_calls_get_prompt_completion_ids_and_every_column():
+    payload = {**encode_row({"problem": "1+2=", "answer": "3", "prompt": "a column named prompt"}),
+               PROMPT_TEXT: "Q: 1+2="}
+    kwargs = call_kwargs(payload, "problem", "3", np.array([7, 8]).tolist())
+    assert kwargs == {"problem": "1+2=", "answer": "3", "prompt": "Q: 1+2=", "completion": "3",
+                      "completion_ids": [7, 8]}
+    messages = [{"role": "user", "content": "1+2="}]
+    assert call_kwargs(encode_row({"messages": messages}), "messages", "3", [])["prompt"] == messages
+
+
+def test_the_reward_is_the_weighted_sum_and_each_value_a_component(user_rewards):
+    env = Rewarded(task("task.reward_funcs=[my_rewards:exact,my_rewards:short]", "task.reward_weights=[1,-0.5]"))
+    state = {**encode_row({"problem": "1+2=", "answer": "3"}), PROMPT_TEXT: "1+2="}
+    assert asyncio.run(env.score(state, "3", [5])) == (0.5, {"exact": 1.0, "short": 1.0})
+    assert asyncio.run(env.score(state, "4", [5] * 5)) == (0.0, {"exact": 0.0, "short": 0.0})
+
+
+def test_a_raising_function_names_itself_and_the_users_line(user_rewards):
+    funcs = load_reward_funcs(task("task.reward_funcs=[my_rewards:broken]"))
+    with pytest.raises(RewardFailed) as err:
+        asyncio.run(score(funcs, {"completion": "3"}))
+    text = str(err.value)
+    assert text.startswith("reward function broken raised KeyError: 'answr'")
+    assert f'File "{user_rewards}", line 20, in broken' in text and "asyncio" not in text
+
+
+@pytest.mark.parametrize("value", ["three", float("nan"), None])
+def test_a_function_returning_no_number_fails_naming_it(value):
+    from tidal.tasks.rewards import RewardFunc
+
+    with pytest.raises(RewardFailed, match="reward function f returned"):
+        asyncio.run(score([RewardFunc("f", lambda **kw: value, 1.0)], {}))
+
+
+# ---- the rows task ------------------------------------------------------------------------
+
+def write_rows(tmp_path, n=12):
+    rows = [{"problem": f"{a:02d}+{b:02d}=", "answer": f"{a + b:03d}", "tags": ["sum"] * (a % 3)}
+            for a in range(20, 20 + n // 2) for b in range(2)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return tmp_path / "rows.jsonl"
+
+
+def test_the_rows_task_carries_every_column_to_the_reward(tmp_path, user_rewards):
+    cfg = task("task.name=rows", f"task.data_path={write_rows(tmp_path)}", "task.num_val=2",
+               "task.reward_funcs=[my_rewards:seen]")
+    split = get_task("rows").load_prompts(cfg)
+    assert len(split.train) == 10 and split.train[0].text == "20+00="
+    assert decode_row(split.train[0].payload) == {"problem": "20+00=", "answer": "020", "tags": ["sum", "sum"]}
+
+
+def test_the_rows_task_without_reward_functions_names_the_key(tmp_path):
+    cfg = task("task.name=rows", f"task.data_path={write_rows(tmp_path)}")
+    with pytest.raises(ConfigError, match="'task.reward_funcs' is empty"):
+        get_task("rows").load_prompts(cfg)
+
+
+def test_the_math_task_with_reward_functions_carries_every_column(tmp_path, user_rewards):
+    cfg = task("task.name=math", f"task.data_path={write_rows(tmp_path)}", "task.num_val=2",
+               "task.reward_funcs=[my_rewards:seen]")
+    payload = get_task("math").load_prompts(cfg).train[0].payload
+    assert decode_row(payload)["tags"] == ["sum", "sum"] and decode_row(payload)["answer"] == "020"
+
+
+# ---- metrics ------------------------------------------------------------------------------
+
+def test_each_function_gets_a_mean_and_std_per_step():
+    samples = [sample([(0, 2)], r, reward_components={"exact": e, "short": s})
+               for r, e, s in ((1.5, 1.0, 1.0), (0.5, 0.0, 1.0), (1.0, 1.0, 0.0), (0.0, 0.0, 0.0))]
+    group = RolloutGroup.pack(samples, group_id="g", prompt_id=0, actor_id="a", prompt_tokens=int32s([1]))
+    stats = Counter()
+    count(group, stats)
+    metrics = reward_component_metrics(stats)
+    assert metrics == {"rewards/exact/mean": 0.5, "rewards/exact/std": 0.5,
+                       "rewards/short/mean": 0.5, "rewards/short/std": 0.5}
+    assert reward_component_metrics(Counter({"samples": 3})) == {}
+
+
+# ---- config check -------------------------------------------------------------------------
+
+def check(tmp_path, capsys, funcs):
+    from tidal.cli import main
+    from tidal.tiny import build_tiny_model, save_model
+
+    save_model(*build_tiny_model(TINY, ALPHABET, seed=0), tmp_path / "model")
+    capsys.readouterr()  # the saving's progress bar is not the check's output
+    code = main(["config", "check", "tiny", f"model.path={tmp_path / 'model'}", "task.name=rows",
+                 f"task.data_path={write_rows(tmp_path)}", "task.num_val=2",
+                 f"task.reward_funcs=[{funcs}]"])
+    return code, capsys.readouterr()
+
+
+def test_config_check_scores_a_few_rows_with_their_answers(tmp_path, user_rewards, capsys):
+    code, out = check(tmp_path, capsys, "my_rewards:exact,my_rewards:seen")
+    assert code == 0, out.err
+    assert "reward exact (weight 1) on 3 training prompts, completion = its 'answer' column: 1, 1, 1" in out.out
+    assert "reward, their weighted sum:" in out.out and "config ok" in out.out
+
+
+def test_config_check_shows_where_a_raising_reward_failed_and_exits_2(tmp_path, user_rewards, capsys):
+    code, out = check(tmp_path, capsys, "my_rewards:broken")
+    assert code == 2
+    lines = out.err.strip().splitlines()
+    assert lines[0] == ("tidal config: config key 'task.reward_funcs': reward function broken raised KeyError: "
+                        "'answr'")
+    assert lines[1] == f'  File "{user_rewards}", line 20, in broken'
+    assert len(lines) <= 5 and "asyncio" not in out.err
+
+
+def test_the_readme_reward_functions_score_as_printed(tmp_path, monkeypatch, capsys):
+    from conftest import ROOT
+
+    text = (ROOT / "README.md").read_text()
+    start = text.index("```python\n# my_rewards.py")
+    (tmp_path / "my_rewards.py").write_text(text[start + len("```python\n"):text.index("```", start + 10)])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)
+    code, out = check(tmp_path, capsys, "my_rewards:accuracy,my_rewards:brief")
+    assert code == 0, out.err
+    assert "reward accuracy (weight 1) on 3 training prompts, completion = its 'answer' column: 1, 1, 1" in out.out
+    assert "reward, their weighted sum: 2, 2, 2" in out.out
+
+
+# ---- the whole pipeline -------------------------------------------------------------------
+
+def test_a_two_function_weighted_reward_reaches_the_learners_metrics(tmp_path, user_rewards):
+    from tidal.actor.episode import Episodes
+    from tidal.actor.loop import Actor
+    from tidal.broker.inproc import InprocBroker
+    from tidal.broker.schema import WireCodec
+    from tidal.broker.weights import build_receiver
+    from tidal.config import resolve
+    from tidal.learner.main import build, serve
+    from tidal.tiny import build_tiny_model, save_model
+
+    model, tokenizer = build_tiny_model(TINY, ALPHABET, seed=0)
+    save_model(model, tokenizer, tmp_path / "model")
+    cfg = resolve(load_config("configs/tiny.yaml", [
+        f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}", "learner.max_steps=2",
+        "learner.groups_per_step=4", "sampling.n=4", "eval.every=0", "eval.n=2", "actor.heartbeat_s=0.2",
+        "task.name=rows", f"task.data_path={write_rows(tmp_path, 40)}", "task.num_val=4",
+        "task.reward_funcs=[my_rewards:exact,my_rewards:short]",
+        "task.reward_weights=[1.0,0.5]", "curriculum.enabled=false"]), actor=True)
+    broker = InprocBroker(WireCodec(cfg.broker.max_message_bytes))
+    learner, engine, result = build(cfg, transport=broker.learner()), ScriptedEngine(tokenizer, 0.5), {}
+
+    def run_actor():
+        actor = Actor(cfg.actor, engine, broker.actor(cfg.actor.id), build_receiver(cfg.weights),
+                      Episodes.of(cfg.task, cfg.env, engine.tokenizer))
+        result["reason"] = asyncio.run(actor.run())
+
+    thread = threading.Thread(target=run_actor, daemon=True)
+    thread.start()
+    assert serve(learner, tmp_path / "run") == 0
+    thread.join(timeout=30)
+    steps = [m for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+             if "rollout/reward_mean" in m]
+    assert len(steps) == 2
+    for m in steps:  # the scripted engine answers right half the time, in 4 tokens or fewer (its stop included)
+        assert 0 < m["rewards/exact/mean"] < 1 and m["rewards/short/mean"] == 1.0
+        assert m["rewards/short/std"] == 0.0 and m["rewards/exact/std"] > 0
+        assert math.isclose(m["rollout/reward_mean"], m["rewards/exact/mean"] + 0.5 * m["rewards/short/mean"])
+
+
+# ---- a remote reward ----------------------------------------------------------------------
+
+@pytest.fixture
+def reward_server():
+    """A real HTTP server on loopback: scores each sample by its completion's length, after failing the
+    first `fail_first` requests with a 503."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen = {"batches": [], "fail_first": 0, "requests": 0}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen["requests"] += 1
+            samples = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["samples"]
+            if seen["requests"] <= seen["fail_first"]:
+                self.send_response(503)
+                self.end_headers()
+                return
+            seen["batches"].append(samples)
+            body = json.dumps({"rewards": [float(len(s["completion"])) for s in samples]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/length", seen
+    server.shutdown()
+    server.server_close()
+
+
+def score_group(env, completions):
+    async def group():
+        state = {**encode_row({"problem": "1+2=", "answer": "3"}), PROMPT_TEXT: "1+2="}
+        return await asyncio.gather(*(env.score(state, c, [1] * len(c)) for c in completions))
+    return asyncio.run(group())
+
+
+def test_a_remote_reward_scores_a_group_in_one_post_after_a_retry(reward_server, monkeypatch):
+    from tidal.tasks.rewards import RemoteReward
+
+    monkeypatch.setattr(RemoteReward, "RETRY_PAUSE_S", 0.0)
+    url, seen = reward_server
+    seen["fail_first"] = 1
+    env = Rewarded(task(f"task.reward_funcs=['{url}']", "task.reward_weights=[0.5]", "task.remote_timeout_s=5"))
+    assert score_group(env, ["3", "33", "333"]) == [(0.5, {"length": 1.0}), (1.0, {"length": 2.0}),
+                                                      (1.5, {"length": 3.0})]
+    assert seen["requests"] == 2 and len(seen["batches"]) == 1  # one failed try, then the whole group at once
+    assert seen["batches"][0][1] == {"problem": "1+2=", "answer": "3", "prompt": "1+2=", "completion": "33",
+                                     "completion_ids": [1, 1]}
+
+
+def test_a_remote_reward_that_keeps_failing_names_its_url(reward_server, monkeypatch):
+    from tidal.tasks.rewards import RemoteReward
+
+    monkeypatch.setattr(RemoteReward, "RETRY_PAUSE_S", 0.0)
+    url, seen = reward_server
+    seen["fail_first"] = 10
+    env = Rewarded(task(f"task.reward_funcs=['{url}']", "task.remote_retries=2"))
+    with pytest.raises(RewardFailed, match=rf"reward function length raised ConnectionError: {url}: 3 tries failed"):
+        score_group(env, ["3"])
+    assert seen["requests"] == 3

@@ -1,0 +1,260 @@
+"""Reward functions as users write them: `task.reward_funcs` names them (import paths or entry points in
+the group `tidal.rewards`), `task.reward_weights` weighs them. Each is called with keyword arguments
+
+    prompt            the prompt: its chat messages where the row holds messages, else the text the model read
+    completion        the completion's text
+    completion_ids    its token ids
+    <column>          every column of the dataset row (prompt and answer columns included)
+
+sync or async, and returns a float. Or an http(s) URL: a remote reward (RemoteReward), for rewards that
+need a GPU or a sandbox. A sample's reward is the weighted sum; each function's own value
+travels in `Sample.reward_components` under the function's name (metrics `rewards/<name>/mean`, `/std`).
+
+Rows travel to the actors in the prompt's payload, a dict of strings on the wire: string columns as they
+are, others as JSON (named under JSON_COLUMNS), decoded back before the call.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import math
+import re
+import time
+import traceback
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+from tidal.config import ConfigError, TaskConfig
+from tidal.tasks.env import Env, is_async
+
+ENTRY_POINTS = "tidal.rewards"
+JSON_COLUMNS = "_tidal_json_columns"  # payload key: the columns stored as JSON (a JSON list of names)
+PROMPT_TEXT = "_tidal_prompt_text"  # payload key the actor adds: the prompt as the model read it
+RESERVED = ("prompt", "completion", "completion_ids")  # keyword arguments a column of that name cannot override
+MAX_COLUMNS = 62  # the wire's payload holds 64 keys: two are the reserved ones above
+MAX_VALUE_CHARS = 65_536  # a payload value's bound on the wire
+
+
+@dataclass(frozen=True)
+class RewardFunc:
+    name: str  # the function's name: its metric is rewards/<name>/mean
+    fn: Callable[..., Any]
+    weight: float
+
+
+class RewardFailed(Exception):
+    """A reward function raised or returned something that is not a finite number; the message names
+    the function, and the user's file and line where it raised."""
+
+
+# ---- loading -------------------------------------------------------------------------------
+
+def load_reward_funcs(cfg: TaskConfig) -> list[RewardFunc]:
+    """task.reward_funcs resolved, with their weights; ConfigError naming the key when one is unknown."""
+    weights = list(cfg.reward_weights) or [1.0] * len(cfg.reward_funcs)
+    if len(weights) != len(cfg.reward_funcs):
+        raise ConfigError(f"config key 'task.reward_weights' = {list(cfg.reward_weights)}: one weight per reward "
+                          f"function ({len(cfg.reward_funcs)} in task.reward_funcs)")
+    funcs = [RewardFunc(_name(fn, spec), fn, float(w)) for spec, w in zip(cfg.reward_funcs, weights)
+             for fn in [resolve(spec, cfg)]]
+    names = [f.name for f in funcs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"config key 'task.reward_funcs' = {list(cfg.reward_funcs)}: two functions named "
+                          f"{twice[0]!r} (their metrics would collide)")
+    return funcs
+
+
+def resolve(spec: str, cfg: TaskConfig | None = None) -> Callable[..., Any]:
+    """`pkg.mod:func`, `pkg.mod.func`, an entry-point name in the group tidal.rewards, or an http(s) URL
+    (a RemoteReward) -> the function."""
+    key = f"config key 'task.reward_funcs' entry {spec!r}"
+    if spec.startswith(("http://", "https://")):
+        cfg = cfg or TaskConfig()
+        return RemoteReward(spec, cfg.remote_timeout_s, cfg.remote_retries)
+    installed = {ep.name: ep for ep in entry_points(group=ENTRY_POINTS)}
+    if spec in installed:
+        fn = installed[spec].load()
+    else:
+        module_name, sep, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
+        if not (module_name and attr):
+            known = ", ".join(sorted(installed)) or "none installed"
+            raise ConfigError(f"{key}: not an import path (my_pkg.rewards:accuracy) nor an entry point of "
+                              f"{ENTRY_POINTS} ({known})")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            raise ConfigError(f"{key}: cannot import {module_name} ({err}; is its folder on PYTHONPATH?)") from None
+        fn = getattr(module, attr, None)
+        if fn is None:
+            raise ConfigError(f"{key}: {module_name} has no {attr!r}")
+    if not callable(fn):
+        raise ConfigError(f"{key}: {type(fn).__name__} is not callable")
+    return fn
+
+
+def _name(fn: Callable, spec: str) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__ or spec
+
+
+# ---- rows in payloads --------------------------------------------------------------------------
+
+def encode_row(row: dict[str, Any], where: str = "") -> dict[str, str]:
+    """A dataset row as a payload: strings as they are, other values as JSON."""
+    if len(row) > MAX_COLUMNS:
+        raise ConfigError(f"{where}: {len(row)} columns; a prompt's payload carries at most {MAX_COLUMNS}")
+    payload, as_json = {}, []
+    for column, value in row.items():
+        if not isinstance(value, str):
+            value, _ = json.dumps(value, default=str), as_json.append(column)
+        if len(value) > MAX_VALUE_CHARS:
+            raise ConfigError(f"{where}: column {column!r} holds {len(value)} characters; a payload value holds "
+                              f"at most {MAX_VALUE_CHARS}")
+        payload[column] = value
+    if as_json:
+        payload[JSON_COLUMNS] = json.dumps(as_json)
+    return payload
+
+
+def decode_row(payload: dict[str, str]) -> dict[str, Any]:
+    """The row `encode_row` stored, its columns' types back (the actor's own keys left out)."""
+    as_json = set(json.loads(payload.get(JSON_COLUMNS, "[]")))
+    return {k: json.loads(v) if k in as_json else v for k, v in payload.items()
+            if k not in (JSON_COLUMNS, PROMPT_TEXT)}
+
+
+def call_kwargs(payload: dict[str, str], prompt_field: str, completion: str,
+                completion_ids: Sequence[int]) -> dict[str, Any]:
+    """The keyword arguments of every reward function for one completion."""
+    row = decode_row(payload)
+    prompt = row.get(prompt_field)
+    if not isinstance(prompt, list):  # chat messages are passed as they are; text as the model read it
+        prompt = payload.get(PROMPT_TEXT, prompt if prompt is not None else "")
+    columns = {k: v for k, v in row.items() if k not in RESERVED}
+    return {**columns, "prompt": prompt, "completion": completion, "completion_ids": list(completion_ids)}
+
+
+# ---- scoring -------------------------------------------------------------------------------
+
+async def score(funcs: Sequence[RewardFunc], kwargs: dict[str, Any]) -> tuple[float, dict[str, float]]:
+    """(the weighted sum, each function's value); plain functions run on a worker thread."""
+    values = await asyncio.gather(*(_call(f, kwargs) for f in funcs))
+    components = {f.name: v for f, v in zip(funcs, values)}
+    return sum(f.weight * v for f, v in zip(funcs, values)), components
+
+
+async def _call(func: RewardFunc, kwargs: dict[str, Any]) -> float:
+    try:
+        value = await func.fn(**kwargs) if is_async(func.fn) else await asyncio.to_thread(func.fn, **kwargs)
+    except Exception as err:
+        where = "" if isinstance(func.fn, RemoteReward) else f"\n{where_raised(err, func.fn)}"  # the URL says where
+        raise RewardFailed(f"reward function {func.name} raised {type(err).__name__}: {err}{where}") from err
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise RewardFailed(f"reward function {func.name} returned {type(value).__name__} {repr(value)[:60]}, "
+                           "not a number") from None
+    if not math.isfinite(number):
+        raise RewardFailed(f"reward function {func.name} returned {number}, not a finite number")
+    return number
+
+
+def where_raised(err: BaseException, fn: Callable | None = None) -> str:
+    """The user's frame of a traceback, as Python prints a frame: the deepest one in `fn`'s file, else the
+    deepest one outside tidal and asyncio (the frames that ran it say nothing the user can fix)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    own_file = getattr(getattr(fn, "__code__", None), "co_filename", None)
+    mine = [f for f in frames if own_file and f.filename == own_file]
+    tidal_dir = str(Path(__file__).resolve().parents[1])
+    theirs = [f for f in frames if not f.filename.startswith(tidal_dir)
+              and not any(part in f.filename for part in ("asyncio", "concurrent", "threading"))]
+    chosen = (mine or theirs or frames[-1:])
+    if not chosen:
+        return ""
+    frame = chosen[-1]
+    return "".join(traceback.format_list([frame])).rstrip()
+
+
+class Rewarded(Env):
+    """task.reward_funcs as a one-turn environment: the episode loop calls `score` with the completion's
+    text and token ids (instead of `step`)."""
+
+    max_turns = 1
+
+    def __init__(self, cfg: TaskConfig, funcs: Sequence[RewardFunc] | None = None):
+        super().__init__(cfg)
+        self.funcs = list(funcs if funcs is not None else load_reward_funcs(cfg))
+
+    async def score(self, state: dict[str, str], completion: str,
+                    completion_ids: Sequence[int]) -> tuple[float, dict[str, float]]:
+        return await score(self.funcs, call_kwargs(state, self.cfg.prompt_field, completion, completion_ids))
+
+
+class RemoteReward:
+    """A reward served over HTTP: the calls made in one pass of the event loop (a group's samples) go in
+    one POST of JSON {"samples": [<keyword arguments>, ...]}, answered with {"rewards": [float, ...]} in
+    the same order; each POST waits at most `timeout_s`, and a failed one is tried `retries` more times."""
+
+    RETRY_PAUSE_S = 0.2  # first pause between tries, doubled after each
+
+    def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 2):
+        self.url, self.timeout_s, self.retries = url, timeout_s, retries
+        path = url.split("://", 1)[1].rstrip("/")
+        last = path.rsplit("/", 1)[-1] if "/" in path else path
+        self.__name__ = re.sub(r"[^\w.-]", "_", last)  # the metric's name: the URL's last part
+        self.pending: list[tuple[dict, asyncio.Future]] = []
+        self.posts: set[asyncio.Task] = set()  # the loop holds tasks weakly
+
+    async def __call__(self, **kwargs) -> float:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.pending.append((kwargs, future))
+        if len(self.pending) == 1:
+            loop.call_soon(self._flush)
+        return await future
+
+    def _flush(self) -> None:
+        batch, self.pending = self.pending, []
+        task = asyncio.ensure_future(self._send(batch))
+        self.posts.add(task)
+        task.add_done_callback(self.posts.discard)
+
+    async def _send(self, batch: list[tuple[dict, asyncio.Future]]) -> None:
+        try:
+            rewards = await asyncio.to_thread(self.post, [kwargs for kwargs, _ in batch])
+        except Exception as err:
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(err)
+            return
+        for (_, future), value in zip(batch, rewards):
+            if not future.done():
+                future.set_result(value)
+
+    def post(self, samples: list[dict]) -> list[float]:
+        """One batch's rewards, tried 1 + retries times; raises naming the URL and the last failure."""
+        body = json.dumps({"samples": samples}).encode()
+        pause, failure = self.RETRY_PAUSE_S, ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(pause)
+                pause *= 2
+            request = urllib.request.Request(self.url, body, {"Content-Type": "application/json"}, method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                    answer = json.loads(response.read())
+            except (urllib.error.URLError, TimeoutError, OSError, json.JSONDecodeError) as err:
+                failure = f"{type(err).__name__}: {getattr(err, 'reason', None) or err}"
+                continue
+            rewards = answer.get("rewards") if isinstance(answer, dict) else None
+            if not (isinstance(rewards, list) and len(rewards) == len(samples)):
+                raise ValueError(f"{self.url} answered {repr(answer)[:80]}, not {{\"rewards\": [...]}} with "
+                                 f"{len(samples)} values")
+            return rewards
+        raise ConnectionError(f"{self.url}: {self.retries + 1} tries failed, the last with {failure}")
