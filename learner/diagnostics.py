@@ -1,6 +1,7 @@
 """What a run shows beyond its scalar metrics: a table of sample completions at every evaluation,
-and figures at every checkpoint and at the end (pass rate against steps and compute with the fitted
-sigmoid, the token-lag histogram, behaviour against learner logprobs, rewards and lengths).
+a table of sampled training rollouts every `tracking.rollout_table_every` steps, and figures at every
+checkpoint and at the end (pass rate against steps and compute with the fitted sigmoid, the token-lag
+histogram, behaviour against learner logprobs, rewards and lengths).
 
 Everything here is drawn from bounded samples of the training stream (reservoirs, a lag histogram
 by value), so memory stays flat however long the run. The samples are not checkpointed: after a
@@ -9,7 +10,9 @@ and covers the whole run).
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,9 +21,13 @@ from pathlib import Path
 import numpy as np
 
 from tidal.broker.schema import RolloutGroup
+from tidal.config import TrackingConfig
 from tidal.learner.tracking import redacting_logger
 
 log = redacting_logger(__name__)  # a figure that failed to reach MLflow names its URL
+
+PRINT_SAMPLES_ENV = "TIDAL_PRINT_SAMPLES"  # rollouts of each rollout table the learner also writes to its log
+ROLLOUTS_FILE = "rollouts.jsonl"  # in the run folder: a line per rollout table (what `tidal run --print-samples` shows)
 
 
 @dataclass
@@ -59,8 +66,12 @@ class Diagnostics:
     """Collects what the tables and figures show, and hands them to the tracker."""
 
     def __init__(self, tracker, decode: Callable[[np.ndarray], str], run_dir: Path, completions_per_eval: int,
-                 max_lag: int, reservoir: int = 4096, pass_threshold: float = 1.0):
+                 max_lag: int, reservoir: int = 4096, pass_threshold: float = 1.0,
+                 rollout_table_every: int = TrackingConfig.rollout_table_every,
+                 rollout_table_rows: int = TrackingConfig.rollout_table_rows, print_samples: int | None = None):
         self.tracker, self.decode, self.run_dir = tracker, decode, run_dir
+        self.rollout_table_every, self.rollout_table_rows = rollout_table_every, rollout_table_rows
+        self.print_samples = _print_samples_from_env() if print_samples is None else print_samples
         self.completions_per_eval, self.max_lag = completions_per_eval, max_lag
         self.pass_threshold = pass_threshold  # task.pass_threshold: the table's `passed` column and the figure's label
         self.shown: dict[int, set[str]] = {}  # eval version -> group ids whose completions go in its table
@@ -88,8 +99,8 @@ class Diagnostics:
                 "prompt": prompt, "completion": self.decode(tokens),
                 "reward": sample.task_reward, "passed": sample.task_reward >= self.pass_threshold,
                 "finish_reason": sample.finish_reason, "tokens": sample.num_tokens,
-                "versions": f"{min(versions)}..{max(versions)}" if min(versions) != max(versions) else str(versions[0]),
-                "lag": arrived_at - min(versions), "actor": group.actor_id, "group_id": group.group_id,
+                "versions": _versions_text(versions), "lag": arrived_at - min(versions),
+                "actor": group.actor_id, "group_id": group.group_id,
                 **(self.episode_columns(sample, tokens) if sample.episode is not None else {})})
 
     def episode_columns(self, sample, tokens: np.ndarray) -> dict:
@@ -128,6 +139,45 @@ class Diagnostics:
             self.lags.update({lag: int(c) for lag, c in enumerate(tokens.lag_counts) if c})
             self.behavior.extend(tokens.behavior)
             self.learner.extend(tokens.learner)
+
+    # ---- sampled training rollouts --------------------------------------------------------------
+
+    def rollouts_due(self, step: int) -> bool:
+        """Whether step `step` (the one that makes version `step`) logs a rollout table."""
+        return self.rollout_table_every > 0 and self.rollout_table_rows > 0 and step % self.rollout_table_every == 0
+
+    def log_rollouts(self, groups: list[RolloutGroup], advantages: list[np.ndarray], version: int) -> list[dict]:
+        """A table of up to rollout_table_rows rollouts the step at `version` trained on, chosen at random
+        (seeded by the step) so that it does not favour the groups that arrived first; `advantages[group]
+        [sample]` as the step computed them. Logged as rollouts/step-<step>.json in the MLflow run and as
+        a line of run_dir/rollouts.jsonl; only the chosen rows are decoded."""
+        step = version + 1
+        rows = []
+        for g, picked in _pick_rollouts(groups, self.rollout_table_rows, seed=step).items():
+            group, arrays = groups[g], groups[g].unpack()
+            prompt = self.decode(group.prompt_tokens.numpy("i4", "prompt_tokens"))
+            rows += [self._rollout_row(step, version, group, arrays[i], prompt, float(advantages[g][i]))
+                     for i in picked]
+        if not rows:
+            return rows
+        keys = dict.fromkeys(key for row in rows for key in row)  # reward components: where a task gives them
+        self.tracker.log_table({key: [row.get(key) for row in rows] for key in keys}, f"rollouts/step-{step:06d}.json")
+        with open(self.run_dir / ROLLOUTS_FILE, "a") as f:
+            f.write(json.dumps({"step": step, "rows": rows}) + "\n")
+        for row in rows[:self.print_samples]:
+            log.info("%s", rollout_text(row))
+        return rows
+
+    def _rollout_row(self, step: int, version: int, group: RolloutGroup, arrays, prompt: str, advantage: float) -> dict:
+        sample, tokens, _ = arrays
+        versions = [v for v, _, _ in sample.version_spans] or [version]
+        components = getattr(sample, "reward_components", None) or {}  # the task's reward functions, by name
+        return {"step": step, "prompt": prompt, "completion": self.decode(tokens), "reward": sample.reward,
+                "task_reward": sample.task_reward, **{f"reward/{k}": float(v) for k, v in components.items()},
+                "advantage": advantage, "versions": _versions_text(versions),
+                "lag": version - min(versions),  # the learner's version at step start less the oldest token's
+                "finish_reason": sample.finish_reason, "tokens": sample.num_tokens,
+                "actor": group.actor_id, "group_id": group.group_id}
 
     # ---- figures --------------------------------------------------------------------------------
 
@@ -219,6 +269,47 @@ class Diagnostics:
         n.hist(lengths, bins=30)
         n.set(xlabel="completion tokens", ylabel="samples", title=f"mean length {lengths.mean():.1f}")
         return fig
+
+
+def _versions_text(versions: list[int]) -> str:
+    """'3' for one version, '3..4' for a completion a weight update landed in."""
+    return f"{min(versions)}..{max(versions)}" if min(versions) != max(versions) else str(versions[0])
+
+
+def _pick_rollouts(groups: list[RolloutGroup], count: int, seed: int) -> dict[int, list[int]]:
+    """group index -> indices of its chosen samples: `count` of all the step's samples, drawn
+    uniformly without replacement, in batch order."""
+    where = [(g, i) for g, group in enumerate(groups) for i in range(len(group.samples))]
+    chosen = np.random.default_rng(seed).choice(len(where), size=min(count, len(where)), replace=False)
+    picked: dict[int, list[int]] = {}
+    for k in sorted(chosen.tolist()):
+        picked.setdefault(where[k][0], []).append(where[k][1])
+    return picked
+
+
+def rollout_text(row: dict, width: int = 160) -> str:
+    """One rollout table row as a console line: its numbers, then its prompt and completion truncated
+    to `width` characters each, newlines shown as \\n."""
+    def short(text: str) -> str:
+        text = text.replace("\n", "\\n")
+        return text if len(text) <= width else text[:width - 3] + "..."
+
+    components = "".join(f" {key}={value:.3g}" for key, value in row.items() if key.startswith("reward/"))
+    return (f"[rollout] step {row['step']} reward={row['reward']:.3g}{components} advantage={row['advantage']:+.3f} "
+            f"versions={row['versions']} lag={row['lag']} {row['finish_reason']}\n"
+            f"  prompt: {short(row['prompt'])}\n  completion: {short(row['completion'])}")
+
+
+def _print_samples_from_env() -> int:
+    """How many of each rollout table's rows the learner writes to its log: $TIDAL_PRINT_SAMPLES, else 0."""
+    value = os.environ.get(PRINT_SAMPLES_ENV, "").strip() or "0"
+    try:
+        count = int(value)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise ValueError(f"${PRINT_SAMPLES_ENV}={value!r}: expected a count of rollouts (0 or more)")
+    return count
 
 
 def _subplots(count: int):

@@ -7,7 +7,7 @@
           ▼
         train_step: trainer.step (advantages → micro-batches → fused logprobs → loss → AdamW; v → v+1)
           ▼
-        publish_weights (channel + announcement) → coordinator.on_step → eval? → log (+ progress line)
+        publish_weights (channel + announcement) → coordinator.on_step → eval? → log (+ progress line, rollout table?)
           ▼
         checkpoint (+ commit, figures)
 
@@ -26,6 +26,7 @@ from tidal.broker.weights import WeightPublisher
 from tidal.config import EvalConfig, LearnerConfig
 from tidal.learner.accounting import Accounting
 from tidal.learner.admission import Admission, StepBatch
+from tidal.learner.batch import group_advantages
 from tidal.learner.coordinator import Coordinator
 from tidal.learner.curriculum import CurriculumExhausted
 from tidal.learner.evaluation import Evaluator
@@ -124,6 +125,7 @@ class Learner:
         metrics = self.trainer.step(batch.groups, batch.token_masks, self.version)
         if self.parts.diagnostics is not None:
             self.parts.diagnostics.on_step(batch.groups, self.trainer.last_tokens)
+            self.show_rollouts(batch)
         self.version += 1
         metrics["timing/weight_push_s"] = self.publish_weights()
         self.coordinator.on_step(self.version, [g.group_id for g in batch.groups])
@@ -172,6 +174,15 @@ class Learner:
         else:
             self.parts.admission.add(group, batch, self.version)
 
+
+    def show_rollouts(self, batch: StepBatch) -> None:
+        """The rollout table, on the steps it is due. Its advantages are computed again here, over the
+        whole step batch with the trainer's rule: the same numbers the trainer used (its batch-wide sums run
+        over every rank's share, which together are this batch), at the cost of one pass over the rewards."""
+        diagnostics = self.parts.diagnostics
+        if diagnostics.rollouts_due(self.version + 1):
+            advantages = group_advantages(batch.groups, self.cfg.advantage_norm)
+            diagnostics.log_rollouts(batch.groups, advantages, self.version)
 
     def stop_early(self, why: str) -> None:
         log.warning("%s; ending the run at step %d of %d", why, self.version, self.cfg.max_steps)

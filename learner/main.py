@@ -104,7 +104,9 @@ def build(cfg: RunConfig, checkpoint: Path | None = None, transport=None, fresh_
                            tracker if cfg.tracking.log_model else None),
         diagnostics=Diagnostics(tracker, lambda ids: tokenizer.decode(ids.tolist()), run_dir,
                                 cfg.tracking.eval_completions, cfg.staleness.max_lag,
-                                pass_threshold=cfg.task.pass_threshold),
+                                pass_threshold=cfg.task.pass_threshold,
+                                rollout_table_every=cfg.tracking.rollout_table_every,
+                                rollout_table_rows=cfg.tracking.rollout_table_rows),
         num_actors=cfg.actor.replicas)
     learner = Learner(cfg.learner, cfg.eval, parts)
     if state is None:

@@ -51,6 +51,10 @@ def _parser() -> argparse.ArgumentParser:
                  "continue); `--resume auto` starts fresh when there is none at all (for pods that restart) "
                  "and refuses (exit 2) when every one is damaged; `--resume fresh` then starts over them, "
                  "setting them aside and clearing the run's broker streams and ledger")
+        sub.choices[name].add_argument(
+            "--print-samples", nargs="?", type=int, const=3, default=0, metavar="N",
+            help="show N (default 3) sampled training rollouts of each rollout table (every "
+                 "tracking.rollout_table_every steps): on the console for run, in the learner's log for learner")
     config = sub.add_parser("config", help="show, check or explain a config without starting anything")
     what = config.add_subparsers(dest="action", required=True)
     _layered(what.add_parser("show", help="print the resolved config as YAML"))
@@ -206,9 +210,12 @@ def _role(cfg, args) -> int:
     if args.command == "run":
         from tidal.launcher import launch
 
-        return launch(cfg, resume=args.resume)
+        return launch(cfg, resume=args.resume, print_samples=args.print_samples)
     if args.command == "learner":
         from tidal.learner.main import main as learner_main
+
+        if args.print_samples:  # the learner's diagnostics read it (a pod sets it as an environment variable)
+            os.environ["TIDAL_PRINT_SAMPLES"] = str(args.print_samples)
 
         return learner_main(cfg, resume=args.resume)
     if args.command == "actor":

@@ -4,7 +4,8 @@ Resolves the config (model path, run directory; a local redis-server when
 `broker.redis.embedded`) and writes it to the run directory, starts `tidal learner`, waits for
 the endpoints it bound (`endpoints.json`: ports chosen by the kernel, so nothing can take them
 in between), then starts `tidal actor` processes with the same file plus those ports, and
-follows the learner's metrics with a progress bar. Every ZeroMQ port of a run authenticates its
+follows the learner's metrics with a progress bar (and, with --print-samples, a few rollouts of
+each rollout table the learner writes). Every ZeroMQ port of a run authenticates its
 peers, loopback included: CURVE is on, with the keys folder named or keys made for the run in
 <run_dir>/keys (`with_run_keys`). A dead actor is restarted with backoff
 (up to `actor.max_restarts` times); the learner failing stops everything, naming it; so does
@@ -23,13 +24,14 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
 from tidal.broker.zmq_keys import generate, run_keys
 from tidal.config import BrokerType, RunConfig, resolve
-from tidal.learner.tracking import log_final_logs
+from tidal.learner.tracking import log_final_logs, mlflow_ui_lines
 from tidal.memory import check_gpus
 from tidal.placement import Placement, PlacementError, Slot, place, visible_gpus
 from tidal.preflight import preflight
@@ -217,18 +219,22 @@ MAX_BACKOFF_S = 30.0
 BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt}{postfix}"
 
 
-def supervise(children: list[Child], run_dir: Path, cfg: RunConfig) -> None:
+def supervise(children: list[Child], run_dir: Path, cfg: RunConfig, print_samples: int = 0) -> None:
     """Until the learner exits 0. A dead actor is restarted with backoff; the learner (or
-    redis-server) dying, or an actor out of restarts, raises LaunchError naming it."""
+    redis-server) dying, or an actor out of restarts, raises LaunchError naming it. With
+    print_samples, that many rollouts of each rollout table go to the console as they come."""
     from tqdm import tqdm
 
     metrics_path = run_dir / "metrics.jsonl"
     bar = tqdm(total=cfg.learner.max_steps, desc="steps", unit="step", dynamic_ncols=True, bar_format=BAR_FORMAT)
     eta, offset, learner = StepEta(), 0, next(c for c in children if c.role == "learner")
+    samples = RolloutFollower(run_dir, print_samples, bar.write) if print_samples > 0 else None
     warmed = False
     try:
         while True:
             offset = _advance(bar, eta, metrics_path, offset)
+            if samples is not None:
+                samples.advance()
             if bar.n and not warmed:  # training is under way: the start-up's imports are done
                 threading.Thread(target=_import_mlflow, name="warm-mlflow", daemon=True).start()
                 warmed = True
@@ -238,6 +244,8 @@ def supervise(children: list[Child], run_dir: Path, cfg: RunConfig) -> None:
                     continue
                 if c is learner and code == 0:
                     _advance(bar, eta, metrics_path, offset)
+                    if samples is not None:
+                        samples.advance()  # a table written just before the learner exited
                     return
                 if c.role != "actor":
                     raise LaunchError(f"{c.name} exited with code {code}; last lines of {c.log_path}:\n"
@@ -354,6 +362,32 @@ def _advance(bar, eta: StepEta, metrics_path: Path, offset: int) -> int:
     return offset
 
 
+class RolloutFollower:
+    """The learner's rollout tables (run_dir/rollouts.jsonl, one line per table) as they are written:
+    the first `rows` rollouts of each, truncated, through `write` (the bar's, so the bar stays whole).
+    A resumed run's file starts with the tables already shown: those are skipped."""
+
+    def __init__(self, run_dir: Path, rows: int, write: Callable[[str], None]):
+        from tidal.learner.diagnostics import ROLLOUTS_FILE
+
+        self.path, self.rows, self.write = run_dir / ROLLOUTS_FILE, rows, write
+        self.offset = self.path.stat().st_size if self.path.exists() else 0
+
+    def advance(self) -> None:
+        from tidal.learner.diagnostics import rollout_text
+
+        if not self.path.exists():
+            return
+        with open(self.path) as f:
+            f.seek(self.offset)
+            for line in f:
+                if not line.endswith("\n"):  # the learner is still writing it
+                    break
+                self.offset += len(line.encode())
+                for row in json.loads(line)["rows"][:self.rows]:
+                    self.write(rollout_text(row))
+
+
 def show_step(bar, eta: StepEta, m: dict) -> None:
     """One training step's record on the bar: the step, its reward and throughput, the measured ETA."""
     eta.observe(int(m["step"]), m["compute/wall_s"], m["compute/gen_tokens"])
@@ -374,6 +408,8 @@ def print_summary(run_dir: Path, wall_s: float) -> None:
     if s.get("stopped_early"):
         print(f"stopped early: {s['stopped_early']}")
     print(f"mlflow run id: {s['mlflow_run_id']}  tracking uri: {s['mlflow_uri']}")
+    for line in mlflow_ui_lines(s["mlflow_uri"], run_dir):
+        print(line)
     print(f"run directory: {run_dir}")
 
 
@@ -381,7 +417,9 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def launch(cfg: RunConfig, resume: str | None = None) -> int:
+def launch(cfg: RunConfig, resume: str | None = None, print_samples: int = 0) -> int:
+    """The whole run on this machine; `print_samples` rollouts of each rollout table (every
+    tracking.rollout_table_every steps) are shown on the console. Returns the exit code."""
     # Ctrl-C and SIGTERM both stop every child cleanly, even where SIGINT was inherited as ignored
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
@@ -393,6 +431,9 @@ def launch(cfg: RunConfig, resume: str | None = None) -> int:
         print("tidal run: broker.zmq.curve=off: a run authenticates every actor, with keys it makes itself "
               "(off is for a role started on its own)", file=sys.stderr)
         return 2
+    if print_samples and not (cfg.tracking.rollout_table_every and cfg.tracking.rollout_table_rows):
+        print("tidal run: --print-samples shows rollouts of the rollout tables, and tracking.rollout_table_every=0 "
+              "or tracking.rollout_table_rows=0 turns them off: no rollouts will be shown", file=sys.stderr)
     preflight(cfg)  # a bad dataset, model or tokenizer stops here, before anything is created
     try:
         placement = place(cfg.learner, cfg.actor, visible_gpus(), sorted(os.sched_getaffinity(0)))
@@ -412,7 +453,7 @@ def launch(cfg: RunConfig, resume: str | None = None) -> int:
         cfg = prepare(with_run_keys(cfg), redis_url)
         print(f"[run] {run_dir}: learner + {cfg.actor.replicas} actor(s)", flush=True)
         start_children(cfg, placement, children, resume)
-        supervise(children, run_dir, cfg)
+        supervise(children, run_dir, cfg, print_samples)
     except LaunchError as err:
         print(f"tidal run failed: {err}", file=sys.stderr)
         return 1
