@@ -20,11 +20,12 @@ def tidal_run(config: list[str], overrides: list[str], run_dir: Path, label: str
 
 
 def mlflow_run(run_dir: Path) -> tuple[str, str]:
-    """The tracking URI and MLflow run id a finished run wrote into its summary."""
-    from tidal.learner.tracking import run_tracking_uri
+    """The tracking URI and MLflow run id a finished run wrote into its summary (its store re-rooted
+    where the run folder was moved or copied since)."""
+    from tidal.learner.tracking import open_run_store
 
     summary = json.loads((run_dir / "summary.json").read_text())
-    return run_tracking_uri(run_dir, summary["mlflow_uri"]), summary["mlflow_run_id"]
+    return open_run_store(run_dir, summary["mlflow_uri"]), summary["mlflow_run_id"]
 
 
 def history(run_dir: Path, names: tuple[str, ...] = METRICS) -> dict[str, dict[int, float]]:

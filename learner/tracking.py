@@ -5,30 +5,39 @@ learner's progress lines in its own log (`ProgressLog`), for `kubectl logs -f`.
 
 Where MLflow is: `tracking.uri`, else $MLFLOW_TRACKING_URI, else a sqlite file in the run
 directory (its artifacts beside it), so a run works with no server and lands on the team's
-server when the environment names one.
+server when the environment names one. A sqlite store's artifacts sit in `artifacts/` beside the
+file, and MLflow records them by absolute path: opening a store that was moved or copied points
+them at the folder beside it again (`reroot_artifacts`), so a run folder can be moved whole.
 
 Credentials in a URI (`user:password@`, `?token=...`) never leave this module unredacted: params,
 config.yaml, summary.json and log lines carry `redact_uri(...)`; only the MLflow client gets the URI.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import math
 import os
 import re
+import shlex
+import sqlite3
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 from tidal.config import RunConfig, TrackingConfig, flatten, load_config, redact_uri, redacted_config, to_yaml
 
 DEFAULT_EXPERIMENT = "tidal"
 EXPERIMENT_KIND = "mlflow.experimentKind"
+ARTIFACTS_BESIDE = "tidal.artifacts"  # experiment tag: its artifacts live in artifacts/ beside its sqlite store
 MAX_BATCH_METRICS = 1000  # the most metrics MLflow's log_batch takes
 URI_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 
@@ -72,18 +81,51 @@ def experiment_name(cfg: TrackingConfig) -> str:
     return cfg.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
 
 
-def use_store(uri: str, experiment: str, artifacts: Path | None) -> None:
-    """Point MLflow at `uri` and `experiment`, creating the experiment with its artifacts in
-    `artifacts` (for a local sqlite store: beside it, not in the current directory)."""
+def sqlite_file(uri: str) -> Path | None:
+    """The file of a `sqlite:///path` store (None for any other store)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return Path(unquote(uri.removeprefix("sqlite:///").split("?")[0]))
+
+
+def use_store(uri: str, experiment: str, artifacts: Path | None = None) -> None:
+    """Point MLflow at `uri` and `experiment`. A local sqlite store's experiment is created with
+    its artifacts in `artifacts` (by default `artifacts/` beside the file: not in the current
+    directory, nor in the folder of the first run that used a shared store); a store that was
+    moved is re-rooted first."""
     import mlflow
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    mlflow.set_tracking_uri(uri)
-    if artifacts is not None and uri.startswith("sqlite:") and mlflow.get_experiment_by_name(experiment) is None:
-        mlflow.create_experiment(experiment, artifact_location=artifacts.resolve().as_uri())
-    found = mlflow.set_experiment(experiment)
+    store = sqlite_file(uri)
+    with first_open(store):
+        if store is not None:
+            reroot_artifacts(store)
+        mlflow.set_tracking_uri(uri)
+        if store is not None and mlflow.get_experiment_by_name(experiment) is None:
+            folder = (artifacts or store.parent / "artifacts").resolve()
+            tags = {ARTIFACTS_BESIDE: "beside the store"} if folder == store.resolve().parent / "artifacts" else {}
+            mlflow.create_experiment(experiment, artifact_location=folder.as_uri(), tags=tags)
+        found = mlflow.set_experiment(experiment)
     if EXPERIMENT_KIND not in found.tags:  # the UI then opens on runs and charts, not on GenAI traces
         mlflow.MlflowClient().set_experiment_tag(found.experiment_id, EXPERIMENT_KIND, "custom_model_development")
+
+
+@contextmanager
+def first_open(store: Path | None):
+    """Held while a process opens a sqlite store (None: any other store, nothing held): MLflow makes its
+    tables on first use, and runs sharing a new file that open it at once fail in its migrations
+    (measured: of three runs started together, at most one came up), as two would both create the
+    experiment. A lock on the store's folder, so no lock file is left beside it."""
+    if store is None:
+        yield
+        return
+    store.parent.mkdir(parents=True, exist_ok=True)
+    folder = os.open(store.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(folder)  # releases the lock
 
 
 def package_version(*names: str) -> str:
@@ -112,7 +154,7 @@ class Tracker:
         self.run_dir = run_dir
         self.uri = tracking_uri(cfg, run_dir)  # only for MLflow's client: it may hold credentials
         self.shown_uri = redact_uri(self.uri)
-        use_store(self.uri, experiment_name(cfg), run_dir / "artifacts")
+        use_store(self.uri, experiment_name(cfg))
         system = cfg.system_metrics_interval_s > 0
         if system:
             mlflow.set_system_metrics_sampling_interval(cfg.system_metrics_interval_s)
@@ -324,9 +366,104 @@ def log_final_logs(run_dir: Path) -> None:
         return
     s = json.loads(summary.read_text())
     try:
-        MlflowClient(run_tracking_uri(run_dir, s["mlflow_uri"])).log_artifacts(s["mlflow_run_id"], str(logs), "logs")
+        MlflowClient(open_run_store(run_dir, s["mlflow_uri"])).log_artifacts(s["mlflow_run_id"], str(logs), "logs")
     except Exception as err:  # the run is over; its logs are still in the run directory
         log.warning("could not log %s to MLflow run %s: %s", logs, s.get("mlflow_run_id"), err)
+
+
+def open_run_store(run_dir: Path, shown: str) -> str:
+    """`run_tracking_uri`, its sqlite store re-rooted where the run folder was moved or copied:
+    what a reader of a finished run opens, so its artifacts are found where the folder is now."""
+    uri, own = run_tracking_uri(run_dir, shown), run_dir / "mlflow.db"
+    store = sqlite_file(uri)
+    if (not uri or (store is not None and not store.is_file())) and own.is_file():
+        uri, store = f"sqlite:///{own.resolve()}", own  # the summary names the store where the folder was
+    if store is not None:
+        reroot_artifacts(store)
+    return uri
+
+
+def mlflow_ui_lines(shown: str, run_dir: Path) -> list[str]:
+    """The summary's ready-to-paste way to see the run: for a sqlite store, the `mlflow ui` command
+    (the installed one, by full path) and, when the store is the run's own, how runs share one
+    store to be compared side by side; for a tracking server, its address."""
+    store = sqlite_file(shown)
+    if store is None:
+        scheme = urlparse(shown).scheme
+        if scheme in ("http", "https", "databricks"):
+            return [f"mlflow ui: {shown} (the tracking server)"]
+        return [f"mlflow ui: {_mlflow_command()} ui --backend-store-uri {shlex.quote(shown)}"]
+    lines = [f"mlflow ui: {_mlflow_command()} ui --backend-store-uri {shlex.quote(f'sqlite:///{store.resolve()}')}"]
+    if store.resolve().parent == run_dir.resolve():
+        shared = run_dir.resolve().parent / "mlflow.db"
+        lines.append(f"to compare runs in one UI, give them one store: tracking.uri=sqlite:///{shared}")
+    return lines
+
+
+def _mlflow_command() -> str:
+    """The `mlflow` beside this Python (a virtual environment's), else the one on PATH."""
+    beside = Path(sys.executable).parent / "mlflow"
+    return shlex.quote(str(beside)) if beside.is_file() else "mlflow"
+
+
+def reroot_artifacts(store: Path) -> None:
+    """Point the artifacts of a sqlite store's experiments that keep them beside the store at
+    `artifacts/` beside it where it is now. MLflow records absolute paths (an experiment's artifact
+    location, each run's and logged model's artifact URI), so a moved or copied run folder would
+    otherwise lose them all. An experiment is re-rooted when tidal made it so (ARTIFACTS_BESIDE),
+    or when its recorded folder is gone and there is one beside the store (a store tidal wrote before).
+    A store that cannot be written (read-only) is left as it is, with a warning."""
+    if not store.is_file():
+        return  # MLflow makes a new one; nothing is recorded yet
+    beside = store.resolve().parent / "artifacts"
+    try:
+        with sqlite3.connect(store, timeout=20) as db:  # commits the rewrite as one transaction
+            for experiment_id, recorded in _moved_experiments(db, beside):
+                _rewrite_prefix(db, experiment_id, recorded, beside.as_uri())
+                log.info("MLflow store %s moved: artifacts re-rooted from %s to %s", store, recorded, beside.as_uri())
+        db.close()
+    except sqlite3.Error as err:
+        log.warning("could not re-root the artifacts of the MLflow store %s (%s); they stay where it "
+                    "says they were", store, err)
+
+
+def _moved_experiments(db: sqlite3.Connection, beside: Path) -> list[tuple[int, str]]:
+    """(experiment id, recorded artifact location) of the experiments to re-root to `beside`."""
+    tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if not {"experiments", "experiment_tags", "runs"} <= tables:
+        return []  # a store MLflow has not set up yet
+    tagged = {eid for (eid,) in db.execute("SELECT experiment_id FROM experiment_tags WHERE key = ?",
+                                           (ARTIFACTS_BESIDE,))}
+    moved = []
+    for experiment_id, recorded in db.execute("SELECT experiment_id, artifact_location FROM experiments"):
+        folder = _local_path(recorded or "")
+        if folder is None or folder.name != "artifacts" or folder == beside:
+            continue
+        legacy = not folder.exists() and beside.is_dir()
+        if experiment_id in tagged or legacy:
+            moved.append((experiment_id, recorded))
+    return moved
+
+
+def _local_path(location: str) -> Path | None:
+    """The folder of a `file://` URI or a plain absolute path; None for any remote location."""
+    parsed = urlparse(location)
+    if parsed.scheme == "file":
+        return Path(unquote(parsed.path))
+    return Path(location) if parsed.scheme == "" and location.startswith("/") else None
+
+
+def _rewrite_prefix(db: sqlite3.Connection, experiment_id: int, recorded: str, new: str) -> None:
+    """The experiment's artifact location, and the URIs under it of its runs and logged models, to `new`."""
+    db.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (new, experiment_id))
+    under = recorded.rstrip("/") + "/"
+    tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    for table, column in (("runs", "artifact_uri"), ("logged_models", "artifact_location")):
+        if table not in tables:
+            continue  # a store from before MLflow had logged models
+        db.execute(f"UPDATE {table} SET {column} = ? || substr({column}, ?) "  # noqa: S608 - fixed names
+                   f"WHERE experiment_id = ? AND substr({column}, 1, ?) = ?",
+                   (new + "/", len(under) + 1, experiment_id, len(under), under))  # substr counts from 1
 
 
 def run_tracking_uri(run_dir: Path, shown: str) -> str:

@@ -664,6 +664,10 @@ def open_store(tracking_uri: str):
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
+    from tidal.learner.tracking import reroot_artifacts
+
+    if sqlite_path:
+        reroot_artifacts(Path(sqlite_path))  # a moved run folder's artifacts are found where it is now
     try:
         return MlflowClient(tracking_uri)
     except MlflowException as err:
