@@ -119,17 +119,25 @@ def plot(runs: list[dict], target: float, png: Path) -> None:
 
     lags = sorted({r["max_lag"] for r in runs if r["max_lag"] is not None})
     colors = dict(zip(lags, plt.cm.viridis(np.linspace(0, 0.9, len(lags))))) | {None: "tab:red"}
+    seeds = {lag: sum(r["max_lag"] == lag for r in runs) for lag in [*lags, None]}  # runs per colour
+    last_step = 0
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in runs:
         hist = r["history"]
         start = hist["compute/wall_s"].get(0, 0.0)
         steps = sorted(s for s in hist["eval/pass_rate"] if s in hist["compute/wall_s"])
-        label = (f"max_lag {r['max_lag']}" if r["system"] == "tidal" else "TRL GRPOTrainer") if r["seed"] == 0 else None
+        last_step = max([last_step, *steps])
+        # one legend entry per max_lag (its seeds share a colour), saying how many runs it stands for
+        name = f"max_lag {r['max_lag']}" if r["system"] == "tidal" else "TRL GRPOTrainer"
+        count = seeds[r["max_lag"]]
+        label = f"{name} ({count} seed{'s' if count > 1 else ''})" if r["seed"] == 0 else None
         ax.plot([hist["compute/wall_s"][s] - start for s in steps], [hist["eval/pass_rate"][s] for s in steps],
                 color=colors[r["max_lag"]], alpha=0.8, label=label)
     ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:.2f}")
-    ax.set(xlabel="wall time since the step-0 evaluation (s)", ylabel="val pass rate", title=runs[0]["task"])
-    ax.legend()
+    ax.set(xlabel="wall time since the step-0 evaluation (s)", ylabel="val pass rate",
+           title=f"{runs[0]['task']}: pass rate against wall time, steps 0-{last_step}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)

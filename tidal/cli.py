@@ -357,14 +357,29 @@ def _check_fit_flags(predict: float | None, out) -> None:
 
 
 def _plan_batch(cfg, args) -> int:
+    """The earlier runs are read first: a mistyped run id or store is one line, exit 2, before minutes of
+    measuring."""
     import asyncio
+    import os
     from pathlib import Path
 
     from tidal.plan_batch import measure, plan, plot_plan, print_plan, run_evidence
+    from tidal.scaling import ScalingFitError
 
-    sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
+    try:
+        sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip().isdigit()})
+        if not sizes or min(sizes) < 1 or len(sizes) != len(set(args.batch_sizes.split(","))):
+            raise ValueError(f"--batch-sizes {args.batch_sizes}: prompt groups per step, whole numbers >= 1 "
+                             "separated by commas (4,8,16)")
+        _check_fit_flags(None, Path(args.out))
+        uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        if args.runs and not uri:
+            raise ValueError("--runs needs --tracking-uri URI (or MLFLOW_TRACKING_URI): the store that holds them")
+        evidence = run_evidence(uri, args.runs, args.target) if args.runs else []
+    except (ScalingFitError, ValueError) as err:
+        print(f"tidal plan-batch: {err}", file=sys.stderr)
+        return 2
     throughput = asyncio.run(measure(cfg, sizes, args.reps))
-    evidence = run_evidence(args.tracking_uri, args.runs, args.target) if args.runs else []
     rows, note = plan(throughput, evidence, overlap=cfg.staleness.max_lag > 0)
     print_plan(rows, note)
     plot_plan(rows, Path(args.out))

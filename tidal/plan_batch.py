@@ -74,14 +74,19 @@ class RunEvidence:
 
 def run_evidence(uri: str, run_ids: list[str], target: float) -> list[RunEvidence]:
     """Samples consumed when eval/pass_rate (the share of held-out samples whose reward reached the run's
-    task.pass_threshold, not the mean reward) first reached `target`, and learner seconds per sample."""
-    from mlflow.tracking import MlflowClient
+    task.pass_threshold, not the mean reward) first reached `target`, and learner seconds per sample. A
+    store or run id that is not there, or a run that is not tidal's, is a ScalingFitError naming it."""
+    from tidal.scaling import ScalingFitError, open_store, run_name
 
-    client = MlflowClient(tracking_uri=uri)
+    client = open_store(uri)
     out = []
     for run_id in run_ids:
-        run = client.get_run(run_id)
-        b = int(run.data.params["learner.groups_per_step"])
+        name = run_name(client, uri, run_id)
+        b = client.get_run(run_id).data.params.get("learner.groups_per_step")
+        if b is None:
+            raise ScalingFitError(f"run {run_id} ({name}) in {uri}: no learner.groups_per_step param (not a tidal "
+                                  "run?): its batch size is unknown")
+        b = int(b)
         history = {name: sorted(client.get_metric_history(run_id, name), key=lambda m: m.step)
                    for name in ("eval/pass_rate", "compute/samples", "timing/train_step_s", "learner/num_samples")}
         samples = {m.step: m.value for m in history["compute/samples"]}
@@ -175,13 +180,23 @@ def plot_plan(rows: list[PlanRow], png: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogLocator, NullFormatter, StrMethodFormatter
 
     bs = [r.batch_groups for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     ax1.plot(bs, [r.samples_per_s for r in rows], "o-")
-    ax1.set(xscale="log", xlabel="batch (groups per step)", ylabel="samples/s", title="measured generation Theta(B)")
+    ax1.set(ylabel="samples/s", title="measured generation Theta(B)")
     ax2.plot(bs, [r.time_to_target_s for r in rows], "o-")
-    ax2.set(xscale="log", xlabel="batch (groups per step)", ylabel="T(B) (s)", title="predicted time to target")
+    ax2.set(ylabel="T(B) (s)", title="predicted time to target")
+    for ax in (ax1, ax2):
+        # batch sizes double: ticks at powers of two, as plain numbers (4 8 16 ...), at most six of them
+        # (every other power, or fewer, over a wide range); matplotlib's 10^1 10^2 named no batch measured
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(LogLocator(base=2, numticks=6))
+        ax.xaxis.set_major_formatter(StrMethodFormatter("{x:.0f}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("batch (groups per step)")
+        ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)

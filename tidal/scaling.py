@@ -579,8 +579,8 @@ def fit_notes(fits: dict[str, SigmoidFit]) -> str:
 
 def plot_fits(points: dict, fits: dict[str, SigmoidFit], path, power: dict[str, PowerLawFit] | None = None,
               title: str = "") -> Path:
-    """PNG of measured points and fitted curves on a log compute axis; dashed = extrapolation,
-    shaded = the 90% interval of the curve."""
+    """PNG of measured points and fitted curves on a log compute axis, labelled by the keys of `points`
+    (run names); solid over the compute each fit saw, dashed beyond it, shaded = the 90% interval."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never needs a display
@@ -593,16 +593,20 @@ def plot_fits(points: dict, fits: dict[str, SigmoidFit], path, power: dict[str, 
     lo = min(c.min() for c in positive)
     hi = 4 * max(max(c.max() for c in positive), *(f.C_mid for f in fits.values()), 0.0)
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    extrapolated = False
     for i, (name, (compute, pass_rate)) in enumerate(points.items()):
         color = f"C{i % 10}"
         c, r = np.asarray(compute, dtype=float), np.asarray(pass_rate, dtype=float)
         ax.scatter(c[c > 0], r[c > 0], s=14, color=color, label=f"{name} (measured)")
         if name in fits:
-            _draw_curve(ax, fits[name], lo, hi, color, name)
+            extrapolated |= draw_curve(ax, fits[name], lo, hi, color, name)
         if power and name in power:
             grid = np.geomspace(lo, hi, 200)
             ax.plot(grid, power[name].predict(grid), ":", color=color, lw=1, label=f"{name} power law")
+    if extrapolated:  # one entry for every curve's dashed part
+        ax.plot([], [], "--", color="grey", label="fit extrapolated (past the compute it saw)")
     ax.set_xscale("log")
+    log_ticks(ax.xaxis)
     ax.set_xlabel("compute")
     ax.set_ylabel("pass rate")
     ax.set_ylim(0, 1.02)
@@ -616,8 +620,32 @@ def plot_fits(points: dict, fits: dict[str, SigmoidFit], path, power: dict[str, 
     return path
 
 
-def _draw_curve(ax, fit: SigmoidFit, lo: float, hi: float, color: str, name: str) -> None:
-    """Solid over the compute the fit saw, dashed beyond it, the 90% band shaded; A as a faint ceiling."""
+def log_ticks(axis, max_decades: int = 6) -> None:
+    """Readable labels on a log axis, set once its range is final, as 1e15: at most `max_decades`
+    decades (every other one, or fewer, over a wide range); under two decades 2x and 5x too, under
+    0.8 every whole multiple, so that a short range still gets two or more. Minor ticks stay
+    unlabelled: matplotlib's own labels for them ("3x10^15 4x10^15") ran together over 1-2 decades."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    lo, hi = sorted(axis.get_view_interval())
+    span = math.log10(hi / lo)
+    subs = (1.0,) if span >= 2 else (1.0, 2.0, 5.0) if span >= 0.8 else tuple(range(1, 10))
+    axis.set_major_locator(LogLocator(base=10, subs=subs, numticks=max_decades))
+    axis.set_major_formatter(FuncFormatter(lambda x, _: compact_number(x)))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def compact_number(x: float) -> str:
+    """'0.5', '20', '5000', then '1e4', '2.5e15': short enough for a tick label."""
+    if x == 0 or 1e-2 <= abs(x) < 1e4:
+        return f"{x:.3g}"
+    mantissa, exponent = f"{x:.2e}".split("e")
+    return f"{float(mantissa):g}e{int(exponent)}"
+
+
+def draw_curve(ax, fit: SigmoidFit, lo: float, hi: float, color: str, name: str) -> bool:
+    """Solid over the compute the fit saw, dashed beyond it, the 90% band shaded; A as a faint ceiling.
+    Whether it drew a dashed part (the caller's legend says what dashed means, once for every curve)."""
     end = fit.compute_max if math.isfinite(fit.compute_max) else hi
     seen = np.geomspace(lo, min(end, hi), 200)
     ax.plot(seen, fit.predict(seen), "-", color=color, label=f"{name} fit A={fit.A:.3f} B={fit.B:.2f}")
@@ -628,6 +656,7 @@ def _draw_curve(ax, fit: SigmoidFit, lo: float, hi: float, color: str, name: str
         grid = np.geomspace(lo, hi, 200)
         ax.fill_between(grid, *fit.predict_interval(grid), color=color, alpha=0.12, lw=0)  # the 90% band
     ax.axhline(fit.A, color=color, lw=0.6, alpha=0.4)
+    return end < hi
 
 
 def points_from_mlflow(tracking_uri: str, run_ids, metric: str = "eval/pass_rate",
@@ -637,7 +666,7 @@ def points_from_mlflow(tracking_uri: str, run_ids, metric: str = "eval/pass_rate
     client = open_store(tracking_uri)
     points = {}
     for run_id in run_ids:
-        name = _run_name(client, tracking_uri, run_id)
+        name = run_name(client, tracking_uri, run_id)
         if name in points:
             name = f"{name} ({run_id[:8]})"  # two runs may share a name; keep both
         evals = _by_step(client.get_metric_history(run_id, metric))
@@ -679,7 +708,7 @@ def one_line(err) -> str:
     return " ".join(err.message.split())  # MLflow's span lines; tidal's errors are one line
 
 
-def _run_name(client, tracking_uri: str, run_id: str) -> str:
+def run_name(client, tracking_uri: str, run_id: str) -> str:
     """The run's name (else its id); a run id the store lacks, or a store that cannot be opened, is
     a ScalingFitError naming the id and the store, with a few of the runs it does hold."""
     from mlflow.exceptions import MlflowException

@@ -63,7 +63,7 @@ def report(uri: str, runs: dict[str, str], compute_metric: str, png: Path, run_i
     """Fit the runs' curves, print and draw them, and log the fit: into `run_id` (a sweep's parent
     run), else into a new run beside the first fitted run, linked to every run it fitted."""
     raw = scaling.points_from_mlflow(uri, list(runs.values()), compute_metric=compute_metric)
-    points = dict(zip(runs, raw.values()))  # one entry per run id, in order: label them as the caller does
+    points = dict(zip(_labels(runs, raw), raw.values()))
     fits, power, seen = fit_points(points, window)
     table = scaling.fit_table(fits, power)
     if len(points) >= 2:
@@ -77,6 +77,17 @@ def report(uri: str, runs: dict[str, str], compute_metric: str, png: Path, run_i
     log_fit(uri, runs, fits, table, png, run_id, {"compute_metric": compute_metric, "predict": predict,
                                                   **window.params()})
     return 0
+
+
+def _labels(runs: dict[str, str], named: dict) -> list[str]:
+    """Each run's label in the table, the plot's legend and the fit's metrics: the caller's (a sweep
+    point's), or where the caller had only the run id (`tidal fit --runs`), the run's name as
+    `points_from_mlflow` gave it (the keys of `named`, in the order of `runs`)."""
+    labels = [name if label == run_id else label for (label, run_id), name in zip(runs.items(), named)]
+    if len(set(labels)) < len(labels):  # a run named like another run's label: keep every curve
+        labels = [f"{label} ({run_id[:8]})" if labels.count(label) > 1 else label
+                  for label, run_id in zip(labels, runs.values())]
+    return labels
 
 
 def log_fit(uri: str, runs: dict[str, str], fits: dict, table: str, png: Path, run_id: str | None,
