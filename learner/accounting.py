@@ -9,9 +9,24 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 
 COMPONENT = "reward_component_"  # stats keys of reward functions' values: <COMPONENT>{n,sum,sq}/<name>
+RATE_WINDOW_STEPS = 10  # throughputs are measured over this many recent steps, not since the start
+
+
+class RecentRate:
+    """How fast a running total grew over the last `steps` observations: (total now - total then) /
+    (time now - time then). A since-start average would hide a slowdown for the rest of a long run."""
+
+    def __init__(self, steps: int = RATE_WINDOW_STEPS):
+        self.points: deque[tuple[float, float]] = deque(maxlen=steps + 1)  # (time, running total)
+
+    def add(self, when: float, total: float) -> float | None:
+        """The rate with this observation; None until two are in the window."""
+        self.points.append((when, total))
+        (t0, total0), (t1, total1) = self.points[0], self.points[-1]
+        return (total1 - total0) / (t1 - t0) if t1 > t0 else None
 
 
 class Accounting:
@@ -23,6 +38,7 @@ class Accounting:
         self.start_time = time.monotonic()
         self.device_seconds = 0.0
         self.last_axis_time = self.start_time
+        self.gen_rate = RecentRate()  # from the first step on: the start-up (engines, first evaluation) is no step
 
     def received(self, actor_id: str) -> None:
         self.by_actor[actor_id] += 1
@@ -43,6 +59,7 @@ class Accounting:
         self.totals["steps"] += 1
         self.totals["computed_tokens"] += computed_tokens
         samples = max(stats["samples"], 1)
+        gen_rate = self.gen_rate.add(time.monotonic(), self.totals["gen_tokens"])
         return {
             "rollout/reward": stats["reward_sum"] / samples,
             "rollout/reward_mean": stats["task_reward_sum"] / samples,
@@ -51,7 +68,7 @@ class Accounting:
             "rollout/completion_len_mean": stats["gen_tokens"] / samples,
             "rollout/prompt_len_mean": stats["prompt_tokens"] / samples,
             "rollout/zero_variance_frac": stats["zero_variance"] / max(stats["groups_received"], 1),
-            "rollout/gen_tokens_per_s": self.totals["gen_tokens"] / (time.monotonic() - self.start_time),
+            **({} if gen_rate is None else {"rollout/gen_tokens_per_s": gen_rate}),
             "rollout/multi_version_samples": float(stats["multi_version_samples"]),
             "rollout/injected_token_frac": stats["injected_tokens"] / max(stats["gen_tokens"], 1),
             **episode_metrics(stats),
@@ -73,6 +90,7 @@ class Accounting:
         self.device_seconds = state["device_seconds"]
         self.start_time = time.monotonic() - state["wall_s"]  # compute axes continue where they were
         self.last_axis_time = time.monotonic()
+        self.gen_rate = RecentRate()  # the time between the checkpoint and the resume is nobody's rate
 
 
 def episode_metrics(stats: Counter) -> dict[str, float]:

@@ -9,16 +9,19 @@ those tokens out of the loss, or keep them (counted either way). Tokens the acto
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from tidal.broker.schema import RolloutGroup
+from tidal.broker.schema import RolloutGroup, Sample
 from tidal.config import OnViolation, StalenessConfig
 from tidal.learner.accounting import COMPONENT
 from tidal.learner.groups import GroupBook
+
+MAX_FAILURE_KINDS = 32  # distinct failure texts kept for the summary; the rest are counted together
 
 log = logging.getLogger(__name__)
 
@@ -52,20 +55,28 @@ class StepBatch:
 
 class Admission:
     def __init__(self, staleness: StalenessConfig, zero_variance_filter: bool, book: GroupBook,
-                 on_rewards: Callable[[int, list[float]], None], pass_threshold: float = 1.0):
+                 on_rewards: Callable[[int, list[float]], None], pass_threshold: float = 1.0, pass_on: str = ""):
         self.staleness = staleness
         self.zero_variance_filter = zero_variance_filter
         self.book = book
-        self.on_rewards = on_rewards  # (prompt id, task rewards): the curriculum's evidence
-        self.pass_threshold = pass_threshold  # task.pass_threshold: a task reward at least this is a pass
+        self.on_rewards = on_rewards  # (prompt id, pass scores): the curriculum's evidence
+        self.pass_threshold = pass_threshold  # task.pass_threshold: a pass score at least this is a pass
+        self.pass_on = pass_on  # task.pass_on: the reward function whose value is the pass score
         self.warned_reward_scale = False
+        self.failures: Counter[str] = Counter()  # why episodes failed (a reward or environment raised), by text
+
+    def failure_summary(self) -> dict:
+        """The training episodes that failed and were scored 0, with their most frequent reasons (each
+        names the reward function or environment, and the user's file and line where it raised)."""
+        return {"count": sum(self.failures.values()), "reasons": self.failures.most_common(3)}
 
     def add(self, group: RolloutGroup, batch: StepBatch, version: int) -> None:
         """Count a claimed training group and append it to `batch` unless it is stale or carries no signal."""
-        count(group, batch.stats, self.pass_threshold)
+        count(group, batch.stats, self.pass_threshold, self.pass_on)
         self._check_reward_scale(group)
+        self._note_failures(group)
         # every received group is evidence of the prompt's pass rate, discarded ones included
-        self.on_rewards(self._released_prompt_id(group), [s.task_reward for s in group.samples])
+        self.on_rewards(self._released_prompt_id(group), [pass_score(s, self.pass_on) for s in group.samples])
         generated = [~s.injected_mask() for s in group.samples]  # interruption text is never trained
         masks, num_stale = staleness_masks([version - s.versions() for s in group.samples],
                                            self.staleness.max_lag, self.staleness.on_violation, generated)
@@ -84,10 +95,19 @@ class Admission:
         batch.groups.append(group)
         batch.token_masks.append([m & g for m, g in zip(masks, generated)])  # aggregation counts real tokens only
 
+    def _note_failures(self, group: RolloutGroup) -> None:
+        for s in group.samples:
+            if s.episode is not None and s.episode.env_error:
+                # distinct texts are bounded: a run's failures are a few kinds, and a peer's text is not trusted
+                if s.episode.env_error in self.failures or len(self.failures) < MAX_FAILURE_KINDS:
+                    self.failures[s.episode.env_error] += 1
+                else:
+                    self.failures["(other reasons)"] += 1
+
     def _check_reward_scale(self, group: RolloutGroup) -> None:
         """Warn once when rewards other than 0 and 1 meet the default threshold 1.0, which assumes them:
         partial credit or summed components then pass only at 1.0 or more, which may not be what was meant."""
-        if self.warned_reward_scale or self.pass_threshold != 1.0:
+        if self.warned_reward_scale or self.pass_threshold != 1.0 or self.pass_on:  # an explicit choice: no warning
             return
         other = next((s.task_reward for s in group.samples if s.task_reward not in (0.0, 1.0)), None)
         if other is None:
@@ -107,9 +127,17 @@ class Admission:
         return group.prompt_id if release is None or release.prompt_id is None else release.prompt_id
 
 
-def count(group: RolloutGroup, stats: Counter, pass_threshold: float = 1.0) -> None:
+def pass_score(sample: Sample, pass_on: str = "") -> float:
+    """What says whether a sample passed, compared with task.pass_threshold: the value of reward function
+    `pass_on` (task.pass_on; -inf where it gave none: not a pass), else the task reward."""
+    if not pass_on:
+        return sample.task_reward
+    return sample.reward_components.get(pass_on, -math.inf)
+
+
+def count(group: RolloutGroup, stats: Counter, pass_threshold: float = 1.0, pass_on: str = "") -> None:
     """The rollout counts every received training group adds to its step's metrics; a sample passes when
-    its task reward is at least `pass_threshold` (task.pass_threshold)."""
+    its pass score (pass_score) is at least `pass_threshold` (task.pass_threshold)."""
     stats["groups_received"] += 1
     stats["samples"] += len(group.samples)
     stats["gen_tokens"] += sum(s.num_tokens for s in group.samples)
@@ -117,7 +145,7 @@ def count(group: RolloutGroup, stats: Counter, pass_threshold: float = 1.0) -> N
     stats["truncated"] += sum(s.finish_reason == "length" for s in group.samples)
     stats["reward_sum"] += sum(s.reward for s in group.samples)
     stats["task_reward_sum"] += sum(s.task_reward for s in group.samples)
-    stats["passed"] += sum(s.task_reward >= pass_threshold for s in group.samples)  # pass rates ignore length shaping
+    stats["passed"] += sum(pass_score(s, pass_on) >= pass_threshold for s in group.samples)  # length shaping aside
     stats["multi_version_samples"] += sum(s.spans_several_versions() for s in group.samples)
     stats["injected_tokens"] += sum(end - start for s in group.samples for start, end in s.injected_spans)
     for s in group.samples:  # task.reward_funcs: each function's values, for rewards/<name>/mean and /std

@@ -22,6 +22,7 @@ import numpy as np
 
 from tidal.broker.schema import RolloutGroup
 from tidal.config import TrackingConfig
+from tidal.learner.admission import pass_score
 from tidal.learner.tracking import redacting_logger
 
 log = redacting_logger(__name__)  # a figure that failed to reach MLflow names its URL
@@ -66,14 +67,15 @@ class Diagnostics:
     """Collects what the tables and figures show, and hands them to the tracker."""
 
     def __init__(self, tracker, decode: Callable[[np.ndarray], str], run_dir: Path, completions_per_eval: int,
-                 max_lag: int, reservoir: int = 4096, pass_threshold: float = 1.0,
+                 max_lag: int, reservoir: int = 4096, pass_threshold: float = 1.0, pass_on: str = "",
                  rollout_table_every: int = TrackingConfig.rollout_table_every,
                  rollout_table_rows: int = TrackingConfig.rollout_table_rows, print_samples: int | None = None):
         self.tracker, self.decode, self.run_dir = tracker, decode, run_dir
         self.rollout_table_every, self.rollout_table_rows = rollout_table_every, rollout_table_rows
         self.print_samples = _print_samples_from_env() if print_samples is None else print_samples
         self.completions_per_eval, self.max_lag = completions_per_eval, max_lag
-        self.pass_threshold = pass_threshold  # task.pass_threshold: the table's `passed` column and the figure's label
+        # task.pass_threshold and task.pass_on: the table's `passed` column and the figure's label
+        self.pass_threshold, self.pass_on = pass_threshold, pass_on
         self.shown: dict[int, set[str]] = {}  # eval version -> group ids whose completions go in its table
         self.rows: dict[int, list[dict]] = {}
         self.lags: Counter = Counter()  # lag -> trained tokens, over every step of this process
@@ -97,7 +99,7 @@ class Diagnostics:
             versions = [v for v, _, _ in sample.version_spans] or [group.eval_version]
             self.rows[group.eval_version].append({
                 "prompt": prompt, "completion": self.decode(tokens),
-                "reward": sample.task_reward, "passed": sample.task_reward >= self.pass_threshold,
+                "reward": sample.task_reward, "passed": pass_score(sample, self.pass_on) >= self.pass_threshold,
                 "finish_reason": sample.finish_reason, "tokens": sample.num_tokens,
                 "versions": _versions_text(versions), "lag": arrived_at - min(versions),
                 "actor": group.actor_id, "group_id": group.group_id,
@@ -181,17 +183,21 @@ class Diagnostics:
 
     # ---- figures --------------------------------------------------------------------------------
 
-    def draw(self, version: int) -> list[Path]:
+    def draw(self, version: int, first_step: int = 1) -> list[Path]:
         """The figures as PNGs in run_dir/figures/step-<version>/, logged to MLflow under the same path.
+        `first_step`: the first step this process trained (a resumed learner's checkpoint version + 1),
+        so that the titles of the figures drawn from the training stream name the steps they cover.
         A figure that cannot be drawn yet (too few eval points for a fit) is left out, not an error."""
         import matplotlib
 
         matplotlib.use("Agg")  # files only; never needs a display
         folder = self.run_dir / "figures" / f"step-{version:06d}"
         folder.mkdir(parents=True, exist_ok=True)
+        trained = (first_step, version)  # the steps the samples behind the stream's figures come from
         paths = []
-        for name, draw in (("pass_rate", self._pass_rate), ("token_lag", self._token_lag),
-                           ("logprob_mismatch", self._mismatch), ("rewards_lengths", self._rewards_lengths)):
+        for name, draw in (("pass_rate", self._pass_rate), ("token_lag", lambda: self._token_lag(trained)),
+                           ("logprob_mismatch", lambda: self._mismatch(trained)),
+                           ("rewards_lengths", lambda: self._rewards_lengths(trained))):
             try:
                 fig = draw()
             except Exception as err:  # a figure is worth a warning, never the run
@@ -209,46 +215,54 @@ class Diagnostics:
         steps, compute, rate = self.tracker.eval_curve("compute/flops")
         if not steps:
             return None
-        fig, (by_step, by_compute) = _subplots(2)
+        fig, (by_step, by_compute) = _subplots(2, self._heading((steps[0], steps[-1])))
         by_step.plot(steps, rate, "o-", ms=4)
-        label = f"val pass rate (reward >= {self.pass_threshold:g})"  # eval/pass_rate, never the mean reward
+        label = f"val pass rate ({self.pass_on or 'reward'} >= {self.pass_threshold:g})"  # never the mean reward
         by_step.set(xlabel="optimizer step", ylabel=label, ylim=(0, 1.02), title="pass rate by step")
         c, r = np.asarray(compute, dtype=float), np.asarray(rate, dtype=float)
         by_compute.scatter(c[c > 0], r[c > 0], s=16, label="measured")
         try:
             fit = scaling.fit_sigmoid(c, r, intervals=False)  # the curve only; `tidal fit` gives intervals
-            grid = np.geomspace(c[c > 0].min(), 4 * c.max(), 200)
-            by_compute.plot(grid, fit.predict(grid), "-", label=f"sigmoid A={fit.A:.2f} B={fit.B:.2f}")
+            # as `tidal fit` draws it: solid over the compute measured so far, dashed beyond
+            if scaling.draw_curve(by_compute, fit, c[c > 0].min(), 4 * c.max(), "C0", "sigmoid"):
+                by_compute.plot([], [], "--", color="grey", label="extrapolated (past the measured compute)")
         except (scaling.ScalingFitError, ValueError) as err:  # too few or flat points so far
             by_compute.set_title(f"no sigmoid fit yet: {str(err)[:60]}", fontsize=8)
         else:
             by_compute.set_title("pass rate by compute (ScaleRL sigmoid)")
         if (c > 0).any():
             by_compute.set_xscale("log")
+            scaling.log_ticks(by_compute.xaxis)  # after the curves: the ticks suit the range they span
         by_compute.set(xlabel="compute (FLOPs)", ylabel=label, ylim=(0, 1.02))
         by_compute.legend(fontsize=7)
         return fig
 
-    def _token_lag(self):
+    def _token_lag(self, trained: tuple[int, int]):
+        from matplotlib.ticker import MaxNLocator
+
         if not self.lags:
             return None
-        fig, (ax,) = _subplots(1)
+        fig, (ax,) = _subplots(1, self._heading(trained))
         lags = sorted(self.lags)
-        ax.bar(lags, [self.lags[lag] for lag in lags], width=0.8)
+        # linear counts, each bar labelled: on a log axis a bar of 30 tokens looked a third as tall as one of 10^5
+        bars = ax.bar(lags, [self.lags[lag] for lag in lags], width=0.8)
+        ax.bar_label(bars, labels=[_count_text(self.lags[lag]) for lag in lags], fontsize=7,
+                     rotation=90 if len(lags) > 12 else 0, padding=2)
+        ax.margins(y=0.12)  # room above the tallest bar for its label
         ax.axvline(self.max_lag + 0.5, color="C3", ls="--", label=f"staleness.max_lag = {self.max_lag}")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # a lag is a whole number of versions
         total = sum(self.lags.values())
         mean = sum(lag * c for lag, c in self.lags.items()) / total
         ax.set(xlabel="token lag (learner version - token's version)", ylabel="trained tokens",
                title=f"token lag over {total:,} trained tokens (mean {mean:.2f})")
-        ax.set_yscale("log")
         ax.legend(fontsize=7)
         return fig
 
-    def _mismatch(self):
+    def _mismatch(self, trained: tuple[int, int]):
         b, lp = self.behavior.sample(), self.learner.sample()
         if not b.size:
             return None
-        fig, (scatter, diff) = _subplots(2)
+        fig, (scatter, diff) = _subplots(2, self._heading(trained))
         scatter.scatter(b, lp, s=3, alpha=0.3)
         lo = float(min(b.min(), lp.min()))
         scatter.plot([lo, 0], [lo, 0], "k--", lw=0.8)
@@ -259,16 +273,21 @@ class Diagnostics:
                  title=f"mean |log rho| = {np.abs(lp - b).mean():.3g}")
         return fig
 
-    def _rewards_lengths(self):
+    def _rewards_lengths(self, trained: tuple[int, int]):
         rewards, lengths = self.rewards.sample(), self.lengths.sample()
         if not rewards.size:
             return None
-        fig, (r, n) = _subplots(2)
+        fig, (r, n) = _subplots(2, self._heading(trained))
         r.hist(rewards, bins=min(30, max(len(np.unique(rewards)), 2)))
         r.set(xlabel="reward (as trained)", ylabel="samples", title=f"mean reward {rewards.mean():.3f}")
         n.hist(lengths, bins=30)
         n.set(xlabel="completion tokens", ylabel="samples", title=f"mean length {lengths.mean():.1f}")
         return fig
+
+    def _heading(self, steps: tuple[int, int]) -> str:
+        """A figure's title: the run (its folder's name, which `runs/<name>-<time>` makes unique where
+        the MLflow run name often is not) and the steps the figure covers."""
+        return f"{self.run_dir.name}: steps {steps[0]}-{steps[1]}"
 
 
 def _versions_text(versions: list[int]) -> str:
@@ -312,13 +331,23 @@ def _print_samples_from_env() -> int:
     return count
 
 
-def _subplots(count: int):
+def _subplots(count: int, heading: str):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, count, figsize=(5.5 * count, 4), squeeze=False)
+    fig.suptitle(heading, fontsize=10)
     for ax in axes[0]:
         ax.grid(True, alpha=0.3)
     return fig, axes[0]
+
+
+def _count_text(count: int) -> str:
+    """A bar's count in at most six characters, so that neighbouring labels do not run together:
+    9,500, 12.3k, 4.5M."""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if count >= max(scale, 10_000):
+            return f"{count / scale:.3g}{suffix}"
+    return f"{count:,}"
 
 
 def _save(fig, path: Path) -> Path:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tidal.broker.schema import RolloutGroup
+from tidal.learner.admission import pass_score
 from tidal.learner.groups import Release
 
 log = logging.getLogger(__name__)
@@ -21,9 +22,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Evaluations:
-    pass_threshold: float = 1.0  # task.pass_threshold: a task reward at least this is a pass
+    pass_threshold: float = 1.0  # task.pass_threshold: a pass score at least this is a pass
+    pass_on: str = ""  # task.pass_on: the reward function whose value is the pass score (empty: the task reward)
     expected: dict[int, dict[str, Release]] = field(default_factory=dict)  # version -> groups still to come
-    rewards: dict[int, list[float]] = field(default_factory=dict)
+    rewards: dict[int, list[float]] = field(default_factory=dict)  # version -> task rewards
+    scores: dict[int, list[float]] = field(default_factory=dict)  # version -> pass scores
     results: dict[int, float] = field(default_factory=dict)  # version -> pass rate
     reward_means: dict[int, float] = field(default_factory=dict)  # version -> mean task reward
     dispatched: set[str] = field(default_factory=set)  # every eval group id this learner sent out
@@ -31,7 +34,7 @@ class Evaluations:
 
     def expect(self, version: int, groups: dict[str, Release]) -> None:
         self.expected[version] = dict(groups)
-        self.rewards[version] = []
+        self.rewards[version], self.scores[version] = [], []
         self.dispatched.update(groups)
 
     def release_of(self, group: RolloutGroup) -> Release | None:
@@ -46,6 +49,7 @@ class Evaluations:
             return None  # a duplicate or a leftover of an earlier run
         del pending[group.group_id]
         self.rewards[group.eval_version].extend(s.task_reward for s in group.samples)
+        self.scores[group.eval_version].extend(pass_score(s, self.pass_on) for s in group.samples)
         return None if pending else self._complete(group.eval_version)
 
     def drop(self, group_id: str) -> tuple[int, float] | None:
@@ -69,9 +73,9 @@ class Evaluations:
         return [v for v, pending in self.expected.items() if pending]
 
     def _complete(self, version: int) -> tuple[int, float]:
-        rewards = np.asarray(self.rewards[version], dtype=np.float64)
-        self.results[version] = float(np.mean(rewards >= self.pass_threshold))
-        self.reward_means[version] = float(np.mean(rewards))
+        scores = np.asarray(self.scores[version], dtype=np.float64)
+        self.results[version] = float(np.mean(scores >= self.pass_threshold))
+        self.reward_means[version] = float(np.mean(self.rewards[version]))
         return version, self.results[version]
 
 
@@ -80,10 +84,11 @@ class Evaluator:
     comes back, log each completed pass rate and mean reward on the compute axes. A pass is what the
     coordinator's curriculum counts as one too (task.pass_threshold)."""
 
-    def __init__(self, coordinator, metrics_log, accounting, transport, validator=None, diagnostics=None):
+    def __init__(self, coordinator, metrics_log, accounting, transport, validator=None, diagnostics=None,
+                 pass_threshold: float = 1.0, pass_on: str = ""):
         self.coordinator, self.metrics_log, self.accounting = coordinator, metrics_log, accounting
         self.transport, self.validator, self.diagnostics = transport, validator, diagnostics
-        self.evals = Evaluations(pass_threshold=coordinator.pass_threshold)
+        self.evals = Evaluations(pass_threshold=pass_threshold, pass_on=pass_on)
 
     def start(self, version: int) -> None:
         if version not in self.evals.expected:
@@ -116,8 +121,8 @@ class Evaluator:
         if done is not None:
             version, pass_rate = done
             reward_mean = self.evals.reward_means[version]
-            log.info("eval at version %d: val pass rate %.3f (reward >= %g), mean reward %.3f", version, pass_rate,
-                     self.evals.pass_threshold, reward_mean)
+            log.info("eval at version %d: val pass rate %.3f (%s >= %g), mean reward %.3f", version, pass_rate,
+                     self.evals.pass_on or "reward", self.evals.pass_threshold, reward_mean)
             axis = self.accounting.compute_axis(len(self.transport.actors()))
             self.metrics_log.log({"eval/pass_rate": pass_rate, "eval/reward_mean": reward_mean} | axis, step=version)
             if self.diagnostics is not None:

@@ -71,7 +71,7 @@ class Learner:
         every = parts.tracker.log_every_steps if parts.tracker is not None else 0
         self.progress = ProgressLog(every, cfg.max_steps, parts.num_actors)
         self.evaluator = Evaluator(self.coordinator, self.metrics_log, self.accounting, self.transport, parts.validator,
-                                   parts.diagnostics)
+                                   parts.diagnostics, parts.admission.pass_threshold, parts.admission.pass_on)
         self.evals = self.evaluator.evals
         self.inbox = Inbox(self.transport, self.book.ledger, self.accounting, cfg.rollout_timeout_s, cfg.health_file,
                            on_dead_letter=self.on_dead_letter)
@@ -221,7 +221,8 @@ class Learner:
         self.transport.commit()
         self.metrics_log.flush()
         if self.parts.diagnostics is not None:
-            self.parts.diagnostics.draw(self.version)  # from what MLflow now holds
+            # the steps this process trained (a resumed one: from its checkpoint on), from what MLflow now holds
+            self.parts.diagnostics.draw(self.version, first_step=self.resumed["version"] + 1 if self.resumed else 1)
 
     def restore(self, state: dict) -> None:
         """Continue from a checkpoint's tidal state (model and optimizer are restored by the caller)."""
@@ -239,4 +240,5 @@ class Learner:
                 "mlflow_run_id": tracker.run_id, "mlflow_uri": tracker.shown_uri,
                 "rejected_frames": broker["broker/rejected_frames"], "broker": broker,  # as at shutdown
                 "stopped_early": self.stopped_early, "groups_by_actor": dict(self.accounting.by_actor),
+                "episode_failures": self.parts.admission.failure_summary(),
                 "groups": dict(self.book.counts), "outstanding_groups": sorted(self.book.outstanding)}

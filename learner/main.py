@@ -96,7 +96,7 @@ def build(cfg: RunConfig, checkpoint: Path | None = None, transport=None, fresh_
     parts = LearnerParts(
         trainer=trainer, coordinator=coordinator, book=book, transport=transport, tracker=tracker,
         admission=Admission(cfg.staleness, cfg.learner.zero_variance_filter, book, coordinator.on_rewards,
-                            cfg.task.pass_threshold),
+                            cfg.task.pass_threshold, cfg.task.pass_on),
         publisher=build_publisher(cfg.weights, uuid.uuid4().hex[:12], cfg.name, cfg.run_dir, cfg.model.dtype),
         checkpointer=checkpointer, ranks=BatchBroadcast(accelerator), push=WeightPush.of(cfg),
         validator=Validator(trainer.policy.config.vocab_size, cfg.sampling.max_tokens, cfg.task.reward_range),
@@ -104,7 +104,7 @@ def build(cfg: RunConfig, checkpoint: Path | None = None, transport=None, fresh_
                            tracker if cfg.tracking.log_model else None),
         diagnostics=Diagnostics(tracker, lambda ids: tokenizer.decode(ids.tolist()), run_dir,
                                 cfg.tracking.eval_completions, cfg.staleness.max_lag,
-                                pass_threshold=cfg.task.pass_threshold,
+                                pass_threshold=cfg.task.pass_threshold, pass_on=cfg.task.pass_on,
                                 rollout_table_every=cfg.tracking.rollout_table_every,
                                 rollout_table_rows=cfg.tracking.rollout_table_rows),
         num_actors=cfg.actor.replicas)

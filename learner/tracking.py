@@ -25,7 +25,6 @@ import sqlite3
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -34,6 +33,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from tidal.config import RunConfig, TrackingConfig, flatten, load_config, redact_uri, redacted_config, to_yaml
+from tidal.learner.accounting import RecentRate
 
 DEFAULT_EXPERIMENT = "tidal"
 EXPERIMENT_KIND = "mlflow.experimentKind"
@@ -291,7 +291,6 @@ class Tracker:
         self._jsonl.close()
 
 
-PROGRESS_WINDOW_STEPS = 10  # tokens/s and time per step are measured over this many recent steps
 WAITING_LOG_EVERY_S = 20.0  # how often the learner says it still waits for its first rollouts
 progress_log = logging.getLogger("tidal.learner.progress")
 
@@ -307,7 +306,7 @@ class ProgressLog:
         self.started = clock()
         self.next_waiting_line = self.started  # the first one at once: the log says at start what it waits for
         self.received = False  # a rollout (training or evaluation) has arrived
-        self.window: deque = deque(maxlen=PROGRESS_WINDOW_STEPS + 1)  # (step, time, generated tokens so far)
+        self.step_rate = RecentRate()  # steps per second over the recent steps, as rollout/gen_tokens_per_s is
 
     def on_receive(self, received: bool, actors: Callable[[], Iterable[str]]) -> None:
         """After one wait for a rollout: until the first arrives, say now and then what the learner waits for."""
@@ -322,16 +321,10 @@ class ProgressLog:
         """One training step's metrics; every `every_steps` steps, the line that sums them up."""
         if self.every_steps <= 0:
             return
-        self.window.append((step, self.clock(), metrics.get("compute/gen_tokens", 0.0)))
+        steps_per_s = self.step_rate.add(self.clock(), step)
         if step % self.every_steps == 0:
-            progress_log.info("%s", progress_line(metrics, step, self.max_steps, self.rates()))
-
-    def rates(self) -> tuple[float, float] | None:
-        """(generated tokens per second, seconds per step) over the window; None before two steps are in it."""
-        (first_step, first_t, first_tokens), (step, t, tokens) = self.window[0], self.window[-1]
-        if step <= first_step or t <= first_t:
-            return None
-        return (tokens - first_tokens) / (t - first_t), (t - first_t) / (step - first_step)
+            s_per_step = 1 / steps_per_s if steps_per_s else None
+            progress_log.info("%s", progress_line(metrics, step, self.max_steps, s_per_step))
 
 
 def waiting_line(actors: list[str], num_actors: int, waited_s: float) -> str:
@@ -341,14 +334,15 @@ def waiting_line(actors: list[str], num_actors: int, waited_s: float) -> str:
     return f"waiting for {wanted}: {hello}, no rollout yet after {waited_s:.0f} s"
 
 
-def progress_line(metrics: dict[str, float], step: int, max_steps: int, rates: tuple[float, float] | None) -> str:
+def progress_line(metrics: dict[str, float], step: int, max_steps: int, s_per_step: float | None) -> str:
     """'step 12/100 | reward 0.412 | pass 0.375 | loss -0.0123 | lag 0.40/1 | gen 1830 tok/s | 2.31 s/step'.
-    A metric the step did not report reads n/a; the rates read n/a until two steps are measured."""
+    A metric the step did not report reads n/a, as the rates do until two steps are measured; both rates
+    are over the recent steps (rollout/gen_tokens_per_s is)."""
     def value(key: str, spec: str) -> str:
         found = metrics.get(key)
         return "n/a" if found is None or not math.isfinite(found) else format(found, spec)
 
-    tok_s, s_step = (f"{rates[0]:.0f}", f"{rates[1]:.2f}") if rates else ("n/a", "n/a")
+    tok_s, s_step = value("rollout/gen_tokens_per_s", ".0f"), "n/a" if s_per_step is None else f"{s_per_step:.2f}"
     return " | ".join([
         f"step {step}/{max_steps}", f"reward {value('rollout/reward', '.3f')}",
         f"pass {value('rollout/pass_rate', '.3f')}", f"loss {value('learner/loss', '.4g')}",

@@ -144,6 +144,9 @@ class TaskConfig:
     # the sample's reward is their weighted sum (instead of the task's own reward)
     reward_funcs: list[str] = field(default_factory=list)
     reward_weights: list[float] = field(default_factory=list)  # one per reward function; empty = all 1.0
+    # the reward function (by name) whose value says whether a sample passed, compared with pass_threshold: the
+    # accuracy of accuracy + 0.2 x format, so a format bonus is no pass; empty = the weighted sum (the reward)
+    pass_on: str = ""
     # a remote reward (an http:// or https:// URL in reward_funcs): each POST of a batch waits this long
     remote_timeout_s: float = 30.0
     remote_retries: int = 2  # more tries of a remote reward's failed POST (error status, timeout, refused)
@@ -178,7 +181,7 @@ class SamplingConfig:
     n: int = 8  # samples per prompt
     temperature: float = 1.0  # behavior temperature; the learner uses the same one
     top_p: float = 1.0  # nucleus sampling (1.0 keeps the exact behavior policy)
-    max_tokens: int = 8  # completion token budget (interruption text and answer included)
+    max_tokens: int = 1024  # completion token budget (interruption text and answer included)
     interrupt: InterruptConfig = field(default_factory=InterruptConfig)  # forced interruptions
     overlong: OverlongConfig = field(default_factory=OverlongConfig)  # overlong reward penalty
 
@@ -366,7 +369,7 @@ class LossConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 1e-3  # AdamW learning rate (after warmup)
+    lr: float = 1e-6  # AdamW learning rate (after warmup); for a pretrained model of 0.5B+ (presets set their own)
     betas: tuple[float, float] = (0.9, 0.99)  # AdamW betas
     eps: float = 1e-8  # AdamW epsilon
     weight_decay: float = 0.0  # AdamW weight decay
@@ -777,6 +780,8 @@ def check_task(cfg: RunConfig) -> None:
              f"one weight per reward function ({len(funcs)} in task.reward_funcs), or none for all 1.0")
     _require(all(abs(w) < float("inf") for w in weights), "task.reward_weights", list(weights),
              "weights must be finite")
+    _require(not cfg.task.pass_on or bool(funcs), "task.pass_on", cfg.task.pass_on,
+             "names one of task.reward_funcs, and there are none")
     _require(cfg.task.remote_timeout_s > 0, "task.remote_timeout_s", cfg.task.remote_timeout_s, "must be > 0")
     _require(cfg.task.remote_retries >= 0, "task.remote_retries", cfg.task.remote_retries, "must be >= 0")
 

@@ -23,7 +23,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -308,27 +307,20 @@ def sweep_orphan_shm() -> None:
 
 
 MIN_MEASURED_STEPS = 3  # steps timed after the first before the bar shows an ETA
-RECENT_STEPS = 10  # the bar's generation tokens/s is measured over this many recent steps
 
 
 class StepEta:
     """Time left, from the learner's own clock (`compute/wall_s`) over the steps seen since the first:
     the start-up before it (engines, the first evaluation) is not a step's time. None until
-    MIN_MEASURED_STEPS steps are measured. Also the generation rate over the recent steps."""
+    MIN_MEASURED_STEPS steps are measured."""
 
     def __init__(self):
         self.first: tuple[int, float] | None = None  # (step, learner wall s) of the first step seen
         self.last: tuple[int, float] | None = None
-        self.recent: deque = deque(maxlen=RECENT_STEPS + 1)  # (learner wall s, generated tokens so far)
 
-    def observe(self, step: int, wall_s: float, gen_tokens: float = 0.0) -> None:
+    def observe(self, step: int, wall_s: float) -> None:
         self.first = self.first or (step, wall_s)
         self.last = (step, wall_s)
-        self.recent.append((wall_s, gen_tokens))
-
-    def gen_tokens_per_s(self) -> float | None:
-        (t0, tokens0), (t1, tokens1) = self.recent[0], self.recent[-1]
-        return (tokens1 - tokens0) / (t1 - t0) if t1 > t0 else None
 
     def remaining_s(self, max_steps: int) -> float | None:
         if self.first is None or self.last[0] - self.first[0] < MIN_MEASURED_STEPS:
@@ -389,9 +381,10 @@ class RolloutFollower:
 
 
 def show_step(bar, eta: StepEta, m: dict) -> None:
-    """One training step's record on the bar: the step, its reward and throughput, the measured ETA."""
-    eta.observe(int(m["step"]), m["compute/wall_s"], m["compute/gen_tokens"])
-    gen = eta.gen_tokens_per_s()
+    """One training step's record on the bar: the step, its reward and throughput (over the recent
+    steps, from the second on), the measured ETA."""
+    eta.observe(int(m["step"]), m["compute/wall_s"])
+    gen = m.get("rollout/gen_tokens_per_s")
     bar.set_postfix_str(f"reward={m['rollout/reward']:.2f}, gen_tok_s={'n/a' if gen is None else f'{gen:.0f}'}, "
                         f"learn_tok_s={m['learner/tokens_per_s']:.0f}, {eta_text(eta.remaining_s(bar.total))}",
                         refresh=False)  # drawn once, by the update
@@ -407,10 +400,22 @@ def print_summary(run_dir: Path, wall_s: float) -> None:
     print(f"wall time: {wall_s:.1f} s (tidal run from start to end, start-up included)")
     if s.get("stopped_early"):
         print(f"stopped early: {s['stopped_early']}")
+    print_failures(s.get("episode_failures") or {}, s.get("samples") or 0)
     print(f"mlflow run id: {s['mlflow_run_id']}  tracking uri: {s['mlflow_uri']}")
     for line in mlflow_ui_lines(s["mlflow_uri"], run_dir):
         print(line)
     print(f"run directory: {run_dir}")
+
+
+def print_failures(failures: dict, samples: int) -> None:
+    """Training episodes whose reward or environment raised (each scored 0), with the most frequent
+    reasons as the actor recorded them: the function and the user's file and line."""
+    if not failures.get("count"):
+        return
+    print(f"failed episodes: {failures['count']} of {samples} training samples were scored 0 because their "
+          "reward or environment raised; most frequent:")
+    for reason, times in failures["reasons"]:
+        print(f"  {times} x " + reason.replace("\n", "\n    "))
 
 
 def _interrupt(signum, frame) -> None:

@@ -178,9 +178,10 @@ def test_injected_tokens_cross_the_wire_and_never_train():
     (["sampling.interrupt.enabled=true", "sampling.interrupt.min_tokens=2", "sampling.interrupt.max_tokens=3"],
      "sampling.interrupt.answer_tokens"),
     (["sampling.interrupt.enabled=true", "sampling.interrupt.min_tokens=2", "sampling.interrupt.max_tokens=5",
-      "sampling.interrupt.answer_tokens=3"], "sampling.interrupt.max_tokens"),  # 5 + 3 + text > 8
+      "sampling.interrupt.answer_tokens=3", "sampling.max_tokens=8"], "sampling.interrupt.max_tokens"),  # 5+3+text > 8
     (["sampling.overlong.enabled=true"], "sampling.overlong.buffer_tokens"),
-    (["sampling.overlong.enabled=true", "sampling.overlong.buffer_tokens=8"], "sampling.overlong.buffer_tokens"),
+    (["sampling.overlong.enabled=true", "sampling.overlong.buffer_tokens=8", "sampling.max_tokens=8"],
+     "sampling.overlong.buffer_tokens"),
     (["sampling.overlong.enabled=true", "sampling.overlong.buffer_tokens=2", "sampling.interrupt.enabled=true"],
      "sampling.overlong.enabled"),
 ])

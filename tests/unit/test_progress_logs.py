@@ -7,6 +7,7 @@ import json
 import logging
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -35,27 +36,32 @@ def progress_records(caplog) -> list[str]:
 # ---- the learner's progress lines ----------------------------------------------------------------
 
 def test_a_progress_line_names_each_field_and_says_na_for_what_is_missing():
-    line = progress_line(STEP, 12, 100, (1830.4, 2.314))
+    line = progress_line({**STEP, "rollout/gen_tokens_per_s": 1830.4}, 12, 100, 2.314)
     assert line == ("step 12/100 | reward 0.412 | pass 0.375 | loss -0.01234 | lag 0.40/1 | gen 1830 tok/s | "
                     "2.31 s/step")
     bare = progress_line({"rollout/reward": 0.5}, 1, 10, None)
     assert bare == "step 1/10 | reward 0.500 | pass n/a | loss n/a | lag n/a/n/a | gen n/a tok/s | n/a s/step"
 
 
-def test_a_line_every_n_steps_with_rates_over_the_recent_steps_not_since_the_start(caplog):
+def test_a_line_every_n_steps_with_rates_over_the_recent_steps_not_since_the_start(caplog, monkeypatch):
+    """The first ten steps take 10 s and generate 100 tokens each, the next twenty 1 s and 500 tokens: the
+    last line says 500 tok/s and 1 s/step where since-the-start averages would say 92 and 4."""
+    import tidal.learner.accounting as accounting
+
     caplog.set_level(logging.INFO, logger="tidal.learner.progress")
     clock = Clock()
-    progress = ProgressLog(every_steps=5, max_steps=30, clock=clock)
-    tokens = 0.0
+    monkeypatch.setattr(accounting.time, "monotonic", clock)
+    totals, progress = accounting.Accounting(num_params=1, learner_devices=1), ProgressLog(5, 30, clock=clock)
     for step in range(1, 31):
-        slow = step <= 10  # the first ten steps: 10 s and 100 tokens each; then 1 s and 500 tokens
+        slow = step <= 10
         clock.now += 10.0 if slow else 1.0
-        tokens += 100.0 if slow else 500.0
-        progress.on_step({**STEP, "compute/gen_tokens": tokens}, step)
+        metrics = totals.add_step(Counter(samples=1, gen_tokens=100 if slow else 500), computed_tokens=0)
+        assert ("rollout/gen_tokens_per_s" in metrics) == (step > 1)  # a rate needs two measured steps
+        progress.on_step({**STEP, **metrics}, step)
     lines = progress_records(caplog)
     assert [line.split(" | ")[0] for line in lines] == [f"step {s}/30" for s in (5, 10, 15, 20, 25, 30)]
     assert lines[0].endswith("gen 10 tok/s | 10.00 s/step")
-    assert lines[-1].endswith("gen 500 tok/s | 1.00 s/step")  # since the start: 92 tok/s, 4.00 s/step
+    assert lines[-1].endswith("gen 500 tok/s | 1.00 s/step")
 
 
 def test_no_progress_lines_when_the_interval_is_zero(caplog):
@@ -100,13 +106,13 @@ def test_the_eta_comes_only_from_measured_steps_never_from_the_start_up():
 def test_the_bar_shows_the_measured_eta_and_no_eta_or_rate_of_its_own():
     bar, eta = tqdm(total=10, desc="steps", file=io.StringIO(), bar_format=BAR_FORMAT), StepEta()
     for step in range(1, 6):
-        show_step(bar, eta, {"step": step, "rollout/reward": 0.5, "rollout/gen_tokens_per_s": 1.0,
-                             "learner/tokens_per_s": 900.0, "compute/wall_s": 60.0 + 2 * step,
-                             "compute/gen_tokens": 300.0 * step})
+        rate = {} if step == 1 else {"rollout/gen_tokens_per_s": 150.0}  # the learner's, from its second step
+        show_step(bar, eta, {"step": step, "rollout/reward": 0.5, **rate, "learner/tokens_per_s": 900.0,
+                             "compute/wall_s": 60.0 + 2 * step})
         if step == 1:
             assert "eta measuring" in str(bar) and "gen_tok_s=n/a" in str(bar)
     shown = str(bar)
-    assert "5/10" in shown and "eta 0:00:10" in shown and "gen_tok_s=150" in shown  # 300 tokens every 2 s
+    assert "5/10" in shown and "eta 0:00:10" in shown and "gen_tok_s=150" in shown
     assert "<" not in shown and "step/s" not in shown  # tqdm's own, counted from before the actors started
 
 

@@ -48,7 +48,39 @@ def seen(**kwargs):
 
 def broken(completion, **kwargs):
     return kwargs["answr"]  # a typo: raises KeyError on every sample
+
+
+CALLS = []
+
+
+def accuracy(prompts, completions, completion_ids, answer, **kwargs):  # written for TRL: lists in, list out
+    CALLS.append(len(completions))
+    assert len(prompts) == len(completion_ids) == len(answer)
+    return [1.0 if c == a else 0.0 for c, a in zip(completions, answer)]
+
+
+async def digits(completions, **kwargs):
+    return [float(c.isdigit()) if c else None for c in completions]  # None: does not apply to an empty one
+
+
+def one_short(completions, **kwargs):
+    return [0.0] * (len(completions) - 1)
+
+
+def picky(completion, answer, **kwargs):
+    if completion != answer:
+        raise ValueError("not a number I can read")  # a reward that fails on wrong answers
+    return 1.0
+
+
+def fails_in_batch(completions, **kwargs):
+    return [1.0 / len(c) for c in completions]  # ZeroDivisionError on an empty completion
 '''
+
+
+def line_of(text: str) -> int:
+    """The line of my_rewards.py that holds `text`."""
+    return next(i for i, line in enumerate(REWARDS.splitlines(), start=1) if text in line)
 
 
 @pytest.fixture
@@ -130,12 +162,42 @@ def test_a_raising_function_names_itself_and_the_users_line(user_rewards):
     assert f'File "{user_rewards}", line 20, in broken' in text and "asyncio" not in text
 
 
-@pytest.mark.parametrize("value", ["three", float("nan"), None])
+@pytest.mark.parametrize("value", ["three", float("nan"), [1.0]])
 def test_a_function_returning_no_number_fails_naming_it(value):
     from tidal.tasks.rewards import RewardFunc
 
     with pytest.raises(RewardFailed, match="reward function f returned"):
         asyncio.run(score([RewardFunc("f", lambda **kw: value, 1.0)], {}))
+
+
+def test_a_function_answering_none_does_not_apply_to_that_sample():
+    from tidal.tasks.rewards import RewardFunc
+
+    funcs = [RewardFunc("always", lambda **kw: 1.0, 1.0), RewardFunc("never", lambda **kw: None, 5.0)]
+    assert asyncio.run(score(funcs, {})) == (1.0, {"always": 1.0})
+
+
+# ---- functions written for batches --------------------------------------------------------
+
+def test_a_function_taking_lists_scores_a_whole_group_in_one_call(user_rewards):
+    import my_rewards
+
+    env = Rewarded(task("task.reward_funcs=[my_rewards:accuracy,my_rewards:digits]", "task.reward_weights=[1,0.5]"))
+    assert score_group(env, ["3", "x", ""]) == [(1.5, {"accuracy": 1.0, "digits": 1.0}),
+                                               (0.0, {"accuracy": 0.0, "digits": 0.0}),
+                                               (0.0, {"accuracy": 0.0})]  # digits does not apply to ""
+    assert my_rewards.CALLS == [3]
+
+
+def test_a_batch_function_with_the_wrong_count_or_an_error_names_itself(user_rewards):
+    env = Rewarded(task("task.reward_funcs=[my_rewards:one_short]"))
+    with pytest.raises(RewardFailed, match=r"one_short takes lists .* returned 2 values for 3 samples"):
+        score_group(env, ["1", "2", "3"])
+    env = Rewarded(task("task.reward_funcs=[my_rewards:fails_in_batch]"))
+    with pytest.raises(RewardFailed) as err:
+        score_group(env, ["1", ""])
+    assert str(err.value).startswith("reward function fails_in_batch raised ZeroDivisionError")
+    assert f'File "{user_rewards}", line {line_of("1.0 / len(c)")}' in str(err.value)  # the user's, not tidal's
 
 
 # ---- the rows task ------------------------------------------------------------------------
@@ -229,7 +291,9 @@ def test_the_readme_reward_functions_score_as_printed(tmp_path, monkeypatch, cap
 
 # ---- the whole pipeline -------------------------------------------------------------------
 
-def test_a_two_function_weighted_reward_reaches_the_learners_metrics(tmp_path, user_rewards):
+def run_pipeline(tmp_path, funcs: str, weights: str):
+    """A two-step run of the whole pipeline in this process: the learner, and an actor on a thread whose
+    engine answers right half the time; returns the run's folder."""
     from tidal.actor.episode import Episodes
     from tidal.actor.loop import Actor
     from tidal.broker.inproc import InprocBroker
@@ -245,8 +309,7 @@ def test_a_two_function_weighted_reward_reaches_the_learners_metrics(tmp_path, u
         f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}", "learner.max_steps=2",
         "learner.groups_per_step=4", "sampling.n=4", "eval.every=0", "eval.n=2", "actor.heartbeat_s=0.2",
         "task.name=rows", f"task.data_path={write_rows(tmp_path, 40)}", "task.num_val=4",
-        "task.reward_funcs=[my_rewards:exact,my_rewards:short]",
-        "task.reward_weights=[1.0,0.5]", "curriculum.enabled=false"]), actor=True)
+        f"task.reward_funcs=[{funcs}]", f"task.reward_weights=[{weights}]", "curriculum.enabled=false"]), actor=True)
     broker = InprocBroker(WireCodec(cfg.broker.max_message_bytes))
     learner, engine, result = build(cfg, transport=broker.learner()), ScriptedEngine(tokenizer, 0.5), {}
 
@@ -259,13 +322,34 @@ def test_a_two_function_weighted_reward_reaches_the_learners_metrics(tmp_path, u
     thread.start()
     assert serve(learner, tmp_path / "run") == 0
     thread.join(timeout=30)
-    steps = [m for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+    return tmp_path / "run"
+
+
+def test_a_two_function_weighted_reward_reaches_the_learners_metrics(tmp_path, user_rewards):
+    run_dir = run_pipeline(tmp_path, "my_rewards:exact,my_rewards:short", "1.0,0.5")
+    steps = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
              if "rollout/reward_mean" in m]
     assert len(steps) == 2
     for m in steps:  # the scripted engine answers right half the time, in 4 tokens or fewer (its stop included)
         assert 0 < m["rewards/exact/mean"] < 1 and m["rewards/short/mean"] == 1.0
         assert m["rewards/short/std"] == 0.0 and m["rewards/exact/std"] > 0
         assert math.isclose(m["rollout/reward_mean"], m["rewards/exact/mean"] + 0.5 * m["rewards/short/mean"])
+    assert json.loads((run_dir / "summary.json").read_text())["episode_failures"] == {"count": 0, "reasons": []}
+
+
+def test_a_reward_raising_during_a_run_is_named_with_its_line_in_the_runs_last_lines(tmp_path, user_rewards,
+                                                                                      capsys):
+    from tidal.launcher import print_summary
+
+    run_dir = run_pipeline(tmp_path, "my_rewards:picky", "1.0")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    failed = summary["episode_failures"]
+    assert 0 < failed["count"] < summary["samples"]  # the wrong half: the run went on with them scored 0
+    print_summary(run_dir, 1.0)
+    out = capsys.readouterr().out
+    assert f"failed episodes: {failed['count']} of {summary['samples']} training samples were scored 0" in out
+    assert (f"{failed['count']} x reward function picky raised ValueError: not a number I can read\n"
+            f'      File "{user_rewards}", line {line_of("not a number I can read")}, in picky') in out
 
 
 # ---- a remote reward ----------------------------------------------------------------------

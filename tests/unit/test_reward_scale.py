@@ -4,6 +4,8 @@ default threshold meeting rewards other than 0 and 1 is named in one warning."""
 import logging
 from types import SimpleNamespace
 
+import pytest
+
 from conftest import sample
 from tidal.broker.inproc import InprocBroker
 from tidal.broker.schema import RolloutGroup, SamplingParams, WireCodec, int32s
@@ -24,19 +26,21 @@ SOLVED = {0, 1}  # the prompts the policy answers right; the other six it never 
 partial_credit_reward = get_reward(TaskConfig(name="arithmetic", kwargs={"partial_credit": 0.1}))
 
 
-def build(tmp_path, pass_threshold=1.0, num_prompts=8):
+def build(tmp_path, pass_threshold=1.0, num_prompts=8, pass_on=""):
     plan = DispatchPlan(run_id="r", task="arithmetic", n=4, sampling=SamplingParams(), eval_n=1,
                         eval_sampling=SamplingParams(), groups_per_step=4, max_lag=1, seed=0)
     prompts = [Prompt(prompt_id=i, text=f"{i:02d}+01=", payload={"answer": f"{i + 1:03d}"}) for i in range(num_prompts)]
     book = GroupBook(Ledger(tmp_path / "ledger.jsonl"))
     coordinator = Coordinator(plan, prompts, [], lambda prompt: [1], InprocBroker(WireCodec(1 << 20)).learner(),
                               book, CurriculumConfig(min_samples=4), pass_threshold)
-    admission = Admission(StalenessConfig(max_lag=1), True, book, coordinator.on_rewards, pass_threshold)
+    admission = Admission(StalenessConfig(max_lag=1), True, book, coordinator.on_rewards, pass_threshold, pass_on)
     return coordinator, admission, prompts
 
 
-def scored_group(prompt: Prompt, rewards: list[float], gid: str) -> RolloutGroup:
+def scored_group(prompt: Prompt, rewards: list[float], gid: str, components: list[dict] | None = None) -> RolloutGroup:
     samples = [sample([(VERSION, 2)], r) for r in rewards]
+    for s, parts in zip(samples, components or []):
+        s.sample.reward_components = parts
     return RolloutGroup.pack(samples, group_id=gid, prompt_id=prompt.prompt_id, actor_id="actor-0",
                              prompt_tokens=int32s([2, 3]))
 
@@ -113,3 +117,37 @@ def test_an_evaluation_logs_its_pass_rate_and_its_mean_reward_apart(tmp_path):
     [(step, metrics)] = logged
     assert step == VERSION and metrics["eval/pass_rate"] == 0.25  # the mean reward was logged as pass rate
     assert abs(metrics["eval/reward_mean"] - 0.325) < 1e-9
+
+
+def test_a_named_reward_function_decides_a_pass_in_training_the_curriculum_and_evaluations(tmp_path):
+    """reward = accuracy + format, task.pass_on=accuracy: a well-formatted wrong answer earns 1.0, the
+    threshold, and is still no pass; a sample whose accuracy gave no value is no pass either."""
+    right, wrong, no_accuracy = {"accuracy": 1.0, "format": 1.0}, {"accuracy": 0.0, "format": 1.0}, {"format": 1.0}
+    coordinator, admission, prompts = build(tmp_path, pass_threshold=1.0, num_prompts=3, pass_on="accuracy")
+    batch = StepBatch()
+    admission.add(scored_group(prompts[0], [2.0] * 4, "a", [right] * 4), batch, VERSION)
+    admission.add(scored_group(prompts[1], [1.0] * 4, "b", [wrong] * 4), batch, VERSION)
+    admission.add(scored_group(prompts[2], [1.0] * 4, "c", [no_accuracy] * 4), batch, VERSION)
+    assert batch.stats["passed"] == 4  # by the sum, all twelve would pass
+    assert coordinator.curriculum.retired == {0}  # by the sum, all three prompts would retire
+
+    logged = []
+    evaluator = Evaluator(coordinator, SimpleNamespace(log=lambda metrics, step: logged.append(metrics)),
+                          SimpleNamespace(compute_axis=lambda num_actors: {}), SimpleNamespace(actors=lambda: []),
+                          pass_threshold=1.0, pass_on="accuracy")
+    evaluator.evals.expect(VERSION, {"e": Release(0, VERSION, 4, "", eval_version=VERSION)})
+    group = scored_group(Prompt(0, "", {}), [2.0, 2.0, 1.0, 1.0], "e", [right, right, wrong, no_accuracy])
+    group.eval_version = VERSION
+    evaluator.on_group(group, VERSION)
+    assert logged[0]["eval/pass_rate"] == 0.5 and logged[0]["eval/reward_mean"] == 1.5
+
+
+def test_pass_on_names_one_of_the_reward_functions(tmp_path):
+    from tidal.config import ConfigError, load_config
+    from tidal.tasks.rewards import load_reward_funcs
+
+    with pytest.raises(ConfigError, match="task.pass_on"):
+        load_config(None, ["task.pass_on=accuracy"])
+    cfg = load_config(None, ["task.reward_funcs=[os.path:isabs]", "task.pass_on=accuracy"]).task
+    with pytest.raises(ConfigError, match=r"'task.pass_on' = 'accuracy': not one of task.reward_funcs' names"):
+        load_reward_funcs(cfg)

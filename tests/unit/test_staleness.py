@@ -1,5 +1,6 @@
 """Staleness enforcement and the per-step metrics, on hand-made rollout groups with per-token
 version spans, through the learner's real admission and `step_metrics`."""
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -200,6 +201,7 @@ def test_step_metrics_cover_the_list_with_the_batch_numbers(tmp_path):
     learner = build_learner(tmp_path, OnViolation.mask_tokens, curriculum=CurriculumConfig(min_samples=2))
     solved = [sample([(10, 2)], 1.0), sample([(10, 4)], 1.0, "length")]  # zero variance, retires prompt 0
     batch = admit_all(learner, [group(MIXED, "a", prompt_id=2), group(solved, "b", prompt_id=0)])
+    learner.accounting.gen_rate.add(time.monotonic() - 1.0, 0)  # a step before: throughput is a recent rate
     metrics = learner.step_metrics(batch, trainer_metrics())
     missing = {item: [k for k in keys if k not in metrics] for item, keys in STEP_METRICS.items()}
     assert {item: keys for item, keys in missing.items() if keys} == {}

@@ -6,8 +6,12 @@ the group `tidal.rewards`), `task.reward_weights` weighs them. Each is called wi
     completion_ids    its token ids
     <column>          every column of the dataset row (prompt and answer columns included)
 
-sync or async, and returns a float. Or an http(s) URL: a remote reward (RemoteReward), for rewards that
-need a GPU or a sandbox. A sample's reward is the weighted sum; each function's own value
+sync or async, and returns a float, or None where it does not apply to the sample (it then adds nothing to
+the sum and is left out of its metrics). A function with a `completions` parameter is called once per
+group with lists instead (BatchedReward): `prompts`, `completions`, `completion_ids` and every column as
+a list, one entry per sample, returning a list of floats (or Nones) in the same order, as TRL's reward
+functions are written. Or an http(s) URL: a remote reward (RemoteReward), batched the same way, for
+rewards that need a GPU or a sandbox. A sample's reward is the weighted sum; each function's own value
 travels in `Sample.reward_components` under the function's name (metrics `rewards/<name>/mean`, `/std`).
 
 Rows travel to the actors in the prompt's payload, a dict of strings on the wire: string columns as they
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import inspect
 import json
 import math
 import re
@@ -68,6 +73,8 @@ def load_reward_funcs(cfg: TaskConfig) -> list[RewardFunc]:
     if twice:
         raise ConfigError(f"config key 'task.reward_funcs' = {list(cfg.reward_funcs)}: two functions named "
                           f"{twice[0]!r} (their metrics would collide)")
+    if cfg.pass_on and cfg.pass_on not in names:
+        raise ConfigError(f"config key 'task.pass_on' = {cfg.pass_on!r}: not one of task.reward_funcs' names {names}")
     return funcs
 
 
@@ -96,7 +103,15 @@ def resolve(spec: str, cfg: TaskConfig | None = None) -> Callable[..., Any]:
             raise ConfigError(f"{key}: {module_name} has no {attr!r}")
     if not callable(fn):
         raise ConfigError(f"{key}: {type(fn).__name__} is not callable")
-    return fn
+    return BatchedReward(fn) if takes_lists(fn) else fn
+
+
+def takes_lists(fn: Callable) -> bool:
+    """A function written for a batch: it names a `completions` parameter (TRL's convention)."""
+    try:
+        return "completions" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: one sample at a time
+        return False
 
 
 def _name(fn: Callable, spec: str) -> str:
@@ -143,25 +158,36 @@ def call_kwargs(payload: dict[str, str], prompt_field: str, completion: str,
 # ---- scoring -------------------------------------------------------------------------------
 
 async def score(funcs: Sequence[RewardFunc], kwargs: dict[str, Any]) -> tuple[float, dict[str, float]]:
-    """(the weighted sum, each function's value); plain functions run on a worker thread."""
+    """(the weighted sum, each function's value); plain functions run on a worker thread. A function that
+    answered None does not apply to this sample: it adds nothing and has no component."""
     values = await asyncio.gather(*(_call(f, kwargs) for f in funcs))
-    components = {f.name: v for f, v in zip(funcs, values)}
-    return sum(f.weight * v for f, v in zip(funcs, values)), components
+    components = {f.name: v for f, v in zip(funcs, values) if v is not None}
+    return sum(f.weight * v for f, v in zip(funcs, values) if v is not None), components
 
 
-async def _call(func: RewardFunc, kwargs: dict[str, Any]) -> float:
+async def _call(func: RewardFunc, kwargs: dict[str, Any]) -> float | None:
     try:
         value = await func.fn(**kwargs) if is_async(func.fn) else await asyncio.to_thread(func.fn, **kwargs)
+    except RewardFailed:
+        raise
     except Exception as err:
-        where = "" if isinstance(func.fn, RemoteReward) else f"\n{where_raised(err, func.fn)}"  # the URL says where
+        user_fn = getattr(func.fn, "fn", func.fn)  # a batched function's own code, not its wrapper's
+        where = "" if isinstance(func.fn, RemoteReward) else f"\n{where_raised(err, user_fn)}"  # a URL says where
         raise RewardFailed(f"reward function {func.name} raised {type(err).__name__}: {err}{where}") from err
+    return as_reward(func.name, value)
+
+
+def as_reward(name: str, value: Any) -> float | None:
+    """A reward function's answer as a finite float, or None (does not apply); RewardFailed otherwise."""
+    if value is None:
+        return None
     try:
         number = float(value)
     except (TypeError, ValueError):
-        raise RewardFailed(f"reward function {func.name} returned {type(value).__name__} {repr(value)[:60]}, "
+        raise RewardFailed(f"reward function {name} returned {type(value).__name__} {repr(value)[:60]}, "
                            "not a number") from None
     if not math.isfinite(number):
-        raise RewardFailed(f"reward function {func.name} returned {number}, not a finite number")
+        raise RewardFailed(f"reward function {name} returned {number}, not a finite number")
     return number
 
 
@@ -196,22 +222,19 @@ class Rewarded(Env):
         return await score(self.funcs, call_kwargs(state, self.cfg.prompt_field, completion, completion_ids))
 
 
-class RemoteReward:
-    """A reward served over HTTP: the calls made in one pass of the event loop (a group's samples) go in
-    one POST of JSON {"samples": [<keyword arguments>, ...]}, answered with {"rewards": [float, ...]} in
-    the same order; each POST waits at most `timeout_s`, and a failed one is tried `retries` more times."""
+class BatchedReward:
+    """A reward scored a batch at a time: the calls made in one pass of the event loop (a group's samples,
+    whose episodes reach their reward together) are gathered into one call of `call_batch`, and each
+    caller gets its own entry of the answer. Wraps a function written for lists (TRL's convention)."""
 
-    RETRY_PAUSE_S = 0.2  # first pause between tries, doubled after each
-
-    def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 2):
-        self.url, self.timeout_s, self.retries = url, timeout_s, retries
-        path = url.split("://", 1)[1].rstrip("/")
-        last = path.rsplit("/", 1)[-1] if "/" in path else path
-        self.__name__ = re.sub(r"[^\w.-]", "_", last)  # the metric's name: the URL's last part
+    def __init__(self, fn: Callable[..., Any] | None = None):
+        self.fn = fn
+        if fn is not None:
+            self.__name__ = _name(fn, "")
         self.pending: list[tuple[dict, asyncio.Future]] = []
         self.posts: set[asyncio.Task] = set()  # the loop holds tasks weakly
 
-    async def __call__(self, **kwargs) -> float:
+    async def __call__(self, **kwargs) -> float | None:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self.pending.append((kwargs, future))
@@ -227,15 +250,49 @@ class RemoteReward:
 
     async def _send(self, batch: list[tuple[dict, asyncio.Future]]) -> None:
         try:
-            rewards = await asyncio.to_thread(self.post, [kwargs for kwargs, _ in batch])
+            values = await self.call_batch([kwargs for kwargs, _ in batch])
         except Exception as err:
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(err)
-            return
-        for (_, future), value in zip(batch, rewards):
-            if not future.done():
+            values = [err] * len(batch)
+        for (_, future), value in zip(batch, values):
+            if future.done():
+                continue
+            if isinstance(value, Exception):
+                future.set_exception(value)
+            else:
                 future.set_result(value)
+
+    async def call_batch(self, samples: list[dict]) -> list:
+        """The function called once with each keyword as a list (prompt -> prompts, completion ->
+        completions); its answer checked to hold one value per sample."""
+        columns = {{"prompt": "prompts", "completion": "completions"}.get(k, k): [s[k] for s in samples]
+                   for k in samples[0]}
+        if is_async(self.fn):
+            values = await self.fn(**columns)
+        else:
+            values = await asyncio.to_thread(self.fn, **columns)
+        if isinstance(values, str | bytes) or not hasattr(values, "__len__") or len(values) != len(samples):
+            got = f"{len(values)} values" if hasattr(values, "__len__") else type(values).__name__
+            raise RewardFailed(f"reward function {self.__name__} takes lists (it names `completions`) and returned "
+                               f"{got} for {len(samples)} samples: it must return one value per completion")
+        return list(values)
+
+
+class RemoteReward(BatchedReward):
+    """A reward served over HTTP: a batch goes in one POST of JSON {"samples": [<keyword arguments>, ...]},
+    answered with {"rewards": [float, ...]} in the same order; each POST waits at most `timeout_s`, and a
+    failed one is tried `retries` more times."""
+
+    RETRY_PAUSE_S = 0.2  # first pause between tries, doubled after each
+
+    def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 2):
+        super().__init__()
+        self.url, self.timeout_s, self.retries = url, timeout_s, retries
+        path = url.split("://", 1)[1].rstrip("/")
+        last = path.rsplit("/", 1)[-1] if "/" in path else path
+        self.__name__ = re.sub(r"[^\w.-]", "_", last)  # the metric's name: the URL's last part
+
+    async def call_batch(self, samples: list[dict]) -> list:
+        return await asyncio.to_thread(self.post, samples)
 
     def post(self, samples: list[dict]) -> list[float]:
         """One batch's rewards, tried 1 + retries times; raises naming the URL and the last failure."""
