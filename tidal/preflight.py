@@ -80,7 +80,9 @@ def _check_reward_funcs(cfg: TaskConfig, prompts: list, tokenizer) -> list[str]:
                                          for p in prompts) else None)
     lines = [f"reward {f.name} (weight {f.weight:g}) on {len(prompts)} training prompts{said}: "
              f"{_listed(values[f.name])}" for f in funcs]
-    return [*lines, f"reward, their weighted sum: {_listed(totals)}"]
+    judged = f"reward function {cfg.pass_on}'s value" if cfg.pass_on else "the weighted sum"
+    return [*lines, f"reward, their weighted sum: {_listed(totals)}",
+            f"a sample passes when {judged} is >= {cfg.pass_threshold:g} (task.pass_threshold)"]
 
 
 def _check_task_reward(cfg: TaskConfig, prompts: list) -> list[str]:

@@ -246,15 +246,16 @@ def test_each_function_gets_a_mean_and_std_per_step():
 
 # ---- config check -------------------------------------------------------------------------
 
-def check(tmp_path, capsys, funcs):
+def check(tmp_path, capsys, funcs, *more):
     from tidal.cli import main
     from tidal.tiny import build_tiny_model, save_model
 
-    save_model(*build_tiny_model(TINY, ALPHABET, seed=0), tmp_path / "model")
+    if not (tmp_path / "model").exists():
+        save_model(*build_tiny_model(TINY, ALPHABET, seed=0), tmp_path / "model")
     capsys.readouterr()  # the saving's progress bar is not the check's output
     code = main(["config", "check", "tiny", f"model.path={tmp_path / 'model'}", "task.name=rows",
                  f"task.data_path={write_rows(tmp_path)}", "task.num_val=2",
-                 f"task.reward_funcs=[{funcs}]"])
+                 f"task.reward_funcs=[{funcs}]", *more])
     return code, capsys.readouterr()
 
 
@@ -263,6 +264,9 @@ def test_config_check_scores_a_few_rows_with_their_answers(tmp_path, user_reward
     assert code == 0, out.err
     assert "reward exact (weight 1) on 3 training prompts, completion = its 'answer' column: 1, 1, 1" in out.out
     assert "reward, their weighted sum:" in out.out and "config ok" in out.out
+    assert "a sample passes when the weighted sum is >= 1 (task.pass_threshold)" in out.out
+    code, out = check(tmp_path, capsys, "my_rewards:exact,my_rewards:seen", "task.pass_on=exact")
+    assert "a sample passes when reward function exact's value is >= 1 (task.pass_threshold)" in out.out
 
 
 def test_config_check_shows_where_a_raising_reward_failed_and_exits_2(tmp_path, user_rewards, capsys):
