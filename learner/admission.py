@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +22,9 @@ from tidal.config import OnViolation, StalenessConfig
 from tidal.learner.accounting import COMPONENT
 from tidal.learner.groups import GroupBook
 
-MAX_FAILURE_KINDS = 32  # distinct failure texts kept for the summary; the rest are counted together
+MAX_FAILURE_KINDS = 32  # distinct kinds of failure kept for the summary; the rest are counted together
+FAILING_RUN = 512  # this many training episodes failing in a row stop the run: its reward or environment is broken
+RAISED = re.compile(r"^(.* raised \w+)(: .*)?$")  # "<what> raised <Error>: <its message>"
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +66,15 @@ class Admission:
         self.pass_threshold = pass_threshold  # task.pass_threshold: a pass score at least this is a pass
         self.pass_on = pass_on  # task.pass_on: the reward function whose value is the pass score
         self.warned_reward_scale = False
-        self.failures: Counter[str] = Counter()  # why episodes failed (a reward or environment raised), by text
+        self.failures: Counter[str] = Counter()  # why episodes failed (a reward or environment raised), by kind
+        self.failure_example: dict[str, str] = {}  # kind -> the first failure of that kind, its message included
+        self.failing_in_a_row = 0  # training episodes that failed since the last that did not
 
     def failure_summary(self) -> dict:
         """The training episodes that failed and were scored 0, with their most frequent reasons (each
         names the reward function or environment, and the user's file and line where it raised)."""
-        return {"count": sum(self.failures.values()), "reasons": self.failures.most_common(3)}
+        return {"count": sum(self.failures.values()),
+                "reasons": [(self.failure_example.get(kind, kind), n) for kind, n in self.failures.most_common(3)]}
 
     def add(self, group: RolloutGroup, batch: StepBatch, version: int) -> None:
         """Count a claimed training group and append it to `batch` unless it is stale or carries no signal."""
@@ -96,13 +102,23 @@ class Admission:
         batch.token_masks.append([m & g for m, g in zip(masks, generated)])  # aggregation counts real tokens only
 
     def _note_failures(self, group: RolloutGroup) -> None:
+        """Count failed episodes by kind; raise EpisodesFailing when FAILING_RUN in a row failed (every
+        reward 0: groups without variance are dropped, so the run would sample on and never step)."""
         for s in group.samples:
-            if s.episode is not None and s.episode.env_error:
-                # distinct texts are bounded: a run's failures are a few kinds, and a peer's text is not trusted
-                if s.episode.env_error in self.failures or len(self.failures) < MAX_FAILURE_KINDS:
-                    self.failures[s.episode.env_error] += 1
-                else:
-                    self.failures["(other reasons)"] += 1
+            if s.episode is None or not s.episode.env_error:
+                self.failing_in_a_row = 0
+                continue
+            self.failing_in_a_row += 1
+            kind = failure_kind(s.episode.env_error)
+            # kinds are bounded: a run's failures are a few kinds, and a peer's text is not trusted
+            if kind not in self.failures and len(self.failures) >= MAX_FAILURE_KINDS:
+                kind = "(other reasons)"
+            self.failures[kind] += 1
+            self.failure_example.setdefault(kind, s.episode.env_error)
+        if self.failing_in_a_row >= FAILING_RUN:
+            example, times = self.failure_summary()["reasons"][0]
+            raise EpisodesFailing(f"the last {self.failing_in_a_row} training episodes all failed, so nothing can be "
+                                  f"learned; the most frequent reason ({times} times):\n{example}")
 
     def _check_reward_scale(self, group: RolloutGroup) -> None:
         """Warn once when rewards other than 0 and 1 meet the default threshold 1.0, which assumes them:
@@ -125,6 +141,18 @@ class Admission:
         with self.book.cond:
             release = self.book.outstanding.get(group.group_id)
         return group.prompt_id if release is None or release.prompt_id is None else release.prompt_id
+
+
+class EpisodesFailing(RuntimeError):
+    """Every recent training episode failed: the task's reward or environment raises on all of them."""
+
+
+def failure_kind(error: str) -> str:
+    """An episode's failure without its message: what raised, which error, and where (the user's file
+    and line), so one bug whose messages quote each completion counts as one kind."""
+    first, _, where = error.partition("\n")
+    match = RAISED.match(first)
+    return (match.group(1) if match else first) + (f"\n{where}" if where else "")
 
 
 def pass_score(sample: Sample, pass_on: str = "") -> float:

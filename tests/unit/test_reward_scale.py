@@ -151,3 +151,41 @@ def test_pass_on_names_one_of_the_reward_functions(tmp_path):
     cfg = load_config(None, ["task.reward_funcs=[os.path:isabs]", "task.pass_on=accuracy"]).task
     with pytest.raises(ConfigError, match=r"'task.pass_on' = 'accuracy': not one of task.reward_funcs' names"):
         load_reward_funcs(cfg)
+
+
+def test_failed_episodes_are_summed_up_by_kind_not_by_message(tmp_path):
+    """A reward that quotes each completion in its error is one bug: one kind, with its first message."""
+    from tidal.broker.schema import Episode
+
+    _, admission, prompts = build(tmp_path)
+    where = '\n  File "/tmp/my_rewards.py", line 9, in picky\n    raise ValueError(f"cannot read {c!r}")'
+    errors = [f"reward function picky raised ValueError: cannot read '{n}+'{where}" for n in range(40)]
+    errors += ["Countdown.step took longer than env.step_timeout_s = 5 s"] * 3
+    samples = [sample([(VERSION, 2)], 0.0, episode=Episode(turns=1, env_error=e)) for e in errors]
+    samples.append(sample([(VERSION, 2)], 1.0))
+    group = RolloutGroup.pack(samples, group_id="g", prompt_id=0, actor_id="actor-0", prompt_tokens=int32s([2, 3]))
+    admission.add(group, StepBatch(), VERSION)
+    assert admission.failure_summary() == {"count": 43, "reasons": [(errors[0], 40), (errors[-1], 3)]}
+
+
+def test_a_reward_that_fails_every_episode_stops_the_run_naming_why(tmp_path):
+    """Every reward 0 makes every group zero-variance: without the stop the learner samples forever."""
+    import pytest
+
+    from tidal.broker.schema import Episode
+    from tidal.learner.admission import FAILING_RUN, EpisodesFailing
+
+    _, admission, prompts = build(tmp_path)
+    error = "reward function broken raised KeyError: 'answr'\n  File \"/tmp/my_rewards.py\", line 20, in broken"
+    failed = [sample([(VERSION, 2)], 0.0, episode=Episode(turns=1, env_error=error)) for _ in range(8)]
+
+    def group(i, samples):
+        return RolloutGroup.pack(samples, group_id=f"g{i}", prompt_id=i % 8, actor_id="actor-0",
+                                 prompt_tokens=int32s([2, 3]))
+
+    admission.add(group(0, failed[:7] + [sample([(VERSION, 2)], 1.0)]), StepBatch(), VERSION)  # one episode worked
+    for i in range(1, FAILING_RUN // 8):
+        admission.add(group(i, failed), StepBatch(), VERSION)
+    with pytest.raises(EpisodesFailing, match=rf"the last {FAILING_RUN} training episodes all failed") as err:
+        admission.add(group(FAILING_RUN // 8, failed), StepBatch(), VERSION)
+    assert str(err.value).endswith(f"({FAILING_RUN + 7} times):\n{error}")
