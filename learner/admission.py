@@ -117,8 +117,9 @@ class Admission:
             self.failure_example.setdefault(kind, s.episode.env_error)
         if self.failing_in_a_row >= FAILING_RUN:
             example, times = self.failure_summary()["reasons"][0]
-            raise EpisodesFailing(f"the last {self.failing_in_a_row} training episodes all failed, so nothing can be "
-                                  f"learned; the most frequent reason ({times} times):\n{example}")
+            raise EpisodesFailing(f"the last {self.failing_in_a_row} training episodes all failed (each scored 0, so "
+                                  "their groups teach nothing): fix the reward or environment; the most frequent "
+                                  f"reason ({times} times):\n{example}")
 
     def _check_reward_scale(self, group: RolloutGroup) -> None:
         """Warn once when rewards other than 0 and 1 meet the default threshold 1.0, which assumes them:

@@ -186,6 +186,6 @@ def test_a_reward_that_fails_every_episode_stops_the_run_naming_why(tmp_path):
     admission.add(group(0, failed[:7] + [sample([(VERSION, 2)], 1.0)]), StepBatch(), VERSION)  # one episode worked
     for i in range(1, FAILING_RUN // 8):
         admission.add(group(i, failed), StepBatch(), VERSION)
-    with pytest.raises(EpisodesFailing, match=rf"the last {FAILING_RUN} training episodes all failed") as err:
+    with pytest.raises(EpisodesFailing, match=rf"the last {FAILING_RUN} training episodes all failed \(each") as err:
         admission.add(group(FAILING_RUN // 8, failed), StepBatch(), VERSION)
     assert str(err.value).endswith(f"({FAILING_RUN + 7} times):\n{error}")
