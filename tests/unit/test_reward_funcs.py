@@ -189,6 +189,22 @@ def test_a_function_taking_lists_scores_a_whole_group_in_one_call(user_rewards):
     assert my_rewards.CALLS == [3]
 
 
+def test_groups_scored_in_the_same_pass_get_a_call_each_so_an_error_fails_its_own_group(user_rewards):
+    """Groups finishing together are not one batch: a completion that breaks the function fails its group only."""
+    env = Rewarded(task("task.reward_funcs=[my_rewards:fails_in_batch]"))
+
+    async def two_groups():
+        def state(problem):
+            return {**encode_row({"problem": problem, "answer": "3"}), PROMPT_TEXT: problem}
+        calls = [env.score(state("1+2="), c, [1]) for c in ["1", "22"]]
+        calls += [env.score(state("2+1="), c, [1]) for c in ["3", ""]]  # "" raises ZeroDivisionError
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    first, second, third, fourth = asyncio.run(two_groups())
+    assert (first, second) == ((1.0, {"fails_in_batch": 1.0}), (0.5, {"fails_in_batch": 0.5}))
+    assert isinstance(third, RewardFailed) and isinstance(fourth, RewardFailed)
+
+
 def test_a_batch_function_with_the_wrong_count_or_an_error_names_itself(user_rewards):
     env = Rewarded(task("task.reward_funcs=[my_rewards:one_short]"))
     with pytest.raises(RewardFailed, match=r"one_short takes lists .* returned 2 values for 3 samples"):

@@ -223,30 +223,33 @@ class Rewarded(Env):
 
 
 class BatchedReward:
-    """A reward scored a batch at a time: the calls made in one pass of the event loop (a group's samples,
-    whose episodes reach their reward together) are gathered into one call of `call_batch`, and each
-    caller gets its own entry of the answer. Wraps a function written for lists (TRL's convention)."""
+    """A reward scored a group at a time: the calls made in one pass of the event loop for one prompt (a
+    group's samples, whose episodes reach their reward together) are gathered into one call of
+    `call_batch`, and each caller gets its own entry of the answer. Other groups finishing in the same
+    pass get calls of their own, so one group's error fails that group alone. Wraps a function written
+    for lists (TRL's convention)."""
 
     def __init__(self, fn: Callable[..., Any] | None = None):
         self.fn = fn
         if fn is not None:
             self.__name__ = _name(fn, "")
-        self.pending: list[tuple[dict, asyncio.Future]] = []
+        self.pending: dict[str, list[tuple[dict, asyncio.Future]]] = {}  # prompt -> its calls
         self.posts: set[asyncio.Task] = set()  # the loop holds tasks weakly
 
     async def __call__(self, **kwargs) -> float | None:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self.pending.append((kwargs, future))
-        if len(self.pending) == 1:
+        if not self.pending:
             loop.call_soon(self._flush)
+        self.pending.setdefault(json.dumps(kwargs.get("prompt"), default=str), []).append((kwargs, future))
         return await future
 
     def _flush(self) -> None:
-        batch, self.pending = self.pending, []
-        task = asyncio.ensure_future(self._send(batch))
-        self.posts.add(task)
-        task.add_done_callback(self.posts.discard)
+        batches, self.pending = list(self.pending.values()), {}
+        for batch in batches:
+            task = asyncio.ensure_future(self._send(batch))
+            self.posts.add(task)
+            task.add_done_callback(self.posts.discard)
 
     async def _send(self, batch: list[tuple[dict, asyncio.Future]]) -> None:
         try:
