@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from tidal.broker.weights import file, gloo, nccl, tcp
 from tidal.broker.weights.base import EngineStuck, Transport, WeightPublisher, WeightReceiver
-from tidal.config import WeightsConfig
+from tidal.config import WeightsConfig, default_weights_dir
 
 TRANSPORTS: dict[str, Transport] = {t.name: t for t in (file.TRANSPORT, tcp.TRANSPORT, gloo.TRANSPORT,
                                                           nccl.TRANSPORT)}
-default_dir = file.default_dir  # where a run's weights live when weights.dir is empty
+default_dir = default_weights_dir  # where a run's weights live when weights.dir is empty (the config's rule)
 
 __all__ = ["TRANSPORTS", "EngineStuck", "WeightPublisher", "WeightReceiver", "build_publisher", "build_receiver",
            "default_dir", "transport"]
@@ -49,13 +49,7 @@ def build_receiver(cfg: WeightsConfig) -> WeightReceiver:
 
 
 def check_transport(cfg: WeightsConfig) -> str:
-    """The configured transport's name, once its keys are known to be usable."""
-    if cfg.transport not in TRANSPORTS:
-        raise ValueError(f"config key 'weights.transport' = {cfg.transport!r}: expected one of {', '.join(TRANSPORTS)}")
-    rules = {"bucket_mib": (cfg.bucket_mib >= 1, ">= 1"), "tcp_timeout_s": (cfg.tcp_timeout_s > 0, "> 0"),
-             "tcp_port": (0 <= cfg.tcp_port < 65536, "in 0..65535 (0: any free port)"),
-             "max_sends": (cfg.max_sends >= 1, ">= 1"), "max_connections": (cfg.max_connections >= 1, ">= 1")}
-    for key, (ok, expected) in rules.items():
-        if cfg.transport != file.NAME and not ok:  # the network channels' keys
-            raise ValueError(f"config key 'weights.{key}' = {getattr(cfg, key)!r}: must be {expected}")
+    """The configured transport's name, once its keys are known to be usable: the rules load_config
+    applies (WeightsConfig.check), again for a config built in code. A ConfigError is a ValueError."""
+    cfg.check()
     return cfg.transport

@@ -8,7 +8,6 @@ in place: what was checked is what loads, whatever a writer of the folder does m
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import shutil
@@ -31,13 +30,6 @@ from tidal.broker.weights.tcp import Staging, load_payload, map_staged
 from tidal.config import WeightsConfig
 
 NAME = "file"
-
-
-def default_dir(run_name: str, run_dir: str | Path) -> str:
-    """A folder in /dev/shm of this run's own: two runs never share (or prune) each other's files."""
-    run_dir = Path(run_dir)
-    run_key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]
-    return f"/dev/shm/tidal-{run_name}-{run_dir.name}-{run_key}"
 
 
 def unshared(named_tensors, dtype=None) -> dict:

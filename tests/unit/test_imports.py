@@ -5,7 +5,7 @@ package (function-level ones too), so a layering mistake fails here rather than 
     tidal.broker                       the wire and the channels: only tidal.config and tidal.files
     tidal.actor  ─┐  never each other  broker, config, tasks, health, models (+ tiny)
     tidal.learner ┘                    broker, kernels, config, tasks, health, models, tiny
-    tidal.config                       nothing of tidal but the weight channel's folder rule
+    tidal.config                       nothing of tidal (the weight channel reads its folder rule from it)
     tidal.files                        nothing of tidal (file helpers for anyone)
 """
 import ast
@@ -20,7 +20,7 @@ ALLOWED = {
     "broker": {"config", "files"},
     "actor": {"broker", "models", "tiny"} | SHARED,
     "learner": {"broker", "kernels", "models", "tiny"} | SHARED,
-    "config": {"broker.weights"},  # resolve() records the channel's default folder; see tidal.config.resolve
+    "config": set(),
     "tasks": {"config"},
     "files": set(),
 }
