@@ -68,7 +68,6 @@ class Engine:
         self._swap_lock = asyncio.Lock()
         self.weight_transport = ""  # the weight channel the workers are set up for (init_weight_transfer)
         self.torn = False  # an update failed part-way: paused until one loads whole
-        self.num_requests = 0
 
     async def set_version(self, version: int) -> None:
         await self._llm.update_weight_version(str(version))
@@ -151,7 +150,6 @@ class Engine:
                                 logprobs=0,  # the sampled token's own logprob
                                 flat_logprobs=True,  # kept as one list of floats, not a dict per token
                                 detokenize=False)  # a finished sample is decoded once: completion_texts
-        self.num_requests += 1
         # With n > 1 each streamed output carries only the samples that changed in that engine
         # step, so samples that finished early are absent from the last one: keep each by index.
         latest = {}

@@ -117,7 +117,7 @@ class Actor:
         # environments and rewards run off the event loop: a slow one never stalls heartbeats, claims and swaps
         episodes = await self.episodes.run(self.engine, group)
         completions = [e.completion for e in episodes]
-        # the overlong penalty (when the group asks) is added here; Sample.raw_reward keeps the task's
+        # the overlong penalty (when the group asks) is added here; Sample.raw_reward keeps the task's own reward
         samples = [to_sample(e.completion, e.reward, group.sampling, e.episode) for e in episodes]
         for sample, e in zip(samples, episodes):
             sample.sample.reward_components = e.components  # task.reward_funcs: each function's value

@@ -112,16 +112,15 @@ def _time_summary(key: str, label: str, group: list[dict], base: list[dict], trl
 
 
 def plot(runs: list[dict], target: float, png: Path) -> None:
-    import matplotlib
+    from matplotlib import colormaps
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from tidal.scaling import figure, save_figure
 
     lags = sorted({r["max_lag"] for r in runs if r["max_lag"] is not None})
-    colors = dict(zip(lags, plt.cm.viridis(np.linspace(0, 0.9, len(lags))))) | {None: "tab:red"}
+    colors = dict(zip(lags, colormaps["viridis"](np.linspace(0, 0.9, len(lags))))) | {None: "tab:red"}
     seeds = {lag: sum(r["max_lag"] == lag for r in runs) for lag in [*lags, None]}  # runs per colour
     last_step = 0
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = figure()
     for r in runs:
         hist = r["history"]
         start = hist["compute/wall_s"].get(0, 0.0)
@@ -138,9 +137,7 @@ def plot(runs: list[dict], target: float, png: Path) -> None:
            title=f"{runs[0]['task']}: pass rate against wall time, steps 0-{last_step}")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+    save_figure(fig, png, dpi=100)
 
 
 def main() -> int:

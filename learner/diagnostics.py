@@ -188,9 +188,6 @@ class Diagnostics:
         `first_step`: the first step this process trained (a resumed learner's checkpoint version + 1),
         so that the titles of the figures drawn from the training stream name the steps they cover.
         A figure that cannot be drawn yet (too few eval points for a fit) is left out, not an error."""
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only; never needs a display
         folder = self.run_dir / "figures" / f"step-{version:06d}"
         folder.mkdir(parents=True, exist_ok=True)
         trained = (first_step, version)  # the steps the samples behind the stream's figures come from
@@ -332,9 +329,9 @@ def _print_samples_from_env() -> int:
 
 
 def _subplots(count: int, heading: str):
-    import matplotlib.pyplot as plt
+    from tidal import scaling  # scipy with it: imported when a figure is drawn, as in _pass_rate
 
-    fig, axes = plt.subplots(1, count, figsize=(5.5 * count, 4), squeeze=False)
+    fig, axes = scaling.figure(count, figsize=(5.5 * count, 4), squeeze=False)
     fig.suptitle(heading, fontsize=10)
     for ax in axes[0]:
         ax.grid(True, alpha=0.3)
@@ -351,9 +348,6 @@ def _count_text(count: int) -> str:
 
 
 def _save(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt
+    from tidal import scaling
 
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return scaling.save_figure(fig, path, dpi=110)

@@ -176,14 +176,12 @@ def print_plan(rows: list[PlanRow], note: str) -> int:
 
 
 def plot_plan(rows: list[PlanRow], png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import LogLocator, NullFormatter, StrMethodFormatter
 
+    from tidal.scaling import figure, save_figure
+
     bs = [r.batch_groups for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2) = figure(2, figsize=(10, 4))
     ax1.plot(bs, [r.samples_per_s for r in rows], "o-")
     ax1.set(ylabel="samples/s", title="measured generation Theta(B)")
     ax2.plot(bs, [r.time_to_target_s for r in rows], "o-")
@@ -197,6 +195,4 @@ def plot_plan(rows: list[PlanRow], png: Path) -> None:
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("batch (groups per step)")
         ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+    save_figure(fig, png, dpi=100)

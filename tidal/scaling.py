@@ -4,16 +4,18 @@ Fits ScaleRL's sigmoid `R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B)` to eval pass
 against compute by least squares: A and R0 solved exactly for each (B, C_mid) on a grid, then
 polished. Intervals are profile-likelihood ones: the parameter values whose SSE passes the F test
 against the least form a 90% confidence region, and an interval (for A, B, C_mid or the curve at
-any compute) is that region's range. Also a power law for comparison, a shared-A fit
-(to compare B across runs; bootstrap intervals), a hold-out score, CSV/MLflow readers, a table
-and a plot.
+any compute) is that region's range. The shared-A fit (one A for several runs, to compare B
+across them) solves each run's cells the same way, holds A on a grid then polishes it, and reports
+the same profile intervals. Also a power law for comparison, a hold-out score, CSV/MLflow readers,
+a table and a plot.
 
 Why the profile rather than a bootstrap of the points: resampling the dozen points of one curve
 cannot move the fit past what those points show, and a grid that kept A at or above the best
 measurement excluded the truth whenever noise lifted a point over it. Over 100 synthetic curves
 across ScaleRL's ranges the bootstrap's 90% interval for A held the truth in 79; the profile's in
-90 (tests/unit/test_scaling.py checks 85-95% over 150). It widens where the data say little, as
-when the window ends near the midpoint.
+90 (tests/unit/test_scaling.py checks 85-95% over 150, and over sets of two or three curves
+sharing A, for the shared fit). It widens where the data say little, as when the window ends near
+the midpoint.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from scipy.special import expit
 from scipy.stats import f as f_dist
 
 B_BOUNDS = (0.05, 10.0)
-NUM_A = 200
+NUM_A = 120
 LEVEL = 0.90  # the confidence of every interval a fit reports
 # a fit window that ends at less than this multiple of the midpoint's upper bound leaves A loose
 WELL_PAST_MIDPOINT = 2.0
@@ -177,87 +179,18 @@ def _prepare(compute, pass_rate, R0, min_compute) -> tuple[np.ndarray, np.ndarra
 
 # ---------------------------------------------------------------- grid search core
 
-def _a_grid(A_grid, R0: float, best_observed: float, num: int = NUM_A) -> np.ndarray:
-    """A candidates, at most 1. By default from halfway between R0 and the best observed pass rate:
-    measurements are noisy, so the best one may lie above the true ceiling."""
-    if A_grid is None:
-        return np.unique(np.linspace(R0 + 0.5 * (best_observed - R0), 1.0, num))
-    grid = np.unique(np.asarray(A_grid, dtype=float))
-    grid = grid[(grid > R0) & (grid <= 1.0)]
-    if grid.size == 0:
-        raise ScalingFitError(f"A_grid has no value in ({R0:g}, 1] (above R0)")
-    return grid
-
-
-def _cmid_grid(Cmid_grid, compute: np.ndarray, num: int = NUM_CMID) -> np.ndarray:
-    if Cmid_grid is None:
-        return np.geomspace(compute.min() / 10, compute.max() * 100, num)
-    grid = np.asarray(Cmid_grid, dtype=float).reshape(-1)
-    if grid.size == 0 or not np.isfinite(grid).all() or (grid <= 0).any():
-        raise ScalingFitError("Cmid_grid must be non-empty, finite and positive")
-    return grid
+def _cmid_grid(compute: np.ndarray, num: int = NUM_CMID) -> np.ndarray:
+    return np.geomspace(compute.min() / 10, compute.max() * 100, num)
 
 
 def _b_grid(num: int = NUM_B) -> np.ndarray:
     return np.geomspace(*B_BOUNDS, num)
 
 
-def _s_table(compute, b_grid, cmid_grid) -> np.ndarray:
-    """S[b, m, i] = 1 / (1 + (C_mid_m / C_i)^B_b), the curve's shape without its scale."""
-    log_ratio = np.log(compute)[None, :] - np.log(cmid_grid)[:, None]  # [cmid, points]
-    return expit(b_grid[:, None, None] * log_ratio[None])  # [B, cmid, points]
-
-
-def _moments(y: np.ndarray, S: np.ndarray, weights: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
-    """Weighted sums that make SSE(a) = yy - 2 a yS + a^2 SS for every grid cell."""
-    flat = S.reshape(-1, S.shape[-1])  # [cells, points]
-    return float(weights @ (y * y)), flat @ (weights * y), (flat * flat) @ weights
-
-
-def _sse_by_a(y, S, weights, a_offsets) -> tuple[np.ndarray, np.ndarray]:
-    """For every A on the grid: the least SSE over (B, C_mid) cells and that cell. [A], [A]."""
-    yy, ys, ss = _moments(y, S, weights)
-    sse = yy - 2 * a_offsets[:, None] * ys[None] + (a_offsets ** 2)[:, None] * ss[None]  # [A, cells]
-    cells = np.argmin(sse, axis=1)
-    return sse[np.arange(a_offsets.size), cells], cells
-
-
-def _refine(compute, pass_rate, A, R0, b_grid, cmid_grid, cell, weights=None) -> tuple[float, float, float]:
-    """(B, C_mid, sse) at fixed A: B by bounded 1-D search between its grid neighbours, then
-    C_mid likewise in log space, twice round; the grid answer is kept if polishing does not help."""
-    b_index, m_index = divmod(cell, cmid_grid.size)
-    B, C_mid = float(b_grid[b_index]), float(cmid_grid[m_index])
-
-    weights = np.ones(compute.size) if weights is None else weights
-
-    def sse(B_, C_mid_):
-        return float(weights @ (pass_rate - sigmoid_curve(compute, A, B_, C_mid_, R0)) ** 2)
-
-    best = sse(B, C_mid)
-    b_span = (b_grid[max(b_index - 1, 0)], b_grid[min(b_index + 1, b_grid.size - 1)])
-    m_span = np.log([cmid_grid[max(m_index - 1, 0)], cmid_grid[min(m_index + 1, cmid_grid.size - 1)]])
-    for _ in range(2):
-        res = minimize_scalar(lambda b, m=C_mid: sse(b, m), bounds=b_span, method="bounded",
-                              options={"xatol": 1e-4})
-        if res.fun < best:
-            B, best = float(res.x), float(res.fun)
-        if m_span[1] > m_span[0]:
-            res = minimize_scalar(lambda m, b=B: sse(b, math.exp(m)), bounds=tuple(m_span), method="bounded",
-                                  options={"xatol": 1e-4})
-            if res.fun < best:
-                C_mid, best = math.exp(float(res.x)), float(res.fun)
-    return B, C_mid, best
-
-
-def _finish(compute, pass_rate, R0, A, cell, b_grid, cmid_grid) -> SigmoidFit:
-    B, C_mid, sse = _refine(compute, pass_rate, A, R0, b_grid, cmid_grid, cell)
-    return SigmoidFit(A=float(A), B=B, C_mid=C_mid, R0=R0, sse=sse, n_points=int(compute.size),
-                      compute_max=float(compute.max()))
-
-
-def _interval(samples: list[float]) -> tuple[float, float]:
-    lo, hi = np.percentile(np.asarray(samples), [5, 95])
-    return float(lo), float(hi)
+def _intervals(region: np.ndarray) -> dict[str, tuple[float, float]]:
+    """The range of A, B and C_mid over a [k, 4] (A, R0, B, C_mid) confidence region."""
+    return {name: (float(region[:, i].min()), float(region[:, i].max()))
+            for i, name in ((0, "A"), (2, "B"), (3, "C_mid"))}
 
 
 # ---------------------------------------------------------------- public fits
@@ -273,8 +206,8 @@ def fit_sigmoid(compute, pass_rate, *, R0: float | None = None, min_compute: flo
     value, then on a fine grid around the region the data allow, then polished.
     """
     obs = _observations(compute, pass_rate, R0, min_compute)
-    coarse = _scan(obs, _b_grid(), _cmid_grid(None, obs.c[obs.c > 0]))
-    fine = _scan(obs, *_zoom(coarse, obs.level(coarse.best_sse)))
+    coarse = _scan(obs, _b_grid(), _cmid_grid(obs.c[obs.c > 0]))
+    fine = _scan(obs, *_zoom(coarse, coarse.sse <= obs.level(coarse.best_sse)))
     A, B, C_mid, R0_, sse = _polish(obs, fine)
     fit = SigmoidFit(A=A, B=B, C_mid=C_mid, R0=R0_, sse=sse, n_points=int((obs.c > 0).sum()),
                      compute_max=float(obs.c.max()))
@@ -282,9 +215,14 @@ def fit_sigmoid(compute, pass_rate, *, R0: float | None = None, min_compute: flo
         # the fit itself is in its region, and so is the best grid cell (noiseless points leave nothing else)
         level = max(obs.level(min(sse, fine.best_sse)), fine.best_sse)
         fit.region = np.vstack([fine.region(level), [[A, R0_, B, C_mid]]])
-        fit.intervals = {name: (float(fit.region[:, i].min()), float(fit.region[:, i].max()))
-                         for i, name in ((0, "A"), (2, "B"), (3, "C_mid"))}
+        fit.intervals = _intervals(fit.region)
     return fit
+
+
+def _f_level(least_sse: float, num_points: int, num_params: int) -> float:
+    """The SSE under which a parameter value is inside the 90% region (F test, 1 degree of freedom)."""
+    dof = max(num_points - num_params, 1)
+    return least_sse * (1 + f_dist.ppf(LEVEL, 1, dof) / dof)
 
 
 @dataclass
@@ -293,10 +231,12 @@ class _Observations:
     r: np.ndarray  # its pass rate
     R0: float | None  # fixed R0, or None: fitted
 
+    @property
+    def num_params(self) -> int:
+        return 3 if self.R0 is not None else 4  # A, B, C_mid, and R0 unless given
+
     def level(self, least_sse: float) -> float:
-        """The SSE under which a parameter value is inside the 90% region (F test, 1 degree of freedom)."""
-        dof = max(self.c.size - (3 if self.R0 is not None else 4), 1)
-        return least_sse * (1 + f_dist.ppf(LEVEL, 1, dof) / dof)
+        return _f_level(least_sse, self.c.size, self.num_params)
 
 
 def _observations(compute, pass_rate, R0, min_compute) -> _Observations:
@@ -338,6 +278,23 @@ class _Scan:
     def best_sse(self) -> float:
         return float(self.sse.min())
 
+    @property
+    def a_shift(self) -> np.ndarray:
+        """[cells] A - x: the fixed R0, or 0 where x is A itself."""
+        return self.u if self.fixed else np.zeros_like(self.u)
+
+    def sse_at(self, A, cells=slice(None)) -> np.ndarray:
+        """[len(A), cells] SSE of the cells (every one by default) with the asymptote held at each A;
+        inf where a cell cannot take that A (its R0 would reach it)."""
+        q0, q1, q2, lo, hi = (v[cells] for v in (self.q0, self.q1, self.q2, self.lo, self.hi))
+        x = np.asarray(A, dtype=float)[:, None] - self.a_shift[cells]  # [A, cells]
+        sse = q2 * x  # q0 + x (q2 x - 2 q1), in place: this array is the shared fit's largest
+        sse -= 2 * q1
+        sse *= x
+        sse += q0
+        np.putmask(sse, (x < lo) | (x > hi), np.inf)
+        return sse
+
     def params(self, x: np.ndarray, cells: np.ndarray) -> np.ndarray:
         """[k, 4] rows (A, R0, B, C_mid) for scale values x in the given cells."""
         R0 = self.u[cells] - self.v[cells] * x
@@ -377,92 +334,161 @@ def _scan(obs: _Observations, b_values: np.ndarray, cmid_values: np.ndarray) -> 
                  (b_values.size, cmid_values.size), False)
 
 
-def _zoom(coarse: _Scan, level: float, num: int = 120) -> tuple[np.ndarray, np.ndarray]:
-    """Fine (B, C_mid) grids over the coarse cells inside `level`, two coarse steps wider each way
-    (the coarse grid can step over the narrow valley a precise curve leaves)."""
-    b_values = np.unique(coarse.b)
-    m_values = np.unique(coarse.c_mid)
-    inside = (coarse.sse <= level).reshape(coarse.shape)
-    bi, mi = np.nonzero(inside)
-    b_lo, b_hi = max(bi.min() - 2, 0), min(bi.max() + 2, b_values.size - 1)
-    m_lo, m_hi = max(mi.min() - 2, 0), min(mi.max() + 2, m_values.size - 1)
-    return np.geomspace(b_values[b_lo], b_values[b_hi], num), np.geomspace(m_values[m_lo], m_values[m_hi], num)
+def _zoom(coarse: _Scan, inside: np.ndarray, num: int = 120) -> tuple[np.ndarray, np.ndarray]:
+    """Fine (B, C_mid) grids over the coarse cells marked `inside` (the 90% region at the coarse
+    grid's own level)."""
+    bi, mi = np.nonzero(inside.reshape(coarse.shape))
+    return _around(np.unique(coarse.b), bi, num), _around(np.unique(coarse.c_mid), mi, num)
 
 
-def _polish(obs: _Observations, fine: _Scan) -> tuple[float, float, float, float, float]:
-    """(A, B, C_mid, R0, sse): the best fine cell, then (log B, log C_mid) refined continuously."""
+def _around(values: np.ndarray, hits: np.ndarray, num: int, spacing=np.geomspace) -> np.ndarray:
+    """`num` values over the sorted grid `values` at indices `hits`, two steps wider each way (a
+    coarse grid can step over the narrow valley a precise curve leaves)."""
+    lo, hi = max(hits.min() - 2, 0), min(hits.max() + 2, values.size - 1)
+    return spacing(values[lo], values[hi], num)
+
+
+def _polish(obs: _Observations, fine: _Scan, A: float | None = None) -> tuple[float, float, float, float, float]:
+    """(A, B, C_mid, R0, sse): the best fine cell, then (log B, log C_mid) refined continuously;
+    with the asymptote held at A when given (a shared A)."""
     from scipy.optimize import minimize
 
-    cell = int(np.argmin(fine.sse))
+    def cell_sse(scan: _Scan) -> np.ndarray:
+        return scan.sse if A is None else scan.sse_at([A])[0]
+
+    start_sse = cell_sse(fine)
+    cell = int(np.argmin(start_sse))
 
     def sse(point):
-        one = _scan(obs, np.exp(point[:1]), np.exp(point[1:]))
-        return float(one.sse[0])
+        return float(cell_sse(_scan(obs, np.exp(point[:1]), np.exp(point[1:])))[0])
 
     start = np.log([fine.b[cell], fine.c_mid[cell]])
     res = minimize(sse, start, method="Nelder-Mead", options={"xatol": 1e-5, "fatol": 1e-12})
-    point = res.x if res.fun < fine.sse[cell] and B_BOUNDS[0] <= np.exp(res.x[0]) <= B_BOUNDS[1] else start
+    point = res.x if res.fun < start_sse[cell] and B_BOUNDS[0] <= np.exp(res.x[0]) <= B_BOUNDS[1] else start
     one = _scan(obs, np.exp(point[:1]), np.exp(point[1:]))
-    A, R0, B, C_mid = one.params(one.x_best, np.array([0]))[0]
-    return float(A), float(B), float(C_mid), float(R0), float(one.sse[0])
+    x = one.x_best if A is None else A - one.a_shift
+    A_, R0, B, C_mid = one.params(x, np.array([0]))[0]
+    return float(A_), float(B), float(C_mid), float(R0), float(cell_sse(one)[0])
 
 
 def fit_common_A(runs: dict, *, R0: dict | None = None, min_compute: float | None = None,
-                 A_grid=None, n_bootstrap: int = 100, seed: int = 0) -> dict[str, SigmoidFit]:
-    """One asymptote A shared by all runs, B and C_mid per run (to compare B across runs).
+                 intervals: bool = True) -> dict[str, SigmoidFit]:
+    """One asymptote A shared by all runs, B, C_mid and R0 per run (to compare B across runs), with
+    profile-likelihood 90% intervals.
 
-    runs maps name -> (compute, pass_rate); R0 optionally maps name -> R0. A is chosen to
-    minimise the summed SSE; each run's fit reports its own SSE and bootstrap intervals.
+    runs maps name -> (compute, pass_rate); R0 optionally maps name -> a fixed R0, else each run's is
+    fitted as in fit_sigmoid. For every A each run's least SSE comes from the same exact per-cell
+    solve as fit_sigmoid's, on a coarse then a fine (B, C_mid) grid; A minimises their sum, on a grid
+    then continuously. Each run's region holds the parameter sets of that run which, with every other
+    run at its best for the same A, keep the summed SSE inside the F test's level.
     """
     if not runs:
         raise ScalingFitError("fit_common_A needs at least one run")
-    prepared = {}
+    obs = {}
     for name, (compute, pass_rate) in runs.items():
         try:
-            prepared[name] = _prepare(compute, pass_rate, (R0 or {}).get(name), min_compute)
+            obs[name] = _observations(compute, pass_rate, (R0 or {}).get(name), min_compute)
         except ScalingFitError as e:
             raise ScalingFitError(f"run {name!r}: {e}") from None
-    best = max(max(R0_, float(r.max())) for _, r, R0_ in prepared.values())
-    a_grid, b_grid = _a_grid(A_grid, max(R0_ for *_, R0_ in prepared.values()), best), _b_grid()
-    tables = {name: (r - R0_, _s_table(c, b_grid, _cmid_grid(None, c)))
-              for name, (c, r, R0_) in prepared.items()}
-    i_a, cells = _shared_a(tables, prepared, a_grid, {name: np.ones(t[0].size) for name, t in tables.items()})
+    level = lambda least_sse: _shared_level(obs, least_sse)
+    coarse = _SharedA({name: _scan(o, _b_grid(), _cmid_grid(o.c[o.c > 0])) for name, o in obs.items()}, level)
+    at = level(coarse.best_sse)
+    scans = {name: _scan(obs[name], *_zoom(scan, coarse.inside_cells(name, at))) for name, scan in coarse.scans.items()}
+    # the fine cells over every A before zooming on A: coarse cells overstate each run's SSE, the more so
+    # far from its best, and the range of A they allowed cut the interval short of the truth in 3 of 120
+    # synthetic sets
+    wide = _SharedA(scans, level, coarse.a)
+    at = level(wide.best_sse)
+    fine = _SharedA(scans, level, _around(wide.a, np.flatnonzero(wide.total <= at), NUM_A, np.linspace))
+    A = fine.polish()
     fits = {}
-    for name, (c, r, R0_) in prepared.items():
-        fits[name] = _finish(c, r, R0_, a_grid[i_a], int(cells[name]), b_grid, _cmid_grid(None, c))
-    if n_bootstrap > 0:
-        _bootstrap_common(fits, tables, prepared, a_grid, b_grid, n_bootstrap, seed)
+    for name, o in obs.items():
+        _, B, C_mid, R0_, sse = _polish(o, fine.scans[name], A)
+        fits[name] = SigmoidFit(A=A, B=B, C_mid=C_mid, R0=R0_, sse=sse, n_points=int((o.c > 0).sum()),
+                                compute_max=float(o.c.max()))
+    if intervals:
+        # as in fit_sigmoid: the fit and the best grid point are inside, noiseless or not
+        at = max(level(min(sum(f.sse for f in fits.values()), fine.best_sse)), fine.best_sse)
+        for name, fit in fits.items():
+            fit.region = np.vstack([fine.region(name, at), [[fit.A, fit.R0, fit.B, fit.C_mid]]])
+            fit.intervals = _intervals(fit.region)
+        ends = [fit.intervals["A"] for fit in fits.values()]
+        for fit in fits.values():  # one A, one interval: each run's region finds its ends a hair apart
+            fit.intervals["A"] = (min(lo for lo, _ in ends), max(hi for _, hi in ends))
     return fits
 
 
-def _shared_a(tables, prepared, a_grid, weights) -> tuple[int, dict[str, int]]:
-    """Index of the A that minimises the summed per-run best SSE, and each run's best cell there."""
-    total = np.zeros(a_grid.size)
-    cells_by_a = {}
-    for name, (y, S) in tables.items():
-        sse, cells = _sse_by_a(y, S, weights[name], a_grid - prepared[name][2])
-        total += sse
-        cells_by_a[name] = cells
-    i_a = int(np.argmin(total))
-    return i_a, {name: cells[i_a] for name, cells in cells_by_a.items()}
+def _shared_level(obs: dict[str, _Observations], least_sse: float) -> float:
+    """The 90% level of a shared-A fit: every run's points, one A, and the rest of each run's parameters."""
+    num_params = 1 + sum(o.num_params - 1 for o in obs.values())
+    return _f_level(least_sse, sum(o.c.size for o in obs.values()), num_params)
 
 
-def _bootstrap_common(fits, tables, prepared, a_grid, b_grid, n_bootstrap, seed) -> None:
-    """Resample every run's points together and refit the shared A; fills each fit's intervals."""
-    rng = np.random.default_rng(seed)
-    samples = {name: {"A": [], "B": [], "C_mid": []} for name in fits}
-    for _ in range(n_bootstrap):
-        weights = {name: rng.multinomial(y.size, np.full(y.size, 1.0 / y.size)).astype(float)
-                   for name, (y, _) in tables.items()}
-        i_a, cells = _shared_a(tables, prepared, a_grid, weights)
-        for name, cell in cells.items():
-            c, r, R0 = prepared[name]
-            B, C_mid, _ = _refine(c, r, a_grid[i_a], R0, b_grid, _cmid_grid(None, c), int(cell), weights[name])
-            samples[name]["A"].append(a_grid[i_a])
-            samples[name]["B"].append(B)
-            samples[name]["C_mid"].append(C_mid)
-    for name, fit in fits.items():
-        fit.intervals = {key: _interval(values) for key, values in samples[name].items()}
+class _SharedA:
+    """Every run's scan with the asymptote held at each A of a grid (by default NUM_A values from the
+    lowest A all runs can take up to 1): the SSE of each run's cells that can lie inside the 90%
+    region, each run's least, and their sum. `level` maps a least summed SSE to the region's level."""
+
+    def __init__(self, scans: dict[str, _Scan], level, a: np.ndarray | None = None):
+        self.scans = scans
+        if a is None:  # A above every run's R0: for each run, above the least its cells allow
+            a = np.linspace(max(float(np.min(s.lo + s.a_shift)) for s in scans.values()), 1.0, NUM_A)
+        self.a = a
+        self.cells = self._candidates(level)
+        self.sse = {name: scan.sse_at(a, self.cells[name]) for name, scan in scans.items()}  # [A, candidates]
+        self.least = {name: sse.min(axis=1) for name, sse in self.sse.items()}  # [A] each
+        self.total = sum(self.least.values())  # [A]
+        self.best_sse = float(self.total.min())
+
+    def _candidates(self, level) -> dict[str, np.ndarray]:
+        """Each run's cells that can lie inside the region: the level is at most that of the least sum
+        at a few A, and a cell's share of the sum is at least its own least SSE over every A."""
+        probe = self.a[:: max(self.a.size // 16, 1)]
+        upper = level(float(sum(scan.sse_at(probe).min(axis=1) for scan in self.scans.values()).min()))
+        best = {name: scan.best_sse for name, scan in self.scans.items()}
+        return {name: np.flatnonzero(scan.sse <= upper - (sum(best.values()) - best[name]))
+                for name, scan in self.scans.items()}
+
+    def summed(self, name: str) -> np.ndarray:
+        """[A, candidates]: the summed SSE with run `name` in each of its cells, every other run at its best."""
+        others = sum((least for other, least in self.least.items() if other != name), np.zeros(self.a.size))
+        return self.sse[name] + others[:, None]
+
+    def inside_cells(self, name: str, level: float) -> np.ndarray:
+        """[cells] of run `name`'s scan: inside level at some A."""
+        mask = np.zeros(self.scans[name].b.size, dtype=bool)
+        mask[self.cells[name][(self.summed(name) <= level).any(axis=0)]] = True
+        return mask
+
+    def region(self, name: str, level: float) -> np.ndarray:
+        """[k, 4] (A, R0, B, C_mid) of run `name`: for every cell inside level at some A, the least and
+        greatest such A (its curve is linear in A within a cell, so its range is at those ends), each
+        taken past its grid point to where the sum crosses the level, linearly, as fit_sigmoid's are exact."""
+        summed = self.summed(name)
+        hits = np.flatnonzero((summed <= level).any(axis=0))
+        summed = summed[:, hits]  # [A, hits]
+        inside, cols, last_a = summed <= level, np.arange(hits.size), self.a.size - 1
+        first = inside.argmax(axis=0)
+        last = last_a - inside[::-1].argmax(axis=0)
+        ends = []
+        for edge, beyond in ((first, np.maximum(first - 1, 0)), (last, np.minimum(last + 1, last_a))):
+            at_edge, past = summed[edge, cols], summed[beyond, cols]
+            with np.errstate(invalid="ignore", divide="ignore"):  # beyond = edge, or a cell that cannot take that A
+                share = np.where(np.isfinite(past) & (past > level), (level - at_edge) / (past - at_edge), 0.0)
+            ends.append(self.a[edge] + share * (self.a[beyond] - self.a[edge]))
+        scan, cells = self.scans[name], np.concatenate([self.cells[name][hits]] * 2)
+        return scan.params(np.concatenate(ends) - scan.a_shift[cells], cells)
+
+    def polish(self) -> float:
+        """The A of the least summed SSE, refined between the grid's neighbours of the best."""
+        i = int(np.argmin(self.total))
+
+        def total(A: float) -> float:
+            return float(sum(scan.sse_at([A], self.cells[name]).min() for name, scan in self.scans.items()))
+
+        bounds = (self.a[max(i - 1, 0)], self.a[min(i + 1, self.a.size - 1)])
+        res = minimize_scalar(total, bounds=bounds, method="bounded", options={"xatol": 1e-7})
+        return float(res.x) if res.fun < self.total[i] else float(self.a[i])
 
 
 def fit_power_law(compute, pass_rate) -> PowerLawFit:
@@ -581,18 +607,13 @@ def plot_fits(points: dict, fits: dict[str, SigmoidFit], path, power: dict[str, 
               title: str = "") -> Path:
     """PNG of measured points and fitted curves on a log compute axis, labelled by the keys of `points`
     (run names); solid over the compute each fit saw, dashed beyond it, shaded = the 90% interval."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; never needs a display
-    import matplotlib.pyplot as plt
-
     positive = [np.asarray(c, dtype=float)[np.asarray(c, dtype=float) > 0] for c, _ in points.values()]
     positive = [c for c in positive if c.size]
     if not positive:
         raise ScalingFitError("plot_fits: no points with compute > 0")
     lo = min(c.min() for c in positive)
     hi = 4 * max(max(c.max() for c in positive), *(f.C_mid for f in fits.values()), 0.0)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = figure()
     extrapolated = False
     for i, (name, (compute, pass_rate)) in enumerate(points.items()):
         color = f"C{i % 10}"
@@ -613,9 +634,28 @@ def plot_fits(points: dict, fits: dict[str, SigmoidFit], path, power: dict[str, 
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
+    return save_figure(fig, path, dpi=120)
+
+
+def figure(ncols: int = 1, figsize: tuple[float, float] = (7, 4.5), **subplots):
+    """(fig, axes) of plt.subplots, one row of `ncols`, on the Agg backend: tidal's figures are files
+    only and must never need a display. Other keywords (squeeze=False, say) go to plt.subplots."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, ncols, figsize=figsize, **subplots)
+
+
+def save_figure(fig, path, dpi: int) -> Path:
+    """Lay the figure out, write it to `path` (a PNG by its suffix) at `dpi`, and free it: pyplot keeps
+    every open figure alive until closed."""
+    import matplotlib.pyplot as plt
+
     path = Path(path)
-    fig.savefig(path, dpi=120)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
 

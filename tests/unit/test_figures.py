@@ -195,3 +195,20 @@ def test_the_async_bench_title_gives_the_steps_and_its_legend_the_seeds(tmp_path
     assert "steps 0-20" in ax.get_title() and ax.get_title().startswith("tiny")
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["max_lag 0 (2 seeds)", "max_lag 4 (2 seeds)",
                                                                     "target 0.60"]
+
+
+def test_every_figure_is_saved_at_its_own_dpi_through_one_helper(tmp_path):
+    """scaling.figure/save_figure: a PNG of figsize x dpi pixels at the path given, the figure freed."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = scaling.figure(figsize=(2, 1))
+    ax.plot([0, 1], [0, 1])
+    path = scaling.save_figure(fig, tmp_path / "small.png", dpi=50)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")  # the IHDR chunk
+    assert (width, height) == (100, 50)
+    assert not plt.fignum_exists(fig.number)
+    fig, axes = scaling.figure(3, figsize=(6, 2), squeeze=False)
+    assert axes.shape == (1, 3) and matplotlib.get_backend().lower() == "agg"
+    plt.close(fig)

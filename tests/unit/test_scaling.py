@@ -92,7 +92,7 @@ def test_common_A_recovers_each_runs_B():
     for name, B, seed in (("slow", 1.2, 3), ("fast", 2.5, 4)):
         _, noisy = noisy_curve(seed, noise=0.005, B=B)
         runs[name] = (COMPUTE, noisy)
-    fits = scaling.fit_common_A(runs, n_bootstrap=30)
+    fits = scaling.fit_common_A(runs)
     print("\n" + scaling.fit_table(fits))
     assert fits["slow"].A == fits["fast"].A
     assert abs(fits["slow"].A - 0.61) <= 0.02
@@ -103,6 +103,28 @@ def test_common_A_recovers_each_runs_B():
     assert fits["slow"].B < fits["fast"].B
     for fit in fits.values():
         assert set(fit.intervals) == {"A", "B", "C_mid"}
+        assert fit.intervals["A"] == fits["slow"].intervals["A"]  # one A, one profile
+        lo, hi = fit.intervals["B"]
+        assert lo <= fit.B <= hi
+    assert fits["slow"].intervals["B"][1] < fits["fast"].intervals["B"][0]  # the B's differ, and the fit can tell
+
+
+def test_common_A_of_one_run_is_that_runs_own_fit():
+    """The shared fit and the single-curve one solve the same cells; with one run they must agree."""
+    compute = np.concatenate([[0.0], COMPUTE])
+    _, noisy = noisy_curve(6)
+    pass_rate = np.concatenate([[0.29], noisy])
+    single = scaling.fit_sigmoid(compute, pass_rate)
+    shared = scaling.fit_common_A({"run": (compute, pass_rate)})["run"]
+    for key in ("A", "B", "C_mid", "R0"):
+        assert getattr(shared, key) == pytest.approx(getattr(single, key), rel=2e-3)
+    assert shared.sse == pytest.approx(single.sse, rel=1e-4)
+    for key, (lo, hi) in single.intervals.items():
+        # the shared fit holds A on a grid and interpolates the ends; the single fit solves them exactly
+        assert shared.intervals[key] == pytest.approx((lo, hi), rel=5e-3)
+    np.testing.assert_allclose(shared.predict_interval(COMPUTE[-1]), single.predict_interval(COMPUTE[-1]), rtol=1e-3)
+    fixed = scaling.fit_common_A({"run": (compute, pass_rate)}, R0={"run": 0.3})["run"]
+    assert fixed.R0 == 0.3 and fixed.A == pytest.approx(0.61, abs=0.01)
 
 
 def test_min_compute_leaves_early_points_out_and_R0_is_fitted_unless_given():
@@ -177,19 +199,27 @@ def test_plot_fits_writes_png(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
+SYNTHETIC_COMPUTE = np.concatenate([[0.0], np.linspace(1e5 / 30, 1e5, 30)])
+
+
 def synthetic_runs(count: int, seed: int = 0):
     """Curves drawn across ScaleRL's ranges (A 0.5-0.8, B 1.2-2.5, noise 0.005-0.02), 30 evals and
     a noisy one of the starting model, the fit window ending 1.5x-4x past C_mid and 1.3x-4x short
     of the last eval: (truth, compute, measured, noiseless, window end)."""
     rng = np.random.default_rng(seed)
-    compute = np.concatenate([[0.0], np.linspace(1e5 / 30, 1e5, 30)])
     for _ in range(count):
-        A, B, R0 = rng.uniform(0.5, 0.8), rng.uniform(1.2, 2.5), rng.uniform(0.2, 0.35)
-        end = rng.uniform(0.25, 0.75) * compute[-1]
-        C_mid, noise = end / rng.uniform(1.5, 4.0), rng.uniform(0.005, 0.02)
-        clean = scaling.sigmoid_curve(compute, A, B, C_mid, R0)
-        measured = np.clip(clean + rng.normal(0, noise, compute.size), 0, 1)
-        yield dict(A=A, B=B, C_mid=C_mid, R0=R0), compute, measured, clean, end
+        yield synthetic_curve(rng, rng.uniform(0.5, 0.8))
+
+
+def synthetic_curve(rng, A: float):
+    """One curve of synthetic_runs with asymptote A: (truth, compute, measured, noiseless, window end)."""
+    compute = SYNTHETIC_COMPUTE
+    B, R0 = rng.uniform(1.2, 2.5), rng.uniform(0.2, 0.35)
+    end = rng.uniform(0.25, 0.75) * compute[-1]
+    C_mid, noise = end / rng.uniform(1.5, 4.0), rng.uniform(0.005, 0.02)
+    clean = scaling.sigmoid_curve(compute, A, B, C_mid, R0)
+    measured = np.clip(clean + rng.normal(0, noise, compute.size), 0, 1)
+    return dict(A=A, B=B, C_mid=C_mid, R0=R0), compute, measured, clean, end
 
 
 def test_90_percent_intervals_cover_the_truth_nine_times_in_ten():
@@ -208,6 +238,32 @@ def test_90_percent_intervals_cover_the_truth_nine_times_in_ten():
           f"final point {hits_final / count:.3f}")
     assert 0.85 <= hits_a / count <= 0.95
     assert 0.85 <= hits_final / count <= 0.95
+
+
+def test_shared_A_90_percent_intervals_cover_the_truth_nine_times_in_ten():
+    """Calibration of fit_common_A as above: sets of two or three synthetic curves sharing A (each
+    curve's B, C_mid, R0, noise and window its own); the 90% intervals for the shared A, for each
+    curve's B and for each curve's pass rate at its last eval must hold the truth in 85-95%."""
+    rng = np.random.default_rng(1)
+    num_sets, hits_a, hits_b, hits_final, num_curves = 80, 0, 0, 0, 0
+    for _ in range(num_sets):
+        A = rng.uniform(0.5, 0.8)
+        curves = [synthetic_curve(rng, A) for _ in range(int(rng.integers(2, 4)))]
+        fits = scaling.fit_common_A({i: (compute[compute <= end], measured[compute <= end])
+                                     for i, (_, compute, measured, _, end) in enumerate(curves)})
+        lo, hi = fits[0].intervals["A"]
+        hits_a += lo <= A <= hi
+        for i, (truth, compute, _, clean, _) in enumerate(curves):
+            lo, hi = fits[i].intervals["B"]
+            hits_b += lo <= truth["B"] <= hi
+            final_lo, final_hi = fits[i].predict_interval(compute[-1])
+            hits_final += final_lo[0] <= clean[-1] <= final_hi[0]
+        num_curves += len(curves)
+    print(f"\nshared A: coverage of 90% intervals over {num_sets} sets ({num_curves} curves): "
+          f"A {hits_a / num_sets:.3f}, B {hits_b / num_curves:.3f}, final point {hits_final / num_curves:.3f}")
+    assert 0.85 <= hits_a / num_sets <= 0.95
+    assert 0.85 <= hits_b / num_curves <= 0.95
+    assert 0.85 <= hits_final / num_curves <= 0.95
 
 
 def test_a_window_that_ends_near_the_midpoint_says_so_and_its_interval_shows_it():
