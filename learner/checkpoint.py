@@ -38,12 +38,19 @@ import random
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from tidal.config import CheckpointConfig
 from tidal.files import sha256_file
+from tidal.learner.ranks import broadcast_bytes
+
+if TYPE_CHECKING:  # types only: a checkpoint is verified (tidal export) without building a trainer
+    from accelerate import Accelerator
+
+    from tidal.learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +317,7 @@ def _seal_files(folder: Path, files: list[Path], manifest: str) -> None:
 
 
 class Checkpointer:
-    def __init__(self, cfg: CheckpointConfig, directory: Path, accelerator, trainer):
+    def __init__(self, cfg: CheckpointConfig, directory: Path, accelerator: Accelerator, trainer: Trainer):
         self.cfg = cfg
         self.directory = directory
         self.accelerator = accelerator
@@ -393,8 +400,6 @@ class Checkpointer:
         Each rank hashes only its own part, once, all at the same time; rank 0 also runs `check_state` on
         tidal's state (a ValueError names what a resume could not read). When none verifies, every rank
         raises NoValidCheckpoint, or with rank 0's `fresh_if_damaged` starts fresh, the damaged ones set aside."""
-        from tidal.learner.ranks import broadcast_bytes
-
         acc, device = self.accelerator, self.accelerator.device
         damage: list[str] = []
         plan = None
@@ -482,8 +487,6 @@ class Checkpointer:
         with the checkpoint `agree` chose); rank 0 reads the JSON files and sends them to the others.
         Returns tidal's state."""
         from safetensors.torch import load_file
-
-        from tidal.learner.ranks import broadcast_bytes
 
         acc = self.accelerator
         header = {"meta": json.loads((path / "trainer.json").read_text()), "state": read_state(path)} \

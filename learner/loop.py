@@ -1,40 +1,46 @@
-"""The learner's training loop.
+"""The learner's training loop: rank 0's role around the step runner.
 
         coordinator thread: dataset ─► admission control ─► transport.submit_prompts ─► actors
                                                                                           │
         rollouts (Inbox) ◄────────────────────────────────────────────────────────────────┘
-          │ collect_step_batch: eval groups → Evaluations; claim (GroupBook); admission: staleness, zero variance
+          │ collect: eval groups → Evaluations; claim (GroupBook); admission: staleness, zero variance
           ▼
-        train_step: trainer.step (advantages → micro-batches → fused logprobs → loss → AdamW; v → v+1)
+        StepRunner (steps.py, the same on every rank): exchange → trainer.step (advantages → micro-batches
+          │ → fused logprobs → loss → AdamW; v → v+1) → weight push → checkpoint when due
           ▼
-        publish_weights (channel + announcement) → coordinator.on_step → eval? → log (+ progress line, rollout table?)
-          ▼
-        checkpoint (+ commit, figures)
+        on_trained: diagnostics · announce: the new version to the actors ·
+        on_step: coordinator.on_step → eval? → log (+ progress line, rollout table?) · on_saved: commit, figures
 
-`run` is the loop; each named step is a method below. A resumed learner starts from a
-checkpoint's version, and its metrics reach MLflow exactly once (`MetricsLog`).
+`Learner.run` hands itself to the step runner, which calls the named steps below between its
+collectives; none of them is collective. A resumed learner starts from a checkpoint's version, and
+its metrics reach MLflow exactly once (`MetricsLog`).
 """
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
+import torch
+
 from tidal.broker.base import LearnerTransport
-from tidal.broker.schema import RolloutGroup
+from tidal.broker.schema import RolloutGroup, WeightUpdate
 from tidal.broker.weights import WeightPublisher
 from tidal.config import EvalConfig, LearnerConfig
 from tidal.learner.accounting import Accounting
 from tidal.learner.admission import Admission, StepBatch
 from tidal.learner.batch import group_advantages
+from tidal.learner.checkpoint import Checkpointer
 from tidal.learner.coordinator import Coordinator
 from tidal.learner.curriculum import CurriculumExhausted
+from tidal.learner.diagnostics import Diagnostics
 from tidal.learner.evaluation import Evaluator
+from tidal.learner.export import FinalExport
 from tidal.learner.groups import DUPLICATE, NEW, GroupBook
 from tidal.learner.inbox import Inbox
-from tidal.learner.ranks import WeightPush
+from tidal.learner.ranks import RankGroup, WeightPush
 from tidal.learner.resume import MetricsLog, learner_state, restore_learner_state
-from tidal.learner.tracking import ProgressLog
+from tidal.learner.steps import StepRunner
+from tidal.learner.tracking import ProgressLog, Tracker
 from tidal.learner.trainer import Trainer
 from tidal.learner.validation import Validator
 
@@ -43,28 +49,33 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LearnerParts:
+    """Rank 0's parts, as `build.build_learner` makes them (unit tests fill in fakes for the ones they skip)."""
+
     trainer: Trainer
     coordinator: Coordinator
     book: GroupBook
     admission: Admission
     transport: LearnerTransport
     publisher: WeightPublisher
-    tracker: object  # tidal.learner.tracking.Tracker
-    checkpointer: object  # tidal.learner.checkpoint.Checkpointer
+    tracker: Tracker
+    checkpointer: Checkpointer
     validator: Validator | None = None  # None: rollouts are not checked against what was released
-    ranks: object = None  # tidal.learner.ranks.BatchBroadcast when the learner runs on several ranks
-    export: object = None  # tidal.learner.export.FinalExport: what happens to the final policy
-    diagnostics: object = None  # tidal.learner.diagnostics.Diagnostics: completion tables and figures
+    ranks: RankGroup | None = None  # the learner's ranks (one or several); None in unit tests of parts
+    export: FinalExport | None = None  # what happens to the final policy
+    diagnostics: Diagnostics | None = None  # completion tables and figures
     push: WeightPush | None = None  # what a weight push gathers (every rank the same)
     num_actors: int = 0  # actors the run starts, named while the learner waits for them (0: not known here)
 
 
 class Learner:
+    """Rank 0's role: what happens between the step runner's collectives (steps.Role)."""
+
     def __init__(self, cfg: LearnerConfig, eval_cfg: EvalConfig, parts: LearnerParts):
         self.cfg, self.eval_cfg, self.parts = cfg, eval_cfg, parts
         self.trainer, self.coordinator, self.book = parts.trainer, parts.coordinator, parts.book
         self.transport, self.checkpointer = parts.transport, parts.checkpointer
-        self.version = 0
+        self.steps = StepRunner(parts.trainer, parts.checkpointer, parts.ranks, parts.push, parts.publisher,
+                                cfg.max_steps)
         self.accounting = Accounting(self.trainer.num_params, parts.ranks.world if parts.ranks else 1)
         self.metrics_log = MetricsLog(parts.tracker, self.checkpointer.periodic)
         # progress lines as often as the tracker's config says; none without a tracker (unit tests of parts)
@@ -78,21 +89,23 @@ class Learner:
         self.resumed: dict | None = None  # the checkpoint state this learner continues from
         self.stopped_early = ""  # why the run ended before learner.max_steps, if it did
 
+    @property
+    def version(self) -> int:
+        """The policy version: optimizer steps taken (the step runner counts them)."""
+        return self.steps.version
+
+    @version.setter
+    def version(self, version: int) -> None:
+        self.steps.version = version
+
     def run(self) -> dict:
-        self.begin()
-        while self.version < self.cfg.max_steps:
-            batch = self.collect_step_batch()
-            if batch is None:
-                break
-            self.train_step(batch)
-        self.end()
+        self.steps.run(self)
         return self.summary()
 
-    # ---- named steps -----------------------------------------------------------------------------
+    # ---- named steps, in the order the step runner calls them --------------------------------------
 
     def begin(self) -> None:
-        """Announce the starting weights, evaluate them (or finish a resumed run's evaluations), release prompts."""
-        self.publish_weights()
+        """Evaluate the starting weights (or finish a resumed run's evaluations), release prompts."""
         if self.resumed is None:
             self.evaluator.start(self.version)
         else:
@@ -101,7 +114,7 @@ class Learner:
                 self.evaluator.start(version)  # lost with the old process
         self.coordinator.start()
 
-    def collect_step_batch(self) -> StepBatch | None:
+    def collect(self) -> StepBatch | None:
         """Take rollouts until groups_per_step trainable groups are in hand; None ends the run early."""
         batch = StepBatch()
         self.inbox.restart_clock()
@@ -119,28 +132,40 @@ class Learner:
                 self.on_training_group(group, batch)
         return batch
 
-    def train_step(self, batch: StepBatch) -> None:
-        if self.parts.ranks is not None:
-            self.parts.ranks.send(batch.groups, batch.token_masks)  # the other learner ranks train their share
-        metrics = self.trainer.step(batch.groups, batch.token_masks, self.version)
+    def on_trained(self, batch: StepBatch) -> None:
         if self.parts.diagnostics is not None:
             self.parts.diagnostics.on_step(batch.groups, self.trainer.last_tokens)
             self.show_rollouts(batch)
-        self.version += 1
-        metrics["timing/weight_push_s"] = self.publish_weights()
+
+    def announce(self, update: WeightUpdate | None) -> None:
+        self.transport.publish_weights(update)
+
+    def on_step(self, batch: StepBatch, metrics: dict[str, float]) -> None:
+        """The step's groups are trained and its version published: release more, evaluate when due, log."""
         self.coordinator.on_step(self.version, [g.group_id for g in batch.groups])
         if self.eval_cfg.every and self.version % self.eval_cfg.every == 0 and self.version < self.cfg.max_steps:
             self.evaluator.start(self.version)
         metrics = self.step_metrics(batch, metrics)
         self.metrics_log.log(metrics, step=self.version)
         self.progress.on_step(metrics, self.version)
-        if self.checkpointer.due(self.version):
-            self.save_checkpoint()
-        elif not self.checkpointer.periodic:
+        if not self.checkpointer.periodic:
             self.transport.commit()  # no resume point to wait for
 
+    def checkpoint_state(self) -> dict:
+        return {"mlflow_run_id": self.parts.tracker.run_id, "coordinator": self.coordinator.state_dict(),
+                "learner": learner_state(self.accounting, self.evals), "unlogged": self.metrics_log.unlogged}
+
+    def on_saved(self) -> None:
+        """Acknowledge to the broker and log to MLflow everything the checkpoint covers."""
+        self.transport.commit()
+        self.metrics_log.flush()
+        if self.parts.diagnostics is not None:
+            # the steps this process trained (a resumed one: from its checkpoint on), from what MLflow now holds
+            self.parts.diagnostics.draw(self.version, first_step=self.resumed["version"] + 1 if self.resumed else 1)
+
     def end(self) -> None:
-        """Stop releasing, evaluate the final weights, let the actors go, save the final checkpoint."""
+        """Stop releasing, evaluate the final weights, let the actors go (the runner then saves the final
+        checkpoint and gathers the final policy)."""
         self.coordinator.stop()
         self.evaluator.start(self.version)
         self.inbox.restart_clock()
@@ -153,8 +178,8 @@ class Learner:
         # only a finished run stops the actors (after a crash or an eviction they wait for the resumed
         # learner); now, so that their engines shut down while the final checkpoint and export are written
         self.transport.shutdown_actors("learner finished")
-        self.save_checkpoint()
-        state = self.trainer.export_state(self.parts.publisher.dtype)  # gathered when sharded: every rank takes part
+
+    def on_exported(self, state: dict[str, torch.Tensor]) -> None:
         if self.parts.export is not None:
             log.info("final policy exported to %s", self.parts.export(self.trainer.policy, state))
 
@@ -174,7 +199,6 @@ class Learner:
         else:
             self.parts.admission.add(group, batch, self.version)
 
-
     def show_rollouts(self, batch: StepBatch) -> None:
         """The rollout table, on the steps it is due. Its advantages are computed again here, over the
         whole step batch with the trainer's rule: the same numbers the trainer used (its batch-wide sums run
@@ -186,15 +210,7 @@ class Learner:
 
     def stop_early(self, why: str) -> None:
         log.warning("%s; ending the run at step %d of %d", why, self.version, self.cfg.max_steps)
-        self.stopped_early = why
-        if self.parts.ranks is not None:
-            self.parts.ranks.send([], [])  # an empty batch tells the other ranks the loop is over
-
-    def publish_weights(self) -> float:
-        start = time.perf_counter()
-        publisher = self.parts.publisher
-        self.transport.publish_weights(self.parts.push(self.trainer, publisher, self.version))
-        return time.perf_counter() - start
+        self.stopped_early = why  # the step runner tells the other ranks
 
     def on_dead_letter(self, group_id: str) -> None:
         """The broker gave up on a group: an evaluation completes without it, a training group frees its slot."""
@@ -213,19 +229,8 @@ class Learner:
             "learner/version": float(self.version),
         } | self.transport.metrics() | self.accounting.compute_axis(len(self.transport.actors()))
 
-    def save_checkpoint(self) -> None:
-        """Save, then acknowledge to the broker and log to MLflow everything the checkpoint covers."""
-        self.checkpointer.save(self.version, {
-            "mlflow_run_id": self.parts.tracker.run_id, "coordinator": self.coordinator.state_dict(),
-            "learner": learner_state(self.accounting, self.evals), "unlogged": self.metrics_log.unlogged})
-        self.transport.commit()
-        self.metrics_log.flush()
-        if self.parts.diagnostics is not None:
-            # the steps this process trained (a resumed one: from its checkpoint on), from what MLflow now holds
-            self.parts.diagnostics.draw(self.version, first_step=self.resumed["version"] + 1 if self.resumed else 1)
-
     def restore(self, state: dict) -> None:
-        """Continue from a checkpoint's tidal state (model and optimizer are restored by the caller)."""
+        """Continue from a checkpoint's tidal state (the step runner restored the model and optimizer)."""
         self.resumed = state
         self.version = state["version"]
         self.coordinator.load_state_dict(state["coordinator"])

@@ -1,5 +1,5 @@
-"""Several learner ranks (torchrun, `learner.num_ranks`): rank 0 runs the training loop, the
-others follow it step by step.
+"""Several learner ranks (torchrun, `learner.num_ranks`): what passes between them, and the guard
+that keeps them in step.
 
 Rank 0 owns the transport, the coordinator, the tracker and the weight channel. It collects each
 step batch and broadcasts it to the other ranks, encoded with msgspec like everything else on a
@@ -7,21 +7,47 @@ wire (no pickle). Every rank then calls `trainer.step` on the same batch and tra
 DDP syncs the gradients and the trainer sums its counts over ranks, so N ranks make the update
 one rank would. All ranks save checkpoints at the same versions, because saving is collective;
 rank 0 alone reads and writes the files, so ranks on different machines need no shared disk.
+
+Every rank issues these collectives from one place, the step runner (steps.py), each inside
+`RankGroup.collective`: the ranks first swap which collective each is at, so a rank out of step
+fails at once, naming what each rank called, instead of waiting in a collective no peer joins.
 """
 from __future__ import annotations
 
+import contextlib
+import enum
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import partial
 
 import msgspec
 import numpy as np
+import torch
+import torch.distributed as dist
 
 from tidal.broker.schema import RolloutGroup
 from tidal.config import RunConfig
-from tidal.health import HealthFile
 
 log = logging.getLogger(__name__)
+
+
+class Collective(enum.Enum):
+    """The step runner's collectives, as the guard names them; their order here is their code on the wire."""
+
+    RESTORE = "checkpoint load"
+    BATCH = "batch broadcast"
+    TRAIN = "train step"
+    PUSH = "weight push"
+    SAVE = "checkpoint save"
+    EXPORT = "final export"
+
+
+COLLECTIVES = list(Collective)
+
+
+class RanksOutOfStep(RuntimeError):
+    """Learner ranks reached different collectives (or the same one at different points): each would
+    wait in its own until the process group's timeout."""
 
 
 class _WireBatch(msgspec.Struct):
@@ -30,13 +56,27 @@ class _WireBatch(msgspec.Struct):
     lengths: list[list[int]]  # per sample: tokens in the mask
 
 
-class BatchBroadcast:
-    """Rank 0 sends each step batch; the other ranks receive it. A no-op on one rank."""
+@dataclass(frozen=True)
+class Position:
+    """Where a rank is in the step runner's collectives."""
+
+    count: int  # guarded collectives this rank has entered, this one included
+    what: Collective
+    version: int  # the policy version the rank is at
+
+    def __str__(self) -> str:
+        return f"{self.what.value} (collective #{self.count}, version {self.version})"
+
+
+class RankGroup:
+    """The learner's ranks seen from one of them: which it is, the step batch that rank 0 sends the
+    others, and the guard around every collective. On one rank each of these is a no-op."""
 
     def __init__(self, accelerator):
         self.rank = accelerator.process_index
         self.world = accelerator.num_processes
         self.device = accelerator.device
+        self.num_collectives = 0  # guarded collectives entered so far: the same count on every rank in step
 
     @property
     def active(self) -> bool:
@@ -47,16 +87,54 @@ class BatchBroadcast:
             return
         wire = _WireBatch(groups, [[np.packbits(m).tobytes() for m in ms] for ms in masks],
                           [[int(m.size) for m in ms] for ms in masks])
-        self._broadcast(msgspec.msgpack.encode(wire))
+        broadcast_bytes(msgspec.msgpack.encode(wire), self.device)
 
     def recv(self) -> tuple[list[RolloutGroup], list[list[np.ndarray]]]:
-        wire = msgspec.msgpack.decode(self._broadcast(None), type=_WireBatch)
+        wire = msgspec.msgpack.decode(broadcast_bytes(None, self.device), type=_WireBatch)
         masks = [[np.unpackbits(np.frombuffer(b, dtype=np.uint8))[:n].astype(bool) for b, n in zip(bs, ns)]
                  for bs, ns in zip(wire.masks, wire.lengths)]
         return wire.groups, masks
 
-    def _broadcast(self, frame: bytes | None) -> bytes:
-        return broadcast_bytes(frame, self.device)
+    @contextlib.contextmanager
+    def collective(self, what: Collective, version: int) -> Iterator[None]:
+        """Around one collective of the step runner. Every rank must be at the same one (the same
+        collective, as many in, at the same version), or every rank raises RanksOutOfStep naming what
+        each called. An error inside, or while waiting for the others (a peer gone, the process group's
+        timeout), keeps its type and gets a note naming the collective."""
+        if not self.active:
+            yield
+            return
+        self.num_collectives += 1
+        here = Position(self.num_collectives, what, version)
+        try:
+            positions = self._positions(here)
+        except Exception as err:
+            err.add_note(f"learner rank {self.rank} was waiting for the other ranks to reach {here}")
+            raise
+        check_in_step(positions)
+        try:
+            yield
+        except Exception as err:
+            err.add_note(f"raised on learner rank {self.rank} inside {here}")
+            raise
+
+    def _positions(self, here: Position) -> list[Position]:
+        """Every rank's position: one all_gather of three integers."""
+        mine = torch.tensor([here.count, COLLECTIVES.index(here.what), here.version], dtype=torch.int64,
+                            device=self.device)
+        everyone = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(everyone, mine)
+        return [Position(count, COLLECTIVES[what], version)
+                for count, what, version in torch.stack(everyone).tolist()]  # one copy to the host
+
+
+def check_in_step(positions: list[Position]) -> None:
+    """Raise RanksOutOfStep naming the first rank whose position differs from rank 0's (every rank
+    sees the same list, so every rank raises the same error)."""
+    for rank, position in enumerate(positions):
+        if position != positions[0]:
+            raise RanksOutOfStep(f"learner ranks out of step: rank {rank} called {position} while rank 0 called "
+                                 f"{positions[0]}")
 
 
 # ---- collectives from rank 0 (one process: no-ops) ------------------------------------------------
@@ -72,9 +150,6 @@ class _TensorHeader(msgspec.Struct):
 
 def broadcast_bytes(frame: bytes | None, device) -> bytes:
     """Rank 0's `frame` on every rank (the others pass None)."""
-    import torch
-    import torch.distributed as dist
-
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return frame
     size = torch.tensor([len(frame) if frame is not None else 0], dtype=torch.int64, device=device)
@@ -94,11 +169,11 @@ class WeightPush:
     dtype: str
 
     @classmethod
-    def of(cls, cfg) -> WeightPush:
+    def of(cls, cfg: RunConfig) -> WeightPush:
         return cls(cfg.model.dtype)
 
     def __call__(self, trainer, publisher, version: int):
-        """A new version onto the weight channel: every rank calls this at the same point, and rank 0
+        """A new version onto the weight channel: the step runner calls this on every rank, and rank 0
         (`publisher`) gets the announcement, None the others (which pass none). The tensors reach rank
         0's host memory one at a time, a sharded model's each gathered in `dtype` just before it is
         copied, so no rank ever holds the whole model on its device."""
@@ -133,8 +208,6 @@ _conversions: dict = {}  # (the policy, its entries) -> their checkpoint entries
 def _converted_entries(policy, entries: tuple, split) -> list | None:
     """`entries` in the checkpoint's format (worked out on the meta device, once per model: about 0.1 s
     for 350 tensors), or None where nothing changes."""
-    import torch
-
     key = (id(policy), entries)
     if key not in _conversions:
         converted = [pair for name, dtype, shape in entries
@@ -146,9 +219,6 @@ def _converted_entries(policy, entries: tuple, split) -> list | None:
 
 def broadcast_tensors(named: dict | None, device) -> dict:
     """Rank 0's named tensors on every rank, in host memory, one tensor at a time (the others pass None)."""
-    import torch
-    import torch.distributed as dist
-
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return named
     frame = None if named is None else msgspec.msgpack.encode(_TensorHeader(
@@ -162,32 +232,3 @@ def broadcast_tensors(named: dict | None, device) -> dict:
         dist.broadcast(t, src=0)
         out[name] = t.cpu()
     return out
-
-
-def follow(cfg: RunConfig) -> int:
-    """A rank other than 0: the same trainer and checkpoints, batches from rank 0, nothing else.
-    Rank 0 chooses the checkpoint to continue from and sends it: this rank reads no file of the run."""
-    from tidal.learner.main import setup_trainer
-
-    accelerator, trainer, checkpointer, checkpoint = setup_trainer(cfg)
-    version = checkpointer.load(checkpoint)["version"] if checkpoint else 0
-    ranks = BatchBroadcast(accelerator)
-    log.info("rank %d of %d follows rank 0 from version %d", ranks.rank, ranks.world, version)
-    # Wherever rank 0 reads the whole model (each weight push, checkpoint and the final export), a
-    # sharded model is gathered, so this rank takes part in the same calls in the same order.
-    push = partial(WeightPush.of(cfg), trainer, None)
-    push(version=version)  # the starting weights
-    health = HealthFile(cfg.learner.health_file, every_s=0.0)  # a pod's probe: a step went by (or began)
-    while version < cfg.learner.max_steps:
-        health.touch()
-        groups, masks = ranks.recv()
-        if not groups:  # rank 0 ended the run early (the curriculum ran out of prompts)
-            break
-        trainer.step(groups, masks, version)
-        version += 1
-        push(version=version)
-        if checkpointer.due(version):
-            checkpointer.save(version, {})
-    checkpointer.save(version, {})  # rank 0's final save, after its last evaluation
-    trainer.export_state(cfg.model.dtype)  # the final export
-    return 0
