@@ -733,7 +733,7 @@ def open_store(tracking_uri: str):
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from tidal.learner.tracking import reroot_artifacts
+    from tidal.mlflow_store import reroot_artifacts
 
     if sqlite_path:
         reroot_artifacts(Path(sqlite_path))  # a moved run folder's artifacts are found where it is now

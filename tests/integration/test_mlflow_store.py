@@ -137,7 +137,8 @@ def test_tidal_fit_and_the_bench_read_a_moved_store(written, tmp_path, monkeypat
 def test_a_store_written_before_re_rooting_is_re_rooted_once_its_old_folder_is_gone(written, tmp_path):
     """An older run folder's experiment has no tidal tag; it is re-rooted when moved (the old folder
     is gone and the one beside the store is there)."""
-    from tidal.learner.tracking import ARTIFACTS_BESIDE, open_run_store
+    from tidal.learner.tracking import open_run_store
+    from tidal.mlflow_store import ARTIFACTS_BESIDE
 
     root, ids = written
     with sqlite3.connect(root / "legacy" / "mlflow.db") as db:
@@ -162,7 +163,7 @@ def test_an_experiment_with_artifacts_elsewhere_is_left_alone(written, tmp_path)
     not tidal's to move."""
     import mlflow
 
-    from tidal.learner.tracking import reroot_artifacts
+    from tidal.mlflow_store import reroot_artifacts
 
     elsewhere = tmp_path / "team" / "artifacts"
     elsewhere.mkdir(parents=True)

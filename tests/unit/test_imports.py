@@ -19,21 +19,36 @@ ALLOWED = {
     "kernels": set(),
     "broker": {"config", "files"},
     "actor": {"broker", "models", "tiny"} | SHARED,
-    "learner": {"broker", "kernels", "models", "tiny"} | SHARED,
+    "learner": {"broker", "kernels", "models", "tiny", "scaling", "mlflow_store"} | SHARED,
     "config": set(),
     "tasks": {"config"},
     "files": set(),
+    "mlflow_store": set(),
+    "scaling": {"config", "mlflow_store"},
 }
 
 
-def imports_of(path: Path) -> set[str]:
-    """Every `tidal.*` module the file imports, without the `tidal.` prefix."""
+def imports_of(path: Path, root: Path = ROOT) -> set[str]:
+    """Every `tidal.*` module the file imports, without the `tidal.` prefix: `from tidal.x import y`
+    names x.y where y is a module of its own (a file or a folder beside x), else x."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
-        found |= {n.removeprefix("tidal.") for n in names if n.startswith("tidal.")}
+        if isinstance(node, ast.Import):
+            found |= {a.name.removeprefix("tidal.") for a in node.names if a.name.startswith("tidal.")}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "tidal":
+            base = node.module.removeprefix("tidal").lstrip(".")
+            for alias in node.names:
+                name = f"{base}.{alias.name}" if base else alias.name
+                found.add(name if is_module(name, root) or not base else base)
     return found
+
+
+def is_module(name: str, root: Path = ROOT) -> bool:
+    """Whether `name` (without `tidal.`) is a module or package of tidal's, laid out as the folders are."""
+    top, *rest = name.split(".")
+    folder = root / top if top in PACKAGES and top != "tidal" else root / "tidal" / top
+    path = folder.joinpath(*rest)
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def part_of(path: Path, root: Path) -> str:
@@ -49,7 +64,7 @@ def violations(root: Path = ROOT) -> list[str]:
             part = part_of(path, root)
             if part not in ALLOWED:
                 continue  # the entry points (cli, launcher, ...) may import anything
-            for target in imports_of(path):
+            for target in imports_of(path, root):
                 top = target.split(".")[0]
                 if top != part and target not in ALLOWED[part] and top not in ALLOWED[part]:
                     bad.append(f"{path.relative_to(root)} imports tidal.{target}")
@@ -67,3 +82,54 @@ def test_the_check_sees_a_violation_inside_a_function(tmp_path):
     (tmp_path / "learner" / "sneaky.py").write_text(sneaky)
     (tmp_path / "broker" / "fine.py").write_text("from tidal.config import BrokerConfig\nimport tidal.broker.schema\n")
     assert violations(tmp_path) == ["learner/sneaky.py imports tidal.actor.loop"]
+
+
+def module_of(path: Path, root: Path = ROOT) -> str:
+    """A file's module name without `tidal.`: learner/loop.py -> learner.loop, tidal/config.py -> config."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[0] == "tidal":
+        parts = parts[1:]
+    return ".".join(p for p in parts if p != "__init__")
+
+
+def circles(root: Path = ROOT) -> list[list[str]]:
+    """The import circles among tidal's modules (strongly connected groups of two or more), counting
+    imports inside functions too: a deferred import that only hides a circle is still one."""
+    graph = {module_of(p, root): imports_of(p, root) for folder in PACKAGES
+             for p in (root / folder).rglob("*.py")}
+    graph = {m: {t for t in targets if t in graph and t != m} for m, targets in graph.items()}
+    order, low, stack, found = {}, {}, [], []
+
+    def visit(m: str) -> None:  # Tarjan's strongly connected components
+        order[m] = low[m] = len(order)
+        stack.append(m)
+        for t in graph[m]:
+            if t not in order:
+                visit(t)
+                low[m] = min(low[m], low[t])
+            elif t in stack:
+                low[m] = min(low[m], order[t])
+        if low[m] == order[m]:
+            group = []
+            while not group or group[-1] != m:
+                group.append(stack.pop())
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for m in sorted(graph):
+        if m not in order:
+            visit(m)
+    return sorted(found)
+
+
+def test_no_module_imports_itself_back():
+    assert circles() == []
+
+
+def test_the_circle_check_sees_one_through_a_deferred_import(tmp_path):
+    for folder in PACKAGES:
+        (tmp_path / folder).mkdir()
+    (tmp_path / "learner" / "a.py").write_text("from tidal.learner.b import f\n")
+    (tmp_path / "learner" / "b.py").write_text("def f():\n    from tidal.learner import a\n    return a\n")
+    (tmp_path / "learner" / "c.py").write_text("from tidal.learner import a\n")
+    assert circles(tmp_path) == [["learner.a", "learner.b"]]
