@@ -555,7 +555,7 @@ async def actor_case(cfg, num_groups: int, repeats: int) -> dict:
 
     from tidal.actor.engine import Engine
     from tidal.broker.schema import PromptGroup, int32s
-    from tidal.learner.main import dispatch_plan
+    from tidal.learner.build import dispatch_plan
     from tidal.tasks import PromptEncoder, get_task
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)

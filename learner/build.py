@@ -23,7 +23,7 @@ from tidal.broker.base import LearnerTransport
 from tidal.broker.factory import learner_transport
 from tidal.broker.schema import InterruptParams, SamplingParams
 from tidal.broker.weights import build_publisher
-from tidal.config import LearnerConfig, RunConfig, compute_dtype, to_yaml
+from tidal.config import LearnerConfig, RunConfig, compute_dtype, write_config
 from tidal.health import HealthFile
 from tidal.learner.admission import Admission
 from tidal.learner.checkpoint import Checkpointer, NoValidCheckpoint, folders, read_state, set_aside, survey
@@ -192,14 +192,6 @@ def resume(learner: Learner, state: dict, cfg: RunConfig) -> None:
     count = learner.coordinator.resubmit_outstanding()
     log.info("re-dispatched %d prompt groups that were outstanding at the checkpoint", count)
     log.info("resumed at version %d from the checkpoint (MLflow run %s)", state["version"], state["mlflow_run_id"])
-
-
-def write_config(cfg: RunConfig, run_dir: Path) -> None:
-    """The resolved config in the run directory (what `tidal run` writes too), for resumes and `tidal export`."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / "config.yaml.tmp"
-    tmp.write_text(to_yaml(cfg))
-    tmp.replace(run_dir / "config.yaml")  # atomic: actors may be reading it
 
 
 class MissingCheckpoint(FileNotFoundError):

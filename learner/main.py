@@ -14,16 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from tidal.config import LearnerConfig, RunConfig, resolve
-from tidal.learner.build import (  # the rest of set-up: callers outside learner/ still import it from here
-    MissingCheckpoint,
-    build,
-    build_accelerator,  # noqa: F401
-    build_follower,
-    dispatch_plan,  # noqa: F401
-    find_checkpoint,
-    setup_trainer,  # noqa: F401
-    write_config,  # noqa: F401
-)
+from tidal.learner.build import MissingCheckpoint, build, build_follower, find_checkpoint
 from tidal.learner.checkpoint import NoValidCheckpoint
 from tidal.learner.loop import Learner
 from tidal.learner.warmstart import build_tiny

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tidal.broker.weights.payload import without_aliases
+from tidal.learner.ranks import broadcast_tensors
 from tidal.learner.sharding import PREFIX
 
 OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)  # AdamW's state keyed by parameter name
@@ -73,8 +74,6 @@ def _load(state: dict, path: Path, shapes: dict) -> None:
     own folder (replicated over machines, HSDP: by the first machine's ranks, which wrote it, each
     sending its part to its replicas); a tensor every rank holds whole (all of an unsharded learner's,
     a sharded one's step counts) by rank 0, which wrote it, and sent to the others."""
-    from tidal.learner.ranks import broadcast_tensors
-
     sharded = {k: v for k, v in state.items() if hasattr(v, "to_local")}
     whole = {k: v for k, v in state.items() if k not in sharded}
     mesh = next(iter(sharded.values())).device_mesh if sharded else None

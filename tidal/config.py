@@ -961,6 +961,14 @@ def to_yaml(cfg: RunConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
+def write_config(cfg: RunConfig, run_dir: Path) -> None:
+    """The resolved config in the run directory (what `tidal run` writes too), for resumes and `tidal export`."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / "config.yaml.tmp"
+    tmp.write_text(to_yaml(cfg))
+    tmp.replace(run_dir / "config.yaml")  # atomic: actors may be reading it
+
+
 def flatten(cfg: RunConfig) -> dict[str, str]:
     """Dotted keys -> values as strings, for MLflow params."""
     out: dict[str, str] = {}

@@ -29,7 +29,7 @@ from functools import partial
 from pathlib import Path
 
 from tidal.broker.zmq_keys import generate, run_keys
-from tidal.config import BrokerType, RunConfig, resolve
+from tidal.config import BrokerType, RunConfig, resolve, write_config
 from tidal.learner.tracking import log_final_logs, mlflow_ui_lines
 from tidal.memory import check_gpus
 from tidal.placement import Placement, PlacementError, Slot, place, visible_gpus
@@ -55,7 +55,6 @@ class LaunchError(RuntimeError):
 def prepare(cfg: RunConfig, redis_url: str | None = None) -> RunConfig:
     """Resolve what the processes must agree on (building the tiny model if it is missing) and write
     it to the run directory's config.yaml, which every child reads."""
-    from tidal.learner.main import write_config
     from tidal.learner.warmstart import build_tiny
     from tidal.models import resolve_model_path
 

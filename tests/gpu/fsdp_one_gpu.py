@@ -27,7 +27,7 @@ def main() -> None:
 
     from conftest import STEP_VERSION, learner_config, step_batch
     from tidal.config import Aggregation, FsdpConfig, LossType
-    from tidal.learner.main import build_accelerator
+    from tidal.learner.build import build_accelerator
     from tidal.learner.trainer import Trainer, load_policy
 
     mode, out = sys.argv[1], Path(sys.argv[2])

@@ -28,9 +28,9 @@ def exported(tmp_path_factory, tiny_model_path):
     """(the exported folder, the checkpoint's policy as the learner holds it)."""
     from accelerate import Accelerator
 
+    from tidal.config import write_config
     from tidal.learner.checkpoint import Checkpointer
     from tidal.learner.export import export_checkpoint, load_checkpoint_policy
-    from tidal.learner.main import write_config
     from tidal.learner.trainer import Trainer, load_policy
 
     run_dir = tmp_path_factory.mktemp("export") / "run"

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from conftest import ALPHABET, CASES, ROOT, TINY, learner_config, step_batch
-from tidal.config import CheckpointConfig, load_config, resolve
+from tidal.config import CheckpointConfig, load_config, resolve, write_config
 from tidal.files import sha256_file
+from tidal.learner.build import find_checkpoint
 from tidal.learner.checkpoint import MANIFEST, Checkpointer, NoValidCheckpoint, latest_valid, verify_part
 from tidal.learner.ledger import Ledger, read_ledger
-from tidal.learner.main import find_checkpoint, write_config
 from tidal.learner.resume import check_resume_state
 from tidal.learner.trainer import Trainer
 from tidal.tiny import build_tiny_model, save_model

@@ -95,7 +95,7 @@ def test_flash_attn_only_for_half_precision(monkeypatch):
 def test_the_ranks_wait_as_long_as_rank_0_may_and_offloading_gets_a_cpu_backend(monkeypatch):
     import accelerate
 
-    from tidal.learner.main import build_accelerator
+    from tidal.learner.build import build_accelerator
 
     made = []
     monkeypatch.setattr(accelerate, "Accelerator", lambda **kw: made.append(kw))

@@ -7,7 +7,7 @@ import torch
 
 from conftest import ALPHABET, ROOT, TINY, step_batch
 from tidal.config import load_config, resolve
-from tidal.learner.main import setup_trainer
+from tidal.learner.build import setup_trainer
 from tidal.tiny import build_tiny_model, save_model
 
 
