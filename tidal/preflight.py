@@ -39,8 +39,23 @@ def preflight(cfg: RunConfig) -> list[str]:
     if limit and longest + cfg.sampling.max_tokens > limit:
         raise ConfigError(f"config key 'actor.vllm.max_model_len' = {limit}: prompts of up to {longest} tokens plus "
                           f"sampling.max_tokens = {cfg.sampling.max_tokens} do not fit")
+    check_sampling(cfg, tokenizer)
     scored = check_reward(cfg.task, split.train, tokenizer)
     return [*found, *scored, f"model {path}: tokenizer of {len(tokenizer)} tokens, prompts of up to {longest} tokens"]
+
+
+def check_sampling(cfg: RunConfig, tokenizer) -> None:
+    """The sampling the learner will send, built as it builds it: the interruption text's token count
+    is known only with the tokenizer, so whether the budgets fit sampling.max_tokens is checked here,
+    before any process starts, rather than by the learner after it has."""
+    from tidal.broker.schema import WireError
+    from tidal.learner.build import dispatch_plan
+
+    try:
+        dispatch_plan(cfg, tokenizer).sampling.check()
+    except WireError as err:
+        key = "sampling.interrupt" if err.detail.startswith("sampling.interrupt") else "sampling.overlong"
+        raise ConfigError(f"config key '{key}': {err.detail}") from None
 
 
 def check_reward(cfg: TaskConfig, prompts: list, tokenizer) -> list[str]:

@@ -199,3 +199,22 @@ def test_length_control_defaults_off_and_valid_settings_load():
     assert (cfg.sampling.interrupt.min_tokens, cfg.sampling.interrupt.answer_tokens) == (16, 8)
     assert load_config(None, ["sampling.overlong.enabled=true", "sampling.overlong.buffer_tokens=2"]
                        ).sampling.overlong.buffer_tokens == 2
+
+
+def test_an_interruption_text_too_long_for_the_budget_stops_at_preflight(tmp_path):
+    """Its token count needs the tokenizer: the learner used to find out after every process had started."""
+    from conftest import ALPHABET, TINY
+    from tidal.preflight import preflight
+    from tidal.tiny import build_tiny_model, save_model
+
+    save_model(*build_tiny_model(TINY, ALPHABET, seed=0), tmp_path / "model")
+    budget = ["sampling.max_tokens=8", "sampling.interrupt.enabled=true", "sampling.interrupt.min_tokens=1",
+              "sampling.interrupt.max_tokens=4", "sampling.interrupt.answer_tokens=2", "task.num_val=4"]
+    cfg = load_config("configs/tiny.yaml", [f"model.path={tmp_path / 'model'}", *budget,
+                                            "sampling.interrupt.text=12"])  # 4 + 2 tokens + 2 = 8: fits
+    preflight(cfg)
+    cfg = load_config("configs/tiny.yaml", [f"model.path={tmp_path / 'model'}", *budget,
+                                            "sampling.interrupt.text=123"])  # 4 + 3 + 2 = 9 > 8
+    with pytest.raises(ConfigError, match=r"config key 'sampling.interrupt': .* 3 interruption tokens .* = 9 > "
+                                          r"max_tokens 8"):
+        preflight(cfg)
