@@ -1,7 +1,8 @@
 """Shared test set-up and helpers for every tier.
 
-    tests/unit         fast, no vLLM, no redis-server (`make test-unit`)
-    tests/integration  real vLLM engines, redis-server, MLflow stores, torchrun processes
+    tests/unit         fast, no vLLM engine, no redis-server (`make test-unit`)
+    tests/integration  real vLLM engines, redis-server, MLflow stores, torchrun processes; the ZeroMQ
+                       transport and the gloo weight channel on real sockets, through their timeouts
     tests/fault        real processes killed and restarted mid-run
     tests/gpu          CUDA only; skipped elsewhere
 
@@ -98,6 +99,46 @@ def mlflow_environment():
     for key in [k for k in os.environ if k.startswith("MLFLOW_")]:
         del os.environ[key]
     os.environ.update(saved)
+
+
+@pytest.fixture(scope="session")
+def mlflow_tables_template(tmp_path_factory) -> Path:
+    """Where the session's empty MLflow sqlite store (its tables, no experiment) is made, on first use."""
+    return tmp_path_factory.mktemp("mlflow-template") / "tables.db"
+
+
+@pytest.fixture(autouse=True)
+def new_mlflow_stores_from_a_template(request, monkeypatch, mlflow_tables_template):
+    """In the unit tier a new sqlite MLflow store gets its tables copied from one made once a session:
+    MLflow's own set-up (create the tables, then every schema migration) took 2-5 s a store on 2 cores,
+    most of a pipeline test. Everything after the tables (the default experiment, tidal's experiment,
+    runs) happens in each store as in a new one; the integration tier makes every store for real."""
+    if set(TIERS.values()) & set(request.node.keywords):
+        yield
+        return
+    import sqlite3
+
+    import mlflow.store.db.utils as db_utils
+
+    make_tables = db_utils._initialize_tables
+
+    def copy_tables(engine) -> None:
+        if engine.dialect.name != "sqlite" or engine.url.database in (None, "", ":memory:"):
+            make_tables(engine)
+            return
+        if not mlflow_tables_template.exists():
+            import sqlalchemy
+
+            made = sqlalchemy.create_engine(f"sqlite:///{mlflow_tables_template}")
+            make_tables(made)
+            made.dispose()
+        with sqlite3.connect(mlflow_tables_template) as template, sqlite3.connect(engine.url.database) as store:
+            template.backup(store)
+        template.close()
+        store.close()
+
+    monkeypatch.setattr(db_utils, "_initialize_tables", copy_tables)  # read at call time by MLflow's stores
+    yield
 
 
 @pytest.fixture(scope="module")

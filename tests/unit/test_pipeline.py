@@ -33,6 +33,23 @@ def tiny_model(tmp_path):
     return tmp_path / "model", tokenizer
 
 
+@pytest.fixture
+def unrendered_figures(monkeypatch):
+    """The run's figures are made from its data at each checkpoint as ever, then closed instead of rendered to
+    PNG (about half a second a checkpoint, the most of any one part of these short runs): for the tests about
+    something else. The transport test renders them."""
+    import matplotlib.pyplot as plt
+
+    from tidal.learner import diagnostics
+
+    def unrendered(fig, path):
+        plt.close(fig)
+        path.write_bytes(b"")  # the folder still goes to MLflow as the run's figures
+        return path
+
+    monkeypatch.setattr(diagnostics, "_save", unrendered)
+
+
 def transports(kind: str, cfg):
     """(learner side, a function making the actor side on the actor's loop) of one transport."""
     codec = WireCodec(cfg.broker.max_message_bytes)
@@ -132,7 +149,7 @@ def build_reward(cfg):
 '''
 
 
-def test_a_users_task_from_outside_the_package_with_chat_prompts(tmp_path, monkeypatch):
+def test_a_users_task_from_outside_the_package_with_chat_prompts(tmp_path, monkeypatch, unrendered_figures):
     """task.name is an import path; its prompts are chat messages rendered by the tokenizer's chat
     template; its reward is built from task.kwargs. The actor only ever sees the learner's tokens."""
     (tmp_path / "user_tasks").mkdir()
@@ -167,7 +184,7 @@ def readme_task(name: str = "countdown") -> str:
     return text[start + len("```python\n"):text.index("```", start + 10)]
 
 
-def test_the_readme_reward_trains_end_to_end(tmp_path, tiny_model, monkeypatch):
+def test_the_readme_reward_trains_end_to_end(tmp_path, tiny_model, monkeypatch, unrendered_figures):
     model_path, tokenizer = tiny_model
     (tmp_path / "my_tasks").mkdir()
     (tmp_path / "my_tasks" / "countdown.py").write_text(readme_task())
@@ -188,7 +205,7 @@ def test_the_readme_reward_trains_end_to_end(tmp_path, tiny_model, monkeypatch):
     assert len(rewards) == 2 and all(0.25 < r < 1.0 for r in rewards)  # passes score 1, misses the partial credit
 
 
-def test_the_readme_environment_trains_end_to_end(tmp_path, tiny_model, monkeypatch):
+def test_the_readme_environment_trains_end_to_end(tmp_path, tiny_model, monkeypatch, unrendered_figures):
     """Two turns for a wrong first answer: the second turn's prompt carries the first answer and the
     environment's "=", which the learner receives as injected tokens."""
     model_path, tokenizer = tiny_model
@@ -221,7 +238,8 @@ def damaged_trainer_meta(checkpoint) -> None:
 
 
 def test_a_learner_resumes_past_a_damaged_checkpoint_and_refuses_when_none_verifies(tmp_path, tiny_model,
-                                                                                   monkeypatch, capsys):
+                                                                                   monkeypatch, capsys,
+                                                                                   unrendered_figures):
     from tidal.learner import main as learner_main
 
     model_path, tokenizer = tiny_model
@@ -253,7 +271,7 @@ def test_a_learner_resumes_past_a_damaged_checkpoint_and_refuses_when_none_verif
     assert {p: p.read_bytes() for p in kept} == kept  # the ledger and the checkpoints as they were
 
 
-def test_the_learner_logs_a_progress_line_every_n_steps(tmp_path, tiny_model, caplog):
+def test_the_learner_logs_a_progress_line_every_n_steps(tmp_path, tiny_model, caplog, unrendered_figures):
     """`kubectl logs -f` on the learner shows training: one line every tracking.log_every_steps steps."""
     import logging
 

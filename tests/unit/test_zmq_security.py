@@ -161,19 +161,20 @@ def test_an_actor_whose_key_is_added_during_the_run_joins_and_a_strangers_key_do
     stranger = generate(tmp_path / "elsewhere", ["actor-2"])
     generate(keys, ["actor-2"])
 
-    async def ask(keys_dir):
+    async def ask(keys_dir, timeout_s: float):
         t = ZmqActorTransport(actor_config(side, curve="on", keys_dir=str(keys_dir)), WireCodec(1 << 20), "actor-2")
         try:
             await t.heartbeat(hello("actor-2"))
-            return await t.request_work(8, timeout_s=2)
+            return await t.request_work(8, timeout_s=timeout_s)
         finally:
             t.close()
 
     try:
-        assert asyncio.run(ask(stranger)) == []  # its server key is not the learner's either: no handshake
+        # a grant comes within milliseconds once the handshake is through: a second without one is a refusal
+        assert asyncio.run(ask(stranger, 1)) == []  # its server key is not the learner's either: no handshake
         (stranger / "learner.key").write_bytes((keys / "learner.key").read_bytes())
-        assert asyncio.run(ask(stranger)) == []  # the learner's public key, but its own unknown pair
-        assert [g.group_id for g in asyncio.run(ask(keys))] == ["r-0"]
+        assert asyncio.run(ask(stranger, 1)) == []  # the learner's public key, but its own unknown pair
+        assert [g.group_id for g in asyncio.run(ask(keys, 5))] == ["r-0"]
     finally:
         side.close()
 
