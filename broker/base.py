@@ -97,6 +97,8 @@ def common_metrics(actors: list[ActorInfo], rejected: dict[str, int]) -> dict[st
 class LearnerTransport(abc.ABC):
     """Learner side: prompt queue out, rollout stream in, weight announcements out."""
 
+    shutdown_flush_s = 0.0  # how long the shutdown announcement needs before the transport may close
+
     @abc.abstractmethod
     def submit_prompts(self, groups: list[PromptGroup]) -> None:
         """Queue prompt groups for the actors (never blocks; admission control bounds them)."""

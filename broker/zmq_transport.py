@@ -145,6 +145,8 @@ class ZmqLearnerTransport(LearnerTransport):
     """Control and weight sockets on one I/O thread; the rollout socket is read by the one thread that
     calls recv_rollout (the training loop). The other public methods are thread-safe."""
 
+    shutdown_flush_s = 0.2  # the PUB socket sends on its I/O thread, and closing drops what it holds
+
     def __init__(self, cfg: BrokerConfig, codec: WireCodec):
         self._cfg, self._zmq = cfg, cfg.zmq
         self._codec = codec

@@ -74,7 +74,7 @@ def serve(learner: Learner, run_dir: Path) -> int:
     write_endpoints(run_dir, transport.ports)
     try:
         summary = learner.run()  # which told the actors to stop once the final evaluation was in
-        time.sleep(0.2)  # let the PUB socket flush the shutdown before closing
+        time.sleep(transport.shutdown_flush_s)  # the actors hear the shutdown before the transport closes
     except (KeyboardInterrupt, SystemExit):
         tracker.finish({"error": "learner stopped by a signal"}, status="KILLED")
         raise
