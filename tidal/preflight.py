@@ -23,6 +23,7 @@ def preflight(cfg: RunConfig) -> list[str]:
         from tidal.tasks.rewards import load_reward_funcs
 
         load_reward_funcs(cfg.task)
+    check_vllm_names(cfg)
     try:
         path = resolve_model_path(cfg.model, cfg.task)
     except FileNotFoundError:
@@ -42,6 +43,28 @@ def preflight(cfg: RunConfig) -> list[str]:
     check_sampling(cfg, tokenizer)
     scored = check_reward(cfg.task, split.train, tokenizer)
     return [*found, *scored, f"model {path}: tokenizer of {len(tokenizer)} tokens, prompts of up to {longest} tokens"]
+
+
+def check_vllm_names(cfg: RunConfig) -> None:
+    """Names the config passes to vLLM that this vLLM must know: engine_kwargs keys and a tool parser
+    other than the default. Each costs the import of part of vLLM, so it is looked up only when set;
+    the actor would otherwise find out after every process had started."""
+    if cfg.actor.vllm.engine_kwargs:
+        import dataclasses
+
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        unknown = sorted(set(cfg.actor.vllm.engine_kwargs) - {f.name for f in dataclasses.fields(AsyncEngineArgs)})
+        if unknown:
+            raise ConfigError(f"config key 'actor.vllm.engine_kwargs' = {dict(cfg.actor.vllm.engine_kwargs)}: "
+                              f"vLLM's engine has no argument {', '.join(unknown)}")
+    if cfg.env.tool_parser != type(cfg.env)().tool_parser:
+        from vllm.tool_parsers import ToolParserManager
+
+        known = ToolParserManager.list_registered()
+        if cfg.env.tool_parser not in known:
+            raise ConfigError(f"config key 'env.tool_parser' = {cfg.env.tool_parser!r}: vLLM has no such tool "
+                              f"parser ({', '.join(sorted(known))})")
 
 
 def check_sampling(cfg: RunConfig, tokenizer) -> None:

@@ -171,3 +171,19 @@ def test_reward_functions_that_cannot_be_used_are_one_line(tmp_path, capsys, ove
     message = tidal_run(tmp_path, capsys, ROOT / "configs/math.yaml", f"task.data_path={data}", "task.num_val=1",
                         f"model.path={tmp_path}", *overrides)
     assert says in message
+
+
+@pytest.mark.parametrize("override, says", [
+    ("actor.vllm.engine_kwargs={enable_chunked_prefil: true}",
+     "config key 'actor.vllm.engine_kwargs' = {'enable_chunked_prefil': True}: vLLM's engine has no argument "
+     "enable_chunked_prefil"),
+    ("env.tool_parser=hermez", "config key 'env.tool_parser' = 'hermez': vLLM has no such tool parser (apertus"),
+])
+def test_names_vllm_does_not_know_stop_at_preflight(override, says):
+    """The actor found these out after every process had started."""
+    from tidal.config import ConfigError, load_config
+    from tidal.preflight import preflight
+
+    with pytest.raises(ConfigError) as err:
+        preflight(load_config("configs/tiny.yaml", [override, "task.num_val=4"]))
+    assert str(err.value).startswith(says)
