@@ -24,6 +24,7 @@ def preflight(cfg: RunConfig) -> list[str]:
 
         load_reward_funcs(cfg.task)
     check_vllm_names(cfg)
+    check_task_options(cfg)
     try:
         path = resolve_model_path(cfg.model, cfg.task)
     except FileNotFoundError:
@@ -43,6 +44,23 @@ def preflight(cfg: RunConfig) -> list[str]:
     check_sampling(cfg, tokenizer)
     scored = check_reward(cfg.task, split.train, tokenizer)
     return [*found, *scored, f"model {path}: tokenizer of {len(tokenizer)} tokens, prompts of up to {longest} tokens"]
+
+
+def check_task_options(cfg: RunConfig) -> None:
+    """task.kwargs against the options the task module declares (OPTIONS, name -> help), and env.kwargs
+    against its environment's (built here, which checks them): a misspelt one was silently ignored. A
+    module or environment that declares none is not checked."""
+    from tidal.tasks import get_environment, get_task
+    from tidal.tasks.env import options_text
+
+    task = cfg.task
+    declared = getattr(get_task(task.name), "OPTIONS", None)
+    unknown = sorted(set(task.kwargs) - set(declared)) if declared is not None else []
+    if unknown:
+        raise ConfigError(f"config key 'task.kwargs.{unknown[0]}': task {task.name} has no such option "
+                          f"({options_text(declared)})")
+    if cfg.env.kwargs:
+        get_environment(task, cfg.env.kwargs)
 
 
 def check_vllm_names(cfg: RunConfig) -> None:

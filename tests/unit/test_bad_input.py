@@ -187,3 +187,19 @@ def test_names_vllm_does_not_know_stop_at_preflight(override, says):
     with pytest.raises(ConfigError) as err:
         preflight(load_config("configs/tiny.yaml", [override, "task.num_val=4"]))
     assert str(err.value).startswith(says)
+
+
+@pytest.mark.parametrize("preset, override, says", [
+    ("tiny", "task.kwargs.partial_credi=0.1", "config key 'task.kwargs.partial_credi': task arithmetic has no such "
+                                             "option (its options: partial_credit ("),
+    ("long", "task.kwargs.span=3", "config key 'task.kwargs.span': task count has no such option (it takes none)"),
+    ("agent", "env.kwargs.keys=5", "config key 'env.kwargs.keys': Environment has no such option (it takes none)"),
+])
+def test_a_task_or_environment_option_it_does_not_take_stops_at_preflight(preset, override, says):
+    """A misspelt option was silently ignored: the run went on without it."""
+    from tidal.config import ConfigError, load_config
+    from tidal.preflight import preflight
+
+    with pytest.raises(ConfigError) as err:
+        preflight(load_config(f"configs/{preset}.yaml", [override]))
+    assert str(err.value).startswith(says)

@@ -28,6 +28,9 @@ def load_prompts(cfg: TaskConfig) -> Split:
     return Split(train=prompts[cfg.num_val:], val=prompts[:cfg.num_val])
 
 
+OPTIONS = {"partial_credit": "the reward of a wrong answer, in [0, 1) (default 0)"}  # task.kwargs
+
+
 def reward(text: str, payload: dict[str, str]) -> float:
     """1.0 for the exact answer (surrounding whitespace ignored), else 0.0."""
     return 1.0 if text.strip() == payload["answer"] else 0.0

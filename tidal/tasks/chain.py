@@ -17,6 +17,8 @@ from tidal.config import ConfigError, TaskConfig
 from tidal.tasks import Prompt, Split
 from tidal.tasks.env import Env, Message, Turn
 
+OPTIONS: dict[str, str] = {}  # task.kwargs: this task takes none
+
 ALPHABET = "0123456789[]()=!>lokx"
 MAX_POSITIONS = 256  # the longest chain's episode: MAX_LINKS lookups of ~19 tokens, the answer, the prompt
 # the tiny model's chat template: a user's or tool's message ends in ">", the model's turn in <eos>
@@ -68,6 +70,8 @@ def load_prompts(cfg: TaskConfig) -> Split:
 
 class Environment(Env):
     """The lookup tool; the first turn that calls no tool is the answer."""
+
+    options: dict[str, str] = {}  # env.kwargs: none
 
     def __init__(self, cfg: TaskConfig, kwargs: dict | None = None):
         super().__init__(cfg, kwargs)

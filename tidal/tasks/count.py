@@ -15,6 +15,8 @@ import random
 from tidal.config import ConfigError, TaskConfig
 from tidal.tasks import Prompt, Split
 
+OPTIONS: dict[str, str] = {}  # task.kwargs: this task takes none
+
 ALPHABET = "0123456789 >:"
 MAX_SPAN = 24  # numbers in the longest answer (95 characters)
 MAX_POSITIONS = 128  # the tiny model's context: an 8-character prompt, 95 answer characters and <eos>

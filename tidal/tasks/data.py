@@ -20,6 +20,8 @@ from pathlib import Path
 from tidal.config import ConfigError, TaskConfig
 from tidal.tasks import Prompt, Split
 
+OPTIONS: dict[str, str] = {}  # task.kwargs: this task takes none
+
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # file suffix -> datasets builder
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name, as the Hub spells dataset ids
 _MISSING = object()

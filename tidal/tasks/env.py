@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tidal.config import ConfigError
+
 Message = dict[str, Any]  # a chat message as chat templates take it: {"role", "content", ...}
 
 
@@ -38,10 +40,15 @@ class Env:
     `max_turns` (optional) caps model turns below `env.max_turns`."""
 
     max_turns: int | None = None
+    options: dict[str, str] | None = None  # the env.kwargs it reads, name -> help; None: not declared, not checked
 
     def __init__(self, cfg=None, kwargs: dict | None = None):
         self.cfg = cfg  # the task's config (TaskConfig)
         self.kwargs = dict(kwargs or {})  # env.kwargs: the environment's own options
+        unknown = sorted(set(self.kwargs) - set(self.options)) if self.options is not None else []
+        if unknown:
+            raise ConfigError(f"config key 'env.kwargs.{unknown[0]}': {type(self).__name__} has no such option "
+                              f"({options_text(self.options)})")
 
     def tools(self) -> Sequence[Callable]:
         """Python callables the model may call, each with type hints and a docstring with Args (its
@@ -58,6 +65,11 @@ class Env:
     def finish(self, state: Any) -> None:
         """Release what the episode holds (a connection, a sandbox): called once it is over, whether the
         environment ended it, a budget did or it failed."""
+
+
+def options_text(options: dict[str, str]) -> str:
+    """'its options: a (what a is), b (what b is)', or 'it takes none'."""
+    return "its options: " + ", ".join(f"{k} ({v})" for k, v in options.items()) if options else "it takes none"
 
 
 class SingleTurn(Env):

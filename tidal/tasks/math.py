@@ -37,6 +37,7 @@ from tidal.tasks.data import load_rows, row_payload, split_rows
 
 log = logging.getLogger(__name__)
 
+OPTIONS: dict[str, str] = {}  # task.kwargs: this task takes none
 REWARD_TIMEOUT_S = 2.0  # longest check of one completion; a legitimate one takes milliseconds
 STARTUP_TIMEOUT_S = 120.0  # a fresh helper imports sympy and math-verify (seconds on a busy machine)
 # CPU seconds one check may use before the kernel ends the helper: the parent kills it long before,

@@ -53,8 +53,15 @@ def _prompt(prompt_id: int, row: dict, cfg: TaskConfig) -> Prompt:
     return Prompt(prompt_id, "", payload, messages=tuple(messages))
 
 
+OPTIONS: dict[str, str] = {}  # task.kwargs: none; the environment's are env.kwargs
+
+
 class Environment(Env):
     """One skyrl-gym environment per episode, made from the row's class and fields."""
+
+    options = {"imports": "modules that register environments with skyrl-gym, imported first",
+               "env_class": "the class for rows without one", "env_config": "skyrl-gym's config of each environment",
+               "max_turns": "model turns per episode, at most"}
 
     def __init__(self, cfg: TaskConfig, kwargs: dict | None = None):
         super().__init__(cfg, kwargs)
