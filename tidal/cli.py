@@ -207,6 +207,8 @@ def _role(cfg, args) -> int:
     get_task(cfg.task.name)  # an unknown or incomplete task is one line, before any process starts
     if args.command in ("learner", "actor"):
         _check_keys(cfg)
+    if args.command == "actor":
+        _check_actor_ports(cfg)
     if args.command == "run":
         from tidal.launcher import launch
 
@@ -242,6 +244,19 @@ def _check_keys(cfg) -> None:
         from tidal.broker.zmq_keys import require_keys
 
         require_keys(cfg.broker.zmq.keys_dir, cfg.broker.zmq.host)
+
+
+def _check_actor_ports(cfg) -> None:
+    """An actor started on its own on ZeroMQ dials the learner's ports, which the launcher fills in for
+    the actors it starts: without them it would fail once its engine was up."""
+    from tidal.config import BrokerType, ConfigError
+
+    z = cfg.broker.zmq
+    missing = [k for k in ("control_port", "rollout_port", "weights_port") if not getattr(z, k)]
+    if cfg.broker.type is BrokerType.zmq and missing:
+        raise ConfigError(f"config key 'broker.zmq.{missing[0]}' = 0: an actor started on its own dials the "
+                          f"learner's ports; set {', '.join('broker.zmq.' + k for k in missing)} (the learner writes "
+                          "them to <run_dir>/endpoints.json)")
 
 
 def _config(cfg, args) -> int:

@@ -203,3 +203,12 @@ def test_a_task_or_environment_option_it_does_not_take_stops_at_preflight(preset
     with pytest.raises(ConfigError) as err:
         preflight(load_config(f"configs/{preset}.yaml", [override]))
     assert str(err.value).startswith(says)
+
+
+def test_an_actor_started_alone_without_the_learners_ports_is_one_line(capsys):
+    """It failed once its engine was up, minutes into a pod's start on a large model."""
+    from tidal.cli import main
+
+    assert main(["actor", "tiny", "broker.zmq.curve=off", "broker.zmq.control_port=5555"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("tidal actor: config key 'broker.zmq.rollout_port' = 0: an actor started on its own")
