@@ -14,6 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from tidal.config import LearnerConfig, RunConfig, resolve
+from tidal.learner.admission import EpisodesFailing
 from tidal.learner.build import MissingCheckpoint, build, build_follower, find_checkpoint
 from tidal.learner.checkpoint import NoValidCheckpoint
 from tidal.learner.loop import Learner
@@ -78,6 +79,10 @@ def serve(learner: Learner, run_dir: Path) -> int:
     except (KeyboardInterrupt, SystemExit):
         tracker.finish({"error": "learner stopped by a signal"}, status="KILLED")
         raise
+    except EpisodesFailing as err:  # the user's reward or environment: its own file and line, no frames of ours
+        tracker.finish({"error": str(err)}, status="FAILED")
+        log.error("%s", err)
+        raise SystemExit(1) from None
     except BaseException:
         tracker.finish({"error": "learner failed; see its log"}, status="FAILED")
         raise

@@ -3,6 +3,7 @@ arguments they get, weighted sums and components, their metrics, `config check` 
 a two-function reward through the whole pipeline in one process."""
 import asyncio
 import json
+import logging
 import math
 import sys
 import threading
@@ -334,14 +335,23 @@ def run_pipeline(tmp_path, funcs: str, weights: str):
     learner, engine, result = build(cfg, transport=broker.learner()), ScriptedEngine(tokenizer, 0.5), {}
 
     def run_actor():
+        async def run():
+            result["loop"], result["actor"] = asyncio.get_running_loop(), actor
+            return await actor.run()
         actor = Actor(cfg.actor, engine, broker.actor(cfg.actor.id), build_receiver(cfg.weights),
                       Episodes.of(cfg.task, cfg.env, engine.tokenizer))
-        result["reason"] = asyncio.run(actor.run())
+        result["reason"] = asyncio.run(run())
 
     thread = threading.Thread(target=run_actor, daemon=True)
     thread.start()
-    assert serve(learner, tmp_path / "run") == 0
-    thread.join(timeout=30)
+    try:
+        assert serve(learner, tmp_path / "run") == 0
+    except BaseException:  # a learner that fails announces no shutdown: in a run, the launcher stops the actors
+        result["loop"].call_soon_threadsafe(result["actor"].stop.set)
+        raise
+    finally:
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "the actor outlived the learner"
     return tmp_path / "run"
 
 
@@ -370,6 +380,20 @@ def test_a_reward_raising_during_a_run_is_named_with_its_line_in_the_runs_last_l
     assert f"failed episodes: {failed['count']} of {summary['samples']} training samples were scored 0" in out
     assert (f"{failed['count']} x reward function picky raised ValueError: not a number I can read\n"
             f'      File "{user_rewards}", line {line_of("not a number I can read")}, in picky') in out
+
+
+def test_a_reward_failing_every_episode_ends_the_learner_with_its_reason_not_a_traceback(tmp_path, user_rewards,
+                                                                                        caplog):
+    with caplog.at_level(logging.ERROR, logger="tidal.learner"), pytest.raises(SystemExit) as stopped:
+        run_pipeline(tmp_path, "my_rewards:broken", "1.0")
+    assert stopped.value.code == 1
+    [error] = [r.getMessage() for r in caplog.records if r.name == "tidal.learner" and r.levelno == logging.ERROR]
+    assert "training episodes all failed" in error
+    assert (f'reward function broken raised KeyError: \'answr\'\n  File "{user_rewards}", line '
+                          f'{line_of("answr")}, in broken\n    return kwargs["answr"]  # a typo: raises KeyError on '
+                          "every sample") in error
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["error"].startswith("the last 512 training episodes all failed")
 
 
 # ---- a remote reward ----------------------------------------------------------------------
