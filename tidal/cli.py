@@ -44,6 +44,14 @@ def _parser() -> argparse.ArgumentParser:
              "prepare": "build (or find in the cache) the warm-started tiny model"}
     for name, text in roles.items():
         _layered(sub.add_parser(name, help=text))
+    _resume_flags(sub)
+    _config_parsers(sub)
+    _tool_parsers(sub)
+    _analysis_parsers(sub)
+    return p
+
+
+def _resume_flags(sub) -> None:
     for name in ("run", "learner"):
         sub.choices[name].add_argument(
             "--resume", nargs="?", const="required", choices=("required", "auto", "fresh"),
@@ -55,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
             "--print-samples", nargs="?", type=int, const=3, default=0, metavar="N",
             help="show N (default 3) sampled training rollouts of each rollout table (every "
                  "tracking.rollout_table_every steps): on the console for run, in the learner's log for learner")
+
+
+def _config_parsers(sub) -> None:
     config = sub.add_parser("config", help="show, check or explain a config without starting anything")
     what = config.add_subparsers(dest="action", required=True)
     _layered(what.add_parser("show", help="print the resolved config as YAML"))
@@ -67,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--model-config", help="the model's config.json, where model.path is not on this machine")
     explain = what.add_parser("explain", help="a key's type, default and meaning (a section: its keys)")
     explain.add_argument("key", nargs="?", default="", help="e.g. staleness.max_lag, learner.loss or nothing")
+
+
+def _tool_parsers(sub) -> None:
     export = sub.add_parser("export", help="a run's checkpoint as a Hugging Face model folder (transformers, vLLM)")
     export.add_argument("run_dir", help="the run's folder (runs/<name>-<time>)")
     export.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
@@ -79,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     health = sub.add_parser("health", help="exit 0 if FILE was touched within --max-age-s (liveness probes)")
     health.add_argument("file")
     health.add_argument("--max-age-s", type=float, default=120.0)
+
+
+def _analysis_parsers(sub) -> None:
     fit = sub.add_parser("fit", help="fit ScaleRL sigmoids to eval curves (MLflow runs or a CSV) and extrapolate")
     fit.add_argument("--csv", help="a CSV with columns compute,pass_rate")
     fit.add_argument("--tracking-uri", help="MLflow tracking URI holding the runs (default: MLFLOW_TRACKING_URI)")
@@ -106,7 +123,6 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--runs", nargs="*", default=[],
                       help="MLflow run ids at one or more batch sizes (samples-to-target, learner time)")
     plan.add_argument("--out", default="plan-batch.png")
-    return p
 
 
 def _version() -> str:
