@@ -17,11 +17,11 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-SCHEMA_VERSION = 7  # 2: eval groups carry eval_version; grants no longer carry weights. 3: a rollout's
+SCHEMA_VERSION = 8  # 2: eval groups carry eval_version; grants no longer carry weights. 3: a rollout's
 # token ids and logprobs are one buffer per group. 4: a weight update comes from one learner rank (no sources).
 # 5: a sample may carry its episode's counts (turns, tool calls). 6: a weight update carries the channel's
 # token, and each byte range its sha256 (was a crc32). 7: a sample carries each reward function's value
-# (reward_components)
+# (reward_components). 8: an nccl weight update carries a keyed tag per tensor and the version's tag key
 
 
 # Bounds every decoded value must keep: a frame that breaks one is rejected at decode ("malformed",
@@ -340,6 +340,7 @@ class TensorSpec(msgspec.Struct, frozen=True):
 
 DIGEST_BYTES = 32  # a sha256
 TOKEN_BYTES = 32  # a weight channel's token: random bytes the learner draws once per process
+TAG_KEY_BYTES = TAG_BYTES = 16  # an nccl tensor tag's key and the tag: two 61-bit field elements each
 
 
 class WeightBucket(msgspec.Struct, frozen=True):
@@ -368,6 +369,11 @@ class WeightUpdate(Message, tag="weight_update"):
     # the network channels (tcp, gloo, nccl): the secret every request to the learner's weight port
     # must carry (TOKEN_BYTES); it travels only in this announcement, over the authenticated broker
     token: Annotated[bytes, Meta(max_length=TOKEN_BYTES)] = b""
+    # nccl, whose bytes land in device memory: a keyed tag per manifest tensor (weights/tags.py), under a
+    # key drawn for this version alone; both travel only here, over the authenticated broker
+    tag_key: Annotated[bytes, Meta(max_length=TAG_KEY_BYTES)] = b""
+    tags: Annotated[list[Annotated[bytes, Meta(min_length=TAG_BYTES, max_length=TAG_BYTES)]],
+                    Meta(max_length=1_000_000)] = []
 
 
 class Heartbeat(Message, tag="heartbeat"):

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tidal.broker.weights.tags import SCRATCH_BYTES as TAG_SCRATCH_BYTES
 from tidal.config import ConfigError, ModelConfig, RunConfig, TaskConfig, compute_dtype
 
 GiB = 1024 ** 3
@@ -212,7 +213,7 @@ class Plan:
             return
         worst, term = over[0], over[0].largest
         keys = tuple(dict.fromkeys((*term.keys, *worst.keys)))
-        changes = ", ".join(f"{k} = {self.settings.get(k)!r}" for k in keys) or "no key (a fixed allowance)"
+        changes = ", ".join(f"{k} = {_shown(self.settings.get(k))}" for k in keys) or "no key (a fixed allowance)"
         also = f"; also over: {', '.join(b.device for b in over[1:])}" if len(over) > 1 else ""
         raise ConfigError(
             f"memory plan: {self.model.name} does not fit the {worst.device}: {gib(worst.total_bytes)} of "
@@ -358,6 +359,13 @@ def activation_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
     return terms
 
 
+def _shown(value) -> str:
+    """A setting as a user writes it: a choice by its word (not its enum's repr), anything else as repr."""
+    import enum
+
+    return value.value if isinstance(value, enum.Enum) else repr(value)
+
+
 def transfer_buffer_bytes(cfg: RunConfig, shape: ModelShape) -> int:
     """One side's packed nccl chunks in flight: 2 streams, each a bucket plus the largest tensor
     (a tensor is never split across buckets)."""
@@ -375,6 +383,10 @@ def learner_gpu_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
         sends = cfg.weights.max_sends
         terms.append(Term(f"nccl send buffers ({sends} sends x 2 chunks)", sends * transfer_buffer_bytes(cfg, shape),
                           ("weights.bucket_mib", "weights.max_sends", "weights.transport")))
+        # a version's tags are computed beside the tensors as they are packed, each cast to the wire's dtype first
+        largest = shape.largest_tensor_params * ITEMSIZE[cfg.model.dtype]
+        terms.append(Term("nccl tensor tags (the largest tensor cast, and scratch)", largest + TAG_SCRATCH_BYTES,
+                          ("weights.transport",)))
     return terms
 
 
@@ -453,6 +465,8 @@ def actor_gpu_budgets(cfg: RunConfig, shape: ModelShape, cluster: Cluster) -> li
     if cfg.weights.transport == "nccl":
         outside.append(Term("nccl receive buffers (2 streams)", transfer_buffer_bytes(cfg, shape),
                             (*keys, "weights.bucket_mib", "weights.transport")))
+        outside.append(Term("nccl tensor tags' scratch (2 streams)", 2 * TAG_SCRATCH_BYTES,
+                            (*keys, "weights.transport")))
     return [share, Budget("actor GPU, outside vLLM's share", tuple(outside), cluster.gpu_bytes - share.capacity_bytes,
                           keys)]
 

@@ -11,8 +11,9 @@ collective channels (collective.py): each actor's engine forms a group with the 
 version arrives by broadcast straight into the workers' models (nccl through vLLM's own NCCL engine).
 The broker only carries the announcements, and they are the one way an actor hears of new weights:
 a joining actor is sent the current one first. Its peers are authenticated, so the announcement
-carries what the channels trust: a sha256 per byte range, checked before anything loads, and for
-the network channels the learner's token, without which its weight port answers nothing.
+carries what the channels trust: a sha256 per byte range, checked before anything loads (nccl: a
+keyed tag per tensor, checked on the GPU it lands on, before the engine serves from it), and for the
+network channels the learner's token, without which its weight port answers nothing.
 """
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ import time
 from functools import partial
 
 from tidal.broker.schema import TOKEN_BYTES, WeightUpdate
-from tidal.broker.weights import server
+from tidal.broker.weights import server, tags
 from tidal.broker.weights.base import (
     EngineStuck,
     InitInfo,
@@ -69,6 +69,7 @@ class Plane(abc.ABC):
     name: str
     pin: bool = False  # payloads in page-locked host memory (copied to a GPU as they are sent)
     checksums: bool = False  # each bucket carries a sha256 the worker checks (host memory only)
+    tags: bool = False  # each tensor carries a keyed tag (weights/tags.py) the worker checks where it lands
 
     def __init__(self, cfg: WeightsConfig):
         self.cfg = cfg
@@ -83,6 +84,16 @@ class Plane(abc.ABC):
 
     def bind(self, device_index: int) -> None:
         """Make `device_index` the current device of a connection's thread (a new thread starts on 0)."""
+
+    def tag_device(self):
+        """Where the learner computes a version's tags: beside the tensors it packs."""
+        import torch
+
+        return torch.device("cpu")
+
+    @classmethod
+    def check_announcement(cls, update: WeightUpdate) -> None:
+        """Raise ValueError where `update` lacks what this channel's workers check its bytes against."""
 
     @abc.abstractmethod
     def mint(self, num_workers: int, bucket_bytes: int) -> dict:
@@ -266,12 +277,15 @@ class CollectivePublisher(WeightPublisher):
         self.location = server.advertised(cfg, self.server.port)
 
     def publish(self, named_tensors, version: int, entries=None) -> WeightUpdate:
+        key = tags.new_key() if self.plane.tags else b""  # a key for this version alone
+        tagger = tags.Tagger(key, self.plane.tag_device()) if key else None
         payload, manifest = pack(named_tensors, self.dtype, partial(self.server.buffer_for, pin=self.plane.pin),
-                                 entries)
+                                 entries, tag=tagger.tag if tagger else None)
         buckets = tensor_buckets(payload, manifest, self.bucket_bytes) if self.plane.checksums else []
         self.server.add(version, Served(payload, manifest, buckets))
         return WeightUpdate(version=version, transport=self.plane.name, location=self.location, manifest=manifest,
-                            checksum="", incarnation=self.incarnation, buckets=buckets, token=self.server.token)
+                            checksum="", incarnation=self.incarnation, buckets=buckets, token=self.server.token,
+                            tag_key=key, tags=tagger.digests() if tagger else [])
 
     def close(self) -> None:
         self.server.close()
@@ -287,8 +301,8 @@ class CollectiveReceiver(WeightReceiver):
     """Joins the learner that announced a version (once per learner process) and has the engine's
     workers receive each version through the group, inside the engine's pause."""
 
-    def __init__(self, cfg: WeightsConfig, transport: str):
-        self.cfg, self.transport = cfg, transport
+    def __init__(self, cfg: WeightsConfig, plane: type[Plane]):
+        self.cfg, self.transport, self.plane = cfg, plane.name, plane
         self.lock = asyncio.Lock()  # one version at a time through the group
         self.conn: socket.socket | None = None
         self.learner: tuple[str, str] | None = None  # (location, incarnation) of the group's learner
@@ -297,6 +311,7 @@ class CollectiveReceiver(WeightReceiver):
         check_transport(update, self.transport)
         payload_bytes(update)  # a malformed announcement is refused before the engine is touched
         check_token(update)
+        self.plane.check_announcement(update)
         where = f"weights v{update.version} from the learner at {update.location} by {self.transport}"
         async with self.lock:
             try:
@@ -372,7 +387,7 @@ class CollectiveTransport(Transport):
         return CollectivePublisher(cfg, self.plane(cfg), incarnation, dtype)
 
     def receiver(self, cfg: WeightsConfig) -> WeightReceiver:
-        return CollectiveReceiver(cfg, self.name)
+        return CollectiveReceiver(cfg, self.plane)
 
     def join(self, engine, init: InitInfo):
         return self.plane.join(engine, init)

@@ -12,6 +12,8 @@ vLLM's own NCCL weight transfer (vllm.distributed.weight_transfer, 0.32):
              read before it lands), into the worker's own device, each chunk as it arrives: no
              worker holds more than two chunks beyond its weights (and, where a layer is
              reloaded layer-wise, that layer's weights until all of them are in)
+    both     a keyed tag of every tensor (tags.py), the learner's as it packs a version, the worker's
+             on the stream each chunk lands on; compared once the version is in
 
 NCCL's operations complete asynchronously and a dead peer raises nothing: a kernel waits for it for
 ever. Both sides therefore watch their own progress and destroy the communicator (ncclCommAbort)
@@ -26,6 +28,7 @@ from __future__ import annotations
 import base64
 
 from tidal.broker.schema import WeightUpdate
+from tidal.broker.weights import tags
 from tidal.broker.weights.base import InitInfo, StreamedLoad
 from tidal.broker.weights.collective import CollectiveTransport, Plane, Watchdog
 from tidal.broker.weights.payload import DTYPE_NAMES
@@ -80,6 +83,12 @@ def tensor_device(device_index: int):
     return torch.device("cuda", device_index)
 
 
+def landed(tensor):
+    """`tensor` as a kernel on the current stream reads it: on a GPU the stream's order makes every
+    read wait for the receive before it (the fake stands in here to model that order on CPU)."""
+    return tensor
+
+
 class _LearnerGroup:
     """The learner's end of one actor's group: its communicator and the chunk size its workers expect."""
 
@@ -122,6 +131,7 @@ class SendSlot:
 class NcclPlane(Plane):
     name = NAME
     pin = True
+    tags = True
 
     def __init__(self, cfg):
         import threading
@@ -148,6 +158,16 @@ class NcclPlane(Plane):
         import torch
 
         torch.cuda.set_device(device_index)
+
+    def tag_device(self):
+        return tensor_device(self.device_index())
+
+    @classmethod
+    def check_announcement(cls, update: WeightUpdate) -> None:
+        if len(update.tag_key) != tags.KEY_BYTES or len(update.tags) != len(update.manifest):
+            raise ValueError(f"weights v{update.version} by nccl: the announcement carries {len(update.tags)} tensor "
+                             f"tags for {len(update.manifest)} tensors and a {len(update.tag_key)}-byte key (expected "
+                             f"one each and {tags.KEY_BYTES}): refused, its bytes could not be checked")
 
     def mint(self, num_workers: int, bucket_bytes: int) -> dict:
         return {"uid": base64.b64encode(unique_id()).decode(), "world_size": 1 + num_workers,
@@ -249,6 +269,7 @@ class NcclMember:
         self.timeout_s = init.timeout_s
         self.load = StreamedLoad(engine.model, engine.model_config)
         self.watchdog: Watchdog | None = None
+        self.tagger: tags.Tagger | None = None  # the tags of the version being received
         self.vllm = _vllm_engine_class()(engine.config, engine.vllm_config, engine.device, _Loading(self))
         spec = init.group
         self.vllm.worker_rank = 1 + engine.worker_rank
@@ -260,20 +281,39 @@ class NcclMember:
         self.load.start()
 
     def receive(self, update: WeightUpdate) -> None:
+        """Every tensor received, tagged on its stream as it lands and loaded; then every tag checked
+        (one wait for the device). A tensor altered on the way fails the update: the model is torn,
+        and the engine serves nothing until a version loads whole and checked."""
         manifest = update.manifest
         info = {"names": [s.name for s in manifest], "dtype_names": [DTYPE_NAMES[s.dtype] for s in manifest],
                 "shapes": [list(s.shape) for s in manifest]}
+        self.tagger = tags.Tagger(update.tag_key)  # on the device the tensors land on
         try:
             with Watchdog(self.timeout_s, self.vllm.model_update_group.destroy) as self.watchdog:
                 self.vllm.receive_weights(self.vllm.parse_update_info(info))
             if self.watchdog.fired:
                 raise ConnectionError(f"weights v{update.version}: nothing arrived for {self.timeout_s:.0f} s "
                                       "(weights.tcp_timeout_s); the transfer was aborted")
+            self._check_tags(update)
         except BaseException:
             self.load.abandon()
             raise
         finally:
-            self.watchdog = None
+            self.watchdog = self.tagger = None
+
+    def _check_tags(self, update: WeightUpdate) -> None:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the tags were computed on the receive streams
+        got = self.tagger.digests()
+        for spec, mine, announced in zip(update.manifest, got, update.tags):
+            if mine != announced:
+                raise ValueError(f"weights v{update.version} by nccl: tensor {spec.name!r} arrived with tag "
+                                 f"{mine.hex()[:16]}…, the announcement says {announced.hex()[:16]}…: "
+                                 "altered on the way")
+        if len(got) != len(update.manifest):
+            raise ValueError(f"weights v{update.version} by nccl: {len(got)} of {len(update.manifest)} tensors arrived")
 
     def finish(self) -> None:
         self.load.finish()
@@ -291,6 +331,9 @@ class _Loading:
     def load_weights(self, weights):
         if self.member.watchdog is not None:
             self.member.watchdog.progress()
+        weights = list(weights)
+        for _, tensor in weights:  # enqueued on the stream it arrived on, before the next receive reuses it
+            self.member.tagger.tag(landed(tensor))
         self.member.load.load(weights)
 
 

@@ -43,12 +43,13 @@ def wire_name(name: str, dtype) -> str:
     return WIRE_NAMES[short]
 
 
-def pack(named_tensors: Mapping | Iterable, dtype: str | None = None, buffer_for=None, entries=None):
+def pack(named_tensors: Mapping | Iterable, dtype: str | None = None, buffer_for=None, entries=None, tag=None):
     """(payload [total] uint8, manifest): every tensor copied once, in `dtype` (None: as it is), into
     one aligned buffer: `buffer_for(total)` (default: fresh host memory). Tied tensors (lm_head =
     embed_tokens) travel under each name. `named_tensors` is a mapping, or (name, tensor) pairs made
     one at a time (a sharded learner gathers each just before it is copied) when `entries`,
-    [(name, torch dtype, shape)], describes them beforehand."""
+    [(name, torch dtype, shape)], describes them beforehand. `tag(tensor)`, where given, sees each
+    tensor as it travels (in `dtype`, where it lies: on the training device, not in host memory)."""
     import torch
 
     if isinstance(named_tensors, Mapping):
@@ -61,6 +62,9 @@ def pack(named_tensors: Mapping | Iterable, dtype: str | None = None, buffer_for
         if name != spec.name:
             raise ValueError(f"weights packed out of order: {name!r} where {spec.name!r} was announced")
         view = payload[spec.offset:spec.offset + spec.nbytes].view(torch_dtype(spec.dtype)).view(spec.shape)
+        if tag is not None:  # cast where it lies first, so that the tag is of the very bytes copied
+            tensor = tensor.detach().to(view.dtype)
+            tag(tensor)
         view.copy_(tensor.detach())  # converts dtype and device on the way
         end = spec.offset + spec.nbytes
         payload[end:-(-end // ALIGN_BYTES) * ALIGN_BYTES] = 0  # padding

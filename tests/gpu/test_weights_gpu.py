@@ -54,7 +54,7 @@ class LateCommunicator:
 
 def test_every_chunk_is_loaded_after_it_lands_on_the_stream_it_came_on(monkeypatch):
     pytest.importorskip("vllm", reason="the worker receives through vLLM's NCCL engine")
-    from tidal.broker.weights import nccl, payload
+    from tidal.broker.weights import nccl, payload, tags
     from tidal.broker.weights.base import InitInfo
 
     torch.cuda.set_device(0)
@@ -71,7 +71,11 @@ def test_every_chunk_is_loaded_after_it_lands_on_the_stream_it_came_on(monkeypat
     uid = base64.b64encode(bytes(128)).decode()  # the stub communicator needs no rendezvous
     member = nccl.NcclPlane.join(engine, InitInfo("nccl", {"uid": uid, "world_size": 2, "buffer_bytes": 4 << 20}, 30))
     manifest, _ = payload.layout((k, "F32", tuple(v.shape)) for k, v in state.items())
-    update = SimpleNamespace(version=1, manifest=manifest)
+    key = tags.new_key()
+    learner_tags = tags.Tagger(key)
+    for tensor in state.values():
+        learner_tags.tag(tensor)
+    update = SimpleNamespace(version=1, manifest=manifest, tag_key=key, tags=learner_tags.digests())
     start = time.perf_counter()
     member.start()
     member.receive(update)
@@ -79,6 +83,29 @@ def test_every_chunk_is_loaded_after_it_lands_on_the_stream_it_came_on(monkeypat
     torch.cuda.synchronize()
     assert all(torch.equal(model.loaded[k], v) for k, v in state.items())
     gpu_check_report("F1-side-stream-load", chunks=len(chunks_of(state, 4 << 20)), seconds=time.perf_counter() - start)
+
+
+def test_tags_on_the_gpu_agree_with_the_cpu_and_cost_little_beside_a_transfer():
+    """The nccl channel's tensor tags, computed on a GPU, are the CPU's bit for bit (exact int64
+    arithmetic on any device), and their throughput is what a worker adds to each update's pause."""
+    from tidal.broker.weights import tags
+
+    key = tags.new_key()
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    tensors = [torch.randn(4096, 4096, device="cuda", generator=generator).to(torch.bfloat16) for _ in range(8)]
+    on_gpu, on_cpu = tags.Tagger(key), tags.Tagger(key)
+    for tensor in tensors[:2]:
+        on_gpu.tag(tensor)
+        on_cpu.tag(tensor.cpu())
+    assert on_gpu.digests() == on_cpu.digests()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for tensor in tensors:
+        on_gpu.tag(tensor)
+    on_gpu.digests()
+    seconds = time.perf_counter() - start
+    gpu_check_report("W1-tensor-tags", gib=sum(t.nbytes for t in tensors) / 2**30, seconds=seconds,
+                     gib_per_s=sum(t.nbytes for t in tensors) / 2**30 / seconds)
 
 
 WORKER = """
@@ -107,6 +134,7 @@ for line in sys.stdin:
     update = types.SimpleNamespace(**json.loads(line))
     from tidal.broker.schema import TensorSpec
     update.manifest = [TensorSpec(**s) for s in update.manifest]
+    update.tag_key, update.tags = bytes.fromhex(update.tag_key), [bytes.fromhex(t) for t in update.tags]
     member.start(); member.receive(update); member.finish(); torch.cuda.synchronize()
     print(json.dumps(loaded), flush=True)
 """
@@ -136,7 +164,7 @@ def fetch(worker, conn, update) -> None:
     server.read_reply(conn, "fetch")
     worker.stdin.write(json.dumps({"version": update.version, "manifest": [
         {"name": s.name, "dtype": s.dtype, "shape": list(s.shape), "offset": s.offset, "nbytes": s.nbytes}
-        for s in update.manifest]}) + "\n")
+        for s in update.manifest], "tag_key": update.tag_key.hex(), "tags": [t.hex() for t in update.tags]}) + "\n")
     worker.stdin.flush()
 
 

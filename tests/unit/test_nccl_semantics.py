@@ -131,6 +131,7 @@ def channel(fake, monkeypatch):
     monkeypatch.setattr(nccl, "unique_id", fake_nccl.unique_id)
     monkeypatch.setattr(nccl, "communicator", communicator)
     monkeypatch.setattr(nccl, "tensor_device", lambda index: torch.device("cpu"))
+    monkeypatch.setattr(nccl, "landed", fake_nccl.read)  # a tag is computed as a kernel reads
     nccl._vllm_engine_class()  # vLLM's import, once, before any test's joins are timed
     torch.cuda.set_device(LEARNER_DEVICE)  # the learner's training thread
     yield made
@@ -324,5 +325,51 @@ def test_an_actor_whose_workers_never_form_its_group_costs_one_timeout(channel):
         engine = worker_engine()
         asyncio.run(build_receiver(weights_config("nccl")).apply(update, engine))
         assert engine.swaps == [1]
+    finally:
+        publisher.close()
+
+
+def test_a_tensor_altered_on_the_way_is_refused_and_the_engine_waits_for_a_checked_version(channel, monkeypatch):
+    """Someone on NCCL's unauthenticated sockets flips one bit of the second chunk: the worker's tags,
+    computed on its device as each tensor lands, disagree with the announced ones (keyed, carried
+    by the authenticated broker), so the update fails naming the tensor, the engine stays paused on
+    its torn model, and the next version, sent intact, loads."""
+    from tidal.broker.weights import nccl
+
+    publisher = nccl_publisher()
+    send = nccl.NcclPlane.send
+
+    def flip_one_bit(self, group, served, progress):
+        payload = served.payload.clone()
+        payload[served.manifest[3].offset + 1000] ^= 0x10
+        send(self, group, collective.Served(payload, served.manifest, served.buckets), progress)
+    monkeypatch.setattr(nccl.NcclPlane, "send", flip_one_bit)
+    engine, receiver = worker_engine(), build_receiver(weights_config("nccl"))
+    try:
+        with pytest.raises(ConnectionError, match=r"tensor 'layers.3.w' arrived with tag .* altered on the way"):
+            asyncio.run(receiver.apply(publisher.publish(weights(0), 1), engine))
+        assert engine.torn and engine.swaps == []
+        monkeypatch.setattr(nccl.NcclPlane, "send", send)
+        state = weights(1)
+        asyncio.run(receiver.apply(publisher.publish(state, 2), engine))
+        assert engine.swaps == [2] and not engine.torn and all(torch.equal(engine.loaded[k], v)
+                                                                for k, v in state.items())
+    finally:
+        publisher.close()
+
+
+@pytest.mark.parametrize("damage", [{"tags": []}, {"tag_key": b""}, {"tags": "one short"}])
+def test_an_nccl_announcement_without_its_tags_is_refused_before_the_engine_is_touched(channel, damage):
+    import msgspec
+
+    publisher = nccl_publisher()
+    try:
+        update = publisher.publish(weights(0), 1)
+        if damage.get("tags") == "one short":
+            damage = {"tags": update.tags[:-1]}
+        engine = worker_engine()
+        with pytest.raises(ValueError, match="refused, its bytes could not be checked"):
+            asyncio.run(build_receiver(weights_config("nccl")).apply(msgspec.structs.replace(update, **damage), engine))
+        assert engine.swaps == [] and not engine.torn and not publisher.server.groups
     finally:
         publisher.close()

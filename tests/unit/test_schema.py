@@ -134,6 +134,20 @@ def test_a_weight_update_carries_its_token_and_a_sha256_per_range_and_refuses_a_
             codec.decode(msgspec.msgpack.encode({**fields, "buckets": [bad]}))
 
 
+def test_an_nccl_weight_update_carries_a_tag_per_tensor_and_refuses_a_short_one():
+    from tidal.broker.schema import TAG_BYTES, TAG_KEY_BYTES, TensorSpec
+
+    codec = WireCodec(1 << 20)
+    update = WeightUpdate(version=1, transport="nccl", location="h:1", checksum="", token=b"t" * 32,
+                          manifest=[TensorSpec(name="w", dtype="F32", shape=(2,), offset=0, nbytes=8)],
+                          tag_key=b"k" * TAG_KEY_BYTES, tags=[b"x" * TAG_BYTES])
+    assert codec.decode(codec.encode(update)) == update
+    fields = msgspec.msgpack.decode(codec.encode(update))
+    for bad, where in (({"tags": [b"x" * (TAG_BYTES - 1)]}, r"tags\[0\]"), ({"tag_key": b"k" * 40}, "tag_key")):
+        with pytest.raises(WireError, match=rf"malformed: weight_update: .*{where}"):
+            codec.decode(msgspec.msgpack.encode({**fields, **bad}))
+
+
 def interrupted(injected=((1, 2),), finish="interrupted", raw_reward=1.0):
     g = rollout(logprobs=(-0.5, 0.0, -0.1), reward=0.5)
     g.samples[0].injected_spans = [tuple(s) for s in injected]
