@@ -42,7 +42,8 @@ class Engine:
     `init_weight_transfer`, `weight_transport`, `num_workers`, `transfer_weights`, `sample`, `info` and
     `shutdown`: a scripted engine with those runs the loop in tests."""
 
-    def __init__(self, cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int | None = None):
+    def __init__(self, cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int | None = None,
+                 adapter_rank: int = 0):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.kv_cache_gib))))
         if cfg.cpu_cores:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_cores
@@ -51,7 +52,7 @@ class Engine:
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        kwargs = engine_args(cfg, model_path, dtype, max_num_seqs)
+        kwargs = engine_args(cfg, model_path, dtype, max_num_seqs, adapter_rank)
         engine_env = cpu_engine_env(cfg) if current_platform.is_cpu() else {}
         if engine_env:
             kwargs["distributed_executor_backend"] = IN_PROCESS_EXECUTOR
@@ -68,6 +69,8 @@ class Engine:
         self._swap_lock = asyncio.Lock()
         self.weight_transport = ""  # the weight channel the workers are set up for (init_weight_transfer)
         self.torn = False  # an update failed part-way: paused until one loads whole
+        self.adapter_rank = adapter_rank  # > 0: the engine serves a LoRA adapter, and every update is one
+        self._lora = None  # the adapter's request, once installed: every request carries it
 
     async def set_version(self, version: int) -> None:
         await self._llm.update_weight_version(str(version))
@@ -78,6 +81,7 @@ class Engine:
         group with the learner here); again whenever the channel's learner changes."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
+        init_info = {**init_info, "adapter": bool(self.adapter_rank)}
         await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
         self.weight_transport = init_info["transport"]
 
@@ -90,9 +94,8 @@ class Engine:
         vLLM's weight-transfer API (tidal's engine, fixed when this engine started), label the
         version, resume; returns seconds paused. A `streaming` update loads as its bytes arrive:
         one that fails part-way leaves the model torn, so the engine stays paused (its requests
-        waiting) until a later update loads whole; any other failure leaves the weights as they were."""
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
+        waiting) until a later update loads whole; any other failure leaves the weights as they were.
+        An adapter is never torn: the previous version stays installed until a new one arrives whole."""
         async with self._swap_lock:
             if self.weight_transport != update_info["transport"]:  # the first update, or another channel's
                 await self.init_weight_transfer({"transport": update_info["transport"]})
@@ -100,22 +103,44 @@ class Engine:
             if not self.torn:
                 await self._pause()
             try:
-                await self._llm.start_weight_update()
-                try:
-                    await self._llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
-                except BaseException:
-                    await self._end_failed_update()
-                    raise
-                await self._llm.finish_weight_update()
+                await self._update(update_info)
                 await self.set_version(version)
             except BaseException:
-                self.torn = self.torn or streaming
+                self.torn = self.torn or (streaming and not self.adapter_rank)
                 if not self.torn:
                     await self._llm.resume_generation()
                 raise
             self.torn = False
             await self._llm.resume_generation()
             return time.perf_counter() - start
+
+    async def _update(self, update_info: dict) -> None:
+        """One weight-transfer session in every worker; serving an adapter, the newest one received whole
+        is installed after it, whatever the session's outcome: finishing one drops vLLM's adapters."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        try:
+            await self._llm.start_weight_update()
+            try:
+                await self._llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+            except BaseException:
+                await self._end_failed_update()
+                raise
+            await self._llm.finish_weight_update()
+        finally:
+            if self.adapter_rank:
+                await self.install_adapter()
+
+    async def install_adapter(self) -> None:
+        """The newest adapter version each worker holds (zeros before the first) under ADAPTER_ID; from
+        then on every request carries it."""
+        from vllm.lora.request import LoRARequest
+
+        from tidal.broker.weights.adapter import ADAPTER_ID, ADAPTER_NAME
+
+        await self._llm.collective_rpc("tidal_install_adapter")
+        # the path is never read: the adapter is registered before any request names it, and stays so
+        self._lora = LoRARequest(ADAPTER_NAME, ADAPTER_ID, f"/in-memory/{ADAPTER_NAME}")
 
     async def _end_failed_update(self) -> None:
         """A worker whose update raised has ended its session; one whose update went through has not:
@@ -150,10 +175,15 @@ class Engine:
                                 logprobs=0,  # the sampled token's own logprob
                                 flat_logprobs=True,  # kept as one list of floats, not a dict per token
                                 detokenize=False)  # a finished sample is decoded once: completion_texts
+        if self.adapter_rank and self._lora is None:  # before any version: a zero adapter, the base model's outputs
+            async with self._swap_lock:
+                if self._lora is None:
+                    await self.install_adapter()
         # With n > 1 each streamed output carries only the samples that changed in that engine
         # step, so samples that finished early are absent from the last one: keep each by index.
         latest = {}
-        async for out in self._llm.generate({"prompt_token_ids": prompt_tokens}, sp, request_id=request_id):
+        async for out in self._llm.generate({"prompt_token_ids": prompt_tokens}, sp, request_id=request_id,
+                                            lora_request=self._lora):
             latest.update((c.index, c) for c in out.outputs)
         if len(latest) != n or not all(c.finished() for c in latest.values()):
             raise RuntimeError(f"request {request_id}: vLLM returned {len(latest)} finished samples, expected {n}")
@@ -187,7 +217,8 @@ class Engine:
         gc.collect()
 
 
-def engine_args(cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int | None = None) -> dict:
+def engine_args(cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int | None = None,
+                adapter_rank: int = 0) -> dict:
     """AsyncEngineArgs for an actor: what tidal's correctness needs, then the user's engine settings."""
     from tidal.broker.weights.vllm_engine import VLLM_BACKEND
 
@@ -202,9 +233,22 @@ def engine_args(cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int
         "tensor_parallel_size": vllm.tensor_parallel_size, "gpu_memory_utilization": vllm.gpu_memory_utilization,
         **({"max_model_len": vllm.max_model_len} if vllm.max_model_len else {}),
         "weight_transfer_config": {"backend": VLLM_BACKEND},  # every weight channel enters through tidal's engine
+        **(lora_args(adapter_rank) if adapter_rank else {}),
         **vllm.engine_kwargs,
         **head_overrides(dtype, vllm.engine_kwargs.get("hf_overrides")),
     }
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM takes
+
+
+def lora_args(rank: int) -> dict:
+    """vLLM's LoRA for an adapter of `rank`: one adapter, one slot (each version replaces it in place)."""
+    fitting = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fitting:
+        raise ValueError(f"config key 'learner.lora.rank' = {rank}: vLLM serves adapters of rank {VLLM_LORA_RANKS[-1]} "
+                         "at most")
+    return {"enable_lora": True, "max_lora_rank": fitting[0], "max_loras": 1, "max_cpu_loras": 1}
 
 
 def head_overrides(dtype: str, chosen: dict | None) -> dict:

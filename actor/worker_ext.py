@@ -41,3 +41,15 @@ class TidalWorker:
         """How a weight update enters this worker's model: "copy" in place, or "reload" layer-wise
         where kernels hold some weights in a layout of their own or a quantization method rewrites them."""
         return weight_layout(self.get_model())
+
+    def tidal_install_adapter(self) -> int:
+        """Serving a LoRA adapter: the newest version received whole (zeros before the first) into the
+        LoRA manager under the one id every request carries; the version installed (-1: zeros)."""
+        from tidal.broker.weights.vllm_engine import install_adapter
+
+        return install_adapter(self)
+
+    def tidal_adapters(self) -> list[int]:
+        """The LoRA ids the worker holds (registered, in host memory or a GPU slot): one, when serving one."""
+        manager = self.model_runner.lora_manager
+        return sorted(manager.list_adapters()) if manager is not None else []

@@ -21,7 +21,8 @@ SCHEMA_VERSION = 8  # 2: eval groups carry eval_version; grants no longer carry 
 # token ids and logprobs are one buffer per group. 4: a weight update comes from one learner rank (no sources).
 # 5: a sample may carry its episode's counts (turns, tool calls). 6: a weight update carries the channel's
 # token, and each byte range its sha256 (was a crc32). 7: a sample carries each reward function's value
-# (reward_components). 8: an nccl weight update carries a keyed tag per tensor and the version's tag key
+# (reward_components). 8: an nccl weight update carries a keyed tag per tensor and the version's tag key;
+# a weight update may be a LoRA adapter alone (adapter)
 
 
 # Bounds every decoded value must keep: a frame that breaks one is rejected at decode ("malformed",
@@ -353,6 +354,16 @@ class WeightBucket(msgspec.Struct, frozen=True):
     sha256: Annotated[bytes, Meta(min_length=DIGEST_BYTES, max_length=DIGEST_BYTES)]  # of the range's bytes
 
 
+class AdapterSpec(msgspec.Struct, frozen=True):
+    """A weight update that is a LoRA adapter: its manifest holds the adapter's tensors alone, under
+    PEFT's names (base_model.model.<module>.lora_A.weight / lora_B.weight), served over the engine's
+    own base model."""
+
+    rank: Annotated[int, Meta(ge=1, le=65_536)]
+    alpha: Annotated[float, Meta(gt=0, le=1e6)]
+    target_modules: Annotated[tuple[Annotated[str, Meta(max_length=128)], ...], Meta(min_length=1, max_length=256)]
+
+
 class WeightUpdate(Message, tag="weight_update"):
     version: Version
     transport: Annotated[str, Meta(max_length=32)]  # "file" | "tcp" | "gloo" | "nccl"
@@ -374,6 +385,7 @@ class WeightUpdate(Message, tag="weight_update"):
     tag_key: Annotated[bytes, Meta(max_length=TAG_KEY_BYTES)] = b""
     tags: Annotated[list[Annotated[bytes, Meta(min_length=TAG_BYTES, max_length=TAG_BYTES)]],
                     Meta(max_length=1_000_000)] = []
+    adapter: AdapterSpec | None = None  # a LoRA adapter's tensors alone (learner.lora), not the whole policy
 
 
 class Heartbeat(Message, tag="heartbeat"):

@@ -324,7 +324,7 @@ class ScriptedEngine:
     on one thread of its own (`worker_setup` runs first on it), reading each tensor with `read`."""
 
     def __init__(self, tokenizer, p_correct: float = 0.5, seed: int = 0, read=None, worker_setup=None,
-                 vllm_config=None, device=None):
+                 vllm_config=None, device=None, adapter: bool = False):
         import random
         from concurrent.futures import ThreadPoolExecutor
 
@@ -338,6 +338,7 @@ class ScriptedEngine:
         self.num_requests = 0
         self.read = read or (lambda t: t.clone())  # a model copies what it loads into its parameters
         self.weight_transport = ""  # the weight channel the worker is set up for
+        self.adapter = adapter  # the updates are a LoRA adapter's, kept in the worker's stash
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="scripted-worker", initializer=worker_setup)
         from tidal.broker.weights.vllm_engine import build_engine
 
@@ -350,6 +351,7 @@ class ScriptedEngine:
         return await asyncio.wrap_future(self.thread.submit(fn, *args))
 
     async def init_weight_transfer(self, init_info: dict) -> None:
+        init_info = {**init_info, "adapter": self.adapter}
         await self.in_worker(self.worker.init_transfer_engine, self.worker.parse_init_info(init_info))
         self.weight_transport = init_info["transport"]
 
@@ -441,7 +443,7 @@ def write_tiny_moe(folder):
     return policy
 
 
-def engine_on_a_thread(model_path: str, *overrides: str):
+def engine_on_a_thread(model_path: str, *overrides: str, adapter_rank: int = 0):
     """A real vLLM engine (tidal's Engine, the tiny preset's actor settings and `overrides`, pinned to
     one core as `tidal run` pins its actors) on an event loop thread of its own; yields it with that
     loop as `.loop` (tests hand it coroutines through `on_engine`) and shuts it down after."""
@@ -458,7 +460,7 @@ def engine_on_a_thread(model_path: str, *overrides: str):
                                                      *overrides]).actor
 
     async def start():
-        engine = Engine(actor, model_path, "float32")
+        engine = Engine(actor, model_path, "float32", adapter_rank=adapter_rank)
         await engine.set_version(0)
         return engine
 

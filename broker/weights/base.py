@@ -76,6 +76,7 @@ class InitInfo:
     transport: str = ""
     group: dict = field(default_factory=dict)
     timeout_s: float = 30.0  # a worker gives up on a learner silent this long
+    adapter: bool = False  # the updates are a LoRA adapter's tensors (adapter.py), not the model's
 
 
 @dataclass

@@ -238,7 +238,7 @@ class GlooPlane(Plane):
         # a learner on loopback keeps the whole group there: nothing of it listens on another interface
         host = "127.0.0.1" if is_loopback(learner_host) else ""
         group = new_group(store, 1 + engine.worker_rank, int(spec["world_size"]), init.timeout_s, host)
-        return GlooMember(store, group, StreamedLoad(engine.model, engine.model_config))
+        return GlooMember(store, group, StreamedLoad(engine.load_target, engine.model_config))
 
 
 class GlooMember:

@@ -267,7 +267,7 @@ class NcclMember:
         from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
 
         self.timeout_s = init.timeout_s
-        self.load = StreamedLoad(engine.model, engine.model_config)
+        self.load = StreamedLoad(engine.load_target, engine.model_config)
         self.watchdog: Watchdog | None = None
         self.tagger: tags.Tagger | None = None  # the tags of the version being received
         self.vllm = _vllm_engine_class()(engine.config, engine.vllm_config, engine.device, _Loading(self))

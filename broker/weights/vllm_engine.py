@@ -21,6 +21,12 @@ class WorkerEngine:
         self.config, self.vllm_config = config, vllm_config
         self.transport = ""
         self.member = None  # a collective channel's side of the group, while one is formed
+        self.stash = None  # serving a LoRA adapter: its versions as they arrive (adapter.AdapterStash)
+
+    @property
+    def load_target(self):
+        """What the channels load an update into: the model, or an adapter's stash."""
+        return self.stash if self.stash is not None else self.model
 
     @property
     def worker_rank(self) -> int:
@@ -29,9 +35,12 @@ class WorkerEngine:
 
     def init_transfer_engine(self, init_info) -> None:
         from tidal.broker.weights import transport
+        from tidal.broker.weights.adapter import AdapterStash
 
         self.leave()
         self.transport = init_info.transport
+        if init_info.adapter and self.stash is None:  # kept across channels and learners: its versions stay
+            self.stash = AdapterStash()
         if init_info.group:
             self.member = transport(init_info.transport).join(self, init_info)
 
@@ -54,13 +63,20 @@ class WorkerEngine:
         from tidal.broker.schema import WeightUpdate
         from tidal.broker.weights import transport
 
-        channel = transport(info.transport)
+        channel, update = transport(info.transport), msgspec.convert(info.update, WeightUpdate)
+        if self.stash is not None:
+            self.stash.begin(update)
+        elif update.adapter is not None:
+            raise ValueError(f"weights v{update.version} are a LoRA adapter, but this engine started without LoRA "
+                             "(learner.lora.rank was 0 for the actor): restart the actor with the run's config")
         if self.member is not None and info.transport == self.transport:
-            self.member.receive(msgspec.convert(info.update, WeightUpdate))
+            self.member.receive(update)
         else:
-            channel.load(self.model, self.model_config, info)
+            channel.load(self.load_target, self.model_config, info)
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
+        if self.stash is not None:
+            self.stash.received()
 
     def leave(self) -> None:
         member, self.member = self.member, None
@@ -69,6 +85,17 @@ class WorkerEngine:
 
     def shutdown(self) -> None:
         self.leave()
+
+
+def install_adapter(worker) -> int:
+    """In a vLLM worker serving a LoRA adapter: the newest version received whole (a zero adapter before
+    the first) into vLLM's LoRA manager; the version installed (-1: zeros)."""
+    from tidal.broker.weights.adapter import AdapterStash
+
+    engine = worker.weight_transfer_engine
+    if engine.stash is None:  # the zero adapter at start, before any weight channel is set up
+        engine.stash = AdapterStash()
+    return engine.stash.install(worker.model_runner.lora_manager)
 
 
 def build_engine(model, model_config, device=None, vllm_config=None) -> WorkerEngine:

@@ -373,3 +373,25 @@ def test_an_nccl_announcement_without_its_tags_is_refused_before_the_engine_is_t
         assert engine.swaps == [] and not engine.torn and not publisher.server.groups
     finally:
         publisher.close()
+
+
+def test_an_adapter_version_lands_whole_in_the_stash_checked_by_its_tags(channel):
+    """learner.lora over nccl: the adapter's tensors alone, tagged and checked as any version, kept
+    by the worker for vLLM's LoRA manager instead of loaded into the model."""
+    import msgspec
+
+    from tidal.broker.schema import AdapterSpec
+
+    publisher = nccl_publisher()
+    spec = AdapterSpec(rank=4, alpha=8.0, target_modules=("q_proj",))
+    tensors = {f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_{p}.weight": torch.randn(*shape)
+               for i in range(3) for p, shape in (("A", (4, 512)), ("B", (512, 4)))}
+    try:
+        engine = worker_engine(adapter=True)
+        update = msgspec.structs.replace(publisher.publish(tensors, 1), adapter=spec)
+        asyncio.run(build_receiver(weights_config("nccl")).apply(update, engine))
+        got_spec, got, version = engine.worker.stash.current
+        assert (got_spec, version, engine.swaps, engine.loaded) == (spec, 1, [1], {})
+        assert all(torch.equal(got[k], v) for k, v in tensors.items())
+    finally:
+        publisher.close()
