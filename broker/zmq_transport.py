@@ -24,14 +24,22 @@ Every buffer a peer fills is bounded in bytes per connection: frames by ZMQ_MAXM
 messages by broker.max_control_bytes, broker.zmq.control_hwm per connection (the I/O thread reads
 them as they come) and a rate per actor, shared by all its connections; rollouts by the PULL
 socket's high-water mark (`rollout_mark`: rollout_hwm frames, fewer where frames of
-broker.max_message_bytes would hold more than rollout_buffer_bytes). The training thread reads the
-PULL socket itself, and what it has not read yet stays there; beyond the mark an actor's rollouts
-wait in the actor. In all, it is that times the connections: with CURVE only key holders get one
-(a stranger's handshake fails before any buffer fills), and how many a key holder opens is bounded
-only by the learner's open-file limit. What the learner keeps per actor (its newest heartbeat, its
-newest parked request per connection) has a size set by the wire's bounds, for at most
-broker.max_actors ids. An actor's own queue has no mark: it holds at most the groups it was
-granted, and the learner grants no more than its admission control releases.
+broker.max_message_bytes would hold more than rollout_buffer_bytes); subscriptions by SUBSCRIPTION_HWM
+frames of SUBSCRIPTION_BYTES. libzmq keeps one decoded frame beside a full queue. The training thread
+reads the PULL socket itself, and what it has not read yet stays there; beyond the mark an actor's
+rollouts wait in the actor. Each socket keeps at most broker.zmq.max_connections TCP connections open
+(`connection_cap`): its monitor reports each accepted one by file descriptor, and the I/O thread shuts
+down the newest beyond the cap at once (`_Connections`); connections in are never displaced. In all the
+learner holds at most `buffer_bound_bytes` (cap x per connection). The cap counts strangers' connections
+before their handshake, which is what bounds them (each holds at most a frame until its handshake fails
+or times out), and anyone who reaches a port, or one key holder, can take the whole cap: new connections
+are then refused until those close. The bound holds for peers that send one frame a message, as actors
+do. A key holder is trusted beyond it, as libzmq 4.3 gives no way to hold it: a message's frames are kept
+until its last one comes (the mark counts messages), what a connection sent stays in the socket after it
+closes until read, and a connection under a routing id in use is never read. What the learner keeps per
+actor (its newest heartbeat, its newest parked request per connection) has a size set by the wire's
+bounds, for at most broker.max_actors ids. An actor's own queue has no mark: it holds at most the groups
+it was granted, and the learner grants no more than its admission control releases.
 """
 from __future__ import annotations
 
@@ -42,6 +50,8 @@ import logging
 import math
 import os
 import secrets
+import socket
+import struct
 import threading
 import time
 
@@ -83,6 +93,14 @@ REQUEST_AGAIN_S = 5.0
 # groups faster gathers the freed slots into its next request instead of losing requests to the limit.
 # Its grants come no faster either: at 2 ms it could not take more than ~15k groups/s of 64 in flight
 REQUEST_EVERY_S = 2 / CONTROL_RATE
+# the weights socket's inbound frames are subscriptions: an actor sends one of a byte. The limit is on
+# CURVE's handshake frames too (under 400 bytes); without it a stranger's first frame could be any size
+SUBSCRIPTION_BYTES = 1024
+SUBSCRIPTION_HWM = 16  # subscriptions held unread per connection (the PUB socket takes them as it sends)
+# a peer whose host is gone is noticed by TCP keepalive within ~2 minutes: the learner never writes to a
+# rollout connection and rarely to a control one, and the connection would hold its place under the cap
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 60, 10, 6
+CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED  # each with the connection's file descriptor
 
 
 def _bind(sock: zmq.Socket, host: str, port: int) -> int:
@@ -107,6 +125,22 @@ def rollout_mark(cfg: BrokerConfig) -> int:
     """The PULL socket's high-water mark, in frames: rollout_hwm, fewer where frames as large as the wire
     allows would hold more than rollout_buffer_bytes."""
     return max(1, min(cfg.zmq.rollout_hwm, cfg.zmq.rollout_buffer_bytes // cfg.max_message_bytes))
+
+
+def connection_cap(cfg: BrokerConfig) -> int:
+    """TCP connections each learner socket keeps open: broker.zmq.max_connections, else twice
+    broker.max_actors (an actor holds one per socket; the rest is room for reconnects and strangers)."""
+    return cfg.zmq.max_connections or 2 * cfg.max_actors
+
+
+def buffer_bound_bytes(cfg: BrokerConfig) -> int:
+    """The most bytes the learner's sockets hold for their peers (sending a frame a message, as actors do):
+    per connection a full queue and the frame decoded beside it, on each socket, times the cap. The kernel's
+    TCP buffers come on top."""
+    per_connection = ((rollout_mark(cfg) + 1) * cfg.max_message_bytes
+                      + (cfg.zmq.control_hwm + 1) * cfg.max_control_bytes
+                      + (SUBSCRIPTION_HWM + 1) * SUBSCRIPTION_BYTES)
+    return connection_cap(cfg) * per_connection
 
 
 def seed_routing_ids() -> None:
@@ -141,6 +175,76 @@ class _RateLimit:
         return tokens >= 1
 
 
+class _Connections:
+    """One bound socket's open TCP connections by file descriptor, as its monitor reports them (libzmq names
+    neither key nor routing id there): those accepted with the cap full are marked refused as they are read."""
+
+    def __init__(self, name: str, sock: zmq.Socket, cap: int):
+        self.name, self.cap = name, cap
+        # an endpoint of its own: pyzmq's default is named after the socket's FD, which a socket made after
+        # this one is closed may have again before libzmq has unbound this one's
+        self.monitor = sock.get_monitor_socket(CONNECTION_EVENTS, f"inproc://tidal-monitor-{secrets.token_hex(8)}")
+        self.open: dict[int, int] = {}  # fd -> the number of its ACCEPTED event
+        self.refused: set[int] = set()  # open fds shut down (or about to be), not yet reported gone
+        self.num_accepted = 0
+
+    def admitted(self) -> int:
+        return len(self.open) - len(self.refused)
+
+    def read_events(self) -> list[tuple[int, int]]:
+        """Apply the events waiting, in order; (fd, event number) of each connection refused meanwhile. In order,
+        a connection's DISCONNECTED comes before any ACCEPTED of its fd number again: libzmq reports it, then
+        closes the fd."""
+        refused = []
+        while True:
+            try:
+                head, _endpoint = self.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return refused
+            event, fd = struct.unpack("=HI", head)
+            # either way the fd's earlier connection is gone (an ACCEPTED of an fd still open: it closed unreported)
+            self.open.pop(fd, None)
+            self.refused.discard(fd)
+            if event != zmq.EVENT_ACCEPTED:
+                continue
+            self.num_accepted += 1
+            if self.admitted() >= self.cap:
+                self.refused.add(fd)
+                refused.append((fd, self.num_accepted))
+            self.open[fd] = self.num_accepted
+
+
+def refuse_beyond_cap(tables: list[_Connections]) -> list[_Connections]:
+    """Read every socket's connection events and shut down the connections beyond each cap (one table entry
+    returned per refusal). A shutdown on a duplicate of the fd, never a close of libzmq's own: libzmq reads
+    EOF, closes its fd and reports it gone. The fd is duplicated, then the events are read again, and the
+    duplicate shut down only if the connection is still open: had libzmq closed the fd before the dup (its
+    number perhaps another file's by then), the connection's DISCONNECTED would be among those events."""
+    refused: list[_Connections] = []
+    pending = [(t, fd, n) for t in tables for fd, n in t.read_events()]
+    while pending:
+        refused += [t for t, _, _ in pending]
+        dups = [(t, fd, n, _dup(fd)) for t, fd, n in pending if t.open.get(fd) == n]
+        pending = [(t, fd, n) for t in tables for fd, n in t.read_events()]
+        for t, fd, n, dup in dups:
+            if dup is None:
+                continue
+            if t.open.get(fd) == n:
+                try:
+                    dup.shutdown(socket.SHUT_RDWR)
+                except OSError:  # reset by the peer meanwhile
+                    pass
+            dup.close()
+    return refused
+
+
+def _dup(fd: int) -> socket.socket | None:
+    try:
+        return socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM)  # a dup; the family is not looked at
+    except OSError:  # closed already (or no fd left to dup: it stays until its handshake fails or times out)
+        return None
+
+
 class ZmqLearnerTransport(LearnerTransport):
     """Control and weight sockets on one I/O thread; the rollout socket is read by the one thread that
     calls recv_rollout (the training loop). The other public methods are thread-safe."""
@@ -172,6 +276,7 @@ class ZmqLearnerTransport(LearnerTransport):
         self._pull: zmq.Socket | None = None  # made and bound by the I/O thread, read by the training thread
         self._recv_timeout_ms = -1  # the PULL socket's RCVTIMEO, as the training thread last set it
         self._authenticated = False  # CURVE is on: each connection's key names its actor
+        self._conns: list[_Connections] = []  # each bound socket's connections, kept by the I/O thread
         self._waker_r, self._waker_w = os.pipe()  # other threads wake the I/O thread's poll through it
         # a wake-up is written and not yet taken: the next is not written (a write is a syscall and a GIL
         # round trip). The I/O thread clears it after it drains the pipe and before it serves anything, so a
@@ -245,6 +350,10 @@ class ZmqLearnerTransport(LearnerTransport):
         with self._lock:
             return self._grants.metrics(self._codec.rejected)
 
+    def connections(self) -> dict[str, int]:
+        """Open connections admitted under the cap, by socket (control, rollout, weights)."""
+        return {conns.name: conns.admitted() for conns in self._conns}
+
     def close(self) -> None:
         if self._waker_w < 0:  # closed already: a second close (a finally after an explicit one) does nothing
             return
@@ -281,20 +390,19 @@ class ZmqLearnerTransport(LearnerTransport):
             seed_routing_ids()
             router, pull, pub = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
             own = [router, pub]  # the PULL socket is the training thread's once bound; close() closes it
-            # no ROUTER_HANDOVER: a second connection under a routing id in use is refused and never displaces the
-            # first; and each actor connection's routing id holds a nonce, so nobody can take it first
-            router.setsockopt(zmq.MAXMSGSIZE, self._cfg.max_control_bytes)
-            router.setsockopt(zmq.RCVHWM, self._zmq.control_hwm)
-            pull.setsockopt(zmq.MAXMSGSIZE, self._cfg.max_message_bytes)  # bigger frames drop the connection
-            pull.setsockopt(zmq.RCVHWM, rollout_mark(self._cfg))
-            for sock in (router, pull, pub):
-                sock.setsockopt(zmq.LINGER, 0)
-                if keys is not None:
+            self._limit(router, pull, pub)
+            if keys is not None:
+                for sock in (router, pull, pub):
                     secure_server(sock, self._zmq.keys_dir)
+            cap = connection_cap(self._cfg)  # monitored before they bind: no connection goes uncounted
+            self._conns = [_Connections(name, sock, cap) for name, sock in
+                           (("control", router), ("rollout", pull), ("weights", pub))]
             self.ports = {"control": _bind(router, self._zmq.host, self._zmq.control_port),
                           "rollout": _bind(pull, self._zmq.host, self._zmq.rollout_port),
                           "weights": _bind(pub, self._zmq.host, self._zmq.weights_port)}
             self._pull, self._authenticated = pull, keys is not None
+            log.info("zmq learner: at most %d connections a socket, holding at most %.1f GiB for their peers "
+                     "(broker.zmq.max_connections; see buffer_bound_bytes)", cap, buffer_bound_bytes(self._cfg) / 2**30)
             self._ready.set()
             self._loop(router, pub)
         except BaseException as err:  # surfaces in the training thread via _raise_if_failed
@@ -307,12 +415,34 @@ class ZmqLearnerTransport(LearnerTransport):
             for sock in own:
                 sock.close(linger=0)
 
+    def _limit(self, router: zmq.Socket, pull: zmq.Socket, pub: zmq.Socket) -> None:
+        """Each socket's bounds per connection, set before it binds."""
+        # no ROUTER_HANDOVER: a second connection under a routing id in use is refused and never displaces the
+        # first; and each actor connection's routing id holds a nonce, so nobody can take it first
+        router.setsockopt(zmq.MAXMSGSIZE, self._cfg.max_control_bytes)
+        router.setsockopt(zmq.RCVHWM, self._zmq.control_hwm)
+        pull.setsockopt(zmq.MAXMSGSIZE, self._cfg.max_message_bytes)  # bigger frames drop the connection
+        pull.setsockopt(zmq.RCVHWM, rollout_mark(self._cfg))
+        pub.setsockopt(zmq.MAXMSGSIZE, SUBSCRIPTION_BYTES)
+        pub.setsockopt(zmq.RCVHWM, SUBSCRIPTION_HWM)
+        for sock in (router, pull, pub):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+            sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
+            sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTERVAL_S)
+            sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_PROBES)
+
     def _loop(self, router: zmq.Socket, pub: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(self._waker_r, zmq.POLLIN)
+        monitors = {conns.monitor for conns in self._conns}
+        for monitor in monitors:
+            poller.register(monitor, zmq.POLLIN)
         while not self._closed.is_set():
             events = dict(poller.poll(timeout=POLL_MS))
+            if monitors & events.keys():  # first: a connection beyond the cap is shut down before its handshake ends
+                self._watch_connections()
             if self._waker_r in events:
                 os.read(self._waker_r, 4096)
                 self._wake_pending = False  # after the drain: cleared first, a write in between would be lost
@@ -324,6 +454,11 @@ class ZmqLearnerTransport(LearnerTransport):
                 self._expire_at = now + POLL_MS / 1000
                 with self._lock:
                     self._grants.expire_silent_actors()
+
+    def _watch_connections(self) -> None:
+        for conns in refuse_beyond_cap(self._conns):
+            self._refuse("too_many_connections", f"a connection to the {conns.name} socket beyond its {conns.cap} "
+                         "(broker.zmq.max_connections)", quiet=True)
 
     def _repeat_announcement(self, pub: zmq.Socket) -> None:
         with self._lock:

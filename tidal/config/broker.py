@@ -50,6 +50,10 @@ class ZmqConfig(Section):
     control_hwm: int = opt(16, "control messages (hellos, heartbeats, work requests; each at most "
                                "broker.max_control_bytes) the learner holds unread per connection; its I/O thread "
                                "reads them as they come")
+    max_connections: int = opt(0, "TCP connections each learner socket (control, rollout, weights) keeps open, "
+                                  "strangers' before their handshake included; newer ones are shut down at once. "
+                                  "Bounds the learner's buffers in total (zmq_transport.buffer_bound_bytes). "
+                                  "0 = twice broker.max_actors")
     curve: Curve = opt(Curve.auto, "CURVE encryption and authentication (each actor's id bound to its key). `tidal "
                                    "run` always turns it on (with keys of its own in run_dir/keys when keys_dir is "
                                    "empty) and refuses off. A role started on its own: auto = on when keys_dir is "
@@ -64,6 +68,8 @@ class ZmqConfig(Section):
         for key in ("rollout_hwm", "control_hwm"):
             _require(getattr(self, key) >= 1, f"broker.zmq.{key}", getattr(self, key),
                      "must be >= 1 (0 would mean no bound)")
+        _require(self.max_connections >= 0, "broker.zmq.max_connections", self.max_connections,
+                 "must be >= 0 (0: twice broker.max_actors)")
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,10 @@ class BrokerConfig(Section):
         frame = self.max_message_bytes
         _require(self.zmq.rollout_buffer_bytes >= frame, "broker.zmq.rollout_buffer_bytes",
                  self.zmq.rollout_buffer_bytes, f"must hold a frame of broker.max_message_bytes = {frame}")
+        _require(self.zmq.max_connections == 0 or self.zmq.max_connections >= self.max_actors,
+                 "broker.zmq.max_connections", self.zmq.max_connections,
+                 f"must be 0 or at least broker.max_actors = {self.max_actors} (an actor holds a connection to each "
+                 "socket; lower broker.max_actors too)")
         self.redis.check()
 
 
