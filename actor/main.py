@@ -21,7 +21,7 @@ async def serve(cfg: RunConfig) -> str:
 
     transport = actor_transport(cfg.broker, cfg.actor.id, cfg.name)
     receiver = build_receiver(cfg.weights)
-    engine = Engine(cfg.actor, cfg.model.path, cfg.model.dtype)
+    engine = Engine(cfg.actor, cfg.model.path, cfg.model.dtype, adapter_rank=cfg.learner.lora.rank)
     await engine.set_version(0)
     log.info("actor %s: engine up; weight updates enter it by %s", cfg.actor.id, await engine.weight_layout())
     # what start-up left (torch, vLLM, the tokenizer: ~600k objects) is kept out of the collector's full

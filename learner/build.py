@@ -37,7 +37,7 @@ from tidal.learner.ranks import RankGroup, WeightPush
 from tidal.learner.resume import check_resume_state
 from tidal.learner.steps import Follower, Role, StepRunner
 from tidal.learner.tracking import Tracker
-from tidal.learner.trainer import Trainer, load_policy
+from tidal.learner.trainer import Trainer, load_policy, policy_dtype
 from tidal.learner.validation import Validator
 from tidal.tasks import PromptEncoder, encode_prompt, get_task
 
@@ -101,7 +101,7 @@ def setup_trainer(cfg: RunConfig, checkpoint: Path | None = None, fresh_if_damag
     torch.manual_seed(lc.seed)
     accelerator = build_accelerator(lc)
     # sharded, every rank builds the policy empty and reads only its own shards of the weights
-    policy = load_policy(cfg.model.path, lc.param_dtype, lc.attention, compute_dtype(lc), empty=lc.fsdp.enabled)
+    policy = load_policy(cfg.model.path, policy_dtype(lc), lc.attention, compute_dtype(lc), empty=lc.fsdp.enabled)
     trainer = Trainer(lc, policy, accelerator, cfg.sampling.temperature, cfg.model.head, cfg.model.dtype,
                       model_path=cfg.model.path if lc.fsdp.enabled else None)
     checkpointer = Checkpointer(cfg.checkpoint, Path(cfg.run_dir) / "checkpoints", accelerator, trainer)
@@ -151,7 +151,7 @@ def build_learner(cfg: RunConfig, setup: TrainerSetup, transport: LearnerTranspo
         checkpointer=setup.checkpointer, ranks=RankGroup(setup.accelerator), push=WeightPush.of(cfg),
         validator=Validator(trainer.policy.config.vocab_size, cfg.sampling.max_tokens, cfg.task.reward_range),
         export=FinalExport(cfg.model.path, run_dir / "model", cfg.model.dtype,
-                           tracker if cfg.tracking.log_model else None),
+                           tracker if cfg.tracking.log_model else None, cfg.learner.lora),
         diagnostics=Diagnostics(tracker, lambda ids: tokenizer.decode(ids.tolist()), run_dir,
                                 cfg.tracking.eval_completions, cfg.staleness.max_lag,
                                 pass_threshold=cfg.task.pass_threshold, pass_on=cfg.task.pass_on,

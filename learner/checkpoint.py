@@ -1,9 +1,10 @@
 """Checkpoints that survive crashes, unpickle nothing, and are written by every rank at once.
 
     checkpoints/step-000012/
-        model/shard-0000<r+1>-...safetensors      the policy, under the model's own names: each rank's own
-        optimizer/shard-0000<r+1>-...safetensors  shards (torch.distributed.checkpoint's safetensors layout)
-                                                  and AdamW's state tensors by parameter name
+        model/shard-0000<r+1>-...safetensors      the policy's trained parameters (under learner.lora the
+        optimizer/shard-0000<r+1>-...safetensors  adapter alone; the frozen base comes from model.path) and
+                                                  AdamW's state tensors, by parameter name: each rank's own
+                                                  shards (torch.distributed.checkpoint's safetensors layout)
         rng-rank<r>.safetensors   each rank's torch random state (CPU and CUDA generators)
         MANIFEST-rank<r>.json     size and sha256 of each file rank r wrote; written last by that rank
         trainer.json              AdamW's other state, the scheduler, Python and NumPy random states
@@ -45,6 +46,7 @@ import torch
 
 from tidal.config import CheckpointConfig
 from tidal.files import sha256_file
+from tidal.learner.lora import is_adapter
 from tidal.learner.ranks import broadcast_bytes
 
 if TYPE_CHECKING:  # types only: a checkpoint is verified (tidal export) without building a trainer
@@ -444,10 +446,15 @@ class Checkpointer:
         """The checkpoint's tensors have this policy's names and shapes, and its shards hold parts of
         them that fit (one process: all of them); a checkpoint of another model, or a shard rewritten
         with its manifest, stops here, not halfway through a load."""
-        from tidal.broker.weights.payload import without_aliases
+        from tidal.learner.state_files import trained_state
 
         shapes = json.loads((path / "trainer.json").read_bytes())["shapes"]
-        for name, tensor in without_aliases(self.trainer.policy.state_dict()).items():
+        adapter = self.trainer.lora
+        if any(is_adapter(name) for name in shapes) != (adapter is not None):
+            raise DamagedCheckpoint(f"{path.name}: saved by a run {'without' if adapter else 'with'} a LoRA adapter, "
+                                    f"this learner has learner.lora.rank = {adapter.rank if adapter else 0}: resume "
+                                    "with the run's own learner.lora")
+        for name, tensor in trained_state(self.trainer.policy).items():
             if shapes.get(name) != list(tensor.shape):
                 raise DamagedCheckpoint(f"{path.name}/trainer.json: {name!r} has shape {shapes.get(name)}, this "
                                         f"model's is {list(tensor.shape)}")

@@ -1,9 +1,12 @@
 """The trained policy as a Hugging Face model folder (config, tokenizer, safetensors with the
-model's own parameter names) that `from_pretrained` and vLLM load as they are.
+model's own parameter names) that `from_pretrained` and vLLM load as they are; a LoRA run's adapter
+also as PEFT saves one (adapter_model.safetensors, adapter_config.json naming the base model).
 
-Every run exports its final policy to `<run_dir>/model`; `tidal export RUN_DIR [--step N]` exports
-any checkpoint (verified against its manifest first), into a folder that is new or empty unless told
-`--force`. A folder is replaced only once the new export is complete beside it.
+Every run exports its final policy to `<run_dir>/model`, a LoRA run the adapter merged in there (a
+folder everything that reads a model loads alone) and the adapter to `<run_dir>/adapter`; `tidal export
+RUN_DIR [--step N]` exports any checkpoint (verified against its manifest first): a LoRA run's adapter,
+or with `--merge` the merged model. Into a folder that is new or empty unless told `--force`. A folder
+is replaced only once the new export is complete beside it.
 """
 from __future__ import annotations
 
@@ -14,7 +17,12 @@ from pathlib import Path
 
 import torch
 
+from tidal.config import LoraConfig
+from tidal.learner import lora
+
 CHECKPOINT_WEIGHTS = "model"  # the policy's parameters in a checkpoint, every rank's shards (tidal.learner.checkpoint)
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # a LoRA adapter's folder, as PEFT saves one
+ADAPTER_CONFIG = "adapter_config.json"
 
 
 def export_model(policy, tokenizer_from: str, out: Path, dtype: str, state: dict | None = None) -> Path:
@@ -23,17 +31,40 @@ def export_model(policy, tokenizer_from: str, out: Path, dtype: str, state: dict
     any earlier export there only once the new one is complete."""
     from transformers import AutoTokenizer
 
+    def write(tmp: Path) -> None:
+        tensors = {k: v.detach().to(getattr(torch, dtype)).cpu() for k, v in (state or policy.state_dict()).items()}
+        policy.save_pretrained(tmp, state_dict=tensors, safe_serialization=True)
+        config = json.loads((tmp / "config.json").read_text())
+        config.update({k: dtype for k in ("dtype", "torch_dtype") if k in config} or {"dtype": dtype})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(tmp)
+
+    return write_folder(out, write)
+
+
+def export_adapter(tensors: dict[str, torch.Tensor], cfg: LoraConfig, base_model: str, out: Path, dtype: str) -> Path:
+    """A LoRA adapter as PEFT saves one, into `out` (replacing an earlier export only once complete):
+    `tensors` (PEFT's names) in `dtype` in adapter_model.safetensors, and adapter_config.json naming
+    `base_model`; `peft.PeftModel.from_pretrained(base, out)` and vLLM's LoRA load it."""
+    from safetensors.torch import save_file
+
+    def write(tmp: Path) -> None:
+        save_file({k: v.detach().to("cpu", getattr(torch, dtype)).contiguous() for k, v in tensors.items()},
+                  str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        lora.peft_config(cfg, base_model).save_pretrained(str(tmp))
+
+    return write_folder(out, write)
+
+
+def write_folder(out: Path, write) -> Path:
+    """`write(tmp)` fills a new folder beside `out`, which then takes `out`'s place (an earlier folder
+    there goes only once the new one is complete)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.{uuid.uuid4().hex[:12]}"  # its own (never a folder of the user's), umask's mode
     tmp.mkdir()
     try:
-        state = {k: v.detach().to(getattr(torch, dtype)).cpu() for k, v in (state or policy.state_dict()).items()}
-        policy.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-        config = json.loads((tmp / "config.json").read_text())
-        config.update({k: dtype for k in ("dtype", "torch_dtype") if k in config} or {"dtype": dtype})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(tmp)
+        write(tmp)
         umask_modes(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -72,32 +103,47 @@ def check_export_folder(out: Path, run_dir: Path, force: bool) -> None:
     if entries and not force:
         raise ValueError(f"{out} is not empty ({len(entries)} entries: {shown}): pass --force to replace its "
                          "contents, or --out a new folder")
-    if entries and "config.json" not in entries:  # --force replaces an earlier export, not any folder
-        raise ValueError(f"{out} is not a model folder (no config.json; {len(entries)} entries: {shown}): --force "
-                         "replaces only an earlier export; --out a new folder")
+    if entries and not {"config.json", ADAPTER_CONFIG} & set(entries):  # --force replaces an earlier export only
+        raise ValueError(f"{out} is not a model folder (no config.json, nor an adapter's {ADAPTER_CONFIG}; "
+                         f"{len(entries)} entries: {shown}): --force replaces only an earlier export; --out a new "
+                         "folder")
 
 
 class FinalExport:
-    """What a run does with its final policy: a model folder in the run directory, and in MLflow
-    when tracking.log_model asks."""
+    """What a run does with its final policy: a model folder in the run directory (under learner.lora the
+    adapter merged in, and the adapter alone in a folder beside it), and in MLflow when tracking.log_model
+    asks."""
 
-    def __init__(self, model_path: str, out: Path, dtype: str, tracker=None):
+    def __init__(self, model_path: str, out: Path, dtype: str, tracker=None, adapter: LoraConfig | None = None):
         self.model_path, self.out, self.dtype, self.tracker = model_path, out, dtype, tracker
+        self.adapter = adapter if adapter is not None and adapter.enabled else None
+
+    @property
+    def adapter_out(self) -> Path:
+        return self.out.with_name("adapter")
 
     def __call__(self, policy, state: dict | None = None) -> Path:
-        path = export_model(policy, self.model_path, self.out, self.dtype, state)
+        """`state`: the trainer's export_state (under learner.lora the adapter's tensors beside the merged model's)."""
+        adapter = {k: v for k, v in (state or {}).items() if k.startswith(lora.PEFT_PREFIX)}
+        model = {k: v for k, v in state.items() if k not in adapter} if state is not None else None
+        path = export_model(policy, self.model_path, self.out, self.dtype, model)
         if self.tracker is not None:
             self.tracker.log_artifacts(path, "model")
+        if self.adapter is not None:
+            folder = export_adapter(adapter, self.adapter, self.model_path, self.adapter_out, self.dtype)
+            if self.tracker is not None:
+                self.tracker.log_artifacts(folder, "adapter")
         return path
 
 
-def load_checkpoint_policy(checkpoint: Path, model_path: str):
+def load_checkpoint_policy(checkpoint: Path, model_path: str, adapter: LoraConfig | None = None):
     """The policy of a checkpoint, in fp32: the architecture from model_path, the weights from the
-    checkpoint (every rank's part, verified first: they must all be in this folder)."""
+    checkpoint (every rank's part, verified first: they must all be in this folder); under learner.lora
+    (`adapter`) the base from model_path and the adapter from the checkpoint."""
     import torch.distributed.checkpoint as dcp
 
-    from tidal.broker.weights.payload import without_aliases
     from tidal.learner.checkpoint import MANIFEST, verify
+    from tidal.learner.state_files import trained_state
     from tidal.learner.trainer import load_policy
 
     if not (checkpoint / CHECKPOINT_WEIGHTS).is_dir():
@@ -105,20 +151,29 @@ def load_checkpoint_policy(checkpoint: Path, model_path: str):
     for manifest in [MANIFEST, *sorted(p.name for p in checkpoint.glob("MANIFEST-rank*.json"))]:
         verify(checkpoint, manifest)
     policy = load_policy(model_path, "float32")
-    state = without_aliases(policy.state_dict())  # views of the parameters: loaded in place
+    if adapter is not None and adapter.enabled:
+        lora.attach(policy, adapter, "float32")
+    state = trained_state(policy)  # views of the parameters: loaded in place
     dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(checkpoint / CHECKPOINT_WEIGHTS)))
     policy.tie_weights()
     return policy
 
 
-def export_checkpoint(run_dir: Path, step: int | None, out: Path | None, force: bool = False) -> Path:
+def export_checkpoint(run_dir: Path, step: int | None, out: Path | None, force: bool = False,
+                      merge: bool = False) -> Path:
     """`tidal export`: a run's checkpoint at `step` (default: the newest) as a model folder at `out`
-    (default RUN_DIR/model-step-<N>), which must be new or empty unless `force`."""
+    (default RUN_DIR/model-step-<N>), which must be new or empty unless `force`. A LoRA run's is its
+    adapter in PEFT's format (default RUN_DIR/adapter-step-<N>), or with `merge` the model with the
+    adapter merged in."""
     from tidal.config import load_config
     from tidal.learner.checkpoint import latest_valid
 
     run_dir = Path(run_dir)
     cfg = load_config(run_dir / "config.yaml")
+    adapter = cfg.learner.lora if cfg.learner.lora.enabled else None
+    if merge and adapter is None:
+        raise ValueError(f"--merge: {run_dir} trained no LoRA adapter (learner.lora.rank = 0): its export is the "
+                         "whole model already; leave --merge out")
     if step is None:
         checkpoint = latest_valid(run_dir / "checkpoints")
         if checkpoint is None:
@@ -128,7 +183,15 @@ def export_checkpoint(run_dir: Path, step: int | None, out: Path | None, force: 
         if not checkpoint.is_dir():
             found = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
             raise FileNotFoundError(f"--step {step}: no {checkpoint} (checkpoints: {', '.join(found) or 'none'})")
-    out = Path(out) if out else run_dir / f"model-{checkpoint.name}"
+    kind = "adapter" if adapter is not None and not merge else "model"
+    out = Path(out) if out else run_dir / f"{kind}-{checkpoint.name}"
     check_export_folder(out, run_dir, force)  # before the minutes a large model takes to load
-    policy = load_checkpoint_policy(checkpoint, cfg.model.path)
-    return export_model(policy, cfg.model.path, out, cfg.model.dtype)
+    policy = load_checkpoint_policy(checkpoint, cfg.model.path, adapter)
+    if adapter is None:
+        return export_model(policy, cfg.model.path, out, cfg.model.dtype)
+    state = policy.state_dict()
+    if merge:
+        return export_model(policy, cfg.model.path, out, cfg.model.dtype, dict(lora.merged(state.items(),
+                                                                                          adapter.scaling)))
+    tensors = {lora.peft_name(k): v for k, v in state.items() if lora.is_adapter(k)}
+    return export_adapter(tensors, adapter, cfg.model.path, out, cfg.model.dtype)

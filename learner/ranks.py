@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tidal.broker.schema import RolloutGroup
+from tidal.broker.schema import AdapterSpec, RolloutGroup
 from tidal.config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -164,13 +164,18 @@ def broadcast_bytes(frame: bytes | None, device) -> bytes:
 class WeightPush:
     """What every learner rank gathers at a weight push, taken from the config alone (`of`), so that
     rank 0, which holds the publisher, and the others gather the same tensors in the same order: the
-    policy in `dtype`, what the actors serve."""
+    policy in `dtype`, what the actors serve; under learner.lora (`adapter`) the adapter's tensors alone,
+    in `dtype`, under PEFT's names, announced with the adapter's shape for the actors to serve it over
+    their own base."""
 
     dtype: str
+    adapter: AdapterSpec | None = None
 
     @classmethod
     def of(cls, cfg: RunConfig) -> WeightPush:
-        return cls(cfg.model.dtype)
+        lora = cfg.learner.lora
+        adapter = AdapterSpec(lora.rank, lora.alpha, tuple(lora.target_modules)) if lora.enabled else None
+        return cls(cfg.model.dtype, adapter)
 
     def __call__(self, trainer, publisher, version: int):
         """A new version onto the weight channel: the step runner calls this on every rank, and rank 0
@@ -182,6 +187,8 @@ class WeightPush:
             for _ in tensors:  # a sharded model's gathers are collectives: take part in each
                 pass
             return None
+        if self.adapter is not None:  # PEFT's names already, as vLLM's LoRA loader reads them
+            return msgspec.structs.replace(publisher.publish(tensors, version, entries), adapter=self.adapter)
         entries, tensors = checkpoint_format(trainer.policy, entries, tensors)  # names as vLLM's loaders read
         return publisher.publish(tensors, version, entries)
 

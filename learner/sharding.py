@@ -19,6 +19,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from tidal.config import FsdpConfig
+from tidal.learner import lora
 
 log = logging.getLogger(__name__)
 
@@ -93,16 +94,21 @@ def load_pretrained(module: torch.nn.Module, model_path: str, device: torch.devi
     for name, buffer in buffers.items():  # to_empty leaves every buffer uninitialized: the computed ones back
         owner, _, attr = name.rpartition(".")
         module.get_submodule(owner)._buffers[attr] = buffer.to(device)
-    state = {k.removeprefix(PREFIX): v for k, v in without_aliases(get_model_state_dict(module)).items()}
+    # the base's tensors under the checkpoint's names (a LoRA-adapted layer's weight is its base_layer's);
+    # a LoRA adapter is not in the checkpoint (lora.initialize gives it its values)
+    own = get_model_state_dict(module)
+    names = {lora.model_name(k.removeprefix(PREFIX)): k for k in without_aliases(own) if not lora.is_adapter(k)}
+    state = {name: own[k] for name, k in names.items()}
     missing = sorted(set(state) - checkpoint_names(model_path))
     if missing:
         log.info("%s names %d of the policy's tensors otherwise (e.g. %s): rank 0 loads it whole and sends each "
                  "rank its shards", model_path, len(missing), missing[0])
-        set_model_state_dict(module, whole_on_rank0(model_path, next(iter(state.values())).dtype),
+        whole = whole_on_rank0(model_path, next(iter(state.values())).dtype)
+        set_model_state_dict(module, {names.get(k, PREFIX + k): v for k, v in whole.items()},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
         return
     dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(model_path))
-    set_model_state_dict(module, {PREFIX + k: v for k, v in state.items()}, options=StateDictOptions(strict=False))
+    set_model_state_dict(module, {names[k]: v for k, v in state.items()}, options=StateDictOptions(strict=False))
 
 
 def checkpoint_names(model_path: str) -> set[str]:
@@ -123,14 +129,14 @@ def checkpoint_names(model_path: str) -> set[str]:
 
 
 def whole_on_rank0(model_path: str, dtype: torch.dtype) -> dict:
-    """Rank 0: the model's state dict as transformers loads it, in host memory, under the names the
-    sharded module gives it; the other ranks: nothing (they receive their shards)."""
+    """Rank 0: the model's state dict as transformers loads it, in host memory, under the model's own
+    names; the other ranks: nothing (they receive their shards)."""
     if torch.distributed.get_rank() != 0:
         return {}
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-    return {PREFIX + name: value for name, value in model.state_dict().items()}
+    return dict(model.state_dict())
 
 
 def checkpoint_activations(layer: torch.nn.Module) -> None:
@@ -140,14 +146,15 @@ def checkpoint_activations(layer: torch.nn.Module) -> None:
     checkpoint(layer)
 
 
-def gathered_weights(module, dtype: str | None):
+def gathered_weights(module, dtype: str | None, select=None):
     """Collective, every rank iterating: (entries [(name, dtype, shape)], (name, tensor) pairs) of the
-    policy's state (a tied tensor under each name), each tensor cast to `dtype` (None: as it is) on its
-    shard and gathered whole just before it is yielded: a rank holds one whole tensor at a time."""
+    policy's state (a tied tensor under each name; with `select`, the names it keeps), each tensor cast to
+    `dtype` (None: as it is) on its shard and gathered whole just before it is yielded: a rank holds one
+    whole tensor at a time."""
     from torch.distributed.tensor import DTensor
 
     target = getattr(torch, dtype) if dtype else None
-    state = module.state_dict()
+    state = {k: v for k, v in module.state_dict().items() if select is None or select(k.removeprefix(PREFIX))}
 
     def cast(value):
         return value.to(target) if target is not None and value.is_floating_point() else value

@@ -1,7 +1,8 @@
 """The policy and AdamW's state as files, every learner rank writing its own part and reading what
 its own part needs (torch.distributed.checkpoint, in its safetensors layout: nothing pickled).
 
-    <dir>/model/shard-0000<r+1>-model-00001-of-00001.safetensors      the policy, under the model's own names
+    <dir>/model/shard-0000<r+1>-model-00001-of-00001.safetensors      the policy's trained parameters (under
+                                                                      learner.lora its adapter alone), by name
     <dir>/optimizer/shard-0000<r+1>-model-00001-of-00001.safetensors  AdamW's tensors, by parameter name
 
 A sharded learner's rank writes its shards; a tensor every rank holds whole is written once, by rank
@@ -64,9 +65,22 @@ def load(module, optimizer, directory: Path, rest: dict) -> None:
     set_optimizer_state_dict(module, optimizer, {**tensors, **hyper}, options=OPTIMIZER)
 
 
+def trained_state(policy) -> dict:
+    """The policy's state as a checkpoint holds it, under the model's names: every tensor once, the frozen
+    parameters left out (under learner.lora the whole base)."""
+    return _trained(policy.state_dict(), policy)
+
+
 def _model_state(module) -> dict:
-    # a tied head is the embedding: stored once, as safetensors wants
-    return {k.removeprefix(PREFIX): v for k, v in without_aliases(get_model_state_dict(module)).items()}
+    return {k.removeprefix(PREFIX): v for k, v in _trained(get_model_state_dict(module), module).items()}
+
+
+def _trained(state: dict, module) -> dict:
+    """`state` without aliases (a tied head is the embedding: stored once, as safetensors wants) and without
+    frozen parameters, which are never updated: they come from model.path. Each frozen parameter goes under
+    every name it has (StateDictOptions' ignore_frozen_params would keep a tied head's second one)."""
+    frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in without_aliases(state).items() if k not in frozen}
 
 
 def _load(state: dict, path: Path, shapes: dict) -> None:

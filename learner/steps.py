@@ -65,7 +65,7 @@ class Role(Protocol):
         """The last step is trained: rank 0 evaluates the final weights and lets the actors go."""
 
     def on_exported(self, state: dict[str, torch.Tensor]) -> None:
-        """The final policy, gathered (rank 0's whole state dict; {} on the others)."""
+        """The final policy, gathered (rank 0's whole state dict, `Trainer.export_state`; {} on the others)."""
 
 
 class StepRunner:

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from tidal.broker.schema import RolloutGroup
-from tidal.config import LearnerConfig, LossType, LrScaling, LrSchedule
+from tidal.config import LearnerConfig, LossType, LrScaling, LrSchedule, compute_dtype
 from tidal.kernels import logprobs as fused_logprobs
-from tidal.learner import sharding, state_files
+from tidal.learner import lora, sharding, state_files
 from tidal.learner.batch import (
     MicroBatch,
     Row,
@@ -36,10 +36,11 @@ from tidal.learner.loss import LossInputs, policy_loss
 
 def load_policy(model_path: str, param_dtype: str, attention: str = "sdpa", compute_dtype: str | None = None,
                 empty: bool = False):
-    """The policy with its parameters in `param_dtype` (the master weights the optimizer updates),
-    computing in `compute_dtype` (default: `param_dtype`). `empty`: built without weights, its
-    parameters on the meta device (a sharded learner loads each rank's shard afterwards,
-    `sharding.load_pretrained`); its buffers (rotary frequencies) are real, and tied weights tied."""
+    """The policy with its parameters in `param_dtype` (the master weights the optimizer updates; under
+    learner.lora the frozen base's: `policy_dtype`), computing in `compute_dtype` (default: `param_dtype`).
+    `empty`: built without weights, its parameters on the meta device (a sharded learner loads each rank's
+    shard afterwards, `sharding.load_pretrained`); its buffers (rotary frequencies) are real, and tied
+    weights tied."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     implementation = attention_implementation(attention, compute_dtype or param_dtype)
@@ -53,6 +54,12 @@ def load_policy(model_path: str, param_dtype: str, attention: str = "sdpa", comp
                                                   attn_implementation=implementation)
     policy.tie_weights()  # built empty, the head is not yet the embedding's parameter
     return policy
+
+
+def policy_dtype(cfg: LearnerConfig) -> str:
+    """The dtype the policy is loaded in: the master weights' (learner.param_dtype); under learner.lora the
+    frozen base's, the compute dtype: it is never updated, so it needs no fp32 master copy."""
+    return compute_dtype(cfg) if cfg.lora.enabled else cfg.param_dtype
 
 
 def attention_implementation(attention: str, compute_dtype: str = "bfloat16") -> str:
@@ -197,9 +204,13 @@ def allocate_state(optimizer: torch.optim.Optimizer) -> None:
 class Trainer:
     def __init__(self, cfg: LearnerConfig, model, accelerator, temperature: float, head: str = "fp32",
                  served_dtype: str | None = None, model_path: str | None = None):
-        """`model_path`: where an empty (meta-device) `model`'s weights are, each rank loading its shard."""
+        """`model_path`: where an empty (meta-device) `model`'s weights are, each rank loading its shard.
+        Under learner.lora the model is frozen and given its adapter here, before it is sharded."""
         self.cfg = cfg
         self.accelerator = accelerator
+        self.lora = cfg.lora if cfg.lora.enabled else None
+        if self.lora is not None:  # the base stays in the dtype it was loaded in (policy_dtype), an fp32 head fp32
+            lora.attach(model, self.lora, cfg.param_dtype, "float32" if head == "fp32" else None)
         module = PolicyLogprobs(model, temperature, cfg.kernel_backend, head, served_dtype)
         self.sharded = cfg.fsdp.enabled
         if self.sharded:
@@ -208,7 +219,10 @@ class Trainer:
             if model_path is not None:
                 sharding.load_pretrained(module, model_path, accelerator.device,
                                          offload=sharding.offloaded(cfg.fsdp, accelerator.device))
-        optim = torch.optim.AdamW(module.parameters(), lr=effective_lr(cfg), betas=tuple(cfg.optim.betas),
+        if self.lora is not None:
+            lora.initialize(module, cfg.seed)
+        trained = [p for p in module.parameters() if p.requires_grad]  # under learner.lora the adapter alone
+        optim = torch.optim.AdamW(trained, lr=effective_lr(cfg), betas=tuple(cfg.optim.betas),
                                   eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
         allocate_state(optim)
         # Not passed to accelerator.prepare: Accelerate's scheduler wrapper advances once per rank
@@ -224,23 +238,42 @@ class Trainer:
         self.last_tokens: TokenSample | None = None  # the latest step's lags and logprob pairs, for the figures
 
     def export_state(self, dtype: str) -> dict[str, torch.Tensor]:
-        """The policy's whole state dict in `dtype`, in host memory, on the main rank ({} on the others).
-        Sharded, it is gathered one tensor at a time: every rank must call this at the same point."""
-        _, tensors = self.weights(dtype)
+        """The policy's whole state dict in `dtype`, in host memory, on the main rank ({} on the others);
+        under learner.lora the adapter merged into the base (the model's own names), and the adapter alone
+        beside it under PEFT's names (base_model.model.…). Sharded, it is gathered one tensor at a time:
+        every rank must call this at the same point."""
+        # a LoRA run merges in fp32 what it gathers in the tensors' own dtypes, and rounds only the sum
+        _, tensors = self._tensors(None if self.lora is not None else dtype)
         if not self.accelerator.is_main_process:
             for _ in tensors:  # the gathers are collectives
                 pass
             return {}
-        return {name: t.detach().to("cpu", getattr(torch, dtype)) for name, t in tensors}
+
+        def on_host(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to("cpu", getattr(torch, dtype))
+        if self.lora is None:
+            return {name: on_host(t) for name, t in tensors}
+        return lora.merged_and_adapter(tensors, self.lora.scaling, on_host)
 
     def weights(self, dtype: str | None):
-        """(entries [(name, dtype, shape)], (name, tensor) pairs): the policy's tensors as a weight push
-        copies them, a tied one under each of its names (a worker reloading its layers one by one needs
-        the LM head's own), on the main rank; sharded, each is gathered in `dtype` as it is asked for,
-        and every rank must iterate them at the same point."""
+        """(entries [(name, dtype, shape)], (name, tensor) pairs): the tensors a weight push copies, on the
+        main rank; sharded, each is gathered in `dtype` as it is asked for, and every rank must iterate
+        them at the same point. The policy's tensors, a tied one under each of its names (a worker
+        reloading its layers one by one needs the LM head's own); under learner.lora the adapter's alone,
+        under PEFT's names."""
+        if self.lora is None:
+            return self._tensors(dtype)
+        entries, tensors = self._tensors(dtype, lora.is_adapter)
+        return ([(lora.peft_name(name), d, shape) for name, d, shape in entries],
+                ((lora.peft_name(name), t) for name, t in tensors))
+
+    def _tensors(self, dtype: str | None, select=None):
+        """`weights`' (entries, pairs) of the policy's tensors under the module's names (those `select`
+        keeps, by name; None: all)."""
         if self.sharded:
-            return sharding.gathered_weights(self.model, dtype)
+            return sharding.gathered_weights(self.model, dtype, select)
         state = self.policy.state_dict() if self.accelerator.is_main_process else {}
+        state = {k: v for k, v in state.items() if select is None or select(k)}
         return [(name, t.dtype, tuple(t.shape)) for name, t in state.items()], iter(state.items())
 
     def save_state(self, directory) -> dict:

@@ -81,11 +81,16 @@ def _config_parsers(sub) -> None:
 
 
 def _tool_parsers(sub) -> None:
-    export = sub.add_parser("export", help="a run's checkpoint as a Hugging Face model folder (transformers, vLLM)")
+    export = sub.add_parser("export", help="a run's checkpoint as a Hugging Face model folder (transformers, vLLM); "
+                                           "a LoRA run's as its adapter (PEFT)")
     export.add_argument("run_dir", help="the run's folder (runs/<name>-<time>)")
     export.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
-    export.add_argument("--out", help="where the model folder goes, new or empty (default: RUN_DIR/model-step-<N>)")
-    export.add_argument("--force", action="store_true", help="replace an earlier export (a folder with config.json)")
+    export.add_argument("--out", help="where the folder goes, new or empty (default: RUN_DIR/model-step-<N>, a LoRA "
+                                      "run's RUN_DIR/adapter-step-<N>)")
+    export.add_argument("--force", action="store_true", help="replace an earlier export (a folder with config.json "
+                                                             "or adapter_config.json)")
+    export.add_argument("--merge", action="store_true", help="a LoRA run: the adapter merged into the base model, "
+                                                             "a whole model folder (default: the adapter alone)")
     sub.add_parser("presets", help="list the presets shipped with tidal (tidal run <name>)")
     keys = sub.add_parser("keys", help="make CURVE keys for the ZeroMQ transport (broker.zmq.keys_dir)")
     keys.add_argument("dir", help="the keys folder (existing keys are kept)")
@@ -339,7 +344,8 @@ def _export(args) -> int:
     from tidal.learner.export import export_checkpoint
 
     try:
-        out = export_checkpoint(Path(args.run_dir), args.step, Path(args.out) if args.out else None, args.force)
+        out = export_checkpoint(Path(args.run_dir), args.step, Path(args.out) if args.out else None, args.force,
+                                args.merge)
     except (ConfigError, OSError, ValueError) as err:  # OSError: a folder that cannot be made or read
         print(f"tidal export: {err}", file=sys.stderr)
         return 2

@@ -5,8 +5,9 @@ anything starts: `tidal config check` prints the plan, `tidal run` checks it on 
     config.json ──► ModelShape ─┐
     RunConfig ──────────────────┼──► plan() ──► Plan: one Budget per device kind, each a list of Terms
     Cluster (GPU, host sizes) ──┘
-        learner GPU                  parameters, gradients, AdamW state, gathered units, activations,
-                                     logprob kernel, nccl send buffers, CUDA context, fragmentation
+        learner GPU                  parameters, gradients, AdamW state (learner.lora: a frozen base, and
+                                     the adapter's), gathered units, activations, logprob kernel, nccl
+                                     send buffers, CUDA context, fragmentation
         actor GPU, vLLM's share      weights, one max_model_len sequence's KV cache, activations
         actor GPU, outside the share CUDA context and NCCL, nccl receive buffers
         learner host, node 0         weight payloads kept, the file channel's copy and files,
@@ -64,6 +65,14 @@ class ModelShape:
     num_experts: int = 0  # routed experts per MoE layer; 0 for a dense model
     experts_per_token: int = 0  # experts each token is routed to
     qk_norm: bool = False  # RMSNorms on q and k (Qwen3)
+    # (decoder layer index, path inside it, in features, out features) of every linear layer of the decoder
+    # layers: what a LoRA adapter can target, and its size
+    linears: tuple[tuple[int, str, int, int], ...] = ()
+
+    @property
+    def layer_linears(self) -> list[str]:
+        """The paths of the linear layers inside the decoder layers (self_attn.q_proj, ...), each once."""
+        return list(dict.fromkeys(path for _, path, _, _ in self.linears))
 
     @property
     def tied(self) -> bool:
@@ -122,7 +131,7 @@ class ModelShape:
             num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
             vocab_size=text.vocab_size, max_position_embeddings=text.max_position_embeddings,
             num_experts=experts, experts_per_token=per_token,
-            qk_norm=any("q_norm" in n for n, _ in layers[0].named_parameters()))
+            qk_norm=any("q_norm" in n for n, _ in layers[0].named_parameters()), linears=linear_layers(layers))
 
 
 def decoder_layers(model):
@@ -133,6 +142,14 @@ def decoder_layers(model):
     if not found:
         raise ValueError(f"{type(model).__name__} has no `layers` list of decoder layers to size")
     return max(found, key=len)
+
+
+def linear_layers(layers) -> tuple[tuple[int, str, int, int], ...]:
+    """(layer index, path inside the layer, in features, out features) of each decoder layer's nn.Linear."""
+    import torch
+
+    return tuple((i, name, m.in_features, m.out_features) for i, layer in enumerate(layers)
+                 for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear))
 
 
 def mlp_width(layers, hidden_size: int, experts_per_token: int, num_experts: int) -> int:
@@ -267,21 +284,59 @@ def shard_count(cfg: RunConfig) -> int:
     return per_node if hsdp else lc.num_ranks
 
 
+def adapter_params(cfg: RunConfig, shape: ModelShape) -> int:
+    """A LoRA adapter's parameters (learner.lora): r x (in + out) of each targeted linear layer; 0 without."""
+    lora = cfg.learner.lora
+    return lora.num_params(list(shape.linears)) if lora.enabled else 0
+
+
+def trained_params(cfg: RunConfig, shape: ModelShape) -> int:
+    """The parameters AdamW updates: a LoRA adapter's, else every one."""
+    return adapter_params(cfg, shape) if cfg.learner.lora.enabled else shape.num_params
+
+
+def frozen_base_bytes(cfg: RunConfig, shape: ModelShape) -> int:
+    """Under learner.lora, the frozen base on one rank: in the compute dtype, but the LM head (the embedding,
+    tied) in fp32 under model.head = fp32; no gradients, no AdamW state. 0 without an adapter."""
+    if not cfg.learner.lora.enabled:
+        return 0
+    head = (shape.head_params or shape.embed_params) if cfg.model.head == "fp32" else 0
+    return ((shape.num_params - head) * ITEMSIZE[compute_dtype(cfg.learner)] + head * 4) // shard_count(cfg)
+
+
+LORA_KEYS = ("learner.lora.rank", "learner.lora.target_modules", "learner.lora.layers")
+
+
 def state_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
     """Master parameters, gradients and AdamW's two moments, each in learner.param_dtype, split over
-    the ranks that shard them."""
+    the ranks that shard them: of every parameter, or under learner.lora of the adapter's, beside the
+    frozen base."""
     lc, n = cfg.learner, shard_count(cfg)
-    each = shape.num_params * ITEMSIZE[lc.param_dtype] // n
+    each = trained_params(cfg, shape) * ITEMSIZE[lc.param_dtype] // n
     part = f", 1/{n} a rank" if n > 1 else ""
     keys = (*STATE_KEYS, "learner.param_dtype")
-    return [Term(f"parameters ({lc.param_dtype}{part})", each, keys),
-            Term(f"gradients ({lc.param_dtype}{part})", each, keys),
-            Term(f"AdamW state (2 x {lc.param_dtype}{part})", 2 * each, keys)]
+    if not lc.lora.enabled:
+        return [Term(f"parameters ({lc.param_dtype}{part})", each, keys),
+                Term(f"gradients ({lc.param_dtype}{part})", each, keys),
+                Term(f"AdamW state (2 x {lc.param_dtype}{part})", 2 * each, keys)]
+    adapter = f"{adapter_params(cfg, shape):,} adapter parameters, {lc.param_dtype}{part}"
+    return [Term(f"frozen base ({compute_dtype(lc)}, no gradients or AdamW state{part})", frozen_base_bytes(cfg, shape),
+                 (*STATE_KEYS, "learner.mixed_precision", "model.head")),
+            Term(f"LoRA parameters ({adapter})", each, LORA_KEYS + keys),
+            Term(f"LoRA gradients ({adapter})", each, LORA_KEYS + keys),
+            Term(f"LoRA AdamW state (2 x {adapter})", 2 * each, LORA_KEYS + keys)]
 
 
 def state_bytes(cfg: RunConfig, shape: ModelShape) -> int:
-    """One rank's parameters, gradients and AdamW's two moments (learner.param_dtype), sharded or whole."""
-    return 4 * shape.num_params * ITEMSIZE[cfg.learner.param_dtype] // shard_count(cfg)
+    """One rank's parameters, gradients and AdamW's two moments (learner.param_dtype), sharded or whole
+    (under learner.lora: the adapter's, and the frozen base)."""
+    trained = 4 * trained_params(cfg, shape) * ITEMSIZE[cfg.learner.param_dtype] // shard_count(cfg)
+    return trained + frozen_base_bytes(cfg, shape)
+
+
+def adamw_bytes(cfg: RunConfig, shape: ModelShape) -> int:
+    """One rank's AdamW moments (2 x learner.param_dtype of what it trains)."""
+    return 2 * trained_params(cfg, shape) * ITEMSIZE[cfg.learner.param_dtype] // shard_count(cfg)
 
 
 def gathered_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
@@ -293,9 +348,14 @@ def gathered_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
     held = 2 if fsdp.reshard_after_forward else shape.num_layers
     head_item = 4 if cfg.model.head == "fp32" else item
     head = shape.head_params or shape.embed_params
-    terms = [Term(f"gathered decoder layers ({held} + gradients of 2)", (held + 2) * shape.layer_params * item,
-                  ("learner.mixed_precision", "learner.fsdp.reshard_after_forward")),
-             Term("gathered LM head, with its gradient", 2 * head * head_item, ("model.head",))]
+    keys = ("learner.mixed_precision", "learner.fsdp.reshard_after_forward")
+    if cfg.learner.lora.enabled:  # a frozen base gathers no gradients (the adapter's are counted with its state)
+        terms = [Term(f"gathered decoder layers ({held})", held * shape.layer_params * item, keys),
+                 Term("gathered LM head", head * head_item, ("model.head",))]
+    else:
+        terms = [Term(f"gathered decoder layers ({held} + gradients of 2)", (held + 2) * shape.layer_params * item,
+                      keys),
+                 Term("gathered LM head, with its gradient", 2 * head * head_item, ("model.head",))]
     if not shape.tied:
         terms.append(Term("gathered embedding", shape.embed_params * item, ("learner.mixed_precision",)))
     return terms
@@ -306,11 +366,11 @@ def unsharded_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
     run (the LM head stays in its own dtype), and DDP a gradient bucket copy on several ranks."""
     lc, terms = cfg.learner, []
     compute = compute_dtype(lc)
-    if compute != lc.param_dtype:
-        copies = (shape.num_params - shape.head_params) * ITEMSIZE[compute]
+    if compute != lc.param_dtype:  # under learner.lora, of the adapter alone: the base is held in `compute`
+        copies = (trained_params(cfg, shape) - (0 if lc.lora.enabled else shape.head_params)) * ITEMSIZE[compute]
         terms.append(Term(f"autocast weight copies ({compute})", copies, ("learner.mixed_precision",)))
     if lc.num_ranks > 1:
-        terms.append(Term("DDP gradient buckets", shape.num_params * ITEMSIZE[lc.param_dtype],
+        terms.append(Term("DDP gradient buckets", trained_params(cfg, shape) * ITEMSIZE[lc.param_dtype],
                           ("learner.fsdp.enabled",)))
     return terms
 
@@ -481,8 +541,10 @@ def kv_cache_tokens(plan_: Plan, cfg: RunConfig) -> int:
 # ---- host memory ------------------------------------------------------------------------------------
 
 def payload_bytes(cfg: RunConfig, shape: ModelShape) -> int:
-    """One weight version as it travels: every tensor (a tied head under both names) in model.dtype."""
-    return shape.payload_params * ITEMSIZE[cfg.model.dtype]
+    """One weight version as it travels: every tensor (a tied head under both names) in model.dtype;
+    under learner.lora the adapter's alone."""
+    params = adapter_params(cfg, shape) if cfg.learner.lora.enabled else shape.payload_params
+    return params * ITEMSIZE[cfg.model.dtype]
 
 
 def in_shm(directory: str) -> bool:
@@ -516,9 +578,9 @@ def learner_host_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
     if lc.fsdp.enabled and lc.fsdp.cpu_offload:
         terms.append(Term(f"offloaded parameters, gradients, AdamW ({ranks} ranks)", ranks * state_bytes(cfg, shape),
                           STATE_KEYS))
-    writers, part = (ranks if shard_count(cfg) > 1 else 1), 2 * state_bytes(cfg, shape) // 4
-    terms.append(Term("checkpoint being written (AdamW state, staged and serialized)", writers * 2 * part,
-                      ("learner.fsdp.enabled", "learner.num_ranks")))
+    writers = ranks if shard_count(cfg) > 1 else 1
+    terms.append(Term("checkpoint being written (AdamW state, staged and serialized)",
+                      writers * 2 * adamw_bytes(cfg, shape), ("learner.fsdp.enabled", "learner.num_ranks")))
     terms.append(Term(f"learner processes ({ranks})", ranks * HOST_PROCESS_BYTES, ("learner.num_ranks",)))
     return terms
 

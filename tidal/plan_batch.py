@@ -43,7 +43,8 @@ async def measure(cfg: RunConfig, batch_sizes: list[int], reps: int) -> list[Thr
     params = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_tokens,
                             (tokenizer.eos_token_id,))
     engine = Engine(cfg.actor, cfg.model.path, cfg.model.dtype,
-                    max_num_seqs=max(cfg.actor.max_inflight, max(batch_sizes) * cfg.sampling.n))
+                    max_num_seqs=max(cfg.actor.max_inflight, max(batch_sizes) * cfg.sampling.n),
+                    adapter_rank=cfg.learner.lora.rank)
     results, counter = [], 0
     try:
         await engine.set_version(0)

@@ -32,6 +32,7 @@ def preflight(cfg: RunConfig) -> list[str]:
             raise
         scored = check_reward(cfg.task, split.train, None)
         return [*found, *scored, "model: the tiny model is not built yet (tidal run builds it)"]
+    check_lora_targets(cfg, path)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -44,6 +45,19 @@ def preflight(cfg: RunConfig) -> list[str]:
     check_sampling(cfg, tokenizer)
     scored = check_reward(cfg.task, split.train, tokenizer)
     return [*found, *scored, f"model {path}: tokenizer of {len(tokenizer)} tokens, prompts of up to {longest} tokens"]
+
+
+def check_lora_targets(cfg: RunConfig, model_path) -> None:
+    """learner.lora's target modules and layers against the model's decoder layers (its shape from
+    config.json, built on the meta device): ConfigError naming what it lacks and the linear layers it has."""
+    if not cfg.learner.lora.enabled:
+        return
+    from pathlib import Path
+
+    from tidal.memory import ModelShape
+
+    shape = ModelShape.from_config(Path(model_path))
+    cfg.learner.lora.check_model(shape.layer_linears, shape.num_layers)
 
 
 def check_task_options(cfg: RunConfig) -> None:

@@ -21,15 +21,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the step builders live in conftest.py
 from conftest import ALPHABET, STEP_VERSION, TINY, learner_config, step_batch  # noqa: E402
-from tidal.config import Aggregation, CheckpointConfig, FsdpConfig, LossType  # noqa: E402
+from tidal.config import Aggregation, CheckpointConfig, FsdpConfig, LoraConfig, LossType  # noqa: E402
 
 STEPS = 3
-# name -> (learner_config arguments, FSDP settings); five groups in 24-token micro-batches give the two
-# ranks unequal numbers of micro-batches, so the weightless repeats that keep them in step are exercised
+# name -> (learner_config arguments, FSDP settings, LoRA settings); five groups in 24-token micro-batches give
+# the two ranks unequal numbers of micro-batches, so the weightless repeats that keep them in step are exercised;
+# the LoRA case shards a frozen base beside an adapter on some of its layers' linear layers
 CASES = {
-    "cispo_uneven_micro_batches": ((LossType.cispo, Aggregation.prompt_mean, 24, 1, 5), FsdpConfig(enabled=True)),
+    "cispo_uneven_micro_batches": ((LossType.cispo, Aggregation.prompt_mean, 24, 1, 5), FsdpConfig(enabled=True),
+                                   LoraConfig()),
     "ppo_2updates_checkpointed": ((LossType.ppo, Aggregation.token_mean, 10_000, 2),
-                                  FsdpConfig(enabled=True, reshard_after_forward=False, activation_checkpointing=True)),
+                                  FsdpConfig(enabled=True, reshard_after_forward=False, activation_checkpointing=True),
+                                  LoraConfig()),
+    "lora_cispo": ((LossType.cispo, Aggregation.prompt_mean, 10_000, 1), FsdpConfig(enabled=True),
+                   LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"), layers=(1,))),
 }
 
 
@@ -37,8 +42,8 @@ def trainer_for(case: str, accelerator, sharded: bool):
     from tidal.learner.trainer import Trainer
     from tidal.tiny import build_tiny_model
 
-    args, fsdp = CASES[case]
-    cfg = dataclasses.replace(learner_config(*args), fsdp=fsdp if sharded else FsdpConfig())
+    args, fsdp, lora = CASES[case]
+    cfg = dataclasses.replace(learner_config(*args), fsdp=fsdp if sharded else FsdpConfig(), lora=lora)
     model, _ = build_tiny_model(TINY, ALPHABET, seed=0)
     return Trainer(cfg, model, accelerator, temperature=1.0)
 

@@ -183,3 +183,27 @@ def test_each_sharded_rank_builds_steps_and_checkpoints_within_a_few_times_its_s
         # safetensors writes a file from memory, and its largest is AdamW's (2x the shard): 113-301 MB were
         # measured on 2 cores, as the state's temporaries happened to be freed before or after the write
         assert m["checkpoint_peak_bytes"] < 4 * m["shard_bytes"]
+
+
+# a LoRA policy built on the meta device and loaded sharded from a model folder, as `tidal learner` builds
+# one: about 10 s on 2 cores
+def test_a_sharded_lora_policy_loads_its_base_by_the_models_names_and_starts_its_adapter_as_one_rank_would(
+        tmp_path):
+    from conftest import ALPHABET, TINY
+    from tidal.tiny import build_tiny_model, save_model
+
+    model, tokenizer = build_tiny_model(TINY, ALPHABET, seed=0)
+    save_model(model, tokenizer, tmp_path / "model")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(SCRIPT.with_name("sharded_load.py")), str(tmp_path / "model"),
+           str(tmp_path / "loaded.json"), "--lora"]
+    env = os.environ | {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    loaded = json.loads((tmp_path / "loaded.json").read_text())
+    # every base tensor as transformers loads it (an adapted layer's too, read as its base_layer), and the
+    # adapter (A from the learner's seed, B zero) under PEFT's names, whole
+    assert loaded["wrong"] == [] and loaded["adapter_tensors"] == 6  # A and B of q_proj, v_proj, down_proj
+    assert "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight" in loaded["names"]
+    assert "model.layers.1.mlp.down_proj.weight" in loaded["names"]
+    assert not [name for name in loaded["names"] if "base_layer" in name or ".default." in name]

@@ -165,6 +165,39 @@ def test_shards_span_a_node_under_hsdp_and_offload_moves_them_to_the_host(shapes
     assert host["checkpoint being written (AdamW state, staged and serialized)"] == 4 * 2 * (8 * 14_770_033_664 // 4)
 
 
+def test_a_lora_learner_holds_a_frozen_base_and_the_adapters_fp32_state(shapes):
+    seven, head = shapes["Qwen2.5-7B"], 152064 * 3584
+    assert seven.layer_linears == ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    full = load_config("scalerl", ["learner.micro_batch_tokens=8192"])
+    lora = load_config("scalerl", ["learner.micro_batch_tokens=8192", "learner.lora.rank=16"])
+    # r x (in + out) of q, k, v, o, gate, up, down in 28 layers: what peft reports for Qwen2.5-7B at r = 16
+    assert memory.adapter_params(lora, seven) == 16 * 28 * (7168 + 4096 + 4096 + 7168 + 3 * 22528) == 40_370_176
+    two = load_config("scalerl", ["learner.lora.rank=16", "learner.lora.layers=[0,1]", "learner.lora.target_modules="
+                                  "[q_proj,v_proj]"])
+    assert memory.adapter_params(two, seven) == 16 * 2 * (7168 + 4096)
+    learner = terms(plan(lora, seven, EIGHT_80).budget("learner GPU"))
+    # the base in bf16 (its untied LM head in fp32, model.head = fp32) with no gradients and no AdamW state
+    assert learner["frozen base (bfloat16, no gradients or AdamW state)"] == (7_615_616_512 - head) * 2 + head * 4
+    adapter = "40,370,176 adapter parameters, float32"
+    assert [learner[f"LoRA {what} ({adapter})"] for what in ("parameters", "gradients")] == [40_370_176 * 4] * 2
+    assert learner[f"LoRA AdamW state (2 x {adapter})"] == 2 * 40_370_176 * 4
+    assert learner["autocast weight copies (bfloat16)"] == 40_370_176 * 2  # of the adapter: the base is bf16 already
+    assert not [name for name in learner if name.startswith(("parameters", "gradients", "AdamW"))]
+    # one 80 GiB GPU: the whole 7B's fp32 state is refused, its adapter fits
+    with pytest.raises(ConfigError, match="its largest term, AdamW state"):
+        plan(full, seven, EIGHT_80).check()
+    plan(lora, seven, EIGHT_80).check()
+    host = terms(plan(lora, seven, EIGHT_80).budget("learner host, node 0"))
+    assert host["weight payloads kept (3 x bfloat16)"] == 3 * 40_370_176 * 2  # a push carries the adapter alone
+    assert host["checkpoint being written (AdamW state, staged and serialized)"] == 2 * 2 * 40_370_176 * 4
+    sharded = load_config("scalerl", ["learner.lora.rank=16", "learner.num_ranks=4", "learner.fsdp.enabled=true"])
+    gathered = terms(plan(sharded, seven, EIGHT_80).budget("learner GPU"))
+    assert gathered["gathered decoder layers (2)"] == 2 * seven.layer_params * 2  # no gradients of a frozen base
+    assert gathered["frozen base (bfloat16, no gradients or AdamW state, 1/4 a rank)"] == \
+        ((7_615_616_512 - head) * 2 + head * 4) // 4
+
+
 def test_colocated_engines_take_their_share_of_the_learner_gpu(shapes):
     cfg = load_config("scalerl", ["actor.colocate=true", "actor.replicas=2", "actor.vllm.gpu_memory_utilization=0.3",
                                   "learner.num_ranks=2", "learner.fsdp.enabled=true", "weights.transport=tcp"])

@@ -63,6 +63,7 @@ from tidal.config.learner import (
     FsdpConfig,
     KernelBackend,
     LearnerConfig,
+    LoraConfig,
     LossConfig,
     LossType,
     LrScaling,
@@ -111,7 +112,7 @@ __all__ = [
     "LOOPBACK", "BrokerConfig", "BrokerType", "Curve", "RedisConfig", "WeightsConfig", "WeightTransport",
     "ZmqConfig", "curve_on", "default_weights_dir",
     "AdvantageNorm", "Aggregation", "Attention", "CheckpointConfig", "CurriculumConfig", "EvalConfig",
-    "FsdpConfig", "KernelBackend", "LearnerConfig", "LossConfig", "LossType", "LrScaling", "LrSchedule",
+    "FsdpConfig", "KernelBackend", "LearnerConfig", "LoraConfig", "LossConfig", "LossType", "LrScaling", "LrSchedule",
     "MixedPrecision", "OnViolation", "OptimConfig", "Packing", "StalenessConfig", "compute_dtype",
     "TrackingConfig",
     # the whole run, loading, redaction and help

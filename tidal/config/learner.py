@@ -166,6 +166,78 @@ class FsdpConfig(Section):
                                            "and only the gradients cross between machines")
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+UNTARGETABLE = ("lm_head", "embed_tokens")  # the LM head and the embedding (Llama/Qwen names)
+
+
+@dataclass(frozen=True)
+class LoraConfig(Section):
+    """A LoRA adapter trained on the frozen policy (peft): each weight push carries the adapter alone,
+    which the actors' engines serve over their base model (vLLM's LoRA)."""
+
+    rank: int = opt(0, "the adapter's rank r; 0 = no adapter: every parameter is trained and pushed")
+    alpha: float = opt(32.0, "the update is (alpha / rank) x B A")
+    dropout: float = opt(0.0, "dropout on the adapter's input while training (the actors serve without it)")
+    target_modules: tuple[str, ...] = opt(LORA_TARGETS, "the linear layers that get an adapter, by their name in the "
+                                                         "model (every layer of that name)")
+    layers: tuple[int, ...] = opt((), "the decoder layers (by index) whose target modules get an adapter; the rest "
+                                      "stay frozen as they are; empty = every layer")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def check(self) -> None:
+        _require(self.rank >= 0, "learner.lora.rank", self.rank, "must be >= 0 (0 = no adapter)")
+        if not self.enabled:
+            return
+        _require(self.alpha > 0, "learner.lora.alpha", self.alpha, "must be > 0")
+        _require(0 <= self.dropout < 1, "learner.lora.dropout", self.dropout, "must be in [0, 1)")
+        _require(bool(self.target_modules), "learner.lora.target_modules", self.target_modules,
+                 "name at least one linear layer (e.g. q_proj, v_proj)")
+        _require(all(i >= 0 for i in self.layers), "learner.lora.layers", self.layers, "layer indices are >= 0")
+        _require(not self.untargetable(), "learner.lora.target_modules", self.target_modules,
+                 f"{', '.join(self.untargetable())}: the LM head and the embedding take no adapter (the learner's "
+                 "fused logprob head reads the head's weight as it is, and the actors serve adapters on the decoder "
+                 "layers' linear layers only)")
+
+    def untargetable(self) -> list[str]:
+        """The target names that would reach the LM head or the embedding."""
+        return [t for t in self.target_modules if t.rsplit(".", 1)[-1] in UNTARGETABLE]
+
+    @property
+    def scaling(self) -> float:
+        """What B A is multiplied by: alpha / rank."""
+        return self.alpha / self.rank
+
+    def targets(self, path: str) -> bool:
+        """Whether the linear layer at `path` (inside a decoder layer: self_attn.q_proj) gets an adapter, as
+        peft matches it: its path is a target, or ends in `.<target>`."""
+        return any(_names(path, t) for t in self.target_modules)
+
+    def num_params(self, linears: list[tuple[int, str, int, int]]) -> int:
+        """The adapter's parameters: r x (in + out) of each targeted linear layer. `linears`: (decoder layer
+        index, path inside it, in features, out features) of the model's linear layers."""
+        chosen = set(self.layers)
+        return sum(self.rank * (n_in + n_out) for layer, path, n_in, n_out in linears
+                   if (not chosen or layer in chosen) and self.targets(path))
+
+    def check_model(self, layer_linears: list[str], num_layers: int) -> None:
+        """The targets and layers against a model's: `layer_linears`, the paths of the linear layers inside
+        its decoder layers (self_attn.q_proj, mlp.down_proj, ...), and its number of decoder layers.
+        ConfigError naming the targets it lacks and the linear layers it has."""
+        missing = [t for t in self.target_modules if not any(_names(n, t) for n in layer_linears)]
+        has = ", ".join(dict.fromkeys(n.rsplit(".", 1)[-1] for n in layer_linears))
+        _require(not missing, "learner.lora.target_modules", self.target_modules,
+                 f"the model's decoder layers have no linear layer {', '.join(missing)}; they have: {has}")
+        _require(all(i < num_layers for i in self.layers), "learner.lora.layers", self.layers,
+                 f"the model has {num_layers} decoder layers (indices 0 to {num_layers - 1})")
+
+
+def _names(path: str, target: str) -> bool:
+    return path == target or path.endswith("." + target)
+
+
 @dataclass(frozen=True)
 class LearnerConfig(Section):
     """The training loop: step batches, loss, optimizer, weight publishing."""
@@ -187,6 +259,7 @@ class LearnerConfig(Section):
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     kernel_backend: KernelBackend = opt(KernelBackend.auto, "logprob kernel")
     param_dtype: Dtype = opt(Dtype.float32, "master weights and AdamW state; keep float32: in bfloat16 updates below "
                                             "its resolution vanish")
@@ -229,6 +302,7 @@ class LearnerConfig(Section):
         self.check_numerics()
         self.loss.check()
         self.optim.check()
+        self.lora.check()
 
     def check_placement(self) -> None:
         """The ranks over machines, and sharding over the ranks."""
