@@ -23,7 +23,11 @@ async def serve(cfg: RunConfig) -> str:
     receiver = build_receiver(cfg.weights)
     engine = Engine(cfg.actor, cfg.model.path, cfg.model.dtype, adapter_rank=cfg.learner.lora.rank)
     await engine.set_version(0)
-    log.info("actor %s: engine up; weight updates enter it by %s", cfg.actor.id, await engine.weight_layout())
+    if cfg.learner.lora.enabled:
+        log.info("actor %s: engine up, serving a LoRA adapter of rank %d over its base; each weight update "
+                 "replaces the adapter", cfg.actor.id, cfg.learner.lora.rank)
+    else:
+        log.info("actor %s: engine up; weight updates enter it by %s", cfg.actor.id, await engine.weight_layout())
     # what start-up left (torch, vLLM, the tokenizer: ~600k objects) is kept out of the collector's full
     # passes: in a demo run one came every ~7 s of training and took ~0.4 s with this event loop (every
     # request's intake and output) stopped; without those objects a pass takes ~2 ms. Collected first, so

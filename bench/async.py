@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runs import history, tidal_run, time_to_target
+from runs import bootstrap_ratio, history, tidal_run, time_to_target
 
 
 def run_grid(config: str, lags: list[int], seeds: int, extra: list[str], folder: Path, trl: bool) -> list[dict]:
@@ -61,14 +61,6 @@ def trl_run(config: str, seed: int, extra: list[str]) -> dict[str, dict[int, flo
         raise SystemExit(f"bench/async: the TRL run failed:\n{(done.stdout + done.stderr)[-3000:]}")
     hist = json.loads(done.stdout.strip().splitlines()[-1])
     return {name: {int(step): value for step, value in values.items()} for name, values in hist.items()}
-
-
-def bootstrap_ratio(base: list[float], other: list[float], rng: np.random.Generator, n: int = 2000) -> list:
-    """90% interval of median(base) / median(other), resampling the seeds of each side."""
-    if not base or not other:
-        return [None, None]
-    ratios = [np.median(rng.choice(base, len(base))) / np.median(rng.choice(other, len(other))) for _ in range(n)]
-    return [round(float(q), 3) for q in np.quantile(ratios, [0.05, 0.95])]
 
 
 def summarize(runs: list[dict], target: float, also: list[float], rng: np.random.Generator) -> list[dict]:

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 METRICS = ("eval/pass_rate", "compute/wall_s", "compute/samples")
 
 
@@ -63,3 +65,11 @@ def time_to_target(hist: dict[str, dict[int, float]], target: float) -> dict:
             "time_to_target_s": round(hist["compute/wall_s"][hit[0]] - start, 2) if hit else None,
             "step_at_target": hit[0] if hit else None}
 
+
+
+def bootstrap_ratio(base: list[float], other: list[float], rng: np.random.Generator, n: int = 2000) -> list:
+    """90% interval of median(base) / median(other), resampling the seeds of each side."""
+    if not base or not other:
+        return [None, None]
+    ratios = [np.median(rng.choice(base, len(base))) / np.median(rng.choice(other, len(other))) for _ in range(n)]
+    return [round(float(q), 3) for q in np.quantile(ratios, [0.05, 0.95])]

@@ -123,6 +123,33 @@ def test_coordinator_actor_and_learner_train_through_a_transport(tmp_path, tiny_
                AutoModelForCausalLM.from_pretrained(again).state_dict().items())
 
 
+def test_a_lora_run_trains_the_adapter_and_every_version_reaches_the_actor_as_the_adapter_alone(tmp_path, tiny_model):
+    """learner.lora end to end in process: each push is the adapter alone (PEFT's names), which the
+    worker keeps for the engine's LoRA instead of loading into its model; the last one equals the
+    learner's adapter; the run ends with the merged model and the adapter beside it."""
+    from tidal.learner import lora
+
+    model_path, tokenizer = tiny_model
+    cfg = resolve(load_config("configs/tiny-lora.yaml", [
+        f"run_dir={tmp_path / 'run'}", f"model.path={model_path}", f"learner.max_steps={MAX_STEPS}",
+        "learner.groups_per_step=4", "sampling.n=4", f"staleness.max_lag={MAX_LAG}", "eval.every=2", "eval.n=2",
+        "task.num_val=8", "actor.max_inflight=16", "actor.heartbeat_s=0.2", "learner.lora.rank=4"]), actor=True)
+    learner_side, actor_side = transports("inproc", cfg)
+    engine = ScriptedEngine(tokenizer, p_correct=0.5, adapter=True)
+    learner = build(cfg, transport=learner_side)
+    thread, actor = start_actor(actor_side, cfg, engine)
+
+    assert serve(learner, tmp_path / "run") == 0
+    thread.join(timeout=30)
+    assert actor["reason"] == "learner finished" and engine.swaps[-1] == MAX_STEPS and engine.loaded == {}
+    spec, tensors, version = engine.worker.stash.current
+    assert (spec.rank, version) == (4, MAX_STEPS)
+    mine = {lora.peft_name(name): p for name, p in lora.adapter_parameters(learner.trainer.policy)}
+    assert tensors.keys() == mine.keys() and all(torch.equal(tensors[k], v.detach()) for k, v in mine.items())
+    assert (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()
+    assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
+
+
 USER_TASK = '''
 """A user's own task, outside tidal: chat prompts from a JSON Lines file, a reward that logs what it saw."""
 from pathlib import Path
