@@ -239,16 +239,12 @@ def engine_args(cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int
     }
 
 
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM takes
-
-
 def lora_args(rank: int) -> dict:
     """vLLM's LoRA for an adapter of `rank`: one adapter, one slot (each version replaces it in place)."""
-    fitting = [r for r in VLLM_LORA_RANKS if r >= rank]
-    if not fitting:
-        raise ValueError(f"config key 'learner.lora.rank' = {rank}: vLLM serves adapters of rank {VLLM_LORA_RANKS[-1]} "
-                         "at most")
-    return {"enable_lora": True, "max_lora_rank": fitting[0], "max_loras": 1, "max_cpu_loras": 1}
+    from tidal.config import LoraConfig
+
+    return {"enable_lora": True, "max_lora_rank": LoraConfig(rank=rank).served_rank, "max_loras": 1,
+            "max_cpu_loras": 1}
 
 
 def head_overrides(dtype: str, chosen: dict | None) -> dict:

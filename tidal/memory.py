@@ -510,7 +510,22 @@ def engine_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
                   ("actor.max_inflight",))]
     if not ac.enforce_eager:
         terms.append(Term("CUDA graphs", CUDA_GRAPH_BYTES, ("actor.enforce_eager",)))
+    if cfg.learner.lora.enabled:
+        terms.append(lora_slot_term(cfg, shape))
     return terms
+
+
+def lora_slot_term(cfg: RunConfig, shape: ModelShape) -> Term:
+    """vLLM's one LoRA slot: A and B buffers of its max_lora_rank (the smallest size vLLM offers that holds
+    learner.lora.rank) on every decoder linear layer it can adapt, targeted or not, in model.dtype."""
+    from dataclasses import replace
+
+    rank = cfg.learner.lora.served_rank
+    every = replace(cfg.learner.lora, rank=rank, target_modules=tuple(shape.layer_linears), layers=())
+    tp = cfg.actor.vllm.tensor_parallel_size
+    return Term(f"LoRA slot (max_lora_rank {rank}, every linear layer)",
+                every.num_params(list(shape.linears)) * ITEMSIZE[cfg.model.dtype] // tp,
+                ("learner.lora.rank", "model.dtype"))
 
 
 def actor_gpu_budgets(cfg: RunConfig, shape: ModelShape, cluster: Cluster) -> list[Budget]:

@@ -191,6 +191,13 @@ def test_a_lora_learner_holds_a_frozen_base_and_the_adapters_fp32_state(shapes):
     host = terms(plan(lora, seven, EIGHT_80).budget("learner host, node 0"))
     assert host["weight payloads kept (3 x bfloat16)"] == 3 * 40_370_176 * 2  # a push carries the adapter alone
     assert host["checkpoint being written (AdamW state, staged and serialized)"] == 2 * 2 * 40_370_176 * 4
+    # the actor: vLLM's one slot at its size 16, on every linear layer whatever the targets, in bf16
+    slot = terms(plan(two, seven, EIGHT_80).budget("actor GPU, vLLM's share"))
+    assert slot["LoRA slot (max_lora_rank 16, every linear layer)"] == 40_370_176 * 2
+    twelve = load_config("scalerl", ["learner.lora.rank=12"])
+    assert twelve.learner.lora.served_rank == 16
+    with pytest.raises(ConfigError, match="learner.lora.rank.*vLLM serves adapters of rank 512 at most"):
+        load_config("scalerl", ["learner.lora.rank=600"])
     sharded = load_config("scalerl", ["learner.lora.rank=16", "learner.num_ranks=4", "learner.fsdp.enabled=true"])
     gathered = terms(plan(sharded, seven, EIGHT_80).budget("learner GPU"))
     assert gathered["gathered decoder layers (2)"] == 2 * seven.layer_params * 2  # no gradients of a frozen base

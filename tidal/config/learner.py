@@ -166,6 +166,7 @@ class FsdpConfig(Section):
                                            "and only the gradients cross between machines")
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank sizes vLLM runs
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 UNTARGETABLE = ("lm_head", "embed_tokens")  # the LM head and the embedding (Llama/Qwen names)
 
@@ -187,10 +188,17 @@ class LoraConfig(Section):
     def enabled(self) -> bool:
         return self.rank > 0
 
+    @property
+    def served_rank(self) -> int:
+        """The actors' max_lora_rank: the smallest size vLLM offers that holds the adapter's rank."""
+        return next(r for r in VLLM_LORA_RANKS if r >= self.rank)
+
     def check(self) -> None:
         _require(self.rank >= 0, "learner.lora.rank", self.rank, "must be >= 0 (0 = no adapter)")
         if not self.enabled:
             return
+        _require(self.rank <= VLLM_LORA_RANKS[-1], "learner.lora.rank", self.rank,
+                 f"vLLM serves adapters of rank {VLLM_LORA_RANKS[-1]} at most")
         _require(self.alpha > 0, "learner.lora.alpha", self.alpha, "must be > 0")
         _require(0 <= self.dropout < 1, "learner.lora.dropout", self.dropout, "must be in [0, 1)")
         _require(bool(self.target_modules), "learner.lora.target_modules", self.target_modules,
