@@ -8,7 +8,7 @@ anything starts: `tidal config check` prints the plan, `tidal run` checks it on 
         learner GPU                  parameters, gradients, AdamW state (learner.lora: a frozen base, and
                                      the adapter's), gathered units, activations, logprob kernel, nccl
                                      send buffers, CUDA context, fragmentation
-        actor GPU, vLLM's share      weights, one max_model_len sequence's KV cache, activations
+        actor GPU, vLLM's share      weights, one max_model_len sequence's KV cache, activations, LoRA slot
         actor GPU, outside the share CUDA context and NCCL, nccl receive buffers
         learner host, node 0         weight payloads kept, the file channel's copy and files,
                                      offloaded state, a checkpoint being written, processes

@@ -17,7 +17,8 @@ class TrackingConfig(Section):
                                                  "metrics every this many seconds, as system/* metrics of the "
                                                  "learner's run; 0 = none")
     eval_completions: int = opt(64, "sample completions logged as a table at every evaluation; 0 = none")
-    log_model: bool = opt(False, "also log the final exported model folder (run_dir/model) to MLflow, as artifacts")
+    log_model: bool = opt(False, "also log the final exported model folder (run_dir/model) to MLflow, as artifacts, "
+                                 "and under learner.lora the adapter (run_dir/adapter)")
     log_every_steps: int = opt(1, "one line in the learner's log every this many steps (step, reward, pass rate, loss, "
                                   "lag, tokens/s over the recent window, time per step), so `kubectl logs -f` shows "
                                   "progress; 0 = none")
