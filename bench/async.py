@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runs import bootstrap_ratio, history, tidal_run, time_to_target
+from runs import bootstrap_ratio, finish_pass_rate_figure, history, tidal_run, time_to_target
 
 
 def run_grid(config: str, lags: list[int], seeds: int, extra: list[str], folder: Path, trl: bool) -> list[dict]:
@@ -106,7 +106,7 @@ def _time_summary(key: str, label: str, group: list[dict], base: list[dict], trl
 def plot(runs: list[dict], target: float, png: Path) -> None:
     from matplotlib import colormaps
 
-    from tidal.scaling import figure, save_figure
+    from tidal.scaling import figure
 
     lags = sorted({r["max_lag"] for r in runs if r["max_lag"] is not None})
     colors = dict(zip(lags, colormaps["viridis"](np.linspace(0, 0.9, len(lags))))) | {None: "tab:red"}
@@ -124,12 +124,8 @@ def plot(runs: list[dict], target: float, png: Path) -> None:
         label = f"{name} ({count} seed{'s' if count > 1 else ''})" if r["seed"] == 0 else None
         ax.plot([hist["compute/wall_s"][s] - start for s in steps], [hist["eval/pass_rate"][s] for s in steps],
                 color=colors[r["max_lag"]], alpha=0.8, label=label)
-    ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:.2f}")
-    ax.set(xlabel="wall time since the step-0 evaluation (s)", ylabel="val pass rate",
-           title=f"{runs[0]['task']}: pass rate against wall time, steps 0-{last_step}")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    save_figure(fig, png, dpi=100)
+    finish_pass_rate_figure(fig, ax, target, f"{runs[0]['task']}: pass rate against wall time, steps 0-{last_step}",
+                            png)
 
 
 def main() -> int:

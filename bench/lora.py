@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runs import bootstrap_ratio, history, tidal_run, time_to_target
+from runs import bootstrap_ratio, finish_pass_rate_figure, history, tidal_run, time_to_target
 
 
 def emit(record: dict) -> None:
@@ -228,7 +228,7 @@ def summarize_learning(runs: list[dict], task: str, target: float, rng) -> dict:
 
 
 def plot(runs: list[dict], target: float, png: Path) -> None:
-    from tidal.scaling import figure, save_figure
+    from tidal.scaling import figure
 
     fig, ax = figure()
     for run in runs:
@@ -238,12 +238,7 @@ def plot(runs: list[dict], target: float, png: Path) -> None:
         label = f"{'LoRA' if run['mode'] == 'lora' else 'full fine-tuning'}" if run["seed"] == 0 else None
         ax.plot([hist["compute/wall_s"][s] - start for s in steps], [hist["eval/pass_rate"][s] for s in steps],
                 color="tab:orange" if run["mode"] == "lora" else "tab:blue", alpha=0.8, label=label)
-    ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:.2f}")
-    ax.set(xlabel="wall time since the step-0 evaluation (s)", ylabel="val pass rate",
-           title=f"{runs[0]['task']}: LoRA against full fine-tuning, pass rate against wall time")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    save_figure(fig, png, dpi=120)
+    finish_pass_rate_figure(fig, ax, target, f"{runs[0]['task']}: LoRA against full fine-tuning", png)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -73,3 +73,14 @@ def bootstrap_ratio(base: list[float], other: list[float], rng: np.random.Genera
         return [None, None]
     ratios = [np.median(rng.choice(base, len(base))) / np.median(rng.choice(other, len(other))) for _ in range(n)]
     return [round(float(q), 3) for q in np.quantile(ratios, [0.05, 0.95])]
+
+
+def finish_pass_rate_figure(fig, ax, target: float, title: str, png: Path, dpi: int = 100) -> None:
+    """A pass-rate-against-wall-time figure's target line, labels and legend, saved to `png`."""
+    from tidal.scaling import save_figure
+
+    ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:.2f}")
+    ax.set(xlabel="wall time since the step-0 evaluation (s)", ylabel="val pass rate", title=title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    save_figure(fig, png, dpi=dpi)

@@ -158,6 +158,12 @@ def worker_engine(**keys) -> ScriptedEngine:
         parallel_config=SimpleNamespace(rank=0), model_config=None), **keys)
 
 
+def assert_whole(engine, state: dict, swaps: list[int]) -> None:
+    """The engine took `swaps` and holds `state` exactly, its model whole again."""
+    assert engine.swaps == swaps and not engine.torn
+    assert all(torch.equal(engine.loaded[k], v) for k, v in state.items())
+
+
 def weights(seed: int) -> dict:
     """Six tensors of 0.75 MiB: three chunks of vLLM's packing at weights.bucket_mib = 1."""
     generator = torch.Generator().manual_seed(seed)
@@ -263,8 +269,7 @@ def test_a_learner_gone_mid_transfer_leaves_the_engine_paused_until_a_whole_vers
         resumed.incarnation = "inc-2"
         state = weights(1)
         asyncio.run(receiver.apply(resumed.publish(state, 1), engine))
-        assert engine.swaps == [1] and not engine.torn and all(torch.equal(engine.loaded[k], v)
-                                                                for k, v in state.items())
+        assert_whole(engine, state, [1])
     finally:
         resumed.close()
 
@@ -352,8 +357,7 @@ def test_a_tensor_altered_on_the_way_is_refused_and_the_engine_waits_for_a_check
         monkeypatch.setattr(nccl.NcclPlane, "send", send)
         state = weights(1)
         asyncio.run(receiver.apply(publisher.publish(state, 2), engine))
-        assert engine.swaps == [2] and not engine.torn and all(torch.equal(engine.loaded[k], v)
-                                                                for k, v in state.items())
+        assert_whole(engine, state, [2])
     finally:
         publisher.close()
 
