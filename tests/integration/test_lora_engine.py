@@ -136,3 +136,33 @@ def test_a_whole_model_sent_to_an_adapter_engine_is_refused_naming_why(engine, b
     finally:
         publisher.close()
     assert engine.version != 30
+
+
+def test_an_exported_adapter_folder_is_served_by_vllm_with_the_learners_logprobs(tiny_model_path, base, tmp_path):
+    """What `tidal export` writes for a LoRA run (PEFT's format) is an adapter vLLM serves from its folder,
+    as any deployment would load it: an engine of its own, the adapter named by path."""
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from tidal.config import LoraConfig
+    from tidal.learner.export import export_adapter
+
+    policy, tensors = adapted(base, seed=40)
+    folder = export_adapter(tensors, LoraConfig(rank=RANK, alpha=ALPHA, target_modules=TARGETS), tiny_model_path,
+                            tmp_path / "adapter", "float32")
+    serving = engine_on_a_thread(tiny_model_path, adapter_rank=RANK)
+    engine = next(serving)
+    try:
+        prompt = tokenize(engine, "37+48=")
+
+        async def sample():
+            params = VllmSamplingParams(n=8, max_tokens=6, ignore_eos=True, logprobs=0, temperature=1.0)
+            request = LoRARequest("exported", 5, str(folder))
+            return [out async for out in engine._llm.generate({"prompt_token_ids": prompt}, params,
+                                                              request_id="exported", lora_request=request)][-1]
+        out = on_engine(engine, sample())
+    finally:
+        next(serving, None)
+    worst = max(float(np.abs(np.array([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)])
+                             - learner_logprobs(policy, prompt, np.array(c.token_ids))).max()) for c in out.outputs)
+    assert worst <= 1e-4, worst
