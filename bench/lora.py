@@ -12,6 +12,7 @@
 
     python bench/lora.py --part weights                       # ~2 minutes on 2 cores
     python bench/lora.py --part learning --configs tiny --seeds 3
+    python bench/lora.py --part learning --configs long --seeds 3 --override learner.max_steps=60
 """
 from __future__ import annotations
 
@@ -197,7 +198,8 @@ def bench_learning(args) -> None:
         for seed in range(args.seeds):
             for mode, extra in (("full", []), ("lora", lora_overrides(args.rank, args.lr_factor, cfg))):
                 run_dir = folder / f"{config}-{mode}-s{seed}"
-                tidal_run([config], [f"learner.seed={seed}", f"actor.seed={seed}", *extra], run_dir, "bench/lora")
+                overrides = [f"learner.seed={seed}", f"actor.seed={seed}", *args.override, *extra]
+                tidal_run([config], overrides, run_dir, "bench/lora")
                 runs.append({"task": config, "mode": mode, "seed": seed, "history": history(run_dir)})
         target = statistics.median(final_pass_rate(r["history"]) for r in runs if r["mode"] == "full") - args.margin
         for run in runs:
@@ -253,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--margin", type=float, default=0.03, help="learning: target = full runs' median final - this")
     parser.add_argument("--out", default="", help="learning: where the runs go (default: a temporary folder)")
+    parser.add_argument("--override", action="append", default=[], help="learning: a config override for every run "
+                        "(repeatable), e.g. learner.max_steps=60")
     args = parser.parse_args(argv)
     parts = set(args.part.split(","))
     if parts - {"weights", "learning"}:
