@@ -65,9 +65,9 @@ def test_every_chunk_is_loaded_after_it_lands_on_the_stream_it_came_on(monkeypat
                             loaded={})
     model.load_weights = lambda weights: model.loaded.update((k, t.clone()) for k, t in weights) or set()
     monkeypatch.setattr(nccl, "communicator", lambda *_: LateCommunicator(chunks_of(state, 4 << 20)))
-    engine = SimpleNamespace(config=None, device=torch.device("cuda", 0), model=model, model_config=None,
-                             worker_rank=0, vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(rank=0),
-                                                                        model_config=None))
+    engine = SimpleNamespace(config=None, device=torch.device("cuda", 0), model=model, load_target=model,
+                             model_config=None, worker_rank=0,
+                             vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(rank=0), model_config=None))
     uid = base64.b64encode(bytes(128)).decode()  # the stub communicator needs no rendezvous
     member = nccl.NcclPlane.join(engine, InitInfo("nccl", {"uid": uid, "world_size": 2, "buffer_bytes": 4 << 20}, 30))
     manifest, _ = payload.layout((k, "F32", tuple(v.shape)) for k, v in state.items())
@@ -125,7 +125,8 @@ def load_weights(weights):
     return set()
 model = types.SimpleNamespace(named_parameters=lambda: iter(()), modules=lambda: iter(()),
                               parameters=lambda: iter(()), load_weights=load_weights)
-engine = types.SimpleNamespace(config=None, device=torch.device("cuda", 1), model=model, model_config=None,
+engine = types.SimpleNamespace(config=None, device=torch.device("cuda", 1), model=model, load_target=model,
+                               model_config=None,
                                worker_rank=0, vllm_config=types.SimpleNamespace(
                                    parallel_config=types.SimpleNamespace(rank=0), model_config=None))
 member = nccl.NcclPlane.join(engine, InitInfo("nccl", spec["group"], 30.0))

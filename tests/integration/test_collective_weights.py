@@ -123,7 +123,7 @@ update = msgspec.json.decode(sys.stdin.buffer.read(), type=WeightUpdate)
 conn = socket.create_connection(server.parse_location(update.location))
 conn.sendall(collective.control(update.token, collective.JOIN, 1))
 spec = json.loads(server.read_reply(conn, "join"))
-worker = types.SimpleNamespace(worker_rank=0, model=None, model_config=None)
+worker = types.SimpleNamespace(worker_rank=0, model=None, load_target=None, model_config=None)
 member = gloo.GlooPlane.join(worker, InitInfo("gloo", {**spec, "location": update.location,
                                                        "token": update.token.hex()}, 5.0))
 conn.sendall(collective.control(update.token, collective.FETCH, update.version))
@@ -165,7 +165,8 @@ def test_a_stalled_peer_is_aborted_after_the_timeout_and_the_learner_serves_on(s
     from types import SimpleNamespace
 
     from tidal.broker.weights.base import InitInfo
-    gloo.GlooPlane.join(SimpleNamespace(worker_rank=0, model=None, model_config=None),  # the peer's own side waits
+    peer = SimpleNamespace(worker_rank=0, model=None, load_target=None, model_config=None)
+    gloo.GlooPlane.join(peer,  # the peer's own side waits
                         InitInfo("gloo", {**spec, "location": update.location, "token": update.token.hex()}, 30.0))
     conn.sendall(collective.control(update.token, collective.FETCH, update.version))
     server.read_reply(conn, "fetch")
