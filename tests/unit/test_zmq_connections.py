@@ -167,8 +167,9 @@ def test_strangers_streaming_big_frames_are_held_for_the_caps_connections_only()
 
         def held_mib() -> float:
             return (psutil.Process().memory_info().rss - rss_before) / 2**20
-        assert until(lambda: refused(side) == 8 and held_mib() < 2 * 16 + 8), held_mib()
-        assert side.connections()["rollout"] == 2 and held_mib() > 20  # the two admitted hold theirs
+        # waited for until the two admitted hold theirs (a loaded machine takes a while to move 30 MiB)
+        assert until(lambda: refused(side) == 8 and held_mib() > 20, timeout_s=10), held_mib()
+        assert side.connections()["rollout"] == 2 and held_mib() < 2 * 16 + 8
     finally:
         for c in conns:
             c.close()
