@@ -83,19 +83,23 @@ class StepRunner:
         self.publish(role)  # the starting weights
         role.begin()
         while self.version < self.max_steps:
+            start = time.perf_counter()
             batch = self.exchange(role.collect())
             if batch is None:
                 break
-            self.step(batch, role)
+            self.step(batch, role, time.perf_counter() - start)
         role.end()
         self.save(role)
         self.export(role)
 
-    def step(self, batch: StepBatch, role: Role) -> None:
-        """Train on this rank's share of `batch`, publish the new version, checkpoint when due."""
+    def step(self, batch: StepBatch, role: Role, collect_s: float = 0.0) -> None:
+        """Train on this rank's share of `batch`, publish the new version, checkpoint when due.
+        `collect_s`: the seconds the batch took to arrive and be admitted (on rank 0 the time the
+        learner waited for rollouts: where a step's time goes, beside training and the push)."""
         metrics = self.train(batch)
         role.on_trained(batch)
         self.version += 1
+        metrics["timing/collect_s"] = collect_s
         metrics["timing/weight_push_s"] = self.publish(role)
         role.on_step(batch, metrics)
         if self.checkpointer.due(self.version):

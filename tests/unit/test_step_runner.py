@@ -1,6 +1,7 @@
 """The step runner issues the same collectives in the same order on rank 0 and on the others, and its
 guard stops ranks out of step with an error naming what each called (two real ranks:
 tests/integration/test_rank_faults.py)."""
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -153,3 +154,26 @@ def test_one_rank_exchanges_nothing():
     assert ranks.num_collectives == 0
     batch = StepBatch(*step_batch(2))
     assert runner(ranks, 1).exchange(batch) is batch
+
+
+class SlowCollector(Collector):
+    """Rank 0 whose batches take `wait_s` to arrive; keeps each step's metrics."""
+
+    def __init__(self, steps: StepRunner, num_batches: int, wait_s: float):
+        super().__init__(steps, num_batches)
+        self.wait_s, self.metrics = wait_s, []
+
+    def collect(self) -> StepBatch | None:
+        time.sleep(self.wait_s)
+        return super().collect()
+
+    def on_step(self, batch: StepBatch, metrics: dict[str, float]) -> None:
+        self.metrics.append(metrics)
+
+
+def test_each_step_says_how_long_its_batch_took_to_arrive():
+    role = SlowCollector(runner(Ranks(0), max_steps=2), num_batches=2, wait_s=0.05)
+    role.run()
+    assert len(role.metrics) == 2
+    assert all(0.05 <= m["timing/collect_s"] < 1.0 for m in role.metrics)
+    assert all(m["timing/weight_push_s"] >= 0 for m in role.metrics)
