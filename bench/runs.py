@@ -51,6 +51,52 @@ def by_step(name: str, metrics) -> dict[int, float]:
     return points
 
 
+class HeldOut:
+    """The one evaluation both sides of a comparison get, off their training path: `eval.n` samples of
+    every held-out prompt at `eval.temperature` (mean@n, as a run's own evaluations), by tidal's
+    warm-start evaluator on one CPU model into which each version's weights are loaded. Seeded per
+    version, so two systems' weights of equal quality get the same sampling noise."""
+
+    def __init__(self, cfg):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from tidal.models import resolve_model_path
+        from tidal.tasks import get_reward, get_task
+
+        path = resolve_model_path(cfg.model, cfg.task)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.prompts = [p for p in get_task(cfg.task.name).load_prompts(cfg.task).val for _ in range(cfg.eval.n)]
+        self.reward = get_reward(cfg.task)
+        self.temperature, self.max_tokens = cfg.eval.temperature, cfg.sampling.max_tokens
+
+    def __call__(self, state: dict, version: int) -> float:
+        """The held-out pass rate of the weights in `state` (name -> tensor, the model's own names)."""
+        import torch
+
+        from tidal.learner.warmstart import pass_rate
+
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embedding where the model ties it
+        if missing or unexpected:
+            raise SystemExit(f"bench: version {version}'s weights do not fit the model: missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}")
+        self.model.tie_weights()
+        torch.manual_seed(version)
+        with torch.no_grad():
+            return pass_rate(self.model, self.tokenizer, self.prompts, self.reward, self.temperature, self.max_tokens)
+
+
+def evaluate_weight_files(cfg, folder: Path, steps: list[int]) -> dict[int, float]:
+    """{step: held-out pass rate} of the weight files a run's file channel kept in `folder`
+    (weights-v<step>.safetensors, what the actors served at that version)."""
+    from safetensors.torch import load_file
+
+    held_out = HeldOut(cfg)
+    return {step: held_out(load_file(folder / f"weights-v{step:06d}.safetensors"), step) for step in steps}
+
+
 def time_to_target(hist: dict[str, dict[int, float]], target: float) -> dict:
     """Samples and seconds until the weights whose eval/pass_rate first reached `target` existed (None when
     none did). Seconds count from the end of the step-0 evaluation, so start-up is left out; the learner's

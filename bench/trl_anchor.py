@@ -1,11 +1,12 @@
 """The in-process anchor: TRL's GRPOTrainer on the same warm-started model, task, split, learning-rate
-schedule, optimizer, batch and loss as a tidal config, evaluated the same way (eval.n samples of every held-out
-prompt at eval.temperature, every eval.every steps), its history in the shape bench/runs.py reads.
+schedule, optimizer, batch and loss as a tidal config. Its weights are kept every `--eval-every` steps
+and evaluated after training by the evaluator tidal's runs get in bench/async.py (runs.HeldOut), so
+neither side's training time holds an evaluation; its history is in the shape bench/runs.py reads.
 
 Optional: `pip install -e ".[bench]"` brings TRL. HF `generate` samples in the training process on
 every core it is given; tidal's runs get the same cores, one per role.
 
-    python bench/trl_anchor.py tiny --seed 0        # one run, its history as JSON
+    python bench/trl_anchor.py tiny --seed 0        # one run: its history and timings as JSON
 """
 from __future__ import annotations
 
@@ -14,51 +15,50 @@ import json
 import tempfile
 import time
 
+from runs import HeldOut
 
-def trl_history(config: str, seed: int, overrides: list[str]) -> dict[str, dict[int, float]]:
-    """metric -> {step: value} for eval/pass_rate, compute/wall_s and compute/samples, as a tidal run
-    logs them (wall seconds from the start; the step-0 evaluation ends at compute/wall_s[0])."""
+
+def trl_history(config: str, seed: int, overrides: list[str], every: int) -> dict:
+    """history: metric -> {step: value} for eval/pass_rate, compute/wall_s and compute/samples, as a tidal
+    run logs them (wall seconds from the start of training); train_end_unix: when training ended;
+    in_run_eval_s: the evaluations at the start and the end (a tidal run makes those two itself);
+    offline_eval_s: the others', which bench/async.py leaves out of the whole command's time."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from tidal.config import load_config, preset_path
     from tidal.learner.trainer import lr_factor
-    from tidal.learner.warmstart import pass_rate
     from tidal.models import resolve_model_path
     from tidal.tasks import get_reward, get_task
 
     cfg = load_config(preset_path(config), [*overrides, f"learner.seed={seed}"])
     path = resolve_model_path(cfg.model, cfg.task)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    held_out = HeldOut(cfg)
     split = get_task(cfg.task.name).load_prompts(cfg.task)
     reward = get_reward(cfg.task)
     keys = sorted(split.train[0].payload)
     dataset = Dataset.from_list([{"prompt": p.text, **p.payload} for p in split.train])
-    val = [p for p in split.val for _ in range(cfg.eval.n)]  # mean@n, as tidal evaluates
     history: dict[str, dict[int, float]] = {"eval/pass_rate": {}, "compute/wall_s": {}, "compute/samples": {}}
     samples_per_step = cfg.learner.groups_per_step * cfg.sampling.n
+    kept: dict[int, dict] = {}
 
     def rewards(prompts, completions, **columns):
         return [float(reward(text, {k: columns[k][i] for k in keys})) for i, text in enumerate(completions)]
 
-    class Evaluate(TrainerCallback):
+    class Keep(TrainerCallback):
+        """The weights of every `every`-th step and the last, copied aside (a millisecond on the tiny models)."""
+
         def __init__(self):
             self.start = time.perf_counter()
 
         def record(self, step: int, model) -> None:
             history["compute/wall_s"][step] = time.perf_counter() - self.start
             history["compute/samples"][step] = step * samples_per_step
-            if step == 0 or step % max(cfg.eval.every, 1) == 0 or step == cfg.learner.max_steps:
-                model.eval()
-                with torch.no_grad():
-                    history["eval/pass_rate"][step] = pass_rate(model, tokenizer, val, reward, cfg.eval.temperature,
-                                                                cfg.sampling.max_tokens)
-                model.train()
-            if step == 0:  # times count from the end of the step-0 evaluation, as for tidal's runs
-                history["compute/wall_s"][0] = time.perf_counter() - self.start
+            if step % max(every, 1) == 0 or step == cfg.learner.max_steps:
+                kept[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             self.start = time.perf_counter()
@@ -83,18 +83,28 @@ def trl_history(config: str, seed: int, overrides: list[str]) -> dict[str, dict[
                                   weight_decay=optim.weight_decay)
         schedule = torch.optim.lr_scheduler.LambdaLR(adamw, lambda s: lr_factor(cfg.learner, s))
         trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=dataset,
-                              processing_class=tokenizer, callbacks=[Evaluate()], optimizers=(adamw, schedule))
+                              processing_class=held_out.tokenizer, callbacks=[Keep()], optimizers=(adamw, schedule))
         trainer.train()
-    return history
+    train_end = time.time()
+    first, last = min(kept), max(kept)
+    timed: dict[bool, float] = {True: 0.0, False: 0.0}  # in the run (first and last) or offline: seconds
+    for step, state in sorted(kept.items()):
+        began = time.perf_counter()
+        history["eval/pass_rate"][step] = held_out(state, step)
+        timed[step in (first, last)] += time.perf_counter() - began
+    return {"history": history, "train_end_unix": train_end, "in_run_eval_s": timed[True],
+            "offline_eval_s": timed[False], "samples_generated": samples_per_step * last,
+            "samples_trained": samples_per_step * last}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("config", help="preset or YAML file")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-every", type=int, default=10, help="keep (and evaluate) the weights every N steps")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     args = parser.parse_intermixed_args()
-    print(json.dumps(trl_history(args.config, args.seed, args.overrides)))
+    print(json.dumps(trl_history(args.config, args.seed, args.overrides, args.eval_every)))
     return 0
 
 
