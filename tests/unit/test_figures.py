@@ -188,13 +188,13 @@ def test_the_async_bench_title_gives_the_steps_and_its_legend_the_seeds(tmp_path
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     history = {"eval/pass_rate": {0: 0.2, 10: 0.5, 20: 0.7}, "compute/wall_s": {0: 5.0, 10: 9.0, 20: 13.0}}
-    runs = [{"task": "tiny", "system": "tidal", "max_lag": lag, "seed": seed, "history": history}
+    runs = [{"task": "tiny", "system": "tidal", "max_lag": lag, "filter": lag == 0, "seed": seed, "history": history}
             for lag in (0, 4) for seed in (0, 1)]
     bench.plot(runs, 0.6, tmp_path / "async-tiny.png")
     [ax] = drawn["async-tiny"].axes
     assert "steps 0-20" in ax.get_title() and ax.get_title().startswith("tiny")
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["max_lag 0 (2 seeds)", "max_lag 4 (2 seeds)",
-                                                                    "target 0.60"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "max_lag 0 (2 seeds)", "max_lag 4, no zero-variance filter (2 seeds)", "target 0.60"]
 
 
 def test_every_figure_is_saved_at_its_own_dpi_through_one_helper(tmp_path):

@@ -330,7 +330,8 @@ def run_pipeline(tmp_path, funcs: str, weights: str):
         f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}", "learner.max_steps=2",
         "learner.groups_per_step=4", "sampling.n=4", "eval.every=0", "eval.n=2", "actor.heartbeat_s=0.2",
         "task.name=rows", f"task.data_path={write_rows(tmp_path, 40)}", "task.num_val=4",
-        f"task.reward_funcs=[{funcs}]", f"task.reward_weights=[{weights}]", "curriculum.enabled=false"]), actor=True)
+        f"task.reward_funcs=[{funcs}]", f"task.reward_weights=[{weights}]", "curriculum.enabled=false",
+        "learner.zero_variance_filter=true"]), actor=True)  # a reward failing everywhere: no step, only failures
     broker = InprocBroker(WireCodec(cfg.broker.max_message_bytes))
     learner, engine, result = build(cfg, transport=broker.learner()), ScriptedEngine(tokenizer, 0.5), {}
 
