@@ -74,13 +74,11 @@ def run_grid(config: str, variants: list[tuple[int, bool]], seeds: int, every: i
         kept = folder / f"{name}.json"
         if kept.exists():
             run = json.loads(kept.read_text())
-        elif lag is None:
-            run = trl_run(config, seed, every, extra)
         else:
-            run = tidal_timed(config, folder / name, every, [
+            run = trl_run(config, seed, every, extra) if lag is None else tidal_timed(config, folder / name, every, [
                 f"staleness.max_lag={lag}", f"learner.zero_variance_filter={keep_filter}", f"learner.seed={seed}",
                 f"actor.seed={seed}", *extra])
-        kept.write_text(json.dumps(run))
+            kept.write_text(json.dumps(run))
         run["history"] = {metric: {int(step): value for step, value in values.items()}
                           for metric, values in run["history"].items()}
         runs.append({"task": task, "system": "tidal" if lag is not None else "trl", "max_lag": lag,
@@ -234,10 +232,11 @@ def main() -> int:
     parser.add_argument("--out", help="keep runs and plots here (default: a temporary folder; plots to .)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = parser.parse_args()
-    variants = list(itertools.product([int(k) for k in args.max_lag.split(",")],
-                                      [{"on": True, "off": False}[f] for f in args.filter.split(",")]))
     if args.variants:
         variants = [parse_variant(name) for name in args.variants.split(",")]
+    else:
+        variants = list(itertools.product([int(k) for k in args.max_lag.split(",")],
+                                          [{"on": True, "off": False}[f] for f in args.filter.split(",")]))
     also = [float(rate) for rate in args.also.split(",") if rate]
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:

@@ -31,14 +31,13 @@ def trl_history(config: str, seed: int, overrides: list[str], every: int) -> dic
     from tidal.config import load_config, preset_path
     from tidal.learner.trainer import lr_factor
     from tidal.models import resolve_model_path
-    from tidal.tasks import get_reward, get_task
+    from tidal.tasks import get_task
 
     cfg = load_config(preset_path(config), [*overrides, f"learner.seed={seed}"])
     path = resolve_model_path(cfg.model, cfg.task)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     held_out = HeldOut(cfg)
     split = get_task(cfg.task.name).load_prompts(cfg.task)
-    reward = get_reward(cfg.task)
     keys = sorted(split.train[0].payload)
     dataset = Dataset.from_list([{"prompt": p.text, **p.payload} for p in split.train])
     history: dict[str, dict[int, float]] = {"eval/pass_rate": {}, "compute/wall_s": {}, "compute/samples": {}}
@@ -46,7 +45,8 @@ def trl_history(config: str, seed: int, overrides: list[str], every: int) -> dic
     kept: dict[int, dict] = {}
 
     def rewards(prompts, completions, **columns):
-        return [float(reward(text, {k: columns[k][i] for k in keys})) for i, text in enumerate(completions)]
+        return [float(held_out.reward(text, {k: columns[k][i] for k in keys}))
+                for i, text in enumerate(completions)]
 
     class Keep(TrainerCallback):
         """The weights of every `every`-th step and the last, copied aside (a millisecond on the tiny models)."""
@@ -86,15 +86,22 @@ def trl_history(config: str, seed: int, overrides: list[str], every: int) -> dic
                               processing_class=held_out.tokenizer, callbacks=[Keep()], optimizers=(adamw, schedule))
         trainer.train()
     train_end = time.time()
+    history["eval/pass_rate"], timed = evaluate_kept(held_out, kept)
+    return {"history": history, "train_end_unix": train_end, "in_run_eval_s": timed[True],
+            "offline_eval_s": timed[False], "samples_generated": samples_per_step * max(kept),
+            "samples_trained": samples_per_step * max(kept)}
+
+
+def evaluate_kept(held_out: HeldOut, kept: dict[int, dict]) -> tuple[dict[int, float], dict[bool, float]]:
+    """{step: pass rate} of the weights kept at each step, and the seconds that took: True for the first
+    and last step (a tidal run evaluates those itself), False for the others."""
     first, last = min(kept), max(kept)
-    timed: dict[bool, float] = {True: 0.0, False: 0.0}  # in the run (first and last) or offline: seconds
+    rates, timed = {}, {True: 0.0, False: 0.0}
     for step, state in sorted(kept.items()):
         began = time.perf_counter()
-        history["eval/pass_rate"][step] = held_out(state, step)
+        rates[step] = held_out(state, step)
         timed[step in (first, last)] += time.perf_counter() - began
-    return {"history": history, "train_end_unix": train_end, "in_run_eval_s": timed[True],
-            "offline_eval_s": timed[False], "samples_generated": samples_per_step * last,
-            "samples_trained": samples_per_step * last}
+    return rates, timed
 
 
 def main() -> int:
