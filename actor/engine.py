@@ -241,9 +241,9 @@ def engine_args(cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int
 
 def lora_args(rank: int) -> dict:
     """vLLM's LoRA for an adapter of `rank`: one adapter, one slot (each version replaces it in place)."""
-    from tidal.config import LoraConfig
+    from tidal.config import served_lora_rank
 
-    return {"enable_lora": True, "max_lora_rank": LoraConfig(rank=rank).served_rank, "max_loras": 1,
+    return {"enable_lora": True, "max_lora_rank": served_lora_rank(rank), "max_loras": 1,
             "max_cpu_loras": 1}
 
 

@@ -35,14 +35,22 @@ class WorkerEngine:
 
     def init_transfer_engine(self, init_info) -> None:
         from tidal.broker.weights import transport
-        from tidal.broker.weights.adapter import AdapterStash
 
         self.leave()
         self.transport = init_info.transport
-        if init_info.adapter and self.stash is None:  # kept across channels and learners: its versions stay
-            self.stash = AdapterStash()
+        if init_info.adapter:
+            self.adapter_stash()
         if init_info.group:
             self.member = transport(init_info.transport).join(self, init_info)
+
+    def adapter_stash(self):
+        """The adapter's versions as they arrive (adapter.AdapterStash), made once and kept across channels
+        and learners: its versions stay."""
+        from tidal.broker.weights.adapter import AdapterStash
+
+        if self.stash is None:
+            self.stash = AdapterStash()
+        return self.stash
 
     def start_weight_update(self) -> None:
         if self.member is not None:
@@ -90,12 +98,8 @@ class WorkerEngine:
 def install_adapter(worker) -> int:
     """In a vLLM worker serving a LoRA adapter: the newest version received whole (a zero adapter before
     the first) into vLLM's LoRA manager; the version installed (-1: zeros)."""
-    from tidal.broker.weights.adapter import AdapterStash
-
-    engine = worker.weight_transfer_engine
-    if engine.stash is None:  # the zero adapter at start, before any weight channel is set up
-        engine.stash = AdapterStash()
-    return engine.stash.install(worker.model_runner.lora_manager)
+    # the zero adapter at start comes before any weight channel is set up: the stash may be new here
+    return worker.weight_transfer_engine.adapter_stash().install(worker.model_runner.lora_manager)
 
 
 def build_engine(model, model_config, device=None, vllm_config=None) -> WorkerEngine:

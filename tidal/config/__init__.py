@@ -74,6 +74,7 @@ from tidal.config.learner import (
     Packing,
     StalenessConfig,
     compute_dtype,
+    served_lora_rank,
 )
 from tidal.config.load import (
     OUTSIDE_CLOSED_SET,
@@ -113,7 +114,7 @@ __all__ = [
     "ZmqConfig", "curve_on", "default_weights_dir",
     "AdvantageNorm", "Aggregation", "Attention", "CheckpointConfig", "CurriculumConfig", "EvalConfig",
     "FsdpConfig", "KernelBackend", "LearnerConfig", "LoraConfig", "LossConfig", "LossType", "LrScaling", "LrSchedule",
-    "MixedPrecision", "OnViolation", "OptimConfig", "Packing", "StalenessConfig", "compute_dtype",
+    "MixedPrecision", "OnViolation", "OptimConfig", "Packing", "StalenessConfig", "compute_dtype", "served_lora_rank",
     "TrackingConfig",
     # the whole run, loading, redaction and help
     "CROSS_SECTION_RULES", "RunConfig", "check_actor_holds_a_group", "check_colocated_weights", "flatten",

@@ -171,6 +171,11 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 UNTARGETABLE = ("lm_head", "embed_tokens")  # the LM head and the embedding (Llama/Qwen names)
 
 
+def served_lora_rank(rank: int) -> int:
+    """The actors' max_lora_rank for an adapter of `rank`: the smallest size vLLM offers that holds it."""
+    return next(r for r in VLLM_LORA_RANKS if r >= rank)
+
+
 @dataclass(frozen=True)
 class LoraConfig(Section):
     """A LoRA adapter trained on the frozen policy (peft): each weight push carries the adapter alone,
@@ -190,8 +195,8 @@ class LoraConfig(Section):
 
     @property
     def served_rank(self) -> int:
-        """The actors' max_lora_rank: the smallest size vLLM offers that holds the adapter's rank."""
-        return next(r for r in VLLM_LORA_RANKS if r >= self.rank)
+        """The actors' max_lora_rank for this adapter (served_lora_rank)."""
+        return served_lora_rank(self.rank)
 
     def check(self) -> None:
         _require(self.rank >= 0, "learner.lora.rank", self.rank, "must be >= 0 (0 = no adapter)")
