@@ -36,19 +36,11 @@ def history(run_dir: Path, names: tuple[str, ...] = METRICS) -> dict[str, dict[i
     version existed (an in-process loop's evaluation is timed the same way: from before it runs)."""
     from mlflow.tracking import MlflowClient
 
+    from tidal.scaling import by_step
+
     uri, run_id = mlflow_run(run_dir)
     client = MlflowClient(uri)
     return {name: by_step(name, client.get_metric_history(run_id, name)) for name in names}
-
-
-def by_step(name: str, metrics) -> dict[int, float]:
-    """{step: value} of one metric's logged points (objects with .step and .value, in logging order): the
-    last value of a step, but the smallest of a compute axis, which only grows."""
-    points: dict[int, float] = {}
-    for m in metrics:
-        keep_first = name.startswith("compute/") and m.step in points
-        points[m.step] = min(points[m.step], m.value) if keep_first else m.value
-    return points
 
 
 class HeldOut:

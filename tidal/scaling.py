@@ -28,6 +28,7 @@ import numpy as np
 from scipy.optimize import minimize_scalar
 from scipy.special import expit
 from scipy.stats import f as f_dist
+from scipy.stats import t as t_dist
 
 B_BOUNDS = (0.05, 10.0)
 NUM_A = 120
@@ -69,6 +70,8 @@ class SigmoidFit:
     n_points: int
     intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
     compute_max: float = float("nan")  # largest compute the fit saw; beyond it is extrapolation
+    skipped_below: float | None = None  # points below this compute (the early transient) were left out
+    residual_dof: int = 0  # fitted points less fitted parameters: the scatter's degrees of freedom
     # [k, 4] rows of (A, R0, B, C_mid): the 90% confidence region (both ends of its A for each (B, C_mid))
     region: np.ndarray | None = field(default=None, repr=False)
 
@@ -84,6 +87,28 @@ class SigmoidFit:
         curves = R0 + (A - R0) * expit(B * (log_c[None] - np.log(C_mid)))  # [k, len(C)]
         return curves.min(axis=0), curves.max(axis=0)
 
+    def measured_interval(self, C, num_evals: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """90% interval for what a run will measure at C (the mean of `num_evals` evaluations there), not
+        for the curve: the curve's interval widened by the scatter of the fitted points about the fit (an
+        evaluation's sampling noise and the run's own swings between evaluations), a t quantile of their
+        standard deviation over sqrt(num_evals)."""
+        lo, hi = self.predict_interval(C)
+        if self.residual_dof < 1:
+            return lo, hi
+        spread = t_dist.ppf(1 - (1 - LEVEL) / 2, self.residual_dof) * math.sqrt(self.sse / self.residual_dof)
+        spread /= math.sqrt(num_evals)
+        return np.clip(lo - spread, 0.0, 1.0), np.clip(hi + spread, 0.0, 1.0)
+
+    def compute_to(self, target: float) -> tuple[float, float, float]:
+        """Compute at which the curve first reaches `target`, with its 90% interval: (best, lo, hi).
+        inf where the curve (or, for hi, some curve of the confidence region) never gets there; 0 where
+        it starts there. The inverse of the sigmoid: C = C_mid / ((A - R0) / (target - R0) - 1)^(1/B)."""
+        best = float(_compute_to(np.array([[self.A, self.R0, self.B, self.C_mid]]), target)[0])
+        if self.region is None:
+            return best, best, best
+        region = _compute_to(self.region, target)
+        return best, float(min(region.min(), best)), float(max(region.max(), best))
+
     def window_note(self) -> str | None:
         """One line when the fitted compute ends too soon after the midpoint to pin A down."""
         if not self.intervals or not math.isfinite(self.compute_max):
@@ -95,6 +120,16 @@ class SigmoidFit:
         return (f"the fit saw compute up to {self.compute_max:.3g}, {self.compute_max / self.C_mid:.1f}x its midpoint "
                 f"{self.C_mid:.3g} (which may lie as far out as {self.intervals['C_mid'][1]:.3g}): A is not "
                 f"pinned down; read its interval [{lo:.3f}, {hi:.3f}], not {self.A:.3f}, or fit on more compute")
+
+
+def _compute_to(params: np.ndarray, target: float) -> np.ndarray:
+    """Per row of (A, R0, B, C_mid): the compute at which that sigmoid reaches `target` (inf: never)."""
+    A, R0, B, C_mid = params.T
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = (target - R0) / (A - R0)  # how far from R0 to A the target lies
+        out = C_mid * (share / (1 - share)) ** (1 / B)
+    out = np.where((share > 0) & (share < 1), out, np.inf)
+    return np.where(share <= 0, 0.0, out)  # a curve that starts at or past the target is there from C = 0
 
 
 @dataclass
@@ -210,7 +245,8 @@ def fit_sigmoid(compute, pass_rate, *, R0: float | None = None, min_compute: flo
     fine = _scan(obs, *_zoom(coarse, coarse.sse <= obs.level(coarse.best_sse)))
     A, B, C_mid, R0_, sse = _polish(obs, fine)
     fit = SigmoidFit(A=A, B=B, C_mid=C_mid, R0=R0_, sse=sse, n_points=int((obs.c > 0).sum()),
-                     compute_max=float(obs.c.max()))
+                     compute_max=float(obs.c.max()), skipped_below=min_compute or None,
+                     residual_dof=max(obs.c.size - obs.num_params, 0))
     if intervals:
         # the fit itself is in its region, and so is the best grid cell (noiseless points leave nothing else)
         level = max(obs.level(min(sse, fine.best_sse)), fine.best_sse)
@@ -510,6 +546,40 @@ def fit_power_law(compute, pass_rate) -> PowerLawFit:
     return fit
 
 
+TRANSIENT_MAX_SHARE = 1 / 3  # the rule may skip at most the first third of the points' compute
+TRANSIENT_CHECK_SHARE = 1 / 4  # and judges each choice on how it predicts the last quarter
+
+
+def transient_end(compute, pass_rate) -> float | None:
+    """Where the early transient ends: the compute below which a fit should leave points out, or None.
+
+    Every evaluation in the first third of the compute is a candidate end (and so is none). For each,
+    the sigmoid is fitted on the points from it to three quarters of the compute (the compute-0 point
+    kept: it is R0) and scored by its mean absolute error on the last quarter, which it did not see;
+    the candidate that predicts that quarter best wins, the earliest on a tie. A curve with a jump
+    that the sigmoid cannot follow (a task whose answer format is learnt in a few steps, then a slow
+    climb) predicts its own later points better once the jump is left out; a curve the sigmoid
+    already follows loses nothing by keeping every point."""
+    c, r = _as_arrays(compute, pass_rate)
+    order = np.argsort(c)
+    c, r = c[order], r[order]
+    seen, late = c <= (1 - TRANSIENT_CHECK_SHARE) * c.max(), c > (1 - TRANSIENT_CHECK_SHARE) * c.max()
+    candidates = [None, *c[(c > 0) & (c <= TRANSIENT_MAX_SHARE * c.max())]]
+    best, best_error = None, math.inf
+    for start in candidates:
+        kept = seen & ((c == 0) | (c >= (start or 0)))
+        if late.sum() < 2 or (c[kept] > 0).sum() < MIN_SIGMOID_POINTS:
+            continue
+        try:
+            fit = fit_sigmoid(c[kept], r[kept], min_compute=start, intervals=False)
+        except ScalingFitError:
+            continue
+        error = float(np.mean(np.abs(fit.predict(c[late]) - r[late])))
+        if error < best_error - 1e-12:
+            best, best_error = start, error
+    return None if best is None else float(best)
+
+
 def holdout_score(compute, pass_rate, fit_fraction: float = 0.5, **fit_kwargs) -> HoldoutScore:
     """Fit on compute <= fit_fraction * max compute; absolute errors on the later points."""
     if not 0 < fit_fraction < 1:
@@ -701,25 +771,27 @@ def draw_curve(ax, fit: SigmoidFit, lo: float, hi: float, color: str, name: str)
 
 def points_from_mlflow(tracking_uri: str, run_ids, metric: str = "eval/pass_rate",
                        compute_metric: str = "compute/flops") -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """run name (or id) -> (compute, pass_rate), pairing each eval point with the compute
-    logged at the same step; a step-0 eval with no compute logged counts as compute 0 (R0)."""
+    """run name (or id) -> (compute, pass_rate), pairing each eval point with the compute logged at the
+    same step, counted from the step-0 evaluation: the curve's R0 is that evaluation, at compute 0, so a
+    compute axis that had already grown by then (compute/wall_s counts the start-up) is shifted back to
+    it. A step-0 eval with no compute logged counts as compute 0."""
     client = open_store(tracking_uri)
     points = {}
     for run_id in run_ids:
         name = run_name(client, tracking_uri, run_id)
         if name in points:
             name = f"{name} ({run_id[:8]})"  # two runs may share a name; keep both
-        evals = _by_step(client.get_metric_history(run_id, metric))
+        evals = by_step(metric, client.get_metric_history(run_id, metric))
         if not evals:
             raise ScalingFitError(f"run {run_id} ({name}): no {metric!r} points logged")
-        compute_by_step = _by_step(client.get_metric_history(run_id, compute_metric))
+        compute_by_step = by_step(compute_metric, client.get_metric_history(run_id, compute_metric))
         compute_by_step.setdefault(0, 0.0)
         missing = sorted(set(evals) - set(compute_by_step))
         if missing:
             raise ScalingFitError(f"run {run_id} ({name}): {metric!r} at step(s) {missing[:5]} has no "
                                   f"{compute_metric!r} logged at the same step")
         steps = sorted(evals)
-        points[name] = (np.array([compute_by_step[s] for s in steps], dtype=float),
+        points[name] = (np.array([compute_by_step[s] - compute_by_step[0] for s in steps], dtype=float),
                         np.array([evals[s] for s in steps], dtype=float))
     return points
 
@@ -772,9 +844,14 @@ def _runs_held(client, num_shown: int = 5) -> str:
     return f"; it holds: {held}{', ...' if len(runs) == num_shown else ''}" if held else "; it holds no runs"
 
 
-def _by_step(history) -> dict[int, float]:
-    """step -> value; a step logged twice (a resumed run) keeps the latest write."""
-    out = {}
-    for m in sorted(history, key=lambda m: m.timestamp):
-        out[int(m.step)] = float(m.value)
-    return out
+def by_step(name: str, metrics) -> dict[int, float]:
+    """{step: value} of one metric's logged points (objects with .step, .value and .timestamp): the latest
+    write of a step (a resumed run logs a step again), but the smallest of a compute axis, which only
+    grows. A run logs its compute axes at a step twice, when the step ends and when its evaluation
+    completes; the earlier is the moment the weights of that version existed."""
+    points: dict[int, float] = {}
+    for m in sorted(metrics, key=lambda m: getattr(m, "timestamp", 0)):
+        step, value = int(m.step), float(m.value)
+        keep_first = name.startswith("compute/") and step in points
+        points[step] = min(points[step], value) if keep_first else value
+    return points

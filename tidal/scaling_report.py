@@ -5,27 +5,45 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from tidal import scaling
+
+
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
 class Window:
     """The part of each curve a fit sees, as fractions of the run's final compute: points below
     `skip` are left out (the early transient; the step-0 evaluation still counts), points above
-    `fit` are held out and predicted."""
+    `fit` are held out and predicted. skip="auto" finds each curve's transient by a rule
+    (`scaling.transient_end`: the skip that best predicts the fitted points' own last quarter)."""
 
     fit: float | None = None
-    skip: float | None = None
+    skip: float | str | None = None
 
     def __post_init__(self):
-        for name, value in (("--fit-fraction", self.fit), ("--skip-fraction", self.skip)):
+        if self.skip == AUTO:
+            check = (("--fit-fraction", self.fit),)
+        elif isinstance(self.skip, str):
+            raise ValueError(f"--skip-fraction={self.skip} must be a fraction between 0 and 1, or {AUTO}")
+        else:
+            check = (("--fit-fraction", self.fit), ("--skip-fraction", self.skip))
+        for name, value in check:
             if value is not None and not 0 < value < 1:
                 raise ValueError(f"{name}={value} must be between 0 and 1")
-        if self.fit is not None and self.skip is not None and self.skip >= self.fit:
+        if self.fit is not None and self.skip not in (None, AUTO) and self.skip >= self.fit:
             raise ValueError(f"--skip-fraction={self.skip} leaves nothing below --fit-fraction={self.fit}")
 
     def params(self) -> dict:
         return {"fit_fraction": self.fit or "", "skip_fraction": self.skip or ""}
+
+    def skip_below(self, compute, pass_rate, final: float) -> float | None:
+        """The compute below which this curve's points are left out (None: none are)."""
+        if self.skip == AUTO:
+            return scaling.transient_end(compute, pass_rate)
+        return self.skip and self.skip * final
 
 
 def fit_points(points: dict, window: Window) -> tuple[dict, dict, dict]:
@@ -37,8 +55,9 @@ def fit_points(points: dict, window: Window) -> tuple[dict, dict, dict]:
             keep = compute <= window.fit * final
             compute, pass_rate = compute[keep], pass_rate[keep]
         seen[name] = (compute, pass_rate)
-        fits[name] = scaling.fit_sigmoid(compute, pass_rate, min_compute=window.skip and window.skip * final)
-        late = compute >= (window.skip or 0) * final
+        skip = window.skip_below(compute, pass_rate, final)
+        fits[name] = scaling.fit_sigmoid(compute, pass_rate, min_compute=skip)
+        late = compute >= (skip or 0)
         power[name] = scaling.fit_power_law(compute[late & (compute > 0)], pass_rate[late & (compute > 0)])
     return fits, power, seen
 
@@ -47,10 +66,13 @@ def print_predictions(fits: dict, power: dict, points: dict, predict: float | No
     for name, fit in fits.items():
         compute, pass_rate = points[name]
         off = float(fit.predict(compute[-1])) - pass_rate[-1]
+        (lo,), (hi,) = fit.measured_interval(compute[-1])
         last = f"final point: measured {pass_rate[-1]:.3f}, sigmoid {_with_interval(fit, compute[-1])} " \
-               f"(off by {off:+.3f}), power law {power[name].predict(compute[-1]):.3f}"
+               f"(off by {off:+.3f}; a measurement there: [90%: {lo:.3f}, {hi:.3f}]), " \
+               f"power law {power[name].predict(compute[-1]):.3f}"
+        skipped = f"; the transient below compute {fit.skipped_below:.3g} left out" if fit.skipped_below else ""
         at = f"; predicted pass rate at compute {predict:g}: {_with_interval(fit, predict)}" if predict else ""
-        print(f"{name}: {last}{at}")
+        print(f"{name}: {last}{skipped}{at}")
 
 
 def _with_interval(fit, compute: float) -> str:
@@ -59,24 +81,68 @@ def _with_interval(fit, compute: float) -> str:
 
 
 def report(uri: str, runs: dict[str, str], compute_metric: str, png: Path, run_id: str | None = None,
-           window: Window = Window(), predict: float | None = None) -> int:
+           window: Window = Window(), predict: float | None = None, target: float | None = None) -> int:
     """Fit the runs' curves, print and draw them, and log the fit: into `run_id` (a sweep's parent
-    run), else into a new run beside the first fitted run, linked to every run it fitted."""
+    run), else into a new run beside the first fitted run, linked to every run it fitted. With a
+    target, the curves are fitted against wall time too and the run that reaches it soonest is named."""
     raw = scaling.points_from_mlflow(uri, list(runs.values()), compute_metric=compute_metric)
     points = dict(zip(_labels(runs, raw), raw.values()))
     fits, power, seen = fit_points(points, window)
     table = scaling.fit_table(fits, power)
     if len(points) >= 2:
-        common = scaling.fit_common_A(seen, min_compute=window.skip and window.skip * min(
-            c.max() for c, _ in points.values()))
+        # one window for the shared fit: the latest transient any curve skipped
+        common = scaling.fit_common_A(seen, min_compute=max((f.skipped_below or 0 for f in fits.values()),
+                                                            default=0) or None)
         table += "\n\nshared A (compare B across runs):\n" + scaling.fit_table(common, None, notes=False)
     print(table)
     print_predictions(fits, power, points, predict)
     scaling.plot_fits(points, fits, png, power=power, title=f"pass rate vs {compute_metric}")
     print(f"plot: {png}")
+    if target is not None:
+        wall = dict(zip(points, scaling.points_from_mlflow(uri, list(runs.values()), compute_metric=WALL).values()))
+        wall_fits, _, _ = fit_points(wall, window)
+        reach = reach_table(fits, wall_fits, wall, target, compute_metric)
+        print(reach)
+        table += "\n\n" + reach
     log_fit(uri, runs, fits, table, png, run_id, {"compute_metric": compute_metric, "predict": predict,
-                                                  **window.params()})
+                                                  "target": target, **window.params()})
     return 0
+
+
+WALL = "compute/wall_s"
+
+
+def reach_table(fits: dict, wall_fits: dict, wall_points: dict, target: float, compute_metric: str) -> str:
+    """Per run, the predicted compute and wall time to `target` with 90% intervals (inf: the curve, or
+    some curve its data allow, never gets there) beside the measured wall time (the first evaluation at
+    or above it, from the step-0 evaluation); then the run predicted to get there soonest, and whether
+    its interval clears the runner-up's."""
+    rows = [["run", f"{compute_metric} to {target:g} [90%]", f"wall s to {target:g} [90%]", "measured wall s"]]
+    reach = {}
+    for name in fits:
+        reach[name] = wall_fits[name].compute_to(target)
+        seconds, rates = wall_points[name]
+        hit = np.flatnonzero((rates >= target) & (seconds > 0))
+        rows.append([name, _reach(fits[name].compute_to(target), ".3g"), _reach(reach[name], ".1f"),
+                     f"{seconds[hit[0]]:.1f}" if hit.size else "not reached"])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    order = sorted(reach, key=lambda name: reach[name][0])
+    best = order[0]
+    if not np.isfinite(reach[best][0]):
+        return "\n".join([*lines, f"no run is predicted to reach {target:g}: fit on longer runs or lower the target"])
+    verdict = f"pick: {best}, predicted to reach {target:g} soonest ({_reach(reach[best], '.1f')} s)"
+    if len(order) > 1:
+        second = order[1]
+        clear = reach[best][2] < reach[second][1]
+        verdict += (f"; its interval {'clears' if clear else 'overlaps'} the runner-up's, {second} "
+                    f"({_reach(reach[second], '.1f')} s)")
+    return "\n".join([*lines, verdict])
+
+
+def _reach(span: tuple[float, float, float], fmt: str) -> str:
+    best, lo, hi = span
+    return f"{best:{fmt}} [{lo:{fmt}},{hi:{fmt}}]"
 
 
 def _labels(runs: dict[str, str], named: dict) -> list[str]:

@@ -10,7 +10,9 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
-from runs import by_step, time_to_target  # noqa: E402
+from runs import time_to_target  # noqa: E402
+
+from tidal.scaling import by_step  # noqa: E402
 
 
 def _bench_async():

@@ -313,3 +313,54 @@ def test_the_fit_window_skips_the_early_transient_and_holds_out_the_rest(tmp_pat
                          (["--skip-fraction", "0.6", "--fit-fraction", "0.5"], "leaves nothing below")):
         assert main(["fit", "--csv", str(path), *flags, "--out", str(tmp_path / "f.png")]) == 2
         assert words in capsys.readouterr().err
+
+
+def test_the_compute_to_a_target_inverts_the_curve_and_its_interval_holds_the_truth():
+    clean, noisy = noisy_curve(5)
+    fit = scaling.fit_sigmoid(COMPUTE, noisy, R0=PAPER["R0"])
+    truth = PAPER["C_mid"]  # the curve is half-way from R0 to A at its midpoint
+    best, lo, hi = fit.compute_to((PAPER["A"] + PAPER["R0"]) / 2)
+    assert lo <= truth <= hi and lo < best < hi
+    assert scaling.sigmoid_curve(best, fit.A, fit.B, fit.C_mid, fit.R0) == pytest.approx((PAPER["A"] + PAPER["R0"]) / 2)
+    assert fit.compute_to(0.95)[0] == float("inf")  # above the ceiling: never
+    assert fit.compute_to(0.2) == (0.0, 0.0, 0.0)  # below the start: from compute 0
+
+
+def test_a_measurement_interval_is_wider_than_the_curves_and_narrows_with_more_evaluations():
+    _, noisy = noisy_curve(6, noise=0.02)
+    fit = scaling.fit_sigmoid(COMPUTE, noisy, R0=PAPER["R0"])
+    (lo,), (hi,) = fit.predict_interval(COMPUTE[-1])
+    (one_lo,), (one_hi,) = fit.measured_interval(COMPUTE[-1])
+    (three_lo,), (three_hi,) = fit.measured_interval(COMPUTE[-1], num_evals=3)
+    assert one_lo < three_lo < lo and hi < three_hi < one_hi
+    # the spread is the scatter about the fit: a t quantile of its standard deviation (about 0.02 here)
+    assert 0.025 < one_hi - hi < 0.05
+
+
+def test_the_transient_rule_leaves_out_a_jump_the_sigmoid_cannot_follow_and_keeps_a_clean_curve():
+    # a fast early jump (0.3 -> 0.75 within the first evaluations) followed by a slow sigmoid climb
+    compute = np.linspace(0, 200, 41)
+    slow = scaling.sigmoid_curve(compute, A=0.95, B=1.5, C_mid=60.0, R0=0.7)
+    jump = np.where(compute < 10, 0.3 + 0.45 * compute / 10, slow)
+    rng = np.random.default_rng(0)
+    end = scaling.transient_end(compute, np.clip(jump + rng.normal(0, 0.005, compute.size), 0, 1))
+    assert end is not None and 10 <= end <= 200 / 3
+    clean, noisy = noisy_curve(7)
+    assert scaling.transient_end(np.concatenate([[0.0], COMPUTE]), np.concatenate([[0.3], noisy])) is None
+
+
+def test_skip_auto_fits_each_curve_after_its_own_transient(tmp_path, capsys):
+    from tidal.cli import main
+    from tidal.scaling_report import AUTO, Window, fit_points
+
+    compute = np.linspace(0, 200, 41)
+    slow = scaling.sigmoid_curve(compute, A=0.95, B=1.5, C_mid=60.0, R0=0.7)
+    points = {"jump": (compute, np.where(compute < 10, 0.3 + 0.45 * compute / 10, slow))}
+    fits, _, _ = fit_points(points, Window(skip=AUTO))
+    assert fits["jump"].skipped_below >= 10
+    path = tmp_path / "curve.csv"
+    path.write_text("compute,pass_rate\n1,0.3\n2,0.4\n3,0.5\n4,0.55\n5,0.6\n")
+    with pytest.raises(SystemExit) as exit_:  # argparse's usage error
+        main(["fit", "--csv", str(path), "--skip-fraction", "soon", "--out", str(tmp_path / "f.png")])
+    assert exit_.value.code == 2
+    assert "'soon': a fraction between 0 and 1, 0 (skip nothing) or auto" in capsys.readouterr().err
