@@ -9,7 +9,6 @@ import numpy as np
 
 from tidal import scaling
 
-
 AUTO = "auto"
 
 

@@ -11,7 +11,6 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
 from runs import time_to_target  # noqa: E402
-
 from tidal.scaling import by_step  # noqa: E402
 
 
