@@ -15,6 +15,20 @@ from tidal.config import ConfigError, load_config
 
 LAYERS_HELP = ("presets (tidal presets) or YAML files, layered in order, then key=value overrides, "
                "e.g. tiny-scalerl my-overlay.yaml learner.max_steps=50")
+SKIP_HELP = ("leave out each curve's points below this fraction of its compute (the early transient); auto "
+             "(the default) finds it by a rule, 0 keeps every point")
+TARGET_HELP = ("a pass rate: fit each curve against wall time too and name the run predicted to reach it "
+               "soonest, with 90%% intervals")
+
+
+def _skip(value: str) -> float | str | None:
+    """--skip-fraction: auto, 0 (none) or a fraction, checked by the fit's window."""
+    if value == "auto":
+        return value
+    try:
+        return float(value) or None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: a fraction between 0 and 1, 0 (skip nothing) or auto") from None
 
 
 def _layered(p: argparse.ArgumentParser, sweep: bool = False) -> None:
@@ -108,25 +122,28 @@ def _analysis_parsers(sub) -> None:
     fit.add_argument("--compute-metric", default="compute/flops", help="x axis: compute/flops, compute/samples, ...")
     fit.add_argument("--predict", type=float, help="print the predicted pass rate at this compute")
     fit.add_argument("--fit-fraction", type=float, help="fit only points up to this fraction of the compute")
-    fit.add_argument("--skip-fraction", type=float,
-                     help="leave out points below this fraction of the compute (the early transient)")
+    fit.add_argument("--skip-fraction", type=_skip, default="auto", help=SKIP_HELP)
     fit.add_argument("--out", default="fit.png", help="where the plot goes")
+    fit.add_argument("--target", type=float, help=TARGET_HELP)
     sweep = sub.add_parser("sweep", help="run a grid of configs (key=v1,v2,...) sequentially, then fit them")
     _layered(sweep, sweep=True)
     sweep.add_argument("--out", help="sweep folder (default runs/sweep-<time>)")
     sweep.add_argument("--compute-metric", default="compute/flops")
+    sweep.add_argument("--target", type=float, help=TARGET_HELP)
     sweep.add_argument("--fit-fraction", type=float,
                        help="fit each run on this first fraction of its compute and predict the rest")
-    sweep.add_argument("--skip-fraction", type=float,
-                       help="leave out points below this fraction of each run's compute (the early transient)")
-    plan = sub.add_parser("plan-batch", help="measure throughput per batch size and recommend one")
+    sweep.add_argument("--skip-fraction", type=_skip, default="auto", help=SKIP_HELP)
+    plan = sub.add_parser("plan-batch", help="probe each batch size on the real engine and learner, and recommend one")
     _layered(plan)
-    plan.add_argument("--batch-sizes", default="4,8,16,32", help="prompt groups per step to measure")
-    plan.add_argument("--reps", type=int, default=3)
+    plan.add_argument("--batch-sizes", default="4,8,16,32", help="prompt groups per step to probe")
     plan.add_argument("--target", type=float, default=0.6, help="target val pass rate for samples-to-target")
     plan.add_argument("--tracking-uri", help="MLflow store of earlier runs (for samples-to-target)")
     plan.add_argument("--runs", nargs="*", default=[],
-                      help="MLflow run ids at one or more batch sizes (samples-to-target, learner time)")
+                      help="MLflow run ids at one or more batch sizes: the step each reached the target")
+    plan.add_argument("--eval-every-groups", type=int,
+                      help="evaluate every this many prompt groups at every batch size (default: the config's "
+                           "eval.every x learner.groups_per_step)")
+    plan.add_argument("--probe-dir", help="keep the probe runs in this folder (default: a temporary one)")
     plan.add_argument("--out", default="plan-batch.png")
 
 
@@ -368,7 +385,8 @@ def _analysis(args) -> int:
         window = Window(args.fit_fraction, args.skip_fraction)
         if args.command == "sweep":
             configs, overrides = _split(args)
-            return sweep(configs, overrides, Path(args.out) if args.out else None, args.compute_metric, window)
+            return sweep(configs, overrides, Path(args.out) if args.out else None, args.compute_metric, window,
+                         args.target)
         _check_fit_flags(args.predict, Path(args.out))
         if args.csv:
             return fit_csv(args.csv, args.predict, window, Path(args.out))
@@ -376,7 +394,7 @@ def _analysis(args) -> int:
         if not (uri and args.runs):
             raise ValueError("needs --csv FILE, or --runs RUN_ID ... (and --tracking-uri URI or MLFLOW_TRACKING_URI)")
         return report(uri, {r: r for r in args.runs}, args.compute_metric, Path(args.out), window=window,
-                      predict=args.predict)
+                      predict=args.predict, target=args.target)
     except (ScalingFitError, ConfigError, ValueError, OSError) as err:  # OSError: an --out that cannot be written
         print(f"tidal {args.command}: {err}", file=sys.stderr)
         return 2
@@ -395,12 +413,12 @@ def _check_fit_flags(predict: float | None, out) -> None:
 
 def _plan_batch(cfg, args) -> int:
     """The earlier runs are read first: a mistyped run id or store is one line, exit 2, before minutes of
-    measuring."""
-    import asyncio
+    probing."""
     import os
+    import tempfile
     from pathlib import Path
 
-    from tidal.plan_batch import measure, plan, plot_plan, print_plan, run_evidence
+    from tidal.plan_batch import default_eval_groups, plan, plot_plan, print_plan, probe, run_evidence
     from tidal.scaling import ScalingFitError
 
     try:
@@ -408,6 +426,8 @@ def _plan_batch(cfg, args) -> int:
         if not sizes or min(sizes) < 1 or len(sizes) != len(set(args.batch_sizes.split(","))):
             raise ValueError(f"--batch-sizes {args.batch_sizes}: prompt groups per step, whole numbers >= 1 "
                              "separated by commas (4,8,16)")
+        if args.eval_every_groups is not None and args.eval_every_groups < 1:
+            raise ValueError(f"--eval-every-groups {args.eval_every_groups}: a number of prompt groups, >= 1")
         _check_fit_flags(None, Path(args.out))
         uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         if args.runs and not uri:
@@ -416,8 +436,16 @@ def _plan_batch(cfg, args) -> int:
     except (ScalingFitError, ValueError) as err:
         print(f"tidal plan-batch: {err}", file=sys.stderr)
         return 2
-    throughput = asyncio.run(measure(cfg, sizes, args.reps))
-    rows, note = plan(throughput, evidence, overlap=cfg.staleness.max_lag > 0)
+    configs, overrides = _split(args)
+    eval_groups = args.eval_every_groups or default_eval_groups(cfg.learner, cfg.eval)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(args.probe_dir or tmp)
+        try:
+            probes = [probe(configs, overrides, b, folder) for b in sizes]
+        except RuntimeError as err:
+            print(f"tidal plan-batch: {err}", file=sys.stderr)
+            return 1
+    rows, note = plan(probes, evidence, cfg.sampling.n, eval_groups)
     print_plan(rows, note)
     plot_plan(rows, Path(args.out))
     print(f"plot: {args.out}")

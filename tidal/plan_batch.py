@@ -1,102 +1,150 @@
 """`tidal plan-batch CONFIG`: which batch size reaches a target pass rate soonest.
 
-Time-to-target is T(B) = S(B) x (seconds per sample at B): S(B) samples needed to reach the
-target at batch size B; a sample costs 1/Theta(B) of generation (Theta, the actors' samples/s, is
-measured here on the config's real engine and model) and L(B) of learner time (read from earlier
-runs' `timing/train_step_s`). With staleness.max_lag > 0 the two overlap, so a sample costs
-max(1/Theta, L); at max_lag 0 they add up. S(B) comes from earlier runs: a power law S ~ B^g fitted
-to runs at two or more batch sizes, or, from runs at one batch size, the assumption that with
-square-root learning-rate scaling S does not depend on B (stated in the output). A larger batch
-B' pays only when its time per sample falls by more than its samples-to-target grow.
+Time-to-target at B prompt groups a step, evaluating every E(B) steps, is
+T(B) = first step + (steps(B) - 1) x seconds per step + (steps(B) / E(B) - 1) x seconds per evaluation:
+- step and evaluation times are measured, for every candidate B, in a probe: a short `tidal run` of
+  the config at B on its real engine and learner (learning rate scaled by sqrt(B / B_config), the
+  warmup kept to the same number of samples), evaluating every few steps. Its median step counts
+  what every step pays: generation and learning (overlapping when staleness.max_lag > 0, one after
+  the other at 0), the weight push and the actors' pause to load the weights; an evaluation's time
+  is what the steps around it took beyond the median. The probe also reports the two halves: the
+  actors' generated samples per second and the learner's time per step.
+- steps(B) = S(B) / (B x n), rounded up to the evaluation that would see the target. S(B), trained
+  samples to the target, comes from earlier runs: a power law S ~ B^g fitted to runs at two or more
+  batch sizes, or, from runs at one batch size, the assumption that with square-root learning-rate
+  scaling S does not depend on B (stated in the output). A larger batch B' pays only when its time
+  per sample falls by more than its samples-to-target grow.
 """
 from __future__ import annotations
 
-import asyncio
-import time
+import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from tidal.config import RunConfig
+from tidal.config import EvalConfig, LearnerConfig, load_config
+
+PROBE_WARM_STEPS = 2  # the first steps wait for the actors' first rollouts: timed apart
+PROBE_EVAL_EVERY = 4  # a probe evaluates this often, to time what an evaluation adds
+PROBE_EVALS = 3
+PROBE_STEPS = PROBE_WARM_STEPS + PROBE_EVALS * PROBE_EVAL_EVERY
+
+
+def eval_every(batch: int, eval_groups: int) -> int:
+    """Steps between evaluations at `batch` groups a step when a run evaluates every `eval_groups` groups."""
+    return max(round(eval_groups / batch), 1)
+
+
+def at_batch(learner: LearnerConfig, batch: int, eval_groups: int) -> list[str]:
+    """Overrides that run a config at `batch` groups a step: lr scaled from the config's batch by the
+    square root of the ratio, the warmup kept to the same number of samples, an evaluation every
+    `eval_groups` groups."""
+    lr = learner.optim.lr * math.sqrt(batch / learner.groups_per_step)
+    warmup = round(learner.optim.warmup_steps * learner.groups_per_step / batch)
+    return [f"learner.groups_per_step={batch}", f"learner.optim.lr={lr:.6g}", f"learner.optim.warmup_steps={warmup}",
+            f"eval.every={eval_every(batch, eval_groups)}"]
+
+
+def default_eval_groups(learner: LearnerConfig, evals: EvalConfig) -> int:
+    """The config's own evaluation cadence, in groups (eval.every steps at its batch)."""
+    return max(evals.every, 1) * learner.groups_per_step
 
 
 @dataclass
-class Throughput:
+class Probe:
+    """What a short run at one batch size measured."""
     batch_groups: int
-    samples_per_s: float
-    tokens_per_s: float
+    first_step_s: float  # from the step-0 evaluation to the end of step 1 (the actors' first rollouts)
+    step_s: float  # the median step after the first ones
+    eval_s: float  # what one evaluation adds to the run's wall time
+    gen_samples_per_s: float  # training samples the actors generated per second over the timed steps
+    train_step_s: float  # the learner's median forward, backward and optimizer time a step
 
 
-async def measure(cfg: RunConfig, batch_sizes: list[int], reps: int) -> list[Throughput]:
-    """Generate B prompt groups of cfg.sampling.n samples at once, `reps` times per B."""
-    from transformers import AutoTokenizer
+def probe(config: list[str], overrides: list[str], batch: int, folder: Path) -> Probe:
+    """Run the config at `batch` for PROBE_STEPS steps, evaluating every PROBE_EVAL_EVERY (its own MLflow
+    file in `folder`, no checkpoints), and read its step times back. A probe that fails is a
+    RuntimeError naming its logs."""
+    from tidal.launcher import launch
 
-    from tidal.actor.engine import Engine
-    from tidal.broker.schema import SamplingParams
-    from tidal.tasks import PromptEncoder, get_task
+    learner = load_config(config, overrides).learner
+    run_dir = folder / f"probe-b{batch}"
+    cfg = load_config(config, [*overrides, *at_batch(learner, batch, 1), f"eval.every={PROBE_EVAL_EVERY}",
+                               f"learner.max_steps={PROBE_STEPS}", f"run_dir={run_dir}", f"name=probe-b{batch}",
+                               "checkpoint.every=0", f"tracking.uri=sqlite:///{(run_dir / 'mlflow.db').resolve()}"])
+    print(f"[plan-batch] probe at B={batch}: {PROBE_STEPS} steps", flush=True)
+    if launch(cfg) != 0:
+        raise RuntimeError(f"the probe at B={batch} failed; its logs: {run_dir}/logs")
+    return read_probe(run_dir, batch)
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    prompts = get_task(cfg.task.name).load_prompts(cfg.task).train
-    encode = PromptEncoder.for_task(tokenizer, cfg.task, cfg.env.kwargs)
-    params = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_tokens,
-                            (tokenizer.eos_token_id,))
-    engine = Engine(cfg.actor, cfg.model.path, cfg.model.dtype,
-                    max_num_seqs=max(cfg.actor.max_inflight, max(batch_sizes) * cfg.sampling.n),
-                    adapter_rank=cfg.learner.lora.rank)
-    results, counter = [], 0
-    try:
-        await engine.set_version(0)
-        for b in [batch_sizes[0], *batch_sizes]:  # the first pass warms the engine up
-            elapsed, samples, tokens = 0.0, 0, 0
-            for _ in range(reps):
-                batch = [encode(prompts[(counter + i) % len(prompts)]) for i in range(b)]
-                counter += b
-                start = time.perf_counter()
-                groups = await asyncio.gather(*(engine.sample(ids, cfg.sampling.n, params, f"plan-{counter}-{i}")
-                                                for i, ids in enumerate(batch)))
-                elapsed += time.perf_counter() - start
-                samples += sum(len(g) for g in groups)
-                tokens += sum(len(c.tokens) for g in groups for c in g)
-            results.append(Throughput(b, samples / elapsed, tokens / elapsed))
-    finally:
-        engine.shutdown()
-    return results[1:]
+
+def read_probe(run_dir: Path, batch: int) -> Probe:
+    """A probe's times from its MLflow record: the median step after the warm ones, and what each
+    evaluation added over those steps beyond the median."""
+    from mlflow.tracking import MlflowClient
+
+    from tidal.scaling import by_step
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    client = MlflowClient(summary["mlflow_uri"])
+    hist = {name: by_step(name, client.get_metric_history(summary["mlflow_run_id"], name))
+            for name in ("compute/wall_s", "compute/samples", "timing/train_step_s")}
+    wall, samples = hist["compute/wall_s"], hist["compute/samples"]
+    last = max(wall)
+    timed = range(PROBE_WARM_STEPS + 1, last + 1)
+    step_s = float(np.median([wall[s] - wall[s - 1] for s in timed]))
+    evals = [s for s in range(PROBE_WARM_STEPS, last) if s % PROBE_EVAL_EVERY == 0]
+    span = wall[last] - wall[PROBE_WARM_STEPS]
+    return Probe(batch, first_step_s=wall[1] - wall[0], step_s=step_s,
+                 eval_s=max(span - len(timed) * step_s, 0.0) / max(len(evals), 1),
+                 gen_samples_per_s=(samples[last] - samples[PROBE_WARM_STEPS]) / span,
+                 train_step_s=float(np.median(list(hist["timing/train_step_s"].values()))))
 
 
 @dataclass
 class RunEvidence:
-    """What one earlier run says: samples to the target (None if never reached) and learner cost."""
+    """What one earlier run says: the step whose evaluation first reached the target (None if none did),
+    its batch, samples per group and evaluation cadence."""
     batch_groups: int
-    samples_to_target: float | None
-    learner_s_per_sample: float
+    samples_per_group: int
+    eval_every: int
+    step_at_target: int | None
+
+    @property
+    def samples_to_target(self) -> float | None:
+        """Trained samples to the target: the target was crossed somewhere in the evaluation interval that
+        ended at step_at_target, so its middle is taken."""
+        if self.step_at_target is None:
+            return None
+        steps = max(self.step_at_target - self.eval_every / 2, 1.0)
+        return steps * self.batch_groups * self.samples_per_group
 
 
 def run_evidence(uri: str, run_ids: list[str], target: float) -> list[RunEvidence]:
-    """Samples consumed when eval/pass_rate (the share of held-out samples whose reward reached the run's
-    task.pass_threshold, not the mean reward) first reached `target`, and learner seconds per sample. A
-    store or run id that is not there, or a run that is not tidal's, is a ScalingFitError naming it."""
-    from tidal.scaling import ScalingFitError, open_store, run_name
+    """The step at which eval/pass_rate (the share of held-out samples whose reward reached the run's
+    task.pass_threshold, not the mean reward) first reached `target`, with the run's batch, samples per
+    group and evaluation cadence. A store or run id that is not there, or a run that is not tidal's, is a
+    ScalingFitError naming it."""
+    from tidal.scaling import ScalingFitError, by_step, open_store, run_name
 
     client = open_store(uri)
     out = []
     for run_id in run_ids:
         name = run_name(client, uri, run_id)
-        b = client.get_run(run_id).data.params.get("learner.groups_per_step")
-        if b is None:
-            raise ScalingFitError(f"run {run_id} ({name}) in {uri}: no learner.groups_per_step param (not a tidal "
-                                  "run?): its batch size is unknown")
-        b = int(b)
-        history = {name: sorted(client.get_metric_history(run_id, name), key=lambda m: m.step)
-                   for name in ("eval/pass_rate", "compute/samples", "timing/train_step_s", "learner/num_samples")}
-        samples = {m.step: m.value for m in history["compute/samples"]}
-        hit = next((m for m in history["eval/pass_rate"] if m.value >= target and m.step in samples), None)
+        params = client.get_run(run_id).data.params
+        missing = [k for k in ("learner.groups_per_step", "sampling.n", "eval.every") if k not in params]
+        if missing:
+            raise ScalingFitError(f"run {run_id} ({name}) in {uri}: no {', '.join(missing)} param (not a tidal "
+                                  "run?): its batch is unknown")
+        b = int(params["learner.groups_per_step"])
+        evals = by_step("eval/pass_rate", client.get_metric_history(run_id, "eval/pass_rate"))
+        hit = next((step for step, rate in sorted(evals.items()) if step > 0 and rate >= target), None)
         if hit is None:
             print(f"run {run_id} (B={b}) never reached pass rate {target}")
-        step_s = sum(m.value for m in history["timing/train_step_s"])
-        trained = sum(m.value for m in history["learner/num_samples"])
-        out.append(RunEvidence(b, samples[hit.step] if hit else None, step_s / trained if trained else 0.0))
+        out.append(RunEvidence(b, int(params["sampling.n"]), int(params["eval.every"]), hit))
     return out
 
 
@@ -104,67 +152,71 @@ def run_evidence(uri: str, run_ids: list[str], target: float) -> list[RunEvidenc
 class PlanRow:
     batch_groups: int
     samples_per_s: float  # generation, measured
-    tokens_per_s: float
-    learner_s_per_sample: float
+    train_step_s: float  # the learner, measured
+    step_s: float  # the whole step, measured
+    eval_s: float  # what an evaluation adds, measured
+    trained_per_s: float  # samples trained per second of whole steps
     samples_to_target: float
+    steps_to_target: int
     time_to_target_s: float
+
+    @property
+    def s_per_sample(self) -> float:
+        return self.time_to_target_s / self.samples_to_target
 
 
 def _samples_model(evidence: list[RunEvidence]) -> tuple[Callable[[int], float], str]:
     """S(B) from the runs that reached the target: a power law in B, a constant, or units of S."""
-    reached: dict[int, float] = {}
+    reached: dict[int, list[float]] = {}
     for e in evidence:
         if e.samples_to_target is not None:
-            reached[e.batch_groups] = min(reached.get(e.batch_groups, float("inf")), e.samples_to_target)
+            reached.setdefault(e.batch_groups, []).append(e.samples_to_target)
     if len(reached) >= 2:
         bs = sorted(reached)
-        slope, intercept = np.polyfit(np.log(bs), np.log([reached[b] for b in bs]), 1)
+        logs = [float(np.mean(np.log(reached[b]))) for b in bs]  # geometric mean over a batch's runs
+        slope, intercept = np.polyfit(np.log(bs), logs, 1)
         return (lambda b: float(np.exp(intercept + slope * np.log(b))),
                 f"S(B) = {np.exp(intercept):.0f} x B^{slope:.2f}, fitted to runs at B = {bs}")
     if reached:
         (b0, s0), = reached.items()
-        return (lambda b: s0, "ASSUMPTION: with square-root learning-rate scaling, samples-to-target S(B) does not "
-                f"depend on B (S = {s0:.0f} samples, from the one batch size run, B = {b0})")
-    return (lambda b: 1.0, "ASSUMPTION: no run reached the target (or none given): T(B) is in units of S, "
-            "so only time per sample decides")
+        s = float(np.exp(np.mean(np.log(s0))))
+        return (lambda b: s, "ASSUMPTION: with square-root learning-rate scaling, samples-to-target S(B) does not "
+                f"depend on B (S = {s:.0f} samples, from the one batch size run, B = {b0})")
+    return (lambda b: float("nan"), "no run reached the target (or none given): only time per sample is known")
 
 
-def _learner_model(evidence: list[RunEvidence]) -> tuple[Callable[[int], float], str]:
-    """L(B), learner seconds per sample, interpolated between the runs' batch sizes (flat outside)."""
-    by_batch: dict[int, list[float]] = {}
-    for e in evidence:
-        by_batch.setdefault(e.batch_groups, []).append(e.learner_s_per_sample)
-    if not by_batch:
-        return (lambda b: 0.0), "learner time not counted (no runs given)"
-    bs = sorted(by_batch)
-    ls = [float(np.mean(by_batch[b])) for b in bs]
-    return (lambda b: float(np.interp(b, bs, ls))), f"learner s/sample from runs at B = {bs}"
-
-
-def plan(throughput: list[Throughput], evidence: list[RunEvidence], overlap: bool) -> tuple[list[PlanRow], str]:
-    """One row per measured batch size and a note on where S(B) and L(B) came from.
-
-    overlap: generation and learning run at the same time (staleness.max_lag > 0)."""
-    s_of, s_note = _samples_model(evidence)
-    l_of, l_note = _learner_model(evidence)
+def plan(probes: list[Probe], evidence: list[RunEvidence], samples_per_group: int,
+         eval_groups: int) -> tuple[list[PlanRow], str]:
+    """One row per probed batch size, evaluating every `eval_groups` groups, and a note on where S(B)
+    came from."""
+    s_of, note = _samples_model(evidence)
     rows = []
-    for t in throughput:
-        gen, learn = 1.0 / t.samples_per_s, l_of(t.batch_groups)
-        per_sample = max(gen, learn) if overlap else gen + learn
-        s = s_of(t.batch_groups)
-        rows.append(PlanRow(t.batch_groups, t.samples_per_s, t.tokens_per_s, learn, s, s * per_sample))
-    combine = "max(1/Theta, L): generation and learning overlap" if overlap else "1/Theta + L: max_lag 0, no overlap"
-    return rows, f"{s_note}; {l_note}; seconds per sample = {combine}"
+    for p in probes:
+        s, every = s_of(p.batch_groups), eval_every(p.batch_groups, eval_groups)
+        if math.isnan(s):
+            steps, t = 0, float("nan")
+        else:
+            evals = math.ceil(s / (p.batch_groups * samples_per_group) / every - 1e-9)  # exp(log) is not exact
+            steps = evals * every  # the evaluation that sees the target, after evals - 1 that did not
+            t = p.first_step_s + (steps - 1) * p.step_s + (evals - 1) * p.eval_s
+        rows.append(PlanRow(p.batch_groups, p.gen_samples_per_s, p.train_step_s, p.step_s, p.eval_s,
+                            p.batch_groups * samples_per_group / p.step_s, s, steps, t))
+    return rows, (f"{note}; step and evaluation times measured in a probe run at each B (generation, learning, "
+                  "weight pushes); steps rounded up to the evaluation that sees the target")
 
 
-def print_plan(rows: list[PlanRow], note: str) -> int:
-    print(f"{'B (groups)':>10} {'gen samp/s':>10} {'tokens/s':>10} {'L ms/samp':>10} {'S(B)':>10} {'T(B) s':>10}")
+def print_plan(rows: list[PlanRow], note: str) -> int | None:
+    print(f"{'B (groups)':>10} {'gen samp/s':>10} {'learn s':>8} {'step s':>7} {'eval s':>7} {'S(B)':>8} "
+          f"{'steps':>6} {'T(B) s':>8}")
     for r in rows:
-        print(f"{r.batch_groups:>10} {r.samples_per_s:>10.1f} {r.tokens_per_s:>10.0f} "
-              f"{1e3 * r.learner_s_per_sample:>10.3f} {r.samples_to_target:>10.0f} {r.time_to_target_s:>10.3f}")
+        print(f"{r.batch_groups:>10} {r.samples_per_s:>10.1f} {r.train_step_s:>8.3f} {r.step_s:>7.3f} "
+              f"{r.eval_s:>7.2f} {r.samples_to_target:>8.0f} {r.steps_to_target:>6} {r.time_to_target_s:>8.1f}")
     print(note)
+    if any(math.isnan(r.time_to_target_s) for r in rows):
+        print("no recommendation: give --runs that reached the target (--target) to know the samples it takes")
+        return None
     for r, r2 in zip(rows, rows[1:]):
-        speedup = (r.time_to_target_s / r.samples_to_target) / (r2.time_to_target_s / r2.samples_to_target)
+        speedup = r.s_per_sample / r2.s_per_sample
         growth = r2.samples_to_target / r.samples_to_target
         verdict = "> S(B')/S(B) = {:.2f} -> the larger batch pays" if speedup > growth else \
             "<= S(B')/S(B) = {:.2f} -> the larger batch does not pay"
@@ -183,8 +235,10 @@ def plot_plan(rows: list[PlanRow], png: Path) -> None:
 
     bs = [r.batch_groups for r in rows]
     fig, (ax1, ax2) = figure(2, figsize=(10, 4))
-    ax1.plot(bs, [r.samples_per_s for r in rows], "o-")
-    ax1.set(ylabel="samples/s", title="measured generation Theta(B)")
+    ax1.plot(bs, [r.samples_per_s for r in rows], "o-", label="generated by the actors")
+    ax1.plot(bs, [r.trained_per_s for r in rows], "s-", label="trained (whole steps)")
+    ax1.set(ylabel="samples/s", title="measured in the probes")
+    ax1.legend(fontsize=8)
     ax2.plot(bs, [r.time_to_target_s for r in rows], "o-")
     ax2.set(ylabel="T(B) (s)", title="predicted time to target")
     for ax in (ax1, ax2):

@@ -100,7 +100,8 @@ def open_sweep_store(uri: str, experiment: str, out: Path):
                          f"{one_line(err)}") from None
 
 
-def sweep(config: list[str], overrides: list[str], out: Path | None, compute_metric: str, window=None) -> int:
+def sweep(config: list[str], overrides: list[str], out: Path | None, compute_metric: str, window=None,
+          target: float | None = None) -> int:
     from tidal.scaling_report import Window, report
 
     window = window or Window()
@@ -122,9 +123,116 @@ def sweep(config: list[str], overrides: list[str], out: Path | None, compute_met
     try:
         runs = run_grid(config, points, out, uri, experiment, parent)
         client.log_dict(parent, runs, "runs.json")
-        code = report(uri, runs, compute_metric, out / "fit.png", run_id=parent, window=window)
+        code = report(uri, runs, compute_metric, out / "fit.png", run_id=parent, window=window, target=target)
+        if {LAG, LR} <= {key for key, _ in axes}:
+            log_stability(client, parent, uri, runs, out)
     except BaseException:
         client.set_terminated(parent, status="FAILED")
         raise
     client.set_terminated(parent)
     return code
+
+
+LAG, LR = "staleness.max_lag", "learner.optim.lr"
+
+
+def log_stability(client, parent: str, uri: str, runs: dict[str, str], out: Path) -> None:
+    """A max_lag x lr grid's stability table, printed and logged on the sweep's parent run."""
+    from tidal.scaling import points_from_mlflow
+
+    curves = points_from_mlflow(uri, list(runs.values()))
+    points = dict(zip(runs, curves.values()))
+    axes = {label: dict(item.split("=", 1) for item in label.split(",")) for label in runs}
+    text = stability_report(points, axes, out / "stability.png")
+    print(text)
+    client.log_text(parent, text, "stability.txt")
+    client.log_artifact(parent, str(out / "stability.png"))
+STABLE_DROP = 0.1  # a run that ends this far below its best evaluation has come apart
+FINAL_EVALS = 3
+
+
+@dataclass(frozen=True)
+class Stability:
+    lag: int
+    lr: float
+    first: float
+    best: float
+    final: float  # the mean of the last FINAL_EVALS evaluations
+
+    @property
+    def stable(self) -> bool:
+        """It learnt (ended above where it started) and kept it (ended within STABLE_DROP of its best)."""
+        return self.final > self.first and self.final >= self.best - STABLE_DROP
+
+
+def stability(points: dict[str, tuple], axes: dict[str, dict[str, str]]) -> list[Stability]:
+    """One row per run of a max_lag x lr grid: `points` are label -> (compute, pass rate), `axes` label ->
+    {key: value} of the grid point."""
+    rows = []
+    for label, (_, rates) in points.items():
+        rows.append(Stability(int(axes[label][LAG]), float(axes[label][LR]), float(rates[0]), float(rates.max()),
+                              float(rates[-FINAL_EVALS:].mean())))
+    return sorted(rows, key=lambda r: (r.lag, r.lr))
+
+
+def largest_stable_lr(rows: list[Stability]) -> dict[int, float | None]:
+    """Per max_lag, the largest lr whose run was stable, every smaller lr's run stable too (None: not even
+    the smallest)."""
+    out: dict[int, float | None] = {}
+    for lag in sorted({r.lag for r in rows}):
+        out[lag] = None
+        for row in (r for r in rows if r.lag == lag):  # rising lr
+            if not row.stable:
+                break
+            out[lag] = row.lr
+    return out
+
+
+def stability_verdict(largest: dict[int, float | None], lrs: list[float]) -> str:
+    """Whether the largest stable lr falls like 1/(max_lag + 1), read at the grid's resolution (the ratio
+    between neighbouring lrs): each lag's largest stable lr times (lag + 1) against the smallest lag's."""
+    known = {lag: lr for lag, lr in largest.items() if lr is not None}
+    if len(known) < 2:
+        return "too few lags with a stable lr to compare"
+    if all(lr == max(lrs) for lr in known.values()):
+        return f"every lag was stable up to the largest lr tried ({max(lrs):g}): try larger ones"
+    step = max(b / a for a, b in zip(lrs, lrs[1:])) if len(lrs) > 1 else 1.0
+    base_lag = min(known)
+    law = {lag: known[base_lag] * (base_lag + 1) / (lag + 1) for lag in known}
+    follows = all(law[lag] / step <= known[lag] <= law[lag] * step for lag in known)
+    falls = any(known[lag] < known[base_lag] for lag in known)
+    if follows and falls:
+        return "the largest stable lr falls like 1/(max_lag + 1), within a step of the lr grid"
+    if not falls:
+        return "the largest stable lr does not fall with max_lag on this grid"
+    return "the largest stable lr falls with max_lag, but not like 1/(max_lag + 1)"
+
+
+def stability_report(points: dict[str, tuple], axes: dict[str, dict[str, str]], png: Path) -> str:
+    """The table, the verdict and the figure of a max_lag x lr grid."""
+    from tidal.scaling import figure, save_figure
+
+    rows = stability(points, axes)
+    largest = largest_stable_lr(rows)
+    lrs = sorted({r.lr for r in rows})
+    lines = [f"stability (stable: ended above its start and within {STABLE_DROP} of its best evaluation)",
+             "max_lag  " + "  ".join(f"lr {lr:<8g}" for lr in lrs) + "  largest stable lr"]
+    for lag in sorted(largest):
+        cells = {r.lr: f"{r.final:.3f} {'ok' if r.stable else 'X '}" for r in rows if r.lag == lag}
+        lines.append(f"{lag:<7}  " + "  ".join(f"{cells.get(lr, '-'):<11}" for lr in lrs)
+                     + f"  {largest[lag] if largest[lag] is not None else 'none'}")
+    lines.append(stability_verdict(largest, lrs))
+    fig, ax = figure()
+    for i, lag in enumerate(sorted(largest)):
+        mine = [r for r in rows if r.lag == lag]
+        ax.plot([r.lr for r in mine], [r.final for r in mine], "-", color=f"C{i}", label=f"max_lag {lag}")
+        for r in mine:
+            ax.plot(r.lr, r.final, "o" if r.stable else "x", color=f"C{i}", markersize=7)
+    ax.plot([], [], "x", color="grey", label="came apart (not stable)")
+    ax.set_xscale("log")
+    ax.set(xlabel="learning rate", ylabel=f"final pass rate (last {FINAL_EVALS} evaluations)",
+           title="largest stable learning rate per staleness bound")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    save_figure(fig, png, dpi=120)
+    return "\n".join(lines)

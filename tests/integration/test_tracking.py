@@ -107,7 +107,9 @@ def test_tracking_honours_the_environment_when_the_config_is_empty(tmp_path, mon
 
 def logged_run(cfg) -> int:
     """A run's MLflow side without engines (what tidal.launcher.launch leaves in the store): the
-    real Tracker logs the config and a ScaleRL-shaped eval curve that rises more slowly with lag."""
+    real Tracker logs the config and a ScaleRL-shaped eval curve that rises more slowly with lag per
+    FLOP, but whose steps take less time (1 / (1 + lag / 4) s after 10 s of start-up); one whose lr
+    times (lag + 1) passes 0.02 comes apart at its last evaluations."""
     from pathlib import Path
 
     from tidal.learner.tracking import Tracker
@@ -116,10 +118,14 @@ def logged_run(cfg) -> int:
     run_dir.mkdir(parents=True)
     tracker = Tracker(cfg.tracking, run_dir, cfg.name)
     tracker.log_config(cfg)
+    lag = cfg.staleness.max_lag
+    apart = cfg.learner.optim.lr * (lag + 1) > 0.02
     for step in range(0, 80, 5):
         flops = 1e9 * step
-        rate = 0.1 + 0.6 / (1 + (3e10 * (1 + cfg.staleness.max_lag / 8) / max(flops, 1.0)) ** 1.5)
-        tracker.log_metrics({"eval/pass_rate": rate, "compute/flops": flops}, step=step)
+        rate = 0.1 + 0.6 / (1 + (3e10 * (1 + lag / 8) / max(flops, 1.0)) ** 1.5)
+        rate = 0.2 if apart and step >= 65 else rate
+        tracker.log_metrics({"eval/pass_rate": rate, "compute/flops": flops,
+                             "compute/wall_s": 10 + step / (1 + lag / 4)}, step=step)
     tracker.finish({})
     return 0
 
@@ -133,7 +139,10 @@ def test_a_sweep_is_one_parent_run_with_a_child_per_point_and_the_fit(tmp_path, 
     monkeypatch.setattr(tidal.launcher, "launch", logged_run)
     out = tmp_path / "sweep"
     assert main(["sweep", "tiny", "staleness.max_lag=0,4", "tracking.system_metrics_interval_s=0",
-                 "--out", str(out)]) == 0
+                 "--out", str(out), "--target", "0.5"]) == 0
+    # per FLOP lag 0 climbs sooner, per second lag 4: its steps are faster (47.6 s against 35.7 s to 0.5)
+    printed = capsys.readouterr().out
+    assert "pick: staleness.max_lag=4, predicted to reach 0.5 soonest (35.7 [" in printed
     client = MlflowClient(f"sqlite:///{(out / 'mlflow.db').resolve()}")
     runs = json.loads((out / "runs.json").read_text())
     children = [client.get_run(r) for r in runs.values()]
@@ -155,6 +164,24 @@ def test_a_sweep_is_one_parent_run_with_a_child_per_point_and_the_fit(tmp_path, 
     assert fit.data.tags["tidal.fitted_runs"] == ",".join(runs.values())
     assert {fit.data.params[f"run.{r}"] for r in runs.values()} == set(runs.values())
     assert fit.data.params["compute_metric"] == "compute/flops"
+
+
+def test_a_lag_by_lr_sweep_reports_each_lags_largest_stable_lr(tmp_path, monkeypatch, capsys):
+    from mlflow.tracking import MlflowClient
+
+    import tidal.launcher
+    from tidal.cli import main
+
+    monkeypatch.setattr(tidal.launcher, "launch", logged_run)
+    out = tmp_path / "sweep"
+    assert main(["sweep", "tiny", "staleness.max_lag=0,4", "learner.optim.lr=1e-3,1e-2",
+                 "tracking.system_metrics_interval_s=0", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "the largest stable lr falls like 1/(max_lag + 1)" in printed  # 1e-2 at lag 0, 1e-3 at lag 4
+    client = MlflowClient(f"sqlite:///{(out / 'mlflow.db').resolve()}")
+    parent = client.get_run(client.get_run(json.loads((out / "runs.json").read_text()).popitem()[1])
+                            .data.tags["mlflow.parentRunId"])
+    assert {"stability.png", "stability.txt"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
 
 
 def test_step_metrics_reach_mlflow_in_order_from_the_background_and_a_failed_write_is_raised(tracker, tmp_path):

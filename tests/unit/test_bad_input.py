@@ -87,10 +87,10 @@ def test_fit_on_a_run_the_store_lacks_names_it_and_the_runs_it_holds(tmp_path, c
     line = tidal_analysis(capsys, "fit", "--runs", "tiny-20261205", "--tracking-uri", "http://mlflow:5000")
     assert line == ("tidal fit: run 'tiny-20261205' in http://mlflow:5000: Run with id=tiny-20261205 not found; "
                     "it holds: 3dc6dba4 (tiny-20261205)")
-    # plan-batch reads its runs before minutes of measuring throughput, and says the same in one line
+    # plan-batch reads its runs before minutes of probing, and says the same in one line
     import tidal.plan_batch
 
-    monkeypatch.setattr(tidal.plan_batch, "measure", lambda *a: pytest.fail("measured before reading the runs"))
+    monkeypatch.setattr(tidal.plan_batch, "probe", lambda *a: pytest.fail("probed before reading the runs"))
     line = tidal_analysis(capsys, "plan-batch", "tiny", "--runs", "tiny-20261205", "--tracking-uri",
                           "http://mlflow:5000")
     assert line == ("tidal plan-batch: run 'tiny-20261205' in http://mlflow:5000: Run with id=tiny-20261205 not "
@@ -101,12 +101,13 @@ def test_fit_on_a_run_the_store_lacks_names_it_and_the_runs_it_holds(tmp_path, c
     (["--batch-sizes", "4,x"], "--batch-sizes 4,x: prompt groups per step, whole numbers >= 1"),
     (["--runs", "abc"], "--runs needs --tracking-uri URI"),
     (["--out", "/no/such/folder/plan.png"], "--out /no/such/folder/plan.png: the folder /no/such/folder does not"),
+    (["--eval-every-groups", "0"], "--eval-every-groups 0: a number of prompt groups, >= 1"),
 ])
 def test_plan_batch_flags_are_checked_before_measuring(capsys, monkeypatch, args, says):
     import tidal.plan_batch
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setattr(tidal.plan_batch, "measure", lambda *a: pytest.fail("measured before checking the flags"))
+    monkeypatch.setattr(tidal.plan_batch, "probe", lambda *a: pytest.fail("probed before checking the flags"))
     assert tidal_analysis(capsys, "plan-batch", "tiny", *args).startswith(f"tidal plan-batch: {says}")
 
 

@@ -104,7 +104,7 @@ def test_tidal_fit_compute_axis_labels_never_overlap(tmp_path, drawn, first, dec
 
 def test_plan_batch_names_the_batch_sizes_on_its_log_axis(tmp_path, drawn):
     sizes = [4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
-    rows = [PlanRow(b, 10.0 * b, 1e3 * b, 1e-3, 1e3, 100.0 / b) for b in sizes]
+    rows = [PlanRow(b, 10.0 * b, 1e-3 * b, 0.1, 1.0, 80.0 * b, 1e3, 10, 100.0 / b) for b in sizes]
     plot_plan(rows, tmp_path / "plan.png")
     for ax in drawn["plan"].axes:
         assert_readable(ax)

@@ -1,44 +1,56 @@
 """Batch-size planner arithmetic and the sweep grid, without engines."""
 import pytest
 
-from tidal.plan_batch import RunEvidence, Throughput, plan, print_plan
+from tidal.plan_batch import Probe, RunEvidence, at_batch, eval_every, plan, print_plan
 from tidal.sweep import split_grid
 
 
+def _probe(batch: int, step_s: float, eval_s: float = 0.0) -> Probe:
+    return Probe(batch, first_step_s=step_s, step_s=step_s, eval_s=eval_s, gen_samples_per_s=100.0, train_step_s=0.01)
+
+
 def test_samples_to_target_follow_a_power_law_fitted_to_the_runs(capsys):
-    throughput = [Throughput(8, 100.0, 500.0), Throughput(16, 180.0, 900.0), Throughput(32, 200.0, 1000.0)]
-    # S(B) = 1000 x B^0.5: 2828 at B=8 and 4000 at B=16 measured; 5657 at B=32 extrapolated
-    evidence = [RunEvidence(8, 1000 * 8 ** 0.5, 0.0), RunEvidence(16, 4000.0, 0.0)]
-    rows, note = plan(throughput, evidence, overlap=True)
-    assert [r.samples_to_target for r in rows] == pytest.approx([1000 * 8 ** 0.5, 4000.0, 1000 * 32 ** 0.5])
-    assert [r.time_to_target_s for r in rows] == pytest.approx([28.28, 4000 / 180, 5657 / 200], rel=1e-3)
-    assert "B^0.50" in note
+    # 8 samples a group; runs evaluated every 2 steps saw the target at step 11 (B=8) and 5 (B=32): crossed
+    # about a step before, 10 x 64 = 640 and 4 x 256 = 1024 trained samples
+    evidence = [RunEvidence(8, 8, 2, 11), RunEvidence(32, 8, 2, 5)]
+    assert [e.samples_to_target for e in evidence] == [640, 1024]
+    rows, note = plan([_probe(8, 1.0), _probe(16, 0.6), _probe(32, 0.55)], evidence, samples_per_group=8,
+                      eval_groups=1)  # an evaluation every step
+    assert "B^0.34" in note and "probe" in note
+    assert [r.samples_to_target for r in rows] == pytest.approx([640, (640 * 1024) ** 0.5, 1024])
+    assert [r.steps_to_target for r in rows] == [10, 7, 4]  # S / (8B), rounded up to an evaluation
+    assert [r.time_to_target_s for r in rows] == pytest.approx([10.0, 4.2, 2.2])  # first step + the rest
     best = print_plan(rows, note)
     out = capsys.readouterr().out
-    assert best == 16
-    # 16 vs 8: time per sample falls 1.8x > samples grow 1.41x -> pays; 32 vs 16: 1.11x <= 1.41x -> does not
-    assert "B'=16 vs B=8: time per sample falls 1.80x > S(B')/S(B) = 1.41 -> the larger batch pays" in out
-    assert "B'=32 vs B=16: time per sample falls 1.11x <= S(B')/S(B) = 1.41 -> the larger batch does not pay" in out
+    assert best == 32 and "recommendation: B = 32" in out
+    assert "B'=16 vs B=8: time per sample falls" in out and "the larger batch pays" in out
 
 
-def test_learner_time_adds_without_overlap_and_bounds_with_it():
-    throughput = [Throughput(8, 100.0, 1.0), Throughput(32, 400.0, 1.0)]
-    # the learner needs 5 ms a sample at either batch; generation 10 ms at B=8, 2.5 ms at B=32
-    evidence = [RunEvidence(8, 1000.0, 0.005), RunEvidence(32, 1000.0, 0.005)]
-    sync, _ = plan(throughput, evidence, overlap=False)
-    overlapped, note = plan(throughput, evidence, overlap=True)
-    assert [r.time_to_target_s for r in sync] == pytest.approx([15.0, 7.5])
-    assert [r.time_to_target_s for r in overlapped] == pytest.approx([10.0, 5.0])  # the learner bounds B=32
-    assert "overlap" in note
+def test_steps_round_up_to_the_evaluation_that_sees_the_target_and_the_evaluations_before_it_count():
+    evidence = [RunEvidence(16, 8, 10, 30)]  # crossed between steps 20 and 30: 25 steps of 128 samples
+    assert evidence[0].samples_to_target == 25 * 16 * 8
+    # an evaluation every 160 groups: every 10 steps at B=16, every 5 at B=32; each adds 2 s
+    rows, note = plan([_probe(16, 1.0, eval_s=2.0), _probe(32, 1.5, eval_s=2.0)], evidence, samples_per_group=8,
+                      eval_groups=160)
+    assert note.startswith("ASSUMPTION")  # one batch size: S does not depend on B
+    assert [r.steps_to_target for r in rows] == [30, 15]  # 25 -> 30; 12.5 -> 15
+    # the first step, the rest, and the two evaluations before the one that sees the target
+    assert [r.time_to_target_s for r in rows] == pytest.approx([30.0 + 4.0, 22.5 + 4.0])
 
 
-def test_one_batch_size_falls_back_to_the_sqrt_lr_assumption_and_says_so():
-    evidence = [RunEvidence(8, 9_000.0, 0.001), RunEvidence(16, None, 0.001)]  # B=16 never reached the target
-    rows, note = plan([Throughput(8, 100.0, 1.0), Throughput(16, 150.0, 1.0)], evidence, overlap=True)
-    assert note.startswith("ASSUMPTION")
-    assert [r.samples_to_target for r in rows] == [9_000.0, 9_000.0]
-    rows, note = plan([Throughput(8, 100.0, 1.0)], [], overlap=True)
-    assert "units of S" in note and "learner time not counted" in note
+def test_without_runs_that_reached_the_target_there_is_no_recommendation(capsys):
+    rows, note = plan([_probe(8, 1.0)], [RunEvidence(8, 8, 10, None)], samples_per_group=8, eval_groups=80)
+    assert print_plan(rows, note) is None
+    assert "no recommendation" in capsys.readouterr().out
+
+
+def test_a_batch_is_run_with_sqrt_lr_the_same_warmup_samples_and_evaluation_cadence():
+    from tidal.config import load_config
+
+    learner = load_config(["tiny"], []).learner  # 16 groups, lr 2.5e-4, 20 warmup steps
+    assert at_batch(learner, 64, eval_groups=400) == [
+        "learner.groups_per_step=64", "learner.optim.lr=0.0005", "learner.optim.warmup_steps=5", "eval.every=6"]
+    assert eval_every(4, 400) == 100 and eval_every(1000, 400) == 1
 
 
 def test_sweep_grid_splits_axes_from_fixed_overrides():
@@ -69,3 +81,43 @@ def test_a_run_of_the_grid_that_fails_stops_the_sweep_naming_its_logs(tmp_path, 
     with pytest.raises(SweepRunFailed, match=f"the run staleness.max_lag=0 failed; its logs: {tmp_path}/"):
         run_grid(["tiny"], points, tmp_path, "sqlite:///unused.db", "sweep", "parent")
     assert launched == [0]
+
+
+def test_the_reach_table_names_the_run_predicted_to_reach_the_target_soonest():
+    import numpy as np
+
+    from tidal import scaling
+    from tidal.scaling_report import reach_table
+
+    seconds = np.linspace(0, 100, 21)
+    curves = {"k=0": scaling.sigmoid_curve(seconds, A=0.8, B=2.0, C_mid=40.0, R0=0.3),
+              "k=2": scaling.sigmoid_curve(seconds, A=0.8, B=2.0, C_mid=20.0, R0=0.3)}
+    points = {name: (seconds, rates) for name, rates in curves.items()}
+    fits = {name: scaling.fit_sigmoid(*p) for name, p in points.items()}
+    text = reach_table(fits, fits, points, 0.55, "compute/wall_s")
+    assert "pick: k=2, predicted to reach 0.55 soonest (20.0 [" in text  # the midpoint: half-way from R0 to A
+    assert "clears the runner-up's, k=0 (40.0 [" in text
+    assert "measured wall s" in text.splitlines()[0] and " 20.0" in text.splitlines()[2]
+    assert "no run is predicted to reach 0.9" in reach_table(fits, fits, points, 0.9, "compute/wall_s")
+
+
+def test_a_lag_by_lr_grid_finds_each_lags_largest_stable_lr_and_reads_the_law(tmp_path):
+    import numpy as np
+
+    from tidal.sweep import LAG, LR, largest_stable_lr, stability, stability_report, stability_verdict
+
+    points, axes = {}, {}
+    for lag in (0, 2, 8):
+        for lr in (1e-3, 3e-3, 1e-2):
+            label = f"{LAG}={lag},{LR}={lr}"
+            apart = lr * (lag + 1) > 0.02  # the 1/(k + 1) law, by construction
+            points[label] = (np.arange(5.0), np.array([0.3, 0.6, 0.8, 0.5 if apart else 0.85, 0.4 if apart else 0.86]))
+            axes[label] = {LAG: str(lag), LR: str(lr)}
+    rows = stability(points, axes)
+    assert [r.stable for r in rows if r.lag == 2] == [True, True, False]
+    assert largest_stable_lr(rows) == {0: 1e-2, 2: 3e-3, 8: 1e-3}
+    text = stability_report(points, axes, tmp_path / "stability.png")
+    assert "falls like 1/(max_lag + 1)" in text and (tmp_path / "stability.png").is_file()
+    assert "does not fall" in stability_verdict({0: 3e-3, 2: 3e-3, 8: 3e-3}, [1e-3, 3e-3, 1e-2])
+    assert "try larger ones" in stability_verdict({0: 1e-2, 2: 1e-2}, [1e-3, 1e-2])
+    assert "not like 1/(max_lag + 1)" in stability_verdict({0: 8e-3, 8: 4e-3}, [1e-3, 2e-3, 4e-3, 8e-3])
