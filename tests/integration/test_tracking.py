@@ -290,3 +290,53 @@ def test_the_launchers_last_word_finds_the_store_from_the_runs_config_not_the_re
     (run_dir / "logs" / "actor-0.log").write_text("written after the learner finished\n")
     log_final_logs(run_dir)
     assert "actor-0.log" in {f.path.split("/")[-1] for f in MlflowClient(uri).list_artifacts(t.run_id, "logs")}
+
+
+def probed_run(cfg) -> int:
+    """A plan-batch probe's MLflow side without engines: a step takes 0.1 s + 0.01 s a group, and each
+    evaluation holds up the step after it by 1 s."""
+    from pathlib import Path
+
+    from tidal.learner.tracking import Tracker
+
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True)
+    tracker = Tracker(cfg.tracking, run_dir, cfg.name)
+    tracker.log_config(cfg)
+    b, wall = cfg.learner.groups_per_step, 5.0
+    for step in range(cfg.learner.max_steps + 1):
+        if step:
+            wall += 0.1 + 0.01 * b + (1.0 if step > 1 and (step - 1) % cfg.eval.every == 0 else 0.0)
+        tracker.log_metrics({"compute/wall_s": wall, "compute/samples": step * b * cfg.sampling.n,
+                             "timing/train_step_s": 0.005 * b}, step=step)
+    tracker.finish({})
+    return 0
+
+
+def test_plan_batch_probes_each_batch_and_times_the_target_from_an_earlier_run(tmp_path, monkeypatch, capsys):
+    import tidal.launcher
+    from tidal.cli import main
+    from tidal.config import load_config
+    from tidal.learner.tracking import Tracker
+
+    # an earlier run at 16 groups, evaluated every 5 steps, first at 0.7 at step 20: about 17.5 steps
+    cfg = load_config(["tiny"], ["learner.groups_per_step=16", "eval.every=5", "tracking.system_metrics_interval_s=0",
+                                 f"run_dir={tmp_path / 'earlier'}"])
+    (tmp_path / "earlier").mkdir()
+    tracker = Tracker(cfg.tracking, tmp_path / "earlier", "earlier")
+    tracker.log_config(cfg)
+    for step, rate in ((0, 0.36), (5, 0.5), (10, 0.6), (15, 0.65), (20, 0.72), (25, 0.75)):
+        tracker.log_metrics({"eval/pass_rate": rate}, step=step)
+    tracker.finish({})
+    monkeypatch.setattr(tidal.launcher, "launch", probed_run)
+    assert main(["plan-batch", "tiny", "tracking.system_metrics_interval_s=0", "--batch-sizes", "8,16",
+                 "--eval-every-groups", "80", "--target", "0.7", "--tracking-uri", tracker.uri,
+                 "--runs", tracker.run_id, "--probe-dir", str(tmp_path / "probes"),
+                 "--out", str(tmp_path / "plan.png")]) == 0
+    out = capsys.readouterr().out
+    # S = 17.5 x 16 x 8 = 2,240 samples: 35 steps at B=8 (an evaluation every 10: seen at 40), 17.5 at 16
+    # (every 5: seen at 20); 0.18 s and 0.26 s a step, 1 s for each of the 3 evaluations before
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["8"], ["16"])}
+    assert rows["8"][3:] == ["0.180", "1.00", "2240", "40", "10.2"]
+    assert rows["16"][3:] == ["0.260", "1.00", "2240", "20", "8.2"]
+    assert "ASSUMPTION" in out and "recommendation: B = 16" in out and (tmp_path / "plan.png").is_file()
