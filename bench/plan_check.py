@@ -22,7 +22,7 @@ from pathlib import Path
 
 from runs import history, mlflow_run, tidal_run, time_to_target
 from tidal.config import ConfigError, load_config
-from tidal.plan_batch import PROBE_STEPS, at_batch, plan, probe, read_probe, run_evidence
+from tidal.plan_batch import at_batch, plan, probe, probe_steps, read_probe, run_evidence
 
 
 def run_at(config: list[str], overrides: list[str], batch: int, seed: int, budget_groups: int, eval_groups: int,
@@ -37,18 +37,18 @@ def run_at(config: list[str], overrides: list[str], batch: int, seed: int, budge
                      f"plan_check (B={batch}, seed {seed})")
 
 
-def probe_at(config: list[str], overrides: list[str], batch: int, folder: Path):
+def probe_at(config: list[str], overrides: list[str], batch: int, max_lag: int, folder: Path):
     """The planner's probe at `batch` (read back where an earlier check kept it)."""
     run_dir = folder / f"probe-b{batch}"
     if (run_dir / "summary.json").is_file():
-        return read_probe(run_dir, batch)
+        return read_probe(run_dir, batch, max_lag)
     return probe(config, overrides, batch, folder)
 
 
-def check_seed(seed: int, probes: list, evidence: dict, measured: dict, n: int, eval_groups: int) -> dict:
+def check_seed(seed: int, probes: list, evidence: dict, measured: dict, cfg, eval_groups: int) -> dict:
     """The planner fed the other seeds' runs, against this seed's measured times."""
     others = [e for (s, _), e in evidence.items() if s != seed]
-    rows, note = plan(probes, others, n, eval_groups)
+    rows, note = plan(probes, others, cfg.sampling.n, eval_groups, cfg.staleness.max_lag)
     predicted = {r.batch_groups: r for r in rows}
     reached = {b: m["time_to_target_s"] for (s, b), m in measured.items()
                if s == seed and m["time_to_target_s"] is not None}
@@ -90,7 +90,7 @@ def main() -> int:
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.out or tmp)
-        probes = [probe_at(config, overrides, b, folder) for b in batches]
+        probes = [probe_at(config, overrides, b, cfg.staleness.max_lag, folder) for b in batches]
         evidence, measured = {}, {}
         for seed in range(args.seeds):
             for b in batches:
@@ -98,10 +98,10 @@ def main() -> int:
                 uri, run_id = mlflow_run(run_dir)
                 evidence[seed, b], = run_evidence(uri, [run_id], args.target)  # what `tidal plan-batch --runs` reads
                 measured[seed, b] = time_to_target(history(run_dir), args.target)
-    seeds = [check_seed(s, probes, evidence, measured, cfg.sampling.n, eval_groups) for s in range(args.seeds)]
+    seeds = [check_seed(s, probes, evidence, measured, cfg, eval_groups) for s in range(args.seeds)]
     for line in seeds:
         print(json.dumps(line))
-    print(json.dumps({"target": args.target, "batches": batches, "probe_steps": PROBE_STEPS,
+    print(json.dumps({"target": args.target, "batches": batches, "probe_steps": probe_steps(cfg.staleness.max_lag),
                       "picks_fastest": sum(s["pick_was_fastest"] for s in seeds), "seeds": args.seeds,
                       "worst_ratio": max((s["worst_ratio"] or float("inf")) for s in seeds)}))
     return 0

@@ -445,7 +445,7 @@ def _plan_batch(cfg, args) -> int:
         except RuntimeError as err:
             print(f"tidal plan-batch: {err}", file=sys.stderr)
             return 1
-    rows, note = plan(probes, evidence, cfg.sampling.n, eval_groups)
+    rows, note = plan(probes, evidence, cfg.sampling.n, eval_groups, cfg.staleness.max_lag)
     print_plan(rows, note)
     plot_plan(rows, Path(args.out))
     print(f"plot: {args.out}")

@@ -1,7 +1,10 @@
 """`tidal plan-batch CONFIG`: which batch size reaches a target pass rate soonest.
 
 Time-to-target at B prompt groups a step, evaluating every E(B) steps, is
-T(B) = first step + (steps(B) - 1) x seconds per step + (steps(B) / E(B) - 1) x seconds per evaluation:
+T(B) = first step + (steps(B) - 1) x seconds per step + evaluations felt x seconds per evaluation,
+counting the evaluations whose stall the learner felt before the step that reaches the target (an
+evaluation holds the learner up about max_lag + 2 steps later, once the rollouts admitted before it
+run out):
 - step and evaluation times are measured, for every candidate B, in a probe: a short `tidal run` of
   the config at B on its real engine and learner (learning rate scaled by sqrt(B / B_config), the
   warmup kept to the same number of samples), evaluating every few steps. Its median step counts
@@ -28,9 +31,26 @@ import numpy as np
 from tidal.config import EvalConfig, LearnerConfig, load_config
 
 PROBE_WARM_STEPS = 2  # the first steps wait for the actors' first rollouts: timed apart
-PROBE_EVAL_EVERY = 4  # a probe evaluates this often, to time what an evaluation adds
+PROBE_EVAL_EVERY = 6  # a probe evaluates this often, to time what an evaluation adds
 PROBE_EVALS = 3
-PROBE_STEPS = PROBE_WARM_STEPS + PROBE_EVALS * PROBE_EVAL_EVERY
+
+
+def stall_delay(max_lag: int) -> int:
+    """Steps after an evaluation at which the learner feels it. The actors evaluate instead of sampling;
+    the learner goes on with the rollouts already admitted, up to max_lag + 1 steps' worth, and waits
+    about max_lag + 2 steps after the evaluation (measured on the demo at max_lag 2: three or four)."""
+    return max_lag + 2
+
+
+def probe_steps(max_lag: int) -> int:
+    """Warm steps, PROBE_EVALS evaluation intervals, and room for the last one's stall."""
+    return PROBE_WARM_STEPS + PROBE_EVALS * PROBE_EVAL_EVERY + stall_delay(max_lag)
+
+
+def felt_evals(every: int, until: int, max_lag: int, after: int = 0) -> int:
+    """Evaluations at every `every` steps, past step `after`, whose stall the learner felt by step `until`."""
+    last = until - stall_delay(max_lag)
+    return max(last // every - after // every, 0)
 
 
 def eval_every(batch: int, eval_groups: int) -> int:
@@ -65,25 +85,26 @@ class Probe:
 
 
 def probe(config: list[str], overrides: list[str], batch: int, folder: Path) -> Probe:
-    """Run the config at `batch` for PROBE_STEPS steps, evaluating every PROBE_EVAL_EVERY (its own MLflow
+    """Run the config at `batch` for probe_steps() steps, evaluating every PROBE_EVAL_EVERY (its own MLflow
     file in `folder`, no checkpoints), and read its step times back. A probe that fails is a
     RuntimeError naming its logs."""
     from tidal.launcher import launch
 
-    learner = load_config(config, overrides).learner
+    base = load_config(config, overrides)
     run_dir = folder / f"probe-b{batch}"
-    cfg = load_config(config, [*overrides, *at_batch(learner, batch, 1), f"eval.every={PROBE_EVAL_EVERY}",
-                               f"learner.max_steps={PROBE_STEPS}", f"run_dir={run_dir}", f"name=probe-b{batch}",
+    steps = probe_steps(base.staleness.max_lag)
+    cfg = load_config(config, [*overrides, *at_batch(base.learner, batch, 1), f"eval.every={PROBE_EVAL_EVERY}",
+                               f"learner.max_steps={steps}", f"run_dir={run_dir}", f"name=probe-b{batch}",
                                "checkpoint.every=0", f"tracking.uri=sqlite:///{(run_dir / 'mlflow.db').resolve()}"])
-    print(f"[plan-batch] probe at B={batch}: {PROBE_STEPS} steps", flush=True)
+    print(f"[plan-batch] probe at B={batch}: {steps} steps", flush=True)
     if launch(cfg) != 0:
         raise RuntimeError(f"the probe at B={batch} failed; its logs: {run_dir}/logs")
-    return read_probe(run_dir, batch)
+    return read_probe(run_dir, batch, base.staleness.max_lag)
 
 
-def read_probe(run_dir: Path, batch: int) -> Probe:
+def read_probe(run_dir: Path, batch: int, max_lag: int) -> Probe:
     """A probe's times from its MLflow record: the median step after the warm ones, and what each
-    evaluation added over those steps beyond the median."""
+    evaluation whose stall fell within those steps added beyond the median."""
     from mlflow.tracking import MlflowClient
 
     from tidal.scaling import by_step
@@ -96,10 +117,10 @@ def read_probe(run_dir: Path, batch: int) -> Probe:
     last = max(wall)
     timed = range(PROBE_WARM_STEPS + 1, last + 1)
     step_s = float(np.median([wall[s] - wall[s - 1] for s in timed]))
-    evals = [s for s in range(PROBE_WARM_STEPS, last) if s % PROBE_EVAL_EVERY == 0]
+    evals = felt_evals(PROBE_EVAL_EVERY, last, max_lag, after=PROBE_WARM_STEPS)
     span = wall[last] - wall[PROBE_WARM_STEPS]
     return Probe(batch, first_step_s=wall[1] - wall[0], step_s=step_s,
-                 eval_s=max(span - len(timed) * step_s, 0.0) / max(len(evals), 1),
+                 eval_s=max(span - len(timed) * step_s, 0.0) / max(evals, 1),
                  gen_samples_per_s=(samples[last] - samples[PROBE_WARM_STEPS]) / span,
                  train_step_s=float(np.median(list(hist["timing/train_step_s"].values()))))
 
@@ -185,8 +206,8 @@ def _samples_model(evidence: list[RunEvidence]) -> tuple[Callable[[int], float],
     return (lambda b: float("nan"), "no run reached the target (or none given): only time per sample is known")
 
 
-def plan(probes: list[Probe], evidence: list[RunEvidence], samples_per_group: int,
-         eval_groups: int) -> tuple[list[PlanRow], str]:
+def plan(probes: list[Probe], evidence: list[RunEvidence], samples_per_group: int, eval_groups: int,
+         max_lag: int) -> tuple[list[PlanRow], str]:
     """One row per probed batch size, evaluating every `eval_groups` groups, and a note on where S(B)
     came from."""
     s_of, note = _samples_model(evidence)
@@ -197,8 +218,8 @@ def plan(probes: list[Probe], evidence: list[RunEvidence], samples_per_group: in
             steps, t = 0, float("nan")
         else:
             evals = math.ceil(s / (p.batch_groups * samples_per_group) / every - 1e-9)  # exp(log) is not exact
-            steps = evals * every  # the evaluation that sees the target, after evals - 1 that did not
-            t = p.first_step_s + (steps - 1) * p.step_s + (evals - 1) * p.eval_s
+            steps = evals * every  # the evaluation that sees the target
+            t = p.first_step_s + (steps - 1) * p.step_s + felt_evals(every, steps, max_lag) * p.eval_s
         rows.append(PlanRow(p.batch_groups, p.gen_samples_per_s, p.train_step_s, p.step_s, p.eval_s,
                             p.batch_groups * samples_per_group / p.step_s, s, steps, t))
     return rows, (f"{note}; step and evaluation times measured in a probe run at each B (generation, learning, "

@@ -15,7 +15,7 @@ def test_samples_to_target_follow_a_power_law_fitted_to_the_runs(capsys):
     evidence = [RunEvidence(8, 8, 2, 11), RunEvidence(32, 8, 2, 5)]
     assert [e.samples_to_target for e in evidence] == [640, 1024]
     rows, note = plan([_probe(8, 1.0), _probe(16, 0.6), _probe(32, 0.55)], evidence, samples_per_group=8,
-                      eval_groups=1)  # an evaluation every step
+                      eval_groups=1, max_lag=2)  # an evaluation every step
     assert "B^0.34" in note and "probe" in note
     assert [r.samples_to_target for r in rows] == pytest.approx([640, (640 * 1024) ** 0.5, 1024])
     assert [r.steps_to_target for r in rows] == [10, 7, 4]  # S / (8B), rounded up to an evaluation
@@ -31,15 +31,25 @@ def test_steps_round_up_to_the_evaluation_that_sees_the_target_and_the_evaluatio
     assert evidence[0].samples_to_target == 25 * 16 * 8
     # an evaluation every 160 groups: every 10 steps at B=16, every 5 at B=32; each adds 2 s
     rows, note = plan([_probe(16, 1.0, eval_s=2.0), _probe(32, 1.5, eval_s=2.0)], evidence, samples_per_group=8,
-                      eval_groups=160)
+                      eval_groups=160, max_lag=2)
     assert note.startswith("ASSUMPTION")  # one batch size: S does not depend on B
     assert [r.steps_to_target for r in rows] == [30, 15]  # 25 -> 30; 12.5 -> 15
-    # the first step, the rest, and the two evaluations before the one that sees the target
+    # the first step, the rest, and the two evaluations (of the two before the one that sees the target)
+    # whose stall came max_lag + 2 steps later, before it
     assert [r.time_to_target_s for r in rows] == pytest.approx([30.0 + 4.0, 22.5 + 4.0])
 
 
+def test_an_evaluation_is_felt_max_lag_plus_two_steps_after_it():
+    from tidal.plan_batch import felt_evals
+
+    assert felt_evals(5, 15, max_lag=2) == 2  # at 5 and 10, felt at 9 and 14; the one at 15 sees the target
+    assert felt_evals(2, 8, max_lag=2) == 2  # at 2 and 4, felt at 6 and 8; the one at 6 only after step 8
+    assert felt_evals(5, 14, max_lag=8) == 0  # both still covered by the rollouts admitted before them
+    assert felt_evals(6, 24, max_lag=2, after=2) == 3  # a probe's: at 6, 12 and 18
+
+
 def test_without_runs_that_reached_the_target_there_is_no_recommendation(capsys):
-    rows, note = plan([_probe(8, 1.0)], [RunEvidence(8, 8, 10, None)], samples_per_group=8, eval_groups=80)
+    rows, note = plan([_probe(8, 1.0)], [RunEvidence(8, 8, 10, None)], samples_per_group=8, eval_groups=80, max_lag=2)
     assert print_plan(rows, note) is None
     assert "no recommendation" in capsys.readouterr().out
 
