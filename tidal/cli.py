@@ -130,6 +130,8 @@ def _analysis_parsers(sub) -> None:
     sweep.add_argument("--out", help="sweep folder (default runs/sweep-<time>)")
     sweep.add_argument("--compute-metric", default="compute/flops")
     sweep.add_argument("--target", type=float, help=TARGET_HELP)
+    sweep.add_argument("--seeds", type=int, default=1,
+                       help="runs per grid point (learner.seed and actor.seed 0, 1, ...); --target pools them")
     sweep.add_argument("--fit-fraction", type=float,
                        help="fit each run on this first fraction of its compute and predict the rest")
     sweep.add_argument("--skip-fraction", type=_skip, default="auto", help=SKIP_HELP)
@@ -385,8 +387,10 @@ def _analysis(args) -> int:
         window = Window(args.fit_fraction, args.skip_fraction)
         if args.command == "sweep":
             configs, overrides = _split(args)
+            if args.seeds < 1:
+                raise ValueError(f"--seeds {args.seeds}: runs per grid point, >= 1")
             return sweep(configs, overrides, Path(args.out) if args.out else None, args.compute_metric, window,
-                         args.target)
+                         args.target, args.seeds)
         _check_fit_flags(args.predict, Path(args.out))
         if args.csv:
             return fit_csv(args.csv, args.predict, window, Path(args.out))

@@ -99,8 +99,7 @@ def report(uri: str, runs: dict[str, str], compute_metric: str, png: Path, run_i
     print(f"plot: {png}")
     if target is not None:
         wall = dict(zip(points, scaling.points_from_mlflow(uri, list(runs.values()), compute_metric=WALL).values()))
-        wall_fits, _, _ = fit_points(wall, window)
-        reach = reach_table(fits, wall_fits, wall, target, compute_metric)
+        reach = reach_table(points, wall, window, target, compute_metric)
         print(reach)
         table += "\n\n" + reach
     log_fit(uri, runs, fits, table, png, run_id, {"compute_metric": compute_metric, "predict": predict,
@@ -111,19 +110,37 @@ def report(uri: str, runs: dict[str, str], compute_metric: str, png: Path, run_i
 WALL = "compute/wall_s"
 
 
-def reach_table(fits: dict, wall_fits: dict, wall_points: dict, target: float, compute_metric: str) -> str:
-    """Per run, the predicted compute and wall time to `target` with 90% intervals (inf: the curve, or
-    some curve its data allow, never gets there) beside the measured wall time (the first evaluation at
-    or above it, from the step-0 evaluation); then the run predicted to get there soonest, and whether
-    its interval clears the runner-up's."""
-    rows = [["run", f"{compute_metric} to {target:g} [90%]", f"wall s to {target:g} [90%]", "measured wall s"]]
-    reach = {}
-    for name in fits:
-        reach[name] = wall_fits[name].compute_to(target)
-        seconds, rates = wall_points[name]
+SEED = ",seed="  # a sweep's replicates: labels that differ only in what follows this
+
+
+def pooled(points: dict) -> dict:
+    """Runs that differ only in their seed as one curve, their points together; others as they are."""
+    groups: dict[str, list] = {}
+    for label, curve in points.items():
+        groups.setdefault(label.split(SEED)[0], []).append(curve)
+    return {name: (np.concatenate([c for c, _ in group]), np.concatenate([r for _, r in group]))
+            for name, group in groups.items()}
+
+
+def reach_table(points: dict, wall: dict, window: Window, target: float, compute_metric: str) -> str:
+    """Per run (a sweep's seeds of one point pooled into one curve), the predicted compute and wall time
+    to `target` with 90% intervals (inf: the curve, or some curve its data allow, never gets there) beside
+    the measured wall time (the first evaluation at or above it, from the step-0 evaluation; the median
+    over seeds); then the run predicted to get there soonest, and whether its interval clears the
+    runner-up's. The fits keep the early points: a target is often crossed within the transient."""
+    keep_all = Window(fit=window.fit)
+    fits, _, _ = fit_points(pooled(points), keep_all)
+    wall_fits, _, _ = fit_points(pooled(wall), keep_all)
+    measured: dict[str, list[float]] = {}
+    for label, (seconds, rates) in wall.items():
         hit = np.flatnonzero((rates >= target) & (seconds > 0))
+        measured.setdefault(label.split(SEED)[0], []).append(seconds[hit[0]] if hit.size else np.inf)
+    rows = [["run", f"{compute_metric} to {target:g} [90%]", f"wall s to {target:g} [90%]", "measured wall s"]]
+    reach = {name: wall_fits[name].compute_to(target) for name in fits}
+    for name in fits:
+        seen = float(np.median(measured[name]))
         rows.append([name, _reach(fits[name].compute_to(target), ".3g"), _reach(reach[name], ".1f"),
-                     f"{seconds[hit[0]]:.1f}" if hit.size else "not reached"])
+                     f"{seen:.1f}" if np.isfinite(seen) else "not reached"])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     order = sorted(reach, key=lambda name: reach[name][0])

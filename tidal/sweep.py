@@ -44,14 +44,17 @@ def split_grid(overrides: list[str]) -> tuple[list[str], list[tuple[str, list[st
     return fixed, axes
 
 
-def grid_points(config: list[str], overrides: list[str], out: Path) -> list[GridPoint]:
-    """Every point of the grid, each one's config loaded here: a bad key or value anywhere in the grid
-    is a ConfigError before the first run starts, not after the runs before it."""
+def grid_points(config: list[str], overrides: list[str], out: Path, seeds: int = 1) -> list[GridPoint]:
+    """Every point of the grid, `seeds` runs each (learner.seed and actor.seed 0, 1, ..., the label ending
+    ',seed=N'; one run keeps the config's seeds), each one's config loaded here: a bad key or value
+    anywhere in the grid is a ConfigError before the first run starts, not after the runs before it."""
     fixed, axes = split_grid(overrides)
+    replicas = [[f"learner.seed={s}", f"actor.seed={s}"] for s in range(seeds)] if seeds > 1 else [[]]
     points = []
-    for values in itertools.product(*(vals for _, vals in axes)):
+    for values, seeded in itertools.product(itertools.product(*(vals for _, vals in axes)), replicas):
         combo = [f"{key}={v}" for (key, _), v in zip(axes, values)]
-        label = ",".join(combo)
+        label = ",".join(combo) + (f",seed={seeded[0].split('=')[1]}" if seeded else "")
+        combo += seeded
         run_dir = out / label.replace("=", "-").replace(",", "_")
         point = GridPoint(label, (*fixed, *combo, f"run_dir={run_dir}", f"name={run_dir.name}"), run_dir)
         load_config(config, list(point.overrides))
@@ -101,7 +104,7 @@ def open_sweep_store(uri: str, experiment: str, out: Path):
 
 
 def sweep(config: list[str], overrides: list[str], out: Path | None, compute_metric: str, window=None,
-          target: float | None = None) -> int:
+          target: float | None = None, seeds: int = 1) -> int:
     from tidal.scaling_report import Window, report
 
     window = window or Window()
@@ -109,7 +112,7 @@ def sweep(config: list[str], overrides: list[str], out: Path | None, compute_met
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a folder: give a new or existing folder")
     fixed, axes = split_grid(overrides)
-    points = grid_points(config, overrides, out)  # every point checked before anything is made or run
+    points = grid_points(config, overrides, out, seeds)  # every point checked before anything is made or run
     out.mkdir(parents=True, exist_ok=True)
     uri, experiment = sweep_store(config, fixed, out)
     client = open_sweep_store(uri, experiment, out)
@@ -117,7 +120,7 @@ def sweep(config: list[str], overrides: list[str], out: Path | None, compute_met
     parent = client.create_run(client.get_experiment_by_name(experiment).experiment_id, run_name=out.name,
                                tags={"tidal.sweep": "parent"}).info.run_id
     params = {"configs": " ".join(map(str, config)), "fixed": " ".join(fixed), "compute_metric": compute_metric,
-              **window.params(), **{f"grid.{k}": ",".join(v) for k, v in axes}}
+              "seeds": seeds, **window.params(), **{f"grid.{k}": ",".join(v) for k, v in axes}}
     for key, value in params.items():
         client.log_param(parent, key, value)
     try:

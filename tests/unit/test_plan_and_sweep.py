@@ -97,18 +97,31 @@ def test_the_reach_table_names_the_run_predicted_to_reach_the_target_soonest():
     import numpy as np
 
     from tidal import scaling
-    from tidal.scaling_report import reach_table
+    from tidal.scaling_report import Window, reach_table
 
     seconds = np.linspace(0, 100, 21)
     curves = {"k=0": scaling.sigmoid_curve(seconds, A=0.8, B=2.0, C_mid=40.0, R0=0.3),
               "k=2": scaling.sigmoid_curve(seconds, A=0.8, B=2.0, C_mid=20.0, R0=0.3)}
     points = {name: (seconds, rates) for name, rates in curves.items()}
-    fits = {name: scaling.fit_sigmoid(*p) for name, p in points.items()}
-    text = reach_table(fits, fits, points, 0.55, "compute/wall_s")
+    text = reach_table(points, points, Window(), 0.55, "compute/wall_s")
     assert "pick: k=2, predicted to reach 0.55 soonest (20.0 [" in text  # the midpoint: half-way from R0 to A
     assert "clears the runner-up's, k=0 (40.0 [" in text
     assert "measured wall s" in text.splitlines()[0] and " 20.0" in text.splitlines()[2]
-    assert "no run is predicted to reach 0.9" in reach_table(fits, fits, points, 0.9, "compute/wall_s")
+    assert "no run is predicted to reach 0.9" in reach_table(points, points, Window(), 0.9, "compute/wall_s")
+
+
+def test_a_sweeps_seeds_are_fitted_as_one_curve_and_measured_by_their_median():
+    import numpy as np
+
+    from tidal import scaling
+    from tidal.scaling_report import Window, pooled, reach_table
+
+    seconds = np.linspace(0, 100, 21)
+    runs = {f"k=2,seed={s}": (seconds, scaling.sigmoid_curve(seconds, A=0.8, B=2.0, C_mid=c, R0=0.3))
+            for s, c in enumerate((15.0, 25.0, 40.0))}
+    assert list(pooled(runs)) == ["k=2"] and pooled(runs)["k=2"][0].size == 63
+    text = reach_table(runs, runs, Window(), 0.55, "compute/wall_s")
+    assert text.splitlines()[1].split()[0] == "k=2" and text.splitlines()[1].endswith(" 25.0")  # 15, 25, 40
 
 
 def test_a_lag_by_lr_grid_finds_each_lags_largest_stable_lr_and_reads_the_law(tmp_path):
@@ -131,3 +144,13 @@ def test_a_lag_by_lr_grid_finds_each_lags_largest_stable_lr_and_reads_the_law(tm
     assert "does not fall" in stability_verdict({0: 3e-3, 2: 3e-3, 8: 3e-3}, [1e-3, 3e-3, 1e-2])
     assert "try larger ones" in stability_verdict({0: 1e-2, 2: 1e-2}, [1e-3, 1e-2])
     assert "not like 1/(max_lag + 1)" in stability_verdict({0: 8e-3, 8: 4e-3}, [1e-3, 2e-3, 4e-3, 8e-3])
+
+
+def test_a_sweep_with_seeds_runs_each_point_once_per_seed(tmp_path):
+    from tidal.sweep import grid_points
+
+    points = grid_points(["tiny"], ["staleness.max_lag=0,2", "learner.max_steps=3"], tmp_path, seeds=2)
+    assert [p.label for p in points] == ["staleness.max_lag=0,seed=0", "staleness.max_lag=0,seed=1",
+                                         "staleness.max_lag=2,seed=0", "staleness.max_lag=2,seed=1"]
+    assert {"learner.seed=1", "actor.seed=1"} <= set(points[3].overrides)
+    assert points[3].run_dir == tmp_path / "staleness.max_lag-2_seed-1"
