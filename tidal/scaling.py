@@ -674,7 +674,7 @@ def fit_notes(fits: dict[str, SigmoidFit]) -> str:
 
 
 def plot_fits(points: dict, fits: dict[str, SigmoidFit], path, power: dict[str, PowerLawFit] | None = None,
-              title: str = "") -> Path:
+              title: str = "", xlabel: str = "compute") -> Path:
     """PNG of measured points and fitted curves on a log compute axis, labelled by the keys of `points`
     (run names); solid over the compute each fit saw, dashed beyond it, shaded = the 90% interval."""
     positive = [np.asarray(c, dtype=float)[np.asarray(c, dtype=float) > 0] for c, _ in points.values()]
@@ -698,7 +698,7 @@ def plot_fits(points: dict, fits: dict[str, SigmoidFit], path, power: dict[str, 
         ax.plot([], [], "--", color="grey", label="fit extrapolated (past the compute it saw)")
     ax.set_xscale("log")
     log_ticks(ax.xaxis)
-    ax.set_xlabel("compute")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("pass rate")
     ax.set_ylim(0, 1.02)
     ax.set_title(title)

@@ -97,13 +97,15 @@ def report(uri: str, runs: dict[str, str], compute_metric: str, png: Path, run_i
     print_predictions(fits, power, points, predict)
     scaling.plot_fits(points, fits, png, power=power, title=f"pass rate vs {compute_metric}")
     print(f"plot: {png}")
+    pngs = [png]
     if target is not None:
         wall = dict(zip(points, scaling.points_from_mlflow(uri, list(runs.values()), compute_metric=WALL).values()))
-        reach = reach_table(points, wall, window, target, compute_metric)
+        pngs.append(png.with_name(f"{png.stem}-wall.png"))
+        reach = reach_table(points, wall, window, target, compute_metric, pngs[-1])
         print(reach)
         table += "\n\n" + reach
-    log_fit(uri, runs, fits, table, png, run_id, {"compute_metric": compute_metric, "predict": predict,
-                                                  "target": target, **window.params()})
+    log_fit(uri, runs, fits, table, pngs, run_id, {"compute_metric": compute_metric, "predict": predict,
+                                                   "target": target, **window.params()})
     return 0
 
 
@@ -122,15 +124,21 @@ def pooled(points: dict) -> dict:
             for name, group in groups.items()}
 
 
-def reach_table(points: dict, wall: dict, window: Window, target: float, compute_metric: str) -> str:
+def reach_table(points: dict, wall: dict, window: Window, target: float, compute_metric: str,
+                png: Path | None = None) -> str:
     """Per run (a sweep's seeds of one point pooled into one curve), the predicted compute and wall time
     to `target` with 90% intervals (inf: the curve, or some curve its data allow, never gets there) beside
     the measured wall time (the first evaluation at or above it, from the step-0 evaluation; the median
     over seeds); then the run predicted to get there soonest, and whether its interval clears the
-    runner-up's. The fits keep the early points: a target is often crossed within the transient."""
+    runner-up's. The fits keep the early points: a target is often crossed within the transient. `png`
+    gets the wall-time fits."""
     keep_all = Window(fit=window.fit)
     fits, _, _ = fit_points(pooled(points), keep_all)
     wall_fits, _, _ = fit_points(pooled(wall), keep_all)
+    if png is not None:
+        scaling.plot_fits(pooled(wall), wall_fits, png, xlabel="wall time since the step-0 evaluation (s)",
+                          title=f"pass rate vs wall time, seeds pooled, target {target:g}")
+        print(f"plot: {png}")
     measured: dict[str, list[float]] = {}
     for label, (seconds, rates) in wall.items():
         hit = np.flatnonzero((rates >= target) & (seconds > 0))
@@ -172,7 +180,7 @@ def _labels(runs: dict[str, str], named: dict) -> list[str]:
     return labels
 
 
-def log_fit(uri: str, runs: dict[str, str], fits: dict, table: str, png: Path, run_id: str | None,
+def log_fit(uri: str, runs: dict[str, str], fits: dict, table: str, pngs: list[Path], run_id: str | None,
             params: dict) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -186,7 +194,8 @@ def log_fit(uri: str, runs: dict[str, str], fits: dict, table: str, png: Path, r
             client.log_param(run_id, key, "" if value is None else value)
     for fitted in runs.values():
         client.set_tag(fitted, "tidal.fit_run_id", run_id)  # each fitted run points at its fit
-    client.log_artifact(run_id, str(png))
+    for png in pngs:
+        client.log_artifact(run_id, str(png))
     client.log_text(run_id, table, "fit_table.txt")
     for name, fit in fits.items():
         for key, value in (("A", fit.A), ("B", fit.B), ("C_mid", fit.C_mid)):

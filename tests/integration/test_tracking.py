@@ -151,7 +151,8 @@ def test_a_sweep_is_one_parent_run_with_a_child_per_point_and_the_fit(tmp_path, 
     assert {c.data.tags["tidal.fit_run_id"] for c in children} == {parent_id}
     parent = client.get_run(parent_id)
     assert parent.data.params["grid.staleness.max_lag"] == "0,4" and parent.info.status == "FINISHED"
-    assert {"fit.png", "fit_table.txt", "runs.json"} <= {a.path for a in client.list_artifacts(parent_id)}
+    logged = {a.path for a in client.list_artifacts(parent_id)}
+    assert {"fit.png", "fit-wall.png", "fit_table.txt", "runs.json"} <= logged
     assert {"fit/staleness.max_lag_0/A", "fit/staleness.max_lag_4/B"} <= set(parent.data.metrics)
 
     # `tidal fit --runs` on the same runs: a new run beside them, linked both ways
