@@ -45,20 +45,37 @@ class Window:
         return self.skip and self.skip * final
 
 
-def fit_points(points: dict, window: Window) -> tuple[dict, dict, dict]:
-    """Sigmoid and power-law fits per curve, and the points they saw."""
+def fit_points(points: dict, window: Window, failed: dict | None = None) -> tuple[dict, dict, dict]:
+    """Sigmoid and power-law fits per curve, and the points they saw. A curve that cannot be fitted (a run
+    that came apart and never rose) raises, or, given `failed`, is left out and its reason kept there."""
     fits, power, seen = {}, {}, {}
     for name, (compute, pass_rate) in points.items():
         final = compute.max()
         if window.fit is not None:
             keep = compute <= window.fit * final
             compute, pass_rate = compute[keep], pass_rate[keep]
-        seen[name] = (compute, pass_rate)
-        skip = window.skip_below(compute, pass_rate, final)
-        fits[name] = scaling.fit_sigmoid(compute, pass_rate, min_compute=skip)
-        late = compute >= (skip or 0)
-        power[name] = scaling.fit_power_law(compute[late & (compute > 0)], pass_rate[late & (compute > 0)])
+        try:
+            skip = window.skip_below(compute, pass_rate, final)
+            fit = scaling.fit_sigmoid(compute, pass_rate, min_compute=skip)
+            late = (compute >= (skip or 0)) & (compute > 0)
+            power[name] = scaling.fit_power_law(compute[late], pass_rate[late])
+        except scaling.ScalingFitError as err:
+            if failed is None:
+                raise
+            failed[name] = str(err)
+            continue
+        fits[name], seen[name] = fit, (compute, pass_rate)
     return fits, power, seen
+
+
+def shared_a_table(fits: dict, seen: dict) -> str:
+    """One A for every fitted curve, each with its own B and C_mid, over one window: the latest transient
+    any curve skipped. Curves that came apart cannot share a rising A: said instead of a table."""
+    skip = max((f.skipped_below or 0 for f in fits.values()), default=0) or None
+    try:
+        return scaling.fit_table(scaling.fit_common_A(seen, min_compute=skip), None, notes=False)
+    except scaling.ScalingFitError as err:
+        return f"not fitted: {err}"
 
 
 def print_predictions(fits: dict, power: dict, points: dict, predict: float | None) -> None:
@@ -86,13 +103,14 @@ def report(uri: str, runs: dict[str, str], compute_metric: str, png: Path, run_i
     target, the curves are fitted against wall time too and the run that reaches it soonest is named."""
     raw = scaling.points_from_mlflow(uri, list(runs.values()), compute_metric=compute_metric)
     points = dict(zip(_labels(runs, raw), raw.values()))
-    fits, power, seen = fit_points(points, window)
+    failed = {} if len(points) > 1 else None  # one curve that cannot be fitted is the error itself
+    fits, power, seen = fit_points(points, window, failed)
+    if not fits:
+        raise scaling.ScalingFitError("no run could be fitted: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
     table = scaling.fit_table(fits, power)
-    if len(points) >= 2:
-        # one window for the shared fit: the latest transient any curve skipped
-        common = scaling.fit_common_A(seen, min_compute=max((f.skipped_below or 0 for f in fits.values()),
-                                                            default=0) or None)
-        table += "\n\nshared A (compare B across runs):\n" + scaling.fit_table(common, None, notes=False)
+    table += "".join(f"\nnot fitted: {name}: {why}" for name, why in (failed or {}).items())
+    if len(fits) >= 2:
+        table += "\n\nshared A (compare B across runs):\n" + shared_a_table(fits, seen)
     print(table)
     print_predictions(fits, power, points, predict)
     scaling.plot_fits(points, fits, png, power=power, title=f"pass rate vs {compute_metric}")
@@ -102,6 +120,7 @@ def report(uri: str, runs: dict[str, str], compute_metric: str, png: Path, run_i
         wall = dict(zip(points, scaling.points_from_mlflow(uri, list(runs.values()), compute_metric=WALL).values()))
         pngs.append(png.with_name(f"{png.stem}-wall.png"))
         reach = reach_table(points, wall, window, target, compute_metric, pngs[-1])
+        pngs = [p for p in pngs if p.exists()]  # no wall-time figure where no curve could be fitted
         print(reach)
         table += "\n\n" + reach
     log_fit(uri, runs, fits, table, pngs, run_id, {"compute_metric": compute_metric, "predict": predict,
@@ -133,10 +152,14 @@ def reach_table(points: dict, wall: dict, window: Window, target: float, compute
     runner-up's. The fits keep the early points: a target is often crossed within the transient. `png`
     gets the wall-time fits."""
     keep_all = Window(fit=window.fit)
-    fits, _, _ = fit_points(pooled(points), keep_all)
-    wall_fits, _, _ = fit_points(pooled(wall), keep_all)
+    fits, _, _ = fit_points(pooled(points), keep_all, failed={})
+    wall_fits, _, _ = fit_points(pooled(wall), keep_all, failed={})
+    fits = {name: fit for name, fit in fits.items() if name in wall_fits}  # a curve that never rose has no time
+    if not fits:
+        return f"no run could be fitted against wall time: none is predicted to reach {target:g}"
     if png is not None:
-        scaling.plot_fits(pooled(wall), wall_fits, png, xlabel="wall time since the step-0 evaluation (s)",
+        fitted = {name: curve for name, curve in pooled(wall).items() if name in fits}
+        scaling.plot_fits(fitted, wall_fits, png, xlabel="wall time since the step-0 evaluation (s)",
                           title=f"pass rate vs wall time, seeds pooled, target {target:g}")
         print(f"plot: {png}")
     measured: dict[str, list[float]] = {}

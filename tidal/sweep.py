@@ -193,27 +193,34 @@ def largest_stable_lr(rows: list[Stability]) -> dict[int, float | None]:
 
 def stability_verdict(largest: dict[int, float | None], lrs: list[float]) -> str:
     """Whether the largest stable lr falls like 1/(max_lag + 1), read at the grid's resolution (the ratio
-    between neighbouring lrs): each lag's largest stable lr times (lag + 1) against the smallest lag's."""
+    between neighbouring lrs): each lag's largest stable lr against the smallest lag's times
+    (lag0 + 1) / (lag + 1). A lag with no stable lr fits the law where it puts that lag's rate below
+    the grid's smallest (within a step)."""
     known = {lag: lr for lag, lr in largest.items() if lr is not None}
-    if len(known) < 2:
+    if not known or len(largest) < 2:
         return "too few lags with a stable lr to compare"
-    if all(lr == max(lrs) for lr in known.values()):
+    if all(lr == max(lrs) for lr in known.values()) and len(known) == len(largest):
         return f"every lag was stable up to the largest lr tried ({max(lrs):g}): try larger ones"
     step = max(b / a for a, b in zip(lrs, lrs[1:])) if len(lrs) > 1 else 1.0
     base_lag = min(known)
-    law = {lag: known[base_lag] * (base_lag + 1) / (lag + 1) for lag in known}
-    follows = all(law[lag] / step <= known[lag] <= law[lag] * step for lag in known)
-    falls = any(known[lag] < known[base_lag] for lag in known)
+    law = {lag: known[base_lag] * (base_lag + 1) / (lag + 1) for lag in largest}
+    follows = all(law[lag] / step <= known[lag] <= law[lag] * step if lag in known else law[lag] < min(lrs) * step
+                  for lag in largest)
+    none = [f"max_lag {lag}: no stable lr on the grid, the law puts it at {law[lag]:.2g}"
+            for lag in largest if lag not in known]
+    falls = len(known) < len(largest) or any(known[lag] < known[base_lag] for lag in known)
     if follows and falls:
-        return "the largest stable lr falls like 1/(max_lag + 1), within a step of the lr grid"
+        return ("the largest stable lr falls like 1/(max_lag + 1), within a step of the lr grid"
+                + (f" ({'; '.join(none)})" if none else ""))
     if not falls:
         return "the largest stable lr does not fall with max_lag on this grid"
-    return "the largest stable lr falls with max_lag, but not like 1/(max_lag + 1)"
+    return "the largest stable lr falls with max_lag, but not like 1/(max_lag + 1)" + (f" ({'; '.join(none)})"
+                                                                                       if none else "")
 
 
 def stability_report(points: dict[str, tuple], axes: dict[str, dict[str, str]], png: Path) -> str:
     """The table, the verdict and the figure of a max_lag x lr grid."""
-    from tidal.scaling import figure, save_figure
+    from tidal.scaling import figure, log_ticks, save_figure
 
     rows = stability(points, axes)
     largest = largest_stable_lr(rows)
@@ -233,6 +240,7 @@ def stability_report(points: dict[str, tuple], axes: dict[str, dict[str, str]], 
             ax.plot(r.lr, r.final, "o" if r.stable else "x", color=f"C{i}", markersize=7)
     ax.plot([], [], "x", color="grey", label="came apart (not stable)")
     ax.set_xscale("log")
+    log_ticks(ax.xaxis)
     ax.set(xlabel="learning rate", ylabel=f"final pass rate (last {FINAL_EVALS} evaluations)",
            title="largest stable learning rate per staleness bound")
     ax.grid(True, which="both", alpha=0.3)

@@ -144,6 +144,10 @@ def test_a_lag_by_lr_grid_finds_each_lags_largest_stable_lr_and_reads_the_law(tm
     assert "does not fall" in stability_verdict({0: 3e-3, 2: 3e-3, 8: 3e-3}, [1e-3, 3e-3, 1e-2])
     assert "try larger ones" in stability_verdict({0: 1e-2, 2: 1e-2}, [1e-3, 1e-2])
     assert "not like 1/(max_lag + 1)" in stability_verdict({0: 8e-3, 8: 4e-3}, [1e-3, 2e-3, 4e-3, 8e-3])
+    # no stable lr at max_lag 8 where the law puts it below the grid (1e-3 / 9): consistent, and said
+    text = stability_verdict({0: 1e-3, 2: 5e-4, 8: None}, [2.5e-4, 5e-4, 1e-3, 2e-3])
+    assert text.startswith("the largest stable lr falls like 1/(max_lag + 1)") and "max_lag 8: no stable lr" in text
+    assert "not like" in stability_verdict({0: 8e-4, 2: None}, [5e-5, 1e-4, 2e-4, 4e-4, 8e-4])  # law: 2.7e-4
 
 
 def test_a_sweep_with_seeds_runs_each_point_once_per_seed(tmp_path):

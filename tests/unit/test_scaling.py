@@ -364,3 +364,18 @@ def test_skip_auto_fits_each_curve_after_its_own_transient(tmp_path, capsys):
         main(["fit", "--csv", str(path), "--skip-fraction", "soon", "--out", str(tmp_path / "f.png")])
     assert exit_.value.code == 2
     assert "'soon': a fraction between 0 and 1, 0 (skip nothing) or auto" in capsys.readouterr().err
+
+
+def test_a_run_that_came_apart_is_left_out_of_a_sweeps_fits_with_its_reason():
+    from tidal.scaling_report import Window, fit_points
+
+    clean, noisy = noisy_curve(8)
+    compute = np.concatenate([[0.0], COMPUTE])
+    points = {"rose": (compute, np.concatenate([[0.3], noisy])),
+              "apart": (compute, np.concatenate([[0.3], np.full(COMPUTE.size, 0.01)]))}
+    failed = {}
+    fits, power, seen = fit_points(points, Window(), failed)
+    assert list(fits) == list(power) == list(seen) == ["rose"]
+    assert "never rises above R0" in failed["apart"]
+    with pytest.raises(ScalingFitError, match="never rises above R0"):
+        fit_points(points, Window())  # without a place for the reasons: the error itself
