@@ -77,7 +77,9 @@ def default_eval_groups(learner: LearnerConfig, evals: EvalConfig) -> int:
 class Probe:
     """What a short run at one batch size measured."""
     batch_groups: int
-    first_step_s: float  # from the step-0 evaluation to the end of step 1 (the actors' first rollouts)
+    # step 1's wall time less the step-0 evaluation's (the actors' first rollouts); below 0 where that
+    # evaluation ended after step 1: time to a target counts from it, so the offset carries over as is
+    first_step_s: float
     step_s: float  # the median step after the first ones
     eval_s: float  # what one evaluation adds to the run's wall time
     gen_samples_per_s: float  # training samples the actors generated per second over the timed steps
