@@ -37,6 +37,13 @@ class Completion:
     injected_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) injected by the actor
 
 
+# Benchmarks only (bench/corrections.py), never a user setting: the engine serves every version's weights
+# rounded to this dtype while it computes in its own, a numeric mismatch between actor and learner that a
+# CPU without bf16 kernels cannot make otherwise. Needs plain linear layers (actor.vllm.cpu_linear: plain):
+# a packed layer computes from its own copy.
+BENCH_ROUND_ENV = "TIDAL_BENCH_ROUND_WEIGHTS"
+
+
 class Engine:
     """One vLLM AsyncLLM per actor process. The actor loop needs only `version`, `set_version`,
     `init_weight_transfer`, `weight_transport`, `num_workers`, `transfer_weights`, `sample`, `info` and
@@ -73,6 +80,9 @@ class Engine:
         self._lora = None  # the adapter's request, once installed: every request carries it
 
     async def set_version(self, version: int) -> None:
+        """Label the weights just loaded (at start, version 0) as `version`."""
+        if os.environ.get(BENCH_ROUND_ENV):
+            await self._llm.collective_rpc("tidal_round_weights", args=(os.environ[BENCH_ROUND_ENV],))
         await self._llm.update_weight_version(str(version))
         self.version = version
 
@@ -169,7 +179,7 @@ class Engine:
         """n samples of one prompt; `max_tokens` overrides params.max_tokens (thinking budgets, answers)."""
         from vllm import SamplingParams as VllmSamplingParams
 
-        sp = VllmSamplingParams(n=n, temperature=params.temperature, top_p=params.top_p,
+        sp = VllmSamplingParams(n=n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                 max_tokens=params.max_tokens if max_tokens is None else max_tokens,
                                 stop_token_ids=list(params.stop_token_ids),
                                 logprobs=0,  # the sampled token's own logprob

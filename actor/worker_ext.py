@@ -49,6 +49,19 @@ class TidalWorker:
 
         return install_adapter(self)
 
+    def tidal_round_weights(self, dtype: str) -> int:
+        """Every floating parameter rounded to `dtype` and stored back in its own (benchmarks only:
+        `BENCH_ROUND_ENV`); how many were rounded."""
+        import torch
+
+        target, count = getattr(torch, dtype), 0
+        with torch.no_grad():
+            for param in self.get_model().parameters():
+                if param.is_floating_point() and param.dtype != target:
+                    param.copy_(param.to(target).to(param.dtype))
+                    count += 1
+        return count
+
     def tidal_adapters(self) -> list[int]:
         """The LoRA ids the worker holds (registered, in host memory or a GPU slot): one, when serving one."""
         manager = self.model_runner.lora_manager

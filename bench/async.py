@@ -34,28 +34,22 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 from runs import (
-    METRICS,
     bootstrap_ratio,
-    evaluate_weight_files,
     finish_pass_rate_figure,
-    history,
-    tidal_run,
     time_to_target,
+    timed_tidal_run,
 )
 
-PROFILE = ("timing/collect_s", "timing/train_step_s", "timing/weight_push_s", "timing/actor_weight_swap_paused_s",
-           "learner/num_samples")
+PROFILE = ("timing/collect_s", "timing/train_step_s", "timing/weight_push_s", "timing/actor_weight_swap_paused_s")
 
 
 def run_grid(config: str, variants: list[tuple[int, bool]], seeds: int, every: int, extra: list[str],
@@ -75,40 +69,15 @@ def run_grid(config: str, variants: list[tuple[int, bool]], seeds: int, every: i
         if kept.exists():
             run = json.loads(kept.read_text())
         else:
-            run = trl_run(config, seed, every, extra) if lag is None else tidal_timed(config, folder / name, every, [
+            run = trl_run(config, seed, every, extra) if lag is None else timed_tidal_run(config, folder / name, every, [
                 f"staleness.max_lag={lag}", f"learner.zero_variance_filter={keep_filter}", f"learner.seed={seed}",
-                f"actor.seed={seed}", *extra])
+                f"actor.seed={seed}", *extra], PROFILE)
             kept.write_text(json.dumps(run))
         run["history"] = {metric: {int(step): value for step, value in values.items()}
                           for metric, values in run["history"].items()}
         runs.append({"task": task, "system": "tidal" if lag is not None else "trl", "max_lag": lag,
                      "filter": keep_filter, "seed": seed, **run})
     return runs
-
-
-def tidal_timed(config: str, run_dir: Path, every: int, overrides: list[str]) -> dict:
-    """One tidal run with no evaluation inside it but at the start and the end (the actor's, as a user's
-    run has them); the file channel keeps every version, which the bench evaluates afterwards with the
-    evaluator TRL's runs get. whole_s: from launch to exit."""
-    from tidal.config import load_config, preset_path
-
-    weights = Path("/dev/shm") / f"tidal-bench-{run_dir.name}"
-    shutil.rmtree(weights, ignore_errors=True)
-    launched = time.time()
-    tidal_run([config], ["eval.every=0", f"weights.dir={weights}", "weights.keep=1000000", *overrides], run_dir,
-              "bench/async")
-    whole_s = time.time() - launched
-    hist = history(run_dir, (*METRICS, *PROFILE))
-    last = max(hist["compute/wall_s"])
-    cfg = load_config(preset_path(config), overrides)
-    try:
-        hist["eval/pass_rate"] = evaluate_weight_files(cfg, weights, sorted({*range(0, last, every), last}))
-    finally:
-        shutil.rmtree(weights, ignore_errors=True)
-    profile = {name.split("/")[1]: statistics.median(hist[name].values()) for name in PROFILE[:4] if hist[name]}
-    return {"history": {k: hist[k] for k in METRICS}, "whole_s": whole_s, "profile": profile,
-            "samples_generated": hist["compute/samples"][last],
-            "samples_trained": sum(hist["learner/num_samples"].values())}
 
 
 def trl_run(config: str, seed: int, every: int, extra: list[str]) -> dict:

@@ -4,9 +4,13 @@ memory, so a kernel's gain can be read where it matters, inside the step.
 
     python bench/learner_step.py --shape qwen2-0.5b --mixed-precision bf16       (a GPU)
     python bench/learner_step.py --shape small --groups 4 --completion-tokens 32 (a CPU smoke run)
+    python bench/learner_step.py --shape qwen2-0.5b --backends torch --samplers none,p0.9,k50 \
+        --groups 1 --n 4 --completion-tokens 96 --mixed-precision no                (the top-k / top-p cut's cost)
 
-Prints one JSON line per backend (the median of --steps steps after one warm-up), then one line of
-ratios against the first backend named. Mixed precision bf16 keeps fp32 master weights and an
+Prints one JSON line per backend and sampler (the median of --steps steps after one warm-up), then one
+line of ratios against the first. A sampler is `none` (the whole vocabulary) or a top-k / top-p cut the
+learner scores as the actors sample (`p0.9`, `k50`, `k50p0.95`); --logit-scale spreads the random model's
+logits (its untrained ones are near uniform, so a nucleus holds most of the vocabulary: the cut's worst case). Mixed precision bf16 keeps fp32 master weights and an
 fp32 LM head, as a run with `learner.mixed_precision: bf16` does.
 """
 import argparse
@@ -38,10 +42,24 @@ def parse_args(argv=None):
                         "lengths are drawn uniformly from an eighth of it up to it")
     parser.add_argument("--micro-batch-tokens", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
+    parser.add_argument("--samplers", default="none", help="none, or top-k / top-p cuts: p0.9, k50, k50p0.95")
+    parser.add_argument("--logit-scale", type=float, default=1.0, help="multiply the tied LM head by this")
     return parser.parse_args(argv)
 
 
-def build_model(shape: str):
+def parse_sampler(text: str):
+    """`none`, `p0.9`, `k50`, `k50p0.95` -> the learner's Sampler at temperature 1."""
+    import re
+
+    from tidal.learner.trainer import Sampler
+
+    match = re.fullmatch(r"(?:k(\d+))?(?:p([0-9.]+))?", "" if text == "none" else text)
+    if match is None:
+        raise SystemExit(f"--samplers: {text!r} is not none, pP, kK or kKpP")
+    return Sampler(1.0, int(match[1] or 0), float(match[2] or 1.0))
+
+
+def build_model(shape: str, logit_scale: float = 1.0):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     hidden, layers, heads, kv_heads, mlp, vocab = SHAPES[shape]
@@ -49,7 +67,10 @@ def build_model(shape: str):
     config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
                          tie_word_embeddings=True)
-    return Qwen2ForCausalLM(config)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(logit_scale)
+    return model
 
 
 def step_batch(args, vocab: int, version: int):
@@ -71,7 +92,7 @@ def step_batch(args, vocab: int, version: int):
     return groups, masks
 
 
-def measure(args, backend: str, groups, masks) -> dict:
+def measure(args, backend: str, sampler: str, groups, masks) -> dict:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
@@ -83,7 +104,7 @@ def measure(args, backend: str, groups, masks) -> dict:
     cfg = LearnerConfig(groups_per_step=args.groups, micro_batch_tokens=args.micro_batch_tokens,
                         kernel_backend=backend, mixed_precision=args.mixed_precision)
     cfg = replace(cfg, optim=OptimConfig(lr=1e-6))
-    trainer = Trainer(cfg, build_model(args.shape), accelerator, temperature=1.0)
+    trainer = Trainer(cfg, build_model(args.shape, args.logit_scale), accelerator, temperature=parse_sampler(sampler))
     cuda = accelerator.device.type == "cuda"
     times, loss = [], None
     for step in range(1 + args.steps):
@@ -99,7 +120,8 @@ def measure(args, backend: str, groups, masks) -> dict:
         loss = metrics["learner/loss"]
     tokens = sum(s.num_tokens for g in groups for s in g.samples)
     step_s = statistics.median(times)
-    result = dict(bench="learner_step", backend=backend, shape=args.shape, device=accelerator.device.type,
+    result = dict(bench="learner_step", backend=backend, sampler=sampler, shape=args.shape,
+                  device=accelerator.device.type, outside_support_frac=metrics["offpolicy/outside_support_frac"],
                   mixed_precision=args.mixed_precision, groups=args.groups, samples=args.groups * args.n,
                   trained_tokens=tokens, step_s=round(step_s, 4), trained_tokens_per_s=round(tokens / step_s),
                   peak_mem_bytes=torch.cuda.max_memory_allocated() if cuda else None, loss=loss)
@@ -115,11 +137,13 @@ def main(argv=None) -> None:
     groups, masks = step_batch(args, vocab, version=0)
     results = []
     for backend in args.backends.split(","):
-        results.append(measure(args, backend, groups, masks))
-        print(json.dumps(results[-1]), flush=True)
+        for sampler in args.samplers.split(","):
+            results.append(measure(args, backend, sampler, groups, masks))
+            print(json.dumps(results[-1]), flush=True)
     first = results[0]
-    print(json.dumps({"ratios": f"step_s / {first['backend']}'s",
-                      **{r["backend"]: round(r["step_s"] / first["step_s"], 3) for r in results}}), flush=True)
+    print(json.dumps({"ratios": f"step_s / {first['backend']} {first['sampler']}'s",
+                      **{f"{r['backend']} {r['sampler']}": round(r["step_s"] / first["step_s"], 3) for r in results}}),
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,14 +15,40 @@ import numpy as np
 METRICS = ("eval/pass_rate", "compute/wall_s", "compute/samples")
 
 
-def tidal_run(config: list[str], overrides: list[str], run_dir: Path, label: str) -> Path:
+def tidal_run(config: list[str], overrides: list[str], run_dir: Path, label: str, env: dict | None = None) -> Path:
     """`tidal run CONFIG... run_dir=RUN_DIR OVERRIDES...` (learner and actors, pinned as the launcher
-    pins them); exits the script with the run's log tail when it fails."""
+    pins them), with `env` added to the environment; exits the script with the run's log tail when it fails."""
     cmd = [sys.executable, "-m", "tidal", "run", *config, f"run_dir={run_dir}", "checkpoint.every=0", *overrides]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if done.returncode != 0:
         raise SystemExit(f"{label}: the run in {run_dir} failed:\n{(done.stdout + done.stderr)[-3000:]}")
     return run_dir
+
+
+def timed_tidal_run(config: str, run_dir: Path, every: int, overrides: list[str], profile: tuple[str, ...] = (),
+                    env: dict | None = None) -> dict:
+    """One tidal run with no evaluation inside it but at the start and the end (the actor's, as a user's
+    run has them); the file channel keeps every version, which the bench evaluates afterwards with one
+    evaluator for every system. whole_s: from launch to exit; profile: the median of each named metric."""
+    from tidal.config import load_config, preset_path
+
+    weights = Path("/dev/shm") / f"tidal-bench-{run_dir.name}"
+    shutil.rmtree(weights, ignore_errors=True)
+    launched = time.time()
+    tidal_run([config], ["eval.every=0", f"weights.dir={weights}", "weights.keep=1000000", *overrides], run_dir,
+              "bench", env)
+    whole_s = time.time() - launched
+    hist = history(run_dir, (*METRICS, *profile, "learner/num_samples"))
+    last = max(hist["compute/wall_s"])
+    cfg = load_config(preset_path(config), overrides)
+    try:
+        hist["eval/pass_rate"] = evaluate_weight_files(cfg, weights, sorted({*range(0, last, every), last}))
+    finally:
+        shutil.rmtree(weights, ignore_errors=True)
+    medians = {name.split("/")[1]: statistics.median(hist[name].values()) for name in profile if hist[name]}
+    return {"history": {k: hist[k] for k in METRICS}, "whole_s": whole_s, "profile": medians,
+            "samples_generated": hist["compute/samples"][last],
+            "samples_trained": sum(hist["learner/num_samples"].values())}
 
 
 def mlflow_run(run_dir: Path) -> tuple[str, str]:

@@ -17,12 +17,13 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-SCHEMA_VERSION = 8  # 2: eval groups carry eval_version; grants no longer carry weights. 3: a rollout's
+SCHEMA_VERSION = 9  # 2: eval groups carry eval_version; grants no longer carry weights. 3: a rollout's
 # token ids and logprobs are one buffer per group. 4: a weight update comes from one learner rank (no sources).
 # 5: a sample may carry its episode's counts (turns, tool calls). 6: a weight update carries the channel's
 # token, and each byte range its sha256 (was a crc32). 7: a sample carries each reward function's value
 # (reward_components). 8: an nccl weight update carries a keyed tag per tensor and the version's tag key;
-# a weight update may be a LoRA adapter alone (adapter)
+# a weight update may be a LoRA adapter alone (adapter). 9: sampling carries top_k (an actor that ignored it
+# would sample from another distribution than the learner scores)
 
 
 # Bounds every decoded value must keep: a frame that breaks one is rejected at decode ("malformed",
@@ -125,6 +126,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     stop_token_ids: Annotated[tuple[TokenId, ...], Meta(max_length=256)] = ()
     interrupt: InterruptParams | None = None  # None: no forced interruptions (eval groups by default)
     overlong_buffer_tokens: Count = 0  # DAPO's L_cache; 0: no overlong penalty on the reward
+    top_k: Annotated[int, Meta(ge=0, le=2**24)] = 0  # keep the k most likely tokens before top_p; 0: all
 
     def check(self) -> None:
         """Length-control settings that could not be honoured; reasons name the field and value."""

@@ -28,26 +28,33 @@ def logprobs(
     vocab_size: int | None = None,
     backend: str = "auto",
     chunk_size: int | tuple[int, int] | None = None,
+    floor: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (logprob of target [T], entropy [T]) of softmax(hidden @ weight.T / temperature).
 
     hidden [T, D], weight [V, D] (rows >= vocab_size are padding and excluded), targets [T]
     integer. mask [T] bool: False tokens return 0 for both outputs and get zero gradient.
     chunk_size: vocab columns per tile, or (tokens, vocab columns), for backend "torch".
+    floor [T] float32: token t's softmax runs over the logits (after temperature) >= floor[t] alone,
+    a truncated sampler's support (`sampler_floor`); the logprob of a target below its floor is its
+    logit less that support's log-sum-exp, finite and meaningless: the caller tells it apart.
     Outputs are fp32 (fp64 for fp64 inputs), accumulated in fp32 whatever the input dtype.
     """
     backend = _resolve_backend(backend, hidden)
     vocab_size = _check_args(hidden, weight, targets, temperature, mask, vocab_size, backend)
+    if floor is not None:
+        _check_per_token("floor", floor, hidden.shape[0], hidden.device)
+        floor = floor.to(torch.promote_types(hidden.dtype, torch.float32))
     impl = _backend_impl(backend, chunk_size)
     if mask is None:
-        return impl(hidden, weight, targets, float(temperature), vocab_size)
+        return impl(hidden, weight, targets, float(temperature), vocab_size, floor)
     # Compact the active tokens so no backend spends work (or memory) on masked ones; the
     # index ops are autograd-aware, so masked rows of hidden get exactly zero gradient. The
     # price is one host sync (nonzero) on GPU, small next to the LM head itself.
     active = mask.nonzero().squeeze(1)  # [T_active]
     logp_active, entropy_active = impl(
         hidden.index_select(0, active), weight, targets.index_select(0, active),
-        float(temperature), vocab_size,
+        float(temperature), vocab_size, None if floor is None else floor.index_select(0, active),
     )
     num_tokens = hidden.shape[0]
     logp = logp_active.new_zeros(num_tokens).index_copy(0, active, logp_active)  # [T]

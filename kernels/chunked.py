@@ -34,34 +34,34 @@ def resolve_chunks(chunk_size: int | tuple[int, int] | None) -> tuple[int, int]:
     return chunk_size
 
 
-def logprobs(hidden, weight, targets, temperature, vocab_size, *, token_chunk, vocab_chunk):
+def logprobs(hidden, weight, targets, temperature, vocab_size, floor=None, *, token_chunk, vocab_chunk):
     """Return (logprob [T], entropy [T]); see tidal.kernels.logprobs."""
     return _ChunkedLogprobs.apply(
-        hidden, weight, targets, 1.0 / temperature, vocab_size, token_chunk, vocab_chunk
+        hidden, weight, targets, 1.0 / temperature, vocab_size, token_chunk, vocab_chunk, floor
     )
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, inv_temp, vocab_size, token_chunk, vocab_chunk):
+    def forward(ctx, hidden, weight, targets, inv_temp, vocab_size, token_chunk, vocab_chunk, floor):
         tiling = _Tiling(hidden.shape[0], vocab_size, token_chunk, vocab_chunk)
-        logp, entropy, row_max, log_s = _forward(hidden, weight, targets, inv_temp, tiling)
-        ctx.save_for_backward(hidden, weight, targets, row_max, log_s, entropy)
+        logp, entropy, row_max, log_s = _forward(hidden, weight, targets, inv_temp, tiling, floor)
+        ctx.save_for_backward(hidden, weight, targets, row_max, log_s, entropy, floor)
         ctx.inv_temp, ctx.tiling = inv_temp, tiling
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, targets, row_max, log_s, entropy = ctx.saved_tensors
+        hidden, weight, targets, row_max, log_s, entropy, floor = ctx.saved_tensors
         acc = row_max.dtype
         # Autograd passes None for an output that did not reach the loss.
         grad_logp = _zeros_if_none(grad_logp, row_max).to(acc)
         grad_entropy = _zeros_if_none(grad_entropy, row_max).to(acc)
         dhidden, dweight = _backward(
             hidden, weight, targets, (row_max, log_s, entropy), grad_logp, grad_entropy,
-            ctx.inv_temp, ctx.tiling, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+            ctx.inv_temp, ctx.tiling, ctx.needs_input_grad[0], ctx.needs_input_grad[1], floor,
         )
-        return dhidden, dweight, None, None, None, None, None
+        return dhidden, dweight, None, None, None, None, None, None
 
 
 class _Tiling:
@@ -102,11 +102,12 @@ def _target_columns(targets, v0, v1):
     return in_chunk, (targets - v0).clamp(0, v1 - v0 - 1)[:, None]
 
 
-def _forward(hidden, weight, targets, inv_temp, tiling):
+def _forward(hidden, weight, targets, inv_temp, tiling, floor=None):
     """Online log-sum-exp over vocab chunks. Per token we keep the running max m, the sum
     s = sum exp(z - m), and u = sum exp(z - m) * (z - m); then log p_y = (z_y - m) - log s
     and entropy = log s - u / s. Keeping u relative to m avoids the cancellation that
-    lse - E[z] would suffer when logits are large (1e4)."""
+    lse - E[z] would suffer when logits are large (1e4). With a floor [T], logits below it add
+    nothing to s and u; m may be one of them, harmlessly: the row's largest logit is never below."""
     acc = torch.promote_types(hidden.dtype, torch.float32)
     num_tokens, device = hidden.shape[0], hidden.device
     m = torch.full((num_tokens,), float("-inf"), dtype=acc, device=device)  # [T]
@@ -122,22 +123,26 @@ def _forward(hidden, weight, targets, inv_temp, tiling):
             torch.addmm(z, hidden[t0:t1].to(acc), w.T, beta=0, alpha=inv_temp, out=z)
             in_chunk, cols = _target_columns(targets[t0:t1], v0, v1)
             target_logit[t0:t1] += torch.where(in_chunk, z.gather(1, cols).squeeze(1), 0.0)
-            _online_update(z, _tile(e_buf, t1 - t0, v1 - v0), m[t0:t1], s[t0:t1], u[t0:t1])
+            below = None if floor is None else z < floor[t0:t1, None]  # [Tc, Vc], outside the support
+            _online_update(z, _tile(e_buf, t1 - t0, v1 - v0), m[t0:t1], s[t0:t1], u[t0:t1], below)
     log_s = s.log()  # [T]
     # lse = m + log_s is never formed: at |logits| ~ 1e4 its fp32 rounding (~1e-3) would
     # swamp log p; (z - m) - log_s is exact near the max, like torch.log_softmax.
     return (target_logit - m) - log_s, log_s - u / s, m, log_s
 
 
-def _online_update(z, e, m, s, u):
-    """Fold tile z [Tc, Vc] into the running (m, s, u) [Tc], in place; e is scratch of z's
-    shape (a fresh 64 MiB tensor per tile would cost ~20 ms of page faults). Destroys z."""
+def _online_update(z, e, m, s, u, below=None):
+    """Fold tile z [Tc, Vc] into the running (m, s, u) [Tc], in place, leaving out the logits where
+    `below` [Tc, Vc] is True; e is scratch of z's shape (a fresh 64 MiB tensor per tile would cost
+    ~20 ms of page faults). Destroys z."""
     m_new = torch.maximum(m, z.amax(dim=1))  # [Tc]
     # The first tile sees m = -inf and s = 0: (m - m_new) * s would be -inf * 0 = nan.
     shift = torch.where(s > 0, m - m_new, 0.0) * s  # [Tc]
     alpha = torch.exp(m - m_new)  # [Tc]
     z.sub_(m_new[:, None])  # z - m_new, <= 0
     torch.exp(z, out=e)  # [Tc, Vc]
+    if below is not None:
+        e.masked_fill_(below, 0.0)
     s_tile = e.sum(dim=1)  # [Tc]
     u_tile = e.mul_(z).sum(dim=1)  # [Tc]
     u.copy_(alpha * (u + shift) + u_tile)
@@ -146,7 +151,7 @@ def _online_update(z, e, m, s, u):
 
 
 def _backward(hidden, weight, targets, stats, grad_logp, grad_entropy, inv_temp,
-              tiling, want_dhidden, want_dweight):
+              tiling, want_dhidden, want_dweight, floor=None):
     """dz = grad_logp * (onehot - p) - grad_entropy * p * (log p + H), divided by the
     temperature; dhidden = dz @ W and dweight = dz^T @ h, accumulated in fp32 per tile.
     stats = (row max, log sum exp(z - max), entropy), each [T]."""
@@ -166,7 +171,7 @@ def _backward(hidden, weight, targets, stats, grad_logp, grad_entropy, inv_temp,
             dz = _tile(z_buf, t1 - t0, v1 - v0)  # [Tc, Vc]
             _tile_grad(dz, _tile(p_buf, t1 - t0, v1 - v0), h, w, targets[t0:t1], v0, v1,
                        [x[t0:t1] for x in stats], grad_logp[t0:t1], grad_entropy[t0:t1],
-                       inv_temp)
+                       inv_temp, None if floor is None else floor[t0:t1])
             if want_dhidden:
                 dhidden[t0:t1].addmm_(dz, w)  # += [Tc, Vc] @ [Vc, D]
             if want_dweight:
@@ -176,15 +181,18 @@ def _backward(hidden, weight, targets, stats, grad_logp, grad_entropy, inv_temp,
     return (dhidden.to(hidden.dtype) if want_dhidden else None), dweight
 
 
-def _tile_grad(dz, p, h, w, targets, v0, v1, stats, grad_logp, grad_entropy, inv_temp):
+def _tile_grad(dz, p, h, w, targets, v0, v1, stats, grad_logp, grad_entropy, inv_temp, floor=None):
     """Write dz = (gL * (onehot - p) - gH * p * (log p + H)) / temperature [Tc, Vc] into dz,
-    recomputing the logits of h [Tc, D] and w [Vc, D]; p is scratch of the same shape.
+    recomputing the logits of h [Tc, D] and w [Vc, D]; p is scratch of the same shape, 0 outside
+    a floor's support.
     Tiles are far bigger than cache, so each elementwise pass costs memory bandwidth: the
     passes are fused where torch allows."""
     row_max, log_s, entropy = stats  # [Tc] each
     torch.addmm(row_max.neg()[:, None], h, w.T, alpha=inv_temp, out=dz)  # z - max
     dz.sub_(log_s[:, None])  # log p; not z - (max + log_s), which rounds badly at 1e4
     torch.exp(dz, out=p)
+    if floor is not None:  # z < floor, in log p's terms
+        p.masked_fill_(dz < (floor - row_max - log_s)[:, None], 0.0)
     # dz = p * (slope * log p + offset), per-token slope = -gH / temp, offset = -(gH H + gL) / temp
     slope = grad_entropy * -inv_temp  # [Tc]
     offset = (grad_entropy * entropy + grad_logp) * -inv_temp  # [Tc]

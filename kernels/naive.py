@@ -12,11 +12,18 @@ def logprobs(
     targets: torch.Tensor,
     temperature: float,
     vocab_size: int,
+    floor: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (logprob [T], entropy [T]) in fp32, or fp64 when the inputs are fp64."""
+    """Return (logprob [T], entropy [T]) in fp32, or fp64 when the inputs are fp64; with `floor` [T],
+    token t's softmax runs over the logits >= floor[t] only (tidal.kernels.logprobs)."""
     acc = torch.promote_types(hidden.dtype, torch.float32)
     logits = hidden.to(acc) @ weight[:vocab_size].to(acc).T / temperature  # [T, V]
-    log_probs = torch.log_softmax(logits, dim=-1)  # [T, V]
-    logp = log_probs.gather(1, targets[:, None]).squeeze(1)  # [T]
-    entropy = -(log_probs.exp() * log_probs).sum(dim=-1)  # [T]
-    return logp, entropy
+    target_logit = logits.gather(1, targets[:, None]).squeeze(1)  # [T]
+    if floor is not None:
+        logits = logits.masked_fill(logits < floor.to(acc)[:, None], float("-inf"))
+    log_norm = torch.logsumexp(logits, dim=-1)  # [T]
+    log_probs = logits - log_norm[:, None]  # [T, V]; -inf outside the support
+    probs = log_probs.exp()
+    # 0 * -inf is nan: a token outside the support adds nothing to the entropy
+    entropy = -(probs * torch.where(probs > 0, log_probs, 0.0)).sum(dim=-1)  # [T]
+    return target_logit - log_norm, entropy

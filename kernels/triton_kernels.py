@@ -72,14 +72,17 @@ def _logits_tile(h_ptr, w_ptr, rows, cols, T, V, D, stride_h, stride_w, inv_temp
 
 
 @triton.jit
-def _forward_kernel(h_ptr, w_ptr, tgt_ptr, m_ptr, s_ptr, u_ptr, zt_ptr,
+def _forward_kernel(h_ptr, w_ptr, tgt_ptr, floor_ptr, m_ptr, s_ptr, u_ptr, zt_ptr,
                     T, V, D, stride_h, stride_w, inv_temp, tiles_per_split,
                     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
                     DOT_FP32: tl.constexpr):
     """Partials for one (token tile, vocab split): running max m, s = sum exp(z - m),
-    u = sum exp(z - m) * (z - m) and the target's logit if it lies in this split."""
+    u = sum exp(z - m) * (z - m) over the logits at or above the token's floor (-inf: all of
+    them), and the target's logit if it lies in this split. A split may hold none of a token's
+    support: its m stays -inf and its s 0, which the merge weighs by 0."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tgt = tl.load(tgt_ptr + rows, mask=rows < T, other=-1)
+    floor = tl.load(floor_ptr + rows, mask=rows < T, other=float("-inf"))
     m = tl.full((BLOCK_T,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_T,), tl.float32)
     u = tl.zeros((BLOCK_T,), tl.float32)
@@ -91,15 +94,18 @@ def _forward_kernel(h_ptr, w_ptr, tgt_ptr, m_ptr, s_ptr, u_ptr, zt_ptr,
         valid = cols[None, :] < V  # [1, BV]
         z = _logits_tile(h_ptr, w_ptr, rows, cols, T, V, D, stride_h, stride_w, inv_temp,
                          BLOCK_D, DOT_FP32)
-        z = tl.where(valid, z, float("-inf"))  # [BT, BV]
-        zt += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
+        zt += tl.sum(tl.where(valid & (cols[None, :] == tgt[:, None]), z, 0.0), axis=1)
+        keep = valid & (z >= floor[:, None])  # [BT, BV]
+        z = tl.where(keep, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1))
-        # First tile: m = -inf and s = 0, and -inf * 0 would be nan.
-        shift = tl.where(s > 0, m - m_new, 0.0) * s
-        alpha = tl.exp(m - m_new)
-        zs = z - m_new[:, None]  # <= 0; -inf on invalid columns, where e = 0
+        # While no logit of the row has been kept (m_new = -inf, s = 0), -inf - -inf would be nan:
+        # shift from 0 instead, which leaves s and u at 0.
+        m_shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+        shift = tl.where(s > 0, m - m_shift, 0.0) * s
+        alpha = tl.exp(m - m_shift)
+        zs = tl.where(keep, z - m_shift[:, None], float("-inf"))  # <= 0; -inf where e = 0
         e = tl.exp(zs)
-        u = alpha * (u + shift) + tl.sum(tl.where(valid, zs, 0.0) * e, axis=1)
+        u = alpha * (u + shift) + tl.sum(tl.where(keep, zs, 0.0) * e, axis=1)
         s = alpha * s + tl.sum(e, axis=1)
         m = m_new
     out = tl.program_id(1) * T + rows
@@ -110,43 +116,45 @@ def _forward_kernel(h_ptr, w_ptr, tgt_ptr, m_ptr, s_ptr, u_ptr, zt_ptr,
 
 
 @triton.jit
-def _grad_tile(h_ptr, w_ptr, tgt, row_max, log_s, ent, g_logp, g_ent, rows, cols, T, V, D,
+def _grad_tile(h_ptr, w_ptr, tgt, floor, row_max, log_s, ent, g_logp, g_ent, rows, cols, T, V, D,
                stride_h, stride_w, inv_temp, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
-    """dL/dlogits tile [BT, BV]: (gL * (onehot - p) - gH * p * (log p + H)) / temperature."""
+    """dL/dlogits tile [BT, BV]: (gL * (onehot - p) - gH * p * (log p + H)) / temperature, p = 0
+    below the floor."""
     z = _logits_tile(h_ptr, w_ptr, rows, cols, T, V, D, stride_h, stride_w, inv_temp,
                      BLOCK_D, DOT_FP32)
     log_p = (z - row_max[:, None]) - log_s[:, None]  # exact near the max, even at 1e4
-    p = tl.where(cols[None, :] < V, tl.exp(log_p), 0.0)
+    p = tl.where((cols[None, :] < V) & (z >= floor[:, None]), tl.exp(log_p), 0.0)
     g = -(g_ent[:, None] * (log_p + ent[:, None]) + g_logp[:, None]) * p
     g += tl.where(cols[None, :] == tgt[:, None], g_logp[:, None], 0.0)
     return g * inv_temp
 
 
 @triton.jit
-def _load_token_stats(rows, T, tgt_ptr, max_ptr, log_s_ptr, ent_ptr, gl_ptr, ge_ptr):
+def _load_token_stats(rows, T, tgt_ptr, floor_ptr, max_ptr, log_s_ptr, ent_ptr, gl_ptr, ge_ptr):
     """Per-token inputs of the backward; rows past T read zero gradients, so their dz = 0."""
     inside = rows < T
     tgt = tl.load(tgt_ptr + rows, mask=inside, other=-1)
+    floor = tl.load(floor_ptr + rows, mask=inside, other=float("-inf"))
     row_max = tl.load(max_ptr + rows, mask=inside, other=0.0)
     log_s = tl.load(log_s_ptr + rows, mask=inside, other=0.0)
     ent = tl.load(ent_ptr + rows, mask=inside, other=0.0)
     g_logp = tl.load(gl_ptr + rows, mask=inside, other=0.0)
     g_ent = tl.load(ge_ptr + rows, mask=inside, other=0.0)
-    return tgt, row_max, log_s, ent, g_logp, g_ent
+    return tgt, floor, row_max, log_s, ent, g_logp, g_ent
 
 
 @triton.jit
-def _dhidden_kernel(h_ptr, w_ptr, tgt_ptr, max_ptr, log_s_ptr, ent_ptr, gl_ptr, ge_ptr, dh_ptr,
+def _dhidden_kernel(h_ptr, w_ptr, tgt_ptr, floor_ptr, max_ptr, log_s_ptr, ent_ptr, gl_ptr, ge_ptr, dh_ptr,
                     T, V, D, stride_h, stride_w, inv_temp,
                     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
                     DOT_FP32: tl.constexpr):
     """dhidden[rows] = sum over vocab tiles of dz @ W[cols]; dh_ptr is fp32 [T, D], zeroed."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    tgt, row_max, log_s, ent, g_logp, g_ent = _load_token_stats(
-        rows, T, tgt_ptr, max_ptr, log_s_ptr, ent_ptr, gl_ptr, ge_ptr)
+    tgt, floor, row_max, log_s, ent, g_logp, g_ent = _load_token_stats(
+        rows, T, tgt_ptr, floor_ptr, max_ptr, log_s_ptr, ent_ptr, gl_ptr, ge_ptr)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        dz = _grad_tile(h_ptr, w_ptr, tgt, row_max, log_s, ent, g_logp, g_ent, rows, cols, T, V, D,
+        dz = _grad_tile(h_ptr, w_ptr, tgt, floor, row_max, log_s, ent, g_logp, g_ent, rows, cols, T, V, D,
                         stride_h, stride_w, inv_temp, BLOCK_D, DOT_FP32)  # [BT, BV]
         if not DOT_FP32:
             dz = dz.to(w_ptr.dtype.element_ty)
@@ -164,7 +172,7 @@ def _dhidden_kernel(h_ptr, w_ptr, tgt_ptr, max_ptr, log_s_ptr, ent_ptr, gl_ptr, 
 
 
 @triton.jit
-def _dweight_kernel(h_ptr, w_ptr, tgt_ptr, max_ptr, log_s_ptr, ent_ptr, gl_ptr, ge_ptr, dw_ptr,
+def _dweight_kernel(h_ptr, w_ptr, tgt_ptr, floor_ptr, max_ptr, log_s_ptr, ent_ptr, gl_ptr, ge_ptr, dw_ptr,
                     T, V, D, stride_h, stride_w, inv_temp,
                     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
                     DOT_FP32: tl.constexpr):
@@ -172,9 +180,9 @@ def _dweight_kernel(h_ptr, w_ptr, tgt_ptr, max_ptr, log_s_ptr, ent_ptr, gl_ptr, 
     cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
     for t0 in range(0, T, BLOCK_T):
         rows = t0 + tl.arange(0, BLOCK_T)
-        tgt, row_max, log_s, ent, g_logp, g_ent = _load_token_stats(
-            rows, T, tgt_ptr, max_ptr, log_s_ptr, ent_ptr, gl_ptr, ge_ptr)
-        dz = _grad_tile(h_ptr, w_ptr, tgt, row_max, log_s, ent, g_logp, g_ent, rows, cols, T, V, D,
+        tgt, floor, row_max, log_s, ent, g_logp, g_ent = _load_token_stats(
+            rows, T, tgt_ptr, floor_ptr, max_ptr, log_s_ptr, ent_ptr, gl_ptr, ge_ptr)
+        dz = _grad_tile(h_ptr, w_ptr, tgt, floor, row_max, log_s, ent, g_logp, g_ent, rows, cols, T, V, D,
                         stride_h, stride_w, inv_temp, BLOCK_D, DOT_FP32)  # [BT, BV]
         if not DOT_FP32:
             dz = dz.to(h_ptr.dtype.element_ty)
@@ -192,37 +200,39 @@ def _dweight_kernel(h_ptr, w_ptr, tgt_ptr, max_ptr, log_s_ptr, ent_ptr, gl_ptr, 
             tl.store(dw_ptrs, dw, mask=dw_mask)
 
 
-def logprobs(hidden, weight, targets, temperature, vocab_size, *, blocks: Blocks | None = None):
+def logprobs(hidden, weight, targets, temperature, vocab_size, floor=None, *, blocks: Blocks | None = None):
     """Return (logprob [T], entropy [T]) in fp32; see tidal.kernels.logprobs."""
     if blocks is None:
         blocks = INTERPRET_BLOCKS if _interpreting() else GPU_BLOCKS[hidden.dtype]
-    return _TritonLogprobs.apply(hidden, weight, targets, 1.0 / temperature, vocab_size, blocks)
+    if floor is None:  # every logit in the softmax
+        floor = torch.full((hidden.shape[0],), float("-inf"), dtype=torch.float32, device=hidden.device)
+    return _TritonLogprobs.apply(hidden, weight, targets, floor, 1.0 / temperature, vocab_size, blocks)
 
 
 class _TritonLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, inv_temp, vocab_size, blocks):
+    def forward(ctx, hidden, weight, targets, floor, inv_temp, vocab_size, blocks):
         hidden, weight = hidden.contiguous(), weight.contiguous()
-        targets = targets.contiguous()
-        logp, entropy, row_max, log_s = _forward(hidden, weight, targets, inv_temp, vocab_size,
+        targets, floor = targets.contiguous(), floor.float().contiguous()
+        logp, entropy, row_max, log_s = _forward(hidden, weight, targets, floor, inv_temp, vocab_size,
                                                  blocks)
-        ctx.save_for_backward(hidden, weight, targets, row_max, log_s, entropy)
+        ctx.save_for_backward(hidden, weight, targets, floor, row_max, log_s, entropy)
         ctx.inv_temp, ctx.vocab_size, ctx.blocks = inv_temp, vocab_size, blocks
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, targets, row_max, log_s, entropy = ctx.saved_tensors
+        hidden, weight, targets, floor, row_max, log_s, entropy = ctx.saved_tensors
         # Autograd passes None for an output that did not reach the loss.
         grad_logp = torch.zeros_like(log_s) if grad_logp is None else grad_logp.float().contiguous()
         grad_entropy = (
             torch.zeros_like(log_s) if grad_entropy is None else grad_entropy.float().contiguous()
         )
-        args = _KernelArgs(hidden, weight, targets, row_max, log_s, entropy, grad_logp,
+        args = _KernelArgs(hidden, weight, targets, floor, row_max, log_s, entropy, grad_logp,
                            grad_entropy, ctx.inv_temp, ctx.vocab_size, ctx.blocks)
         dhidden = _dhidden(args) if ctx.needs_input_grad[0] else None
         dweight = _dweight(args) if ctx.needs_input_grad[1] else None
-        return dhidden, dweight, None, None, None, None
+        return dhidden, dweight, None, None, None, None, None
 
 
 def _dot_fp32(dtype: torch.dtype) -> bool:
@@ -240,7 +250,7 @@ def _num_splits(num_token_tiles: int, num_vocab_tiles: int, device: torch.device
     return max(1, min(wanted, num_vocab_tiles // 8))
 
 
-def _forward(hidden, weight, targets, inv_temp, vocab_size, blocks):
+def _forward(hidden, weight, targets, floor, inv_temp, vocab_size, blocks):
     num_tokens, dim = hidden.shape
     if num_tokens == 0:
         empty = hidden.new_empty(0, dtype=torch.float32)
@@ -255,7 +265,7 @@ def _forward(hidden, weight, targets, inv_temp, vocab_size, blocks):
         4, num_splits, num_tokens, dtype=torch.float32, device=hidden.device
     )  # each [splits, T]
     _forward_kernel[(num_token_tiles, num_splits)](
-        hidden, weight, targets, m, s, u, target_logit,
+        hidden, weight, targets, floor, m, s, u, target_logit,
         num_tokens, vocab_size, dim, hidden.stride(0), weight.stride(0), inv_temp,
         tiles_per_split, BLOCK_T=blocks.tokens, BLOCK_V=blocks.vocab, BLOCK_D=blocks.dim,
         DOT_FP32=_dot_fp32(hidden.dtype), num_warps=blocks.num_warps,
@@ -281,6 +291,7 @@ class _KernelArgs:
     hidden: torch.Tensor
     weight: torch.Tensor
     targets: torch.Tensor
+    floor: torch.Tensor
     row_max: torch.Tensor
     log_s: torch.Tensor
     entropy: torch.Tensor
@@ -293,7 +304,7 @@ class _KernelArgs:
     def launch(self, kernel, grid, out):
         num_tokens, dim = self.hidden.shape
         kernel[grid](
-            self.hidden, self.weight, self.targets, self.row_max, self.log_s, self.entropy,
+            self.hidden, self.weight, self.targets, self.floor, self.row_max, self.log_s, self.entropy,
             self.grad_logp, self.grad_entropy, out, num_tokens, self.vocab_size, dim,
             self.hidden.stride(0), self.weight.stride(0), self.inv_temp,
             BLOCK_T=self.blocks.tokens, BLOCK_V=self.blocks.vocab, BLOCK_D=self.blocks.dim,

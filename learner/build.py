@@ -29,6 +29,7 @@ from tidal.learner.admission import Admission
 from tidal.learner.checkpoint import Checkpointer, NoValidCheckpoint, folders, read_state, set_aside, survey
 from tidal.learner.coordinator import Coordinator, DispatchPlan
 from tidal.learner.diagnostics import Diagnostics
+from tidal.learner.drift import likely_causes
 from tidal.learner.export import FinalExport
 from tidal.learner.groups import GroupBook
 from tidal.learner.ledger import Ledger
@@ -37,7 +38,7 @@ from tidal.learner.ranks import RankGroup, WeightPush
 from tidal.learner.resume import check_resume_state
 from tidal.learner.steps import Follower, Role, StepRunner
 from tidal.learner.tracking import Tracker
-from tidal.learner.trainer import Trainer, load_policy, policy_dtype
+from tidal.learner.trainer import Sampler, Trainer, load_policy, policy_dtype
 from tidal.learner.validation import Validator
 from tidal.tasks import PromptEncoder, encode_prompt, get_task
 
@@ -102,7 +103,8 @@ def setup_trainer(cfg: RunConfig, checkpoint: Path | None = None, fresh_if_damag
     accelerator = build_accelerator(lc)
     # sharded, every rank builds the policy empty and reads only its own shards of the weights
     policy = load_policy(cfg.model.path, policy_dtype(lc), lc.attention, compute_dtype(lc), empty=lc.fsdp.enabled)
-    trainer = Trainer(lc, policy, accelerator, cfg.sampling.temperature, cfg.model.head, cfg.model.dtype,
+    sampler = Sampler(cfg.sampling.temperature, cfg.sampling.top_k, cfg.sampling.top_p)
+    trainer = Trainer(lc, policy, accelerator, sampler, cfg.model.head, cfg.model.dtype,
                       model_path=cfg.model.path if lc.fsdp.enabled else None)
     checkpointer = Checkpointer(cfg.checkpoint, Path(cfg.run_dir) / "checkpoints", accelerator, trainer)
     return TrainerSetup(accelerator, trainer, checkpointer,
@@ -157,7 +159,7 @@ def build_learner(cfg: RunConfig, setup: TrainerSetup, transport: LearnerTranspo
                                 pass_threshold=cfg.task.pass_threshold, pass_on=cfg.task.pass_on,
                                 rollout_table_every=cfg.tracking.rollout_table_every,
                                 rollout_table_rows=cfg.tracking.rollout_table_rows),
-        num_actors=cfg.actor.replicas)
+        num_actors=cfg.actor.replicas, drift_causes=tuple(likely_causes(cfg)))
     learner = Learner(cfg.learner, cfg.eval, parts)
     if state is None:
         tracker.log_config(cfg, split)
@@ -175,7 +177,7 @@ def dispatch_plan(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Dispatc
     return DispatchPlan(
         run_id=f"{cfg.name}-{Path(cfg.run_dir).name}", task=cfg.task.name, n=cfg.sampling.n,
         sampling=SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_tokens, stop_ids,
-                                interrupt, overlong),
+                                interrupt, overlong, cfg.sampling.top_k),
         eval_n=cfg.eval.n, eval_sampling=SamplingParams(cfg.eval.temperature, 1.0, cfg.sampling.max_tokens, stop_ids,
                                                         interrupt if it.eval else None),
         groups_per_step=cfg.learner.groups_per_step, max_lag=cfg.staleness.max_lag, seed=cfg.learner.seed)

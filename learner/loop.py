@@ -33,6 +33,7 @@ from tidal.learner.checkpoint import Checkpointer
 from tidal.learner.coordinator import Coordinator
 from tidal.learner.curriculum import CurriculumExhausted
 from tidal.learner.diagnostics import Diagnostics
+from tidal.learner.drift import FreshRatioWatch
 from tidal.learner.evaluation import Evaluator
 from tidal.learner.export import FinalExport
 from tidal.learner.groups import DUPLICATE, NEW, GroupBook
@@ -65,6 +66,7 @@ class LearnerParts:
     diagnostics: Diagnostics | None = None  # completion tables and figures
     push: WeightPush | None = None  # what a weight push gathers (every rank the same)
     num_actors: int = 0  # actors the run starts, named while the learner waits for them (0: not known here)
+    drift_causes: tuple[str, ...] = ()  # the run's settings that make actors and learner score apart (drift.py)
 
 
 class Learner:
@@ -78,6 +80,7 @@ class Learner:
                                 cfg.max_steps)
         self.accounting = Accounting(self.trainer.num_params, parts.ranks.world if parts.ranks else 1)
         self.metrics_log = MetricsLog(parts.tracker, self.checkpointer.periodic)
+        self.fresh_ratio = FreshRatioWatch(list(parts.drift_causes))
         # progress lines as often as the tracker's config says; none without a tracker (unit tests of parts)
         every = parts.tracker.log_every_steps if parts.tracker is not None else 0
         self.progress = ProgressLog(every, cfg.max_steps, parts.num_actors)
@@ -146,6 +149,7 @@ class Learner:
         if self.eval_cfg.every and self.version % self.eval_cfg.every == 0 and self.version < self.cfg.max_steps:
             self.evaluator.start(self.version)
         metrics = self.step_metrics(batch, metrics)
+        self.fresh_ratio.observe(metrics, self.version)
         self.metrics_log.log(metrics, step=self.version)
         self.progress.on_step(metrics, self.version)
         if not self.checkpointer.periodic:

@@ -11,13 +11,15 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from tidal.broker.schema import RolloutGroup
-from tidal.config import LearnerConfig, LossType, LrScaling, LrSchedule, compute_dtype
+from tidal.config import LearnerConfig, LossConfig, LossType, LrScaling, LrSchedule, compute_dtype
 from tidal.kernels import logprobs as fused_logprobs
+from tidal.kernels import sampler_floor
 from tidal.learner import lora, sharding, state_files
 from tidal.learner.batch import (
     MicroBatch,
@@ -31,7 +33,7 @@ from tidal.learner.batch import (
     micro_batches,
 )
 from tidal.learner.diagnostics import TokenSample
-from tidal.learner.loss import LossInputs, policy_loss
+from tidal.learner.loss import LossInputs, policy_loss, ratios_of
 
 
 def load_policy(model_path: str, param_dtype: str, attention: str = "sdpa", compute_dtype: str | None = None,
@@ -95,18 +97,46 @@ def micro_batch_layout(packing: str, policy) -> str:
     return "packed" if attention == "flash_attention_2" else "auto"
 
 
-def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+# The learner's logprob of a sampled token its own sampler would not keep (top-k / top-p): probability 0.
+# Far below any behaviour logprob (validation's floor is about -116), so its ratio exp(this - behaviour)
+# is exactly 0 in float32, and finite everywhere a loss or a metric uses it.
+OUTSIDE_SUPPORT_LOGPROB = -1.0e4
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """The actors' sampler, which the learner scores: softmax(logits / temperature), cut to the top_k most
+    likely tokens (0: all) and then to the nucleus holding top_p of their mass (1.0: all), renormalised."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def truncates(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0
+
+
+def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, sampler: Sampler,
                   backend: str, served_dtype: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprob, entropy) [tokens] of `targets` under the LM head `weight` [V, D] on `hidden` [tokens, D],
-    outside any autocast of the body, so mixed precision never rounds a logprob. By default in the
-    weights' own dtype (fp32 master weights: the fp32 head); with `served_dtype` (model.head = served)
+    """(logprob, entropy) [tokens] of `targets` under `sampler` on the LM head `weight` [V, D] and `hidden`
+    [tokens, D], outside any autocast of the body, so mixed precision never rounds a logprob. By default in
+    the weights' own dtype (fp32 master weights: the fp32 head); with `served_dtype` (model.head = served)
     from the weights and hidden states rounded to the dtype the actors serve, their products summed in
-    fp32: what an actor computes with its head in fp32."""
+    fp32: what an actor computes with its head in fp32. A truncating sampler's logprob is over the tokens
+    it keeps from the learner's own logits, as the actor's is over those it kept from its logits; a target
+    it would not keep gets OUTSIDE_SUPPORT_LOGPROB, and no gradient."""
     with torch.autocast(hidden.device.type, enabled=False):
         if served_dtype is not None:
             served = getattr(torch, served_dtype)
             hidden, weight = hidden.to(served).float(), weight.to(served).float()
-        return fused_logprobs(hidden.to(weight.dtype), weight, targets, temperature, backend=backend)
+        hidden = hidden.to(weight.dtype)
+        if not sampler.truncates:
+            return fused_logprobs(hidden, weight, targets, sampler.temperature, backend=backend)
+        floor, inside = sampler_floor(hidden.detach(), weight.detach(), targets, sampler.temperature,
+                                      sampler.top_k, sampler.top_p)
+        logp, entropy = fused_logprobs(hidden, weight, targets, sampler.temperature, backend=backend, floor=floor)
+        return torch.where(inside, logp, OUTSIDE_SUPPORT_LOGPROB), entropy
 
 
 class LogprobHead(torch.nn.Module):
@@ -114,13 +144,13 @@ class LogprobHead(torch.nn.Module):
     an FSDP unit (its own precision), whose weight is gathered around exactly this forward. It holds
     the policy's head parameter itself, so its name (lm_head.weight) stays the model's."""
 
-    def __init__(self, weight: torch.nn.Parameter, temperature: float, backend: str, served_dtype: str | None):
+    def __init__(self, weight: torch.nn.Parameter, sampler: Sampler, backend: str, served_dtype: str | None):
         super().__init__()
         self.weight = weight
-        self.temperature, self.backend, self.served_dtype = temperature, backend, served_dtype
+        self.sampler, self.backend, self.served_dtype = sampler, backend, served_dtype
 
     def forward(self, hidden, targets) -> tuple[torch.Tensor, torch.Tensor]:
-        return head_logprobs(hidden, self.weight, targets, self.temperature, self.backend, self.served_dtype)
+        return head_logprobs(hidden, self.weight, targets, self.sampler, self.backend, self.served_dtype)
 
 
 class PolicyLogprobs(torch.nn.Module):
@@ -128,13 +158,15 @@ class PolicyLogprobs(torch.nn.Module):
 
     Accelerate wraps this module (DDP on several ranks): the forward that builds the loss runs
     through the wrapper, so every parameter it touches, the LM head included, has its gradient synced.
-    `head`: model.head (fp32 or served); `served_dtype`: model.dtype, what the actors serve.
+    `head`: model.head (fp32 or served); `served_dtype`: model.dtype, what the actors serve. `temperature`:
+    the sampler's, or the whole Sampler (top-k, top-p).
     """
 
-    def __init__(self, policy, temperature: float, backend: str, head: str = "fp32", served_dtype: str | None = None):
+    def __init__(self, policy, temperature: float | Sampler, backend: str, head: str = "fp32",
+                 served_dtype: str | None = None):
         super().__init__()
         self.policy = policy
-        self.temperature = temperature
+        self.sampler = temperature if isinstance(temperature, Sampler) else Sampler(float(temperature))
         self.backend = backend
         self.served_dtype = served_dtype if head == "served" else None
 
@@ -144,7 +176,7 @@ class PolicyLogprobs(torch.nn.Module):
         head = self.policy.lm_head
         if head.weight is self.policy.get_input_embeddings().weight:
             return None
-        self.policy.lm_head = LogprobHead(head.weight, self.temperature, self.backend, self.served_dtype)
+        self.policy.lm_head = LogprobHead(head.weight, self.sampler, self.backend, self.served_dtype)
         return self.policy.lm_head
 
     def forward(self, input_ids, attention_mask, predict_at, targets,
@@ -155,7 +187,7 @@ class PolicyLogprobs(torch.nn.Module):
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, predict_at)  # [tokens, D]
         if isinstance(self.policy.lm_head, LogprobHead):
             return self.policy.lm_head(hidden, targets)
-        return head_logprobs(hidden, self.policy.lm_head.weight, targets, self.temperature, self.backend,
+        return head_logprobs(hidden, self.policy.lm_head.weight, targets, self.sampler, self.backend,
                              self.served_dtype)
 
 
@@ -202,9 +234,10 @@ def allocate_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: LearnerConfig, model, accelerator, temperature: float, head: str = "fp32",
+    def __init__(self, cfg: LearnerConfig, model, accelerator, temperature: float | Sampler, head: str = "fp32",
                  served_dtype: str | None = None, model_path: str | None = None):
-        """`model_path`: where an empty (meta-device) `model`'s weights are, each rank loading its shard.
+        """`temperature`: the actors' sampler (a Sampler), or its temperature alone (no top-k / top-p).
+        `model_path`: where an empty (meta-device) `model`'s weights are, each rank loading its shard.
         Under learner.lora the model is frozen and given its adapter here, before it is sharded."""
         self.cfg = cfg
         self.accelerator = accelerator
@@ -310,7 +343,7 @@ class Trainer:
             self.step_layout = min(("padded", "shared"), key=lambda layout: sum(
                 computed_positions(rows, self.cfg.micro_batch_tokens, layout) for rows in minibatches))
         self.model.train()
-        stats = _StepStats(version)
+        stats = _StepStats(version, self.cfg.loss)
         for rows in minibatches:
             stats.add_rows(rows)
         if self.num_updates > 1:  # later updates run on moved weights: take the step-start view first
@@ -443,13 +476,15 @@ class _StepStats:
     into metrics at the end."""
 
     SUMS = ("tokens", "rho", "rho_sq", "kl", "entropy", "lag", "clipped", "clip_tokens", "loss", "computed",
-            "real", "fresh", "samples", "adv", "adv_sq")
-    MAXES = ("rho_max", "lag_max", "fresh_max")
+            "real", "fresh", "samples", "adv", "adv_sq", "outside", "token_masked", "sequence_masked_tokens",
+            "sequences", "sequences_masked", "seq_ratio", "fresh_log_rho")
+    # minima are kept as maxima of their negatives
+    MAXES = ("rho_max", "lag_max", "fresh_max", "neg_rho_min", "seq_ratio_max", "neg_seq_ratio_min")
 
     PAIRS_PER_MICRO_BATCH = 64  # (behaviour, learner) logprob pairs kept for the run's figures
 
-    def __init__(self, version: int):
-        self.version = version
+    def __init__(self, version: int, loss: LossConfig):
+        self.version, self.loss = version, loss
         self.sums = dict.fromkeys(self.SUMS, 0.0)
         self.maxes = dict.fromkeys(self.MAXES, -math.inf)
         self.num_forward_only_tokens = 0
@@ -468,17 +503,45 @@ class _StepStats:
         s["rho"] += float(rho.sum())
         s["rho_sq"] += float(rho.square().sum())
         # k3 estimator of KL(behavior || learner) under behavior samples: E[rho - 1 - log rho]
-        s["kl"] += float((rho - 1 - log_rho).sum())
+        # (over the tokens the learner's sampler keeps: one it would not has an infinite term)
+        inside = (logp > OUTSIDE_SUPPORT_LOGPROB)[keep]
+        s["kl"] += float((rho - 1 - log_rho)[inside].sum())
         s["entropy"] += float(entropy.double()[keep].sum())
         s["lag"] += float(lag.sum())
         # Tokens of samples produced entirely at the current version: learner and actor ran the
-        # same weights over the whole sequence, so their logprobs must agree.
-        fresh = (logp - mb.behavior_logprobs).abs()[_fresh_samples(mb, self.version)]
+        # same weights over the whole sequence, so their logprobs must agree (a token the learner's
+        # sampler would not keep is counted as outside the support instead).
+        fresh_samples = _fresh_samples(mb, self.version) & (logp > OUTSIDE_SUPPORT_LOGPROB)
+        s["fresh_log_rho"] += float((logp - mb.behavior_logprobs).double()[fresh_samples].sum())
+        fresh = (logp - mb.behavior_logprobs).abs()[fresh_samples]
         s["fresh"] += fresh.numel()
-        for key, values in (("rho_max", rho), ("lag_max", lag), ("fresh_max", fresh)):
+        for key, values in (("rho_max", rho), ("lag_max", lag), ("fresh_max", fresh), ("neg_rho_min", -rho)):
             if values.numel():
                 self.maxes[key] = max(self.maxes[key], float(values.max()))
+        self._add_levels(mb, logp)
         self._sample_tokens(lag, mb.behavior_logprobs[keep], logp[keep])
+
+    def _add_levels(self, mb: MicroBatch, logp: torch.Tensor) -> None:
+        """The masks' verdicts and each sample's geometric-mean ratio, as the loss forms them."""
+        keep, s = mb.token_mask, self.sums
+        ratios = ratios_of(logp, mb.behavior_logprobs, mb.sample_index, keep, self.loss)
+        s["outside"] += int((logp <= OUTSIDE_SUPPORT_LOGPROB)[keep].sum())
+        s["token_masked"] += int((~ratios.token_kept)[keep].sum())
+        s["sequence_masked_tokens"] += int((~ratios.sequence_kept)[keep].sum())
+        num_rows = int(mb.sample_index.max()) + 1 if mb.sample_index.numel() else 0
+        trained = torch.zeros(num_rows, dtype=torch.bool, device=keep.device).index_put_(
+            (mb.sample_index[keep],), torch.ones_like(keep[keep]))  # [rows] with a trained token
+        per_row = torch.zeros(num_rows, dtype=torch.float64, device=keep.device)
+        per_row[mb.sample_index[keep]] = ratios.log_geometric[keep].double()  # every token of a row holds the same
+        masked = torch.zeros(num_rows, dtype=torch.bool, device=keep.device)
+        masked[mb.sample_index[keep]] = ~ratios.sequence_kept[keep]
+        geometric = per_row[trained].exp()
+        s["sequences"] += int(trained.sum())
+        s["sequences_masked"] += int(masked[trained].sum())
+        s["seq_ratio"] += float(geometric.sum())
+        if geometric.numel():
+            self.maxes["seq_ratio_max"] = max(self.maxes["seq_ratio_max"], float(geometric.max()))
+            self.maxes["neg_seq_ratio_min"] = max(self.maxes["neg_seq_ratio_min"], float(-geometric.min()))
 
     def _sample_tokens(self, lag: torch.Tensor, behavior: torch.Tensor, learner: torch.Tensor) -> None:
         """This rank's share for the figures: every token's lag, and a few logprob pairs."""
@@ -523,6 +586,14 @@ class _StepStats:
             "learner/advantage_std": math.sqrt(max(s["adv_sq"] / max(s["samples"], 1.0) - adv_mean ** 2, 0.0)),
             "offpolicy/rho_mean": s["rho"] / n,
             "offpolicy/rho_max": m["rho_max"] if s["tokens"] else 0.0,
+            "offpolicy/rho_min": -m["neg_rho_min"] if s["tokens"] else 0.0,
+            "offpolicy/outside_support_frac": s["outside"] / n,
+            "offpolicy/token_masked_frac": s["token_masked"] / n,
+            "offpolicy/sequence_masked_token_frac": s["sequence_masked_tokens"] / n,
+            "offpolicy/sequence_masked_frac": s["sequences_masked"] / max(s["sequences"], 1.0),
+            "offpolicy/seq_ratio_mean": s["seq_ratio"] / max(s["sequences"], 1.0),
+            "offpolicy/seq_ratio_min": -m["neg_seq_ratio_min"] if s["sequences"] else 0.0,
+            "offpolicy/seq_ratio_max": m["seq_ratio_max"] if s["sequences"] else 0.0,
             "offpolicy/clipped_frac": s["clipped"] / max(s["clip_tokens"], 1.0),
             "offpolicy/ess": s["rho"] ** 2 / (n * s["rho_sq"]) if s["rho_sq"] else 0.0,
             "offpolicy/mismatch_kl": s["kl"] / n,
@@ -530,8 +601,10 @@ class _StepStats:
             "offpolicy/lag_max": m["lag_max"] if s["tokens"] else 0.0,
         }
         if s["fresh"]:
-            out["offpolicy/fresh_logprob_max_abs_diff"] = m["fresh_max"]
+            out["offpolicy/fresh_logprob_max_abs_diff"] = max(m["fresh_max"], 0.0)
             out["offpolicy/fresh_tokens"] = s["fresh"]
+            # the geometric-mean ratio over lag-0 tokens: 1 where learner and actor score alike
+            out["offpolicy/fresh_ratio"] = math.exp(min(max(s["fresh_log_rho"] / s["fresh"], -50.0), 50.0))
         return {k: float(v) for k, v in out.items()}
 
 

@@ -70,6 +70,50 @@ def test_an_exported_checkpoint_serves_in_vllm_with_the_learners_logprobs(export
     assert worst <= 1e-4
 
 
+def _on_policy_step(folder, policy, engine, served: SamplingParams, learner_sampler) -> dict:
+    """One learner step on two groups the engine sampled with `served`, at the learner's own version (lag 0,
+    the same weights): the step's metrics, its learner scoring with `learner_sampler`."""
+    import copy
+
+    from accelerate import Accelerator
+
+    from tidal.learner.trainer import Trainer
+
+    rollouts = []
+    for i, text in enumerate(("37+48=", "5+61=")):
+        prompt = tokenize(folder, text)
+        completions = on_engine(engine, engine.sample(prompt, 16, served, request_id=f"nucleus-{served.top_p}-{i}"))
+        samples = [to_sample(c, float(j % 2), served) for j, c in enumerate(completions)]
+        rollouts.append(RolloutGroup.pack(samples, group_id=f"g{i}", prompt_id=i, actor_id="a",
+                                          prompt_tokens=int32s(prompt)))
+    cfg = load_config(ROOT / "configs/tiny.yaml", ["learner.groups_per_step=2", "learner.kernel_backend=torch"])
+    trainer = Trainer(cfg.learner, copy.deepcopy(policy), Accelerator(cpu=True), temperature=learner_sampler)
+    masks = [[np.ones(s.num_tokens, dtype=bool) for s in g.samples] for g in rollouts]
+    return trainer.step(rollouts, masks, version=0)
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.7), (3, 1.0), (4, 0.8)])
+def test_under_top_k_and_top_p_an_on_policy_step_reads_ratio_one(exported, engine, top_k, top_p):
+    """The engine reports each token's probability under the truncated, renormalised sampler; the learner
+    scores the same sampler from its own logits, so at lag 0 the ratio is 1 (as at top_p = 1), where the
+    whole-vocabulary learner reads the kept mass instead."""
+    from tidal.learner.trainer import Sampler
+
+    folder, policy = exported
+    served = SamplingParams(0.9, top_p, 6, (), top_k=top_k)
+    exact = _on_policy_step(folder, policy, engine, served, Sampler(0.9, top_k, top_p))
+    whole = _on_policy_step(folder, policy, engine, served, Sampler(0.9))
+    print(f"\ntop_k {top_k} top_p {top_p}: rho_mean {exact['offpolicy/rho_mean']:.6f}, fresh max |diff| "
+          f"{exact['offpolicy/fresh_logprob_max_abs_diff']:.2e} (whole vocabulary: rho_mean "
+          f"{whole['offpolicy/rho_mean']:.3f}, {whole['offpolicy/fresh_logprob_max_abs_diff']:.3f})")
+    assert exact["offpolicy/fresh_tokens"] == exact["learner/num_tokens"] > 100
+    assert exact["offpolicy/fresh_logprob_max_abs_diff"] <= 1e-4
+    assert exact["offpolicy/rho_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert exact["offpolicy/outside_support_frac"] == 0.0
+    assert abs(exact["offpolicy/fresh_ratio"] - 1.0) <= 1e-5
+    assert whole["offpolicy/fresh_logprob_max_abs_diff"] > 1e-2 and whole["offpolicy/rho_mean"] < 0.99
+
+
 def test_interruptions_on_the_real_engine_line_up_with_the_model(exported, engine):
     """Interrupted samples are spliced so that the learner's forward pass over prompt + completion
     reproduces every generated token's behavior logprob."""

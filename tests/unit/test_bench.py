@@ -94,7 +94,7 @@ def test_a_bench_started_again_reads_the_runs_it_kept_instead_of_running_them(tm
                         "compute/samples": {"0": 0, "10": 1280}}, "whole_s": 20.0}
     for name in ("tiny-k2-nofilter-s0", "tiny-trl-s0"):
         (tmp_path / f"{name}.json").write_text(json.dumps(kept))
-    monkeypatch.setattr(bench, "tidal_timed", lambda *a: pytest.fail("a kept tidal run ran again"))
+    monkeypatch.setattr(bench, "timed_tidal_run", lambda *a: pytest.fail("a kept tidal run ran again"))
     monkeypatch.setattr(bench, "trl_run", lambda *a: pytest.fail("a kept TRL run ran again"))
     runs = bench.run_grid("tiny", [(2, False)], seeds=1, every=10, extra=[], folder=tmp_path, trl=True)
     assert [(r["system"], r["max_lag"], r["filter"]) for r in runs] == [("tidal", 2, False), ("trl", None, False)]

@@ -201,3 +201,76 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         logprobs(torch.zeros(2, 8), torch.zeros(10, 8), torch.zeros(2, dtype=torch.long),
                  backend="triton")
+
+
+def _floors_between_logits(hidden, weight, temperature, seed=2):
+    """A floor [T] per token half-way between two of its neighbouring sorted logits (rounding never
+    decides which side a logit falls), keeping 1 to V/2 tokens; every fourth token keeps them all."""
+    logits = (hidden.double() @ weight.double().T / temperature).sort(dim=1, descending=True).values  # [T, V]
+    gen = torch.Generator().manual_seed(seed)
+    kept = torch.randint(1, weight.shape[0] // 2, (hidden.shape[0], 1), generator=gen).to(hidden.device)
+    floor = (logits.gather(1, kept - 1) + logits.gather(1, kept)).squeeze(1) / 2
+    floor[::4] = float("-inf")
+    return floor.float()
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("shape", [LARGE, (17, 24, 33)], ids=lambda s: "x".join(map(str, s)))
+def test_floor_keeps_the_softmax_to_the_support(backend, shape):
+    """With a floor the softmax runs over the logits at or above it: values and gradients match the
+    reference, a target below its floor included (its logprob finite, the caller's to discard)."""
+    hidden, weight, targets = kernel_inputs(*shape, torch.float32, _device(backend))
+    floor = _floors_between_logits(hidden, weight, 0.7)
+    got, _ = assert_kernel_matches_reference(backend, hidden, weight, targets, 0.7, floor=floor, chunk_size=(8, 32))
+    below = (hidden @ weight.T / 0.7).gather(1, targets[:, None]).squeeze(1) < floor
+    assert below.any() and (~below).any()
+    plain = run_kernel(backend, hidden, weight, targets, 0.7, chunk_size=(8, 32))
+    kept = ~below & torch.isfinite(floor) & (floor > (hidden @ weight.T / 0.7).amin(1))
+    assert (got[0][kept] > plain[0][kept]).all()  # renormalised over fewer tokens: more likely
+    assert (got[1][kept] < plain[1][kept]).all()  # and less spread
+
+
+def test_floor_of_minus_infinity_changes_nothing():
+    hidden, weight, targets = kernel_inputs(*LARGE, torch.float32)
+    floor = torch.full((LARGE[0],), float("-inf"))
+    for a, b in zip(run_kernel("torch", hidden, weight, targets, floor=floor), run_kernel("torch", hidden, weight, targets)):
+        assert torch.equal(a, b)
+
+
+def _kept_by_sorting(logits, top_k, top_p):
+    """bool [T, V]: the tokens a top-k then top-p sampler keeps, the straightforward way: sort each row,
+    cut at the k-th logit, renormalise, and drop from the bottom while the mass dropped stays <= 1 - p."""
+    kept = torch.ones_like(logits, dtype=torch.bool)
+    for t, row in enumerate(logits.double()):
+        order = row.argsort(descending=True)
+        keep = torch.zeros(len(row), dtype=torch.bool)
+        keep[order[:top_k or len(row)]] = True
+        probs = torch.where(keep, row, float("-inf")).softmax(0)[order]
+        mass_above = probs.cumsum(0) - probs
+        cut = int((mass_above < top_p).sum())  # a prefix of the sorted row
+        kept[t] = torch.zeros(len(row), dtype=torch.bool).index_fill(0, order[:cut], True) & keep
+    return kept
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.7), (5, 1.0), (12, 0.9), (0, 0.999), (0, 0.05)])
+def test_sampler_floor_keeps_what_the_sampler_keeps(top_k, top_p):
+    hidden, weight, targets = kernel_inputs(64, 32, 300, torch.float32, logit_scale=3.0)
+    from tidal.kernels import sampler_floor
+
+    # few first candidates, so rows whose nucleus is wider are widened
+    floor, inside = sampler_floor(hidden, weight, targets, 0.8, top_k, top_p, first_candidates=4)
+    logits = hidden @ weight.T / 0.8
+    want = _kept_by_sorting(logits, top_k, top_p)
+    assert torch.equal(logits >= floor[:, None], want)
+    assert torch.equal(inside, want.gather(1, targets[:, None]).squeeze(1))
+
+
+def test_sampler_floor_off_and_bad_arguments():
+    from tidal.kernels import sampler_floor
+
+    hidden, weight, targets = kernel_inputs(8, 16, 40, torch.float32)
+    floor, inside = sampler_floor(hidden, weight, targets, 1.0, 0, 1.0)
+    assert torch.isneginf(floor).all() and inside.all()
+    for top_k, top_p, name in ((-1, 1.0, "top_k"), (0, 0.0, "top_p"), (0, 1.5, "top_p")):
+        with pytest.raises(ValueError, match=name):
+            sampler_floor(hidden, weight, targets, 1.0, top_k, top_p)

@@ -9,7 +9,7 @@ import pytest
 from conftest import sample
 from tidal.broker.inproc import InprocBroker
 from tidal.broker.schema import RolloutGroup, SamplingParams, WireCodec, int32s
-from tidal.config import CurriculumConfig, EvalConfig, LearnerConfig, OnViolation, StalenessConfig
+from tidal.config import CurriculumConfig, EvalConfig, LearnerConfig, LossConfig, OnViolation, StalenessConfig
 from tidal.learner.admission import Admission, StepBatch, staleness_masks
 from tidal.learner.coordinator import Coordinator, DispatchPlan
 from tidal.learner.groups import GroupBook
@@ -192,7 +192,7 @@ STEP_METRICS = {
 def trainer_metrics() -> dict[str, float]:
     """What Trainer.step returns for an empty batch, and the weight-push time `Learner.run` adds."""
     identity = lambda values: np.asarray(values, dtype=np.float64)  # noqa: E731 (one rank: no reduction)
-    metrics = _StepStats(VERSION).summary(identity, identity, 1)
+    metrics = _StepStats(VERSION, LossConfig()).summary(identity, identity, 1)
     return metrics | {"learner/grad_norm": 0.5, "optim/lr": 1e-3, "learner/num_updates": 1.0,
                       "timing/train_step_s": 1.0, "learner/tokens_per_s": 7.0, "timing/weight_push_s": 0.01}
 

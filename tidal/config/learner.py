@@ -16,6 +16,16 @@ class LossType(enum.Enum):
     gspo = "gspo"
 
 
+class RatioLevel(enum.Enum):
+    token = "token"
+    sequence = "sequence"
+
+
+class RatioMode(enum.Enum):
+    truncate = "truncate"
+    mask = "mask"
+
+
 class Aggregation(enum.Enum):
     prompt_mean = "prompt_mean"
     token_mean = "token_mean"
@@ -111,6 +121,16 @@ class LossConfig(Section):
     prox_cap: float = opt(2.0, "ppo: cap c on the behavior correction pi_prox / pi_behavior")
     gspo_clip_low: float = opt(3e-4, "gspo: the sequence ratio is clipped below at 1 - this")
     gspo_clip_high: float = opt(4e-4, "gspo: the sequence ratio is clipped above at 1 + this")
+    ratio_level: RatioLevel = opt(RatioLevel.token, "the behaviour ratio that weighs cispo's and tis' terms and ppo's "
+                                                    "behaviour weight: each token's own, or its sample's (the product "
+                                                    "of its token ratios); gspo forms its own")
+    ratio_mode: RatioMode = opt(RatioMode.truncate, "above its cap (eps_max, tis_cap, prox_cap) the ratio is cut to "
+                                                    "the cap (truncate: TIS) or its term dropped (mask: MIS)")
+    token_mask: tuple[float, float] = opt((0.0, float("inf")), "IcePop: a token whose ratio pi_theta / pi_behaviour "
+                                                               "leaves [low, high] is left out of the loss; [0, inf]: "
+                                                               "none")
+    sequence_mask: tuple[float, float] = opt((0.0, float("inf")), "a sample whose geometric-mean token ratio leaves "
+                                                                  "[low, high] is left out of the loss; [0, inf]: none")
     minibatches_per_step: int = opt(1, "the step batch is split into this many mini-batches, one optimizer update each")
     epochs_per_step: int = opt(1, "passes over those mini-batches (updates per step = epochs x mini-batches)")
     aggregation: Aggregation = opt(Aggregation.prompt_mean, "how token losses are averaged")
@@ -122,6 +142,14 @@ class LossConfig(Section):
         for key in ("clip_eps", "gspo_clip_low"):
             _require(0 < getattr(self, key) < 1, f"learner.loss.{key}", getattr(self, key), "must be in (0, 1)")
         _require(self.epochs_per_step >= 1, "learner.loss.epochs_per_step", self.epochs_per_step, "must be >= 1")
+        for key in ("token_mask", "sequence_mask"):
+            low, high = getattr(self, key)
+            _require(0 <= low < 1 < high, f"learner.loss.{key}", [low, high],
+                     "a band [low, high] around 1: 0 <= low < 1 < high ([0, .inf] masks nothing)")
+        _require(self.type is not LossType.gspo or (self.ratio_level, self.ratio_mode) == (
+            RatioLevel.token, RatioMode.truncate), "learner.loss.ratio_level", self.ratio_level.value,
+            "gspo forms its own sequence ratio and clips it: leave ratio_level = token and ratio_mode = truncate "
+            "(token_mask and sequence_mask apply to it)")
 
 
 @dataclass(frozen=True)

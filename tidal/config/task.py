@@ -94,7 +94,9 @@ class SamplingConfig(Section):
 
     n: int = opt(8, "samples per prompt")
     temperature: float = opt(1.0, "behavior temperature; the learner uses the same one")
-    top_p: float = opt(1.0, "nucleus sampling (1.0 keeps the exact behavior policy)")
+    top_p: float = opt(1.0, "nucleus sampling: keep the most likely tokens holding this much mass (1.0: all); the "
+                            "learner scores the same truncated sampler")
+    top_k: int = opt(0, "keep the k most likely tokens, before top_p (0: all); the learner scores the same sampler")
     max_tokens: int = opt(1024, "completion token budget (interruption text and answer included)")
     interrupt: InterruptConfig = field(default_factory=InterruptConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
@@ -103,6 +105,7 @@ class SamplingConfig(Section):
         _require(self.n >= 2, "sampling.n", self.n, "group-relative advantages need at least 2 samples")
         _require(self.temperature > 0, "sampling.temperature", self.temperature, "must be > 0")
         _require(0 < self.top_p <= 1, "sampling.top_p", self.top_p, "must be in (0, 1]")
+        _require(self.top_k >= 0, "sampling.top_k", self.top_k, "must be >= 0 (0 keeps every token)")
         _require(self.max_tokens >= 1, "sampling.max_tokens", self.max_tokens, "must be >= 1")
         self.check_length_control()
 
