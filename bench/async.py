@@ -38,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -69,9 +70,10 @@ def run_grid(config: str, variants: list[tuple[int, bool]], seeds: int, every: i
         if kept.exists():
             run = json.loads(kept.read_text())
         else:
-            run = trl_run(config, seed, every, extra) if lag is None else timed_tidal_run(config, folder / name, every, [
-                f"staleness.max_lag={lag}", f"learner.zero_variance_filter={keep_filter}", f"learner.seed={seed}",
-                f"actor.seed={seed}", *extra], PROFILE)
+            overrides = [f"staleness.max_lag={lag}", f"learner.zero_variance_filter={keep_filter}",
+                         f"learner.seed={seed}", f"actor.seed={seed}", *extra]
+            run = trl_run(config, seed, every, extra) if lag is None else timed_tidal_run(
+                config, folder / name, every, overrides, PROFILE)
             kept.write_text(json.dumps(run))
         run["history"] = {metric: {int(step): value for step, value in values.items()}
                           for metric, values in run["history"].items()}

@@ -13,7 +13,7 @@ the target and its ratio to the reference cell's (max_lag 2, no mismatch, cispo)
 over seeds, and how many seeds collapsed (their final pass rate below their own start). The target is the
 reference cell's median final pass rate less --margin.
 
-    python bench/corrections.py --out runs/bench-corrections            # long task, k 2,8,16, both, 4 corrections, 3 seeds
+    python bench/corrections.py --out runs/bench-corrections    # long task, k 2,8,16, both ways, 4 corrections, 3 seeds
     python bench/corrections.py --max-lag 8 --mismatch on --seeds 3 --out runs/bench-corrections
 """
 from __future__ import annotations

@@ -18,12 +18,20 @@ values, over logprob, entropy, dhidden and dweight, for a separate run on the fi
 --err-tokens tokens (an fp64 reference at full T would need several times naive's memory).
 
   python bench/kernels.py --quick
+  python bench/kernels.py --shapes 1024x896x151936 --dtypes float32 --backends torch --samplers none,p0.9,k50
+  TRITON_INTERPRET=1 python bench/kernels.py --shapes 16x32x151936 --dtypes float32 --backends triton \
+      --samplers none,p0.9 --reps 1                         (the Triton kernels on a CPU, through the interpreter)
+
+--samplers adds a top-k / top-p cut (`p0.9`, `k50`, `k50p0.95`): each step finds the kept set
+(tidal.kernels.sampler_floor) and the kernel takes its softmax over it, as the learner does for an actor
+that samples so; a "ratios" line then gives each cut's time against the same backend's without one.
   python bench/kernels.py --shapes 4096x896x151936 --dtypes float32 --backends naive,torch
 """
 
 import argparse
 import ctypes
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -55,6 +63,7 @@ def parse_args(argv=None):
     parser.add_argument("--max-seconds", type=float, default=120.0,
                         help="skip cpu cases whose estimated fwd+bwd time per rep exceeds this")
     parser.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, 2 reps")
+    parser.add_argument("--samplers", default="none", help="none, or top-k / top-p cuts: p0.9, k50, k50p0.95")
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # subprocess mode
     args = parser.parse_args(argv)
     if args.quick:
@@ -74,10 +83,10 @@ def main(argv=None) -> None:
     for shape in args.shapes.split(","):
         num_tokens, dim, vocab = (int(x) for x in shape.lower().split("x"))
         for dtype in args.dtypes.split(","):
-            for backend, blocks in backend_variants(args):
+            for (backend, blocks), sampler in itertools.product(backend_variants(args), args.samplers.split(",")):
                 case = dict(backend=backend, device=args.device, T=num_tokens, D=dim, V=vocab,
                             dtype=dtype, reps=args.reps, chunk_size=args.chunk_size, blocks=blocks,
-                            err_tokens=args.err_tokens)
+                            err_tokens=args.err_tokens, sampler=sampler)
                 reason = skip_reason(case, flops_per_s, args.max_seconds)
                 result = dict(case, skipped=reason) if reason else run_in_subprocess(case)
                 print(json.dumps(result), flush=True)
@@ -110,8 +119,8 @@ def measure_matmul_flops(device: str) -> float:
 def skip_reason(case, flops_per_s, max_seconds) -> str | None:
     """Why a case cannot run here, or None."""
     backend, device = case["backend"], case["device"]
-    if device == "cpu" and backend == "triton":
-        return "triton is benchmarked on GPU only (the Triton interpreter is far too slow)"
+    if device == "cpu" and backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "triton on a cpu runs only under TRITON_INTERPRET=1 (the interpreter: slow, so small T)"
     num_tokens, dim, vocab = case["T"], case["D"], case["V"]
     # naive peaks at ~5 [T, V] fp32 arrays (measured 12.5 GB at T=4096, V=151936).
     extra = 5 * num_tokens * vocab * 4 if backend == "naive" else 0
@@ -150,7 +159,8 @@ def run_case(case) -> dict:
     """Subprocess body: time fwd+bwd, measure peak extra memory, then the error."""
     device, dtype = case["device"], getattr(torch, case["dtype"])
     inputs = make_inputs(case["T"], case["D"], case["V"], dtype, device)
-    fn = build_backend(case["backend"], case["chunk_size"], case.get("blocks"))
+    sampler = case.get("sampler", "none")
+    fn = build_backend(case["backend"], case["chunk_size"], case.get("blocks"), sampler)
     probe = CudaMemoryProbe() if device == "cuda" else RssProbe()
     times_ms, peaks = [], []
     for rep in range(1 + case["reps"]):  # rep 0 warms up (and compiles torch_compile)
@@ -164,7 +174,7 @@ def run_case(case) -> dict:
         if rep > 0:
             times_ms.append(elapsed_ms)
     inputs["hidden"].grad = inputs["weight"].grad = None
-    errors = measure_errors(fn, inputs, case["err_tokens"])
+    errors = measure_errors(fn, inputs, case["err_tokens"], build_backend("naive", None, None, sampler))
     return dict(case, time_ms=round(statistics.median(times_ms), 2), peak_mem_bytes=max(peaks),
                 max_err=max(errors.values()), **errors)
 
@@ -184,8 +194,29 @@ def make_inputs(num_tokens, dim, vocab, dtype, device) -> dict:
     )
 
 
-def build_backend(name: str, chunk_size, blocks=None):
-    """fn(hidden, weight, targets) -> (logprob, entropy) for one benchmarked backend."""
+def build_backend(name: str, chunk_size, blocks=None, sampler: str = "none"):
+    """fn(hidden, weight, targets) -> (logprob, entropy) for one benchmarked backend; with a `sampler` cut,
+    over the tokens it keeps."""
+    import re
+
+    from tidal.kernels import sampler_floor
+
+    plain = _plain_backend(name, chunk_size, blocks)
+    if sampler == "none":
+        return plain
+    match = re.fullmatch(r"(?:k(\d+))?(?:p([0-9.]+))?", sampler)
+    if match is None:
+        raise SystemExit(f"--samplers: {sampler!r} is not none, pP, kK or kKpP")
+    top_k, top_p = int(match[1] or 0), float(match[2] or 1.0)
+
+    def cut(h, w, y):
+        floor, _ = sampler_floor(h.detach(), w.detach(), y, 1.0, top_k, top_p)
+        return plain(h, w, y, floor=floor)
+    return cut
+
+
+def _plain_backend(name: str, chunk_size, blocks=None):
+    """fn(hidden, weight, targets, floor=None) -> (logprob, entropy)."""
     from tidal.kernels import logprobs
 
     if blocks:  # the triton kernels at other tile sizes, called directly (no mask to compact here)
@@ -193,14 +224,15 @@ def build_backend(name: str, chunk_size, blocks=None):
 
         tokens, vocab, dim, warps = (int(x) for x in blocks.lower().split("x"))
         tiles = triton_kernels.Blocks(tokens=tokens, vocab=vocab, dim=dim, num_warps=warps)
-        return lambda h, w, y: triton_kernels.logprobs(h, w, y, 1.0, w.shape[0], blocks=tiles)
+        return lambda h, w, y, floor=None: triton_kernels.logprobs(h, w, y, 1.0, w.shape[0], floor, blocks=tiles)
 
     chunks = tuple(int(c) for c in chunk_size.split(",")) if chunk_size else None
     if chunks and len(chunks) == 1:
         chunks = chunks[0]
     if name == "torch_compile":
-        return torch.compile(lambda h, w, y: logprobs(h, w, y, backend="torch", chunk_size=chunks))
-    return lambda h, w, y: logprobs(h, w, y, backend=name, chunk_size=chunks)
+        return torch.compile(lambda h, w, y, floor=None: logprobs(h, w, y, backend="torch", chunk_size=chunks,
+                                                                  floor=floor))
+    return lambda h, w, y, floor=None: logprobs(h, w, y, backend=name, chunk_size=chunks, floor=floor)
 
 
 def step(fn, hidden, weight, targets, grad_logp, grad_entropy) -> None:
@@ -208,17 +240,14 @@ def step(fn, hidden, weight, targets, grad_logp, grad_entropy) -> None:
     ((logp * grad_logp).sum() + (entropy * grad_entropy).sum()).backward()
 
 
-def measure_errors(fn, inputs, num_tokens) -> dict:
-    """Max abs error of each output against naive in fp64, on the first num_tokens tokens."""
-    from tidal.kernels import logprobs
-
+def measure_errors(fn, inputs, num_tokens, reference) -> dict:
+    """Max abs error of each output against `reference` (naive, the same cut) in fp64, on the first num_tokens
+    tokens."""
     sub = {k: v[:num_tokens] for k, v in inputs.items() if k != "weight"}
     got, want = [], []
-    for run_fn, dtype in ((fn, inputs["hidden"].dtype), (None, torch.float64)):
+    for run_fn, dtype in ((fn, inputs["hidden"].dtype), (reference, torch.float64)):
         hidden = sub["hidden"].detach().to(dtype).requires_grad_()
         weight = inputs["weight"].detach().to(dtype).requires_grad_()
-        if run_fn is None:
-            run_fn = lambda h, w, y: logprobs(h, w, y, backend="naive")  # noqa: E731
         logp, entropy = run_fn(hidden, weight, sub["targets"])
         (logp.double() @ sub["grad_logp"].double()
          + entropy.double() @ sub["grad_entropy"].double()).backward()
@@ -230,9 +259,18 @@ def measure_errors(fn, inputs, num_tokens) -> dict:
 
 
 def ratio_lines(results) -> list[dict]:
-    """Per shape and dtype: each backend's time and peak memory relative to naive."""
+    """Per shape and dtype: each backend's time and peak memory relative to naive (without a cut), and each
+    cut's time relative to the same backend's without one."""
     done = [r for r in results if "time_ms" in r]
     lines = []
+    for cut in (r for r in done if r.get("sampler", "none") != "none"):
+        plain = next((r for r in done if r.get("sampler", "none") == "none" and all(
+            r[k] == cut[k] for k in ("backend", "blocks", "T", "D", "V", "dtype", "device"))), None)
+        if plain is not None:
+            lines.append(dict(ratios=f"{cut['backend']} {cut['sampler']}/none", device=cut["device"], T=cut["T"],
+                              D=cut["D"], V=cut["V"], dtype=cut["dtype"],
+                              time_ratio=round(cut["time_ms"] / plain["time_ms"], 3)))
+    done = [r for r in done if r.get("sampler", "none") == "none"]
     for ref in (r for r in done if r["backend"] == "naive"):
         key = (ref["T"], ref["D"], ref["V"], ref["dtype"], ref["device"])
         for other in done:

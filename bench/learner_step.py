@@ -5,13 +5,14 @@ memory, so a kernel's gain can be read where it matters, inside the step.
     python bench/learner_step.py --shape qwen2-0.5b --mixed-precision bf16       (a GPU)
     python bench/learner_step.py --shape small --groups 4 --completion-tokens 32 (a CPU smoke run)
     python bench/learner_step.py --shape qwen2-0.5b --backends torch --samplers none,p0.9,k50 \
-        --groups 1 --n 4 --completion-tokens 96 --mixed-precision no                (the top-k / top-p cut's cost)
+        --groups 1 --n 4 --completion-tokens 96 --mixed-precision no      (the top-k / top-p cut's cost)
 
 Prints one JSON line per backend and sampler (the median of --steps steps after one warm-up), then one
 line of ratios against the first. A sampler is `none` (the whole vocabulary) or a top-k / top-p cut the
 learner scores as the actors sample (`p0.9`, `k50`, `k50p0.95`); --logit-scale spreads the random model's
-logits (its untrained ones are near uniform, so a nucleus holds most of the vocabulary: the cut's worst case). Mixed precision bf16 keeps fp32 master weights and an
-fp32 LM head, as a run with `learner.mixed_precision: bf16` does.
+logits (its untrained ones are near uniform, so a nucleus holds most of the vocabulary: the cut's worst
+case). Mixed precision bf16 keeps fp32 master weights and an fp32 LM head, as a run with
+`learner.mixed_precision: bf16` does.
 """
 import argparse
 import json

@@ -115,6 +115,7 @@ def _forward(hidden, weight, targets, inv_temp, tiling, floor=None):
     u = torch.zeros(num_tokens, dtype=acc, device=device)  # [T]
     target_logit = torch.zeros(num_tokens, dtype=acc, device=device)  # [T]
     z_buf, e_buf = tiling.buffers(2, acc, device)
+    below_buf = None if floor is None else tiling.buffers(1, torch.bool, device)[0]
     for v0, v1 in tiling.vocab_ranges():
         w = weight[v0:v1].to(acc)  # [Vc, D]; a no-op view for fp32 weights
         for t0, t1 in tiling.token_ranges():
@@ -123,7 +124,9 @@ def _forward(hidden, weight, targets, inv_temp, tiling, floor=None):
             torch.addmm(z, hidden[t0:t1].to(acc), w.T, beta=0, alpha=inv_temp, out=z)
             in_chunk, cols = _target_columns(targets[t0:t1], v0, v1)
             target_logit[t0:t1] += torch.where(in_chunk, z.gather(1, cols).squeeze(1), 0.0)
-            below = None if floor is None else z < floor[t0:t1, None]  # [Tc, Vc], outside the support
+            below = None  # [Tc, Vc]: True outside the support
+            if floor is not None:
+                below = torch.lt(z, floor[t0:t1, None], out=_tile(below_buf, t1 - t0, v1 - v0))
             _online_update(z, _tile(e_buf, t1 - t0, v1 - v0), m[t0:t1], s[t0:t1], u[t0:t1], below)
     log_s = s.log()  # [T]
     # lse = m + log_s is never formed: at |logits| ~ 1e4 its fp32 rounding (~1e-3) would
@@ -161,6 +164,7 @@ def _backward(hidden, weight, targets, stats, grad_logp, grad_entropy, inv_temp,
     # fp32 weights accumulate straight into dweight; half weights into an fp32 chunk.
     direct = weight.dtype == acc
     z_buf, p_buf = tiling.buffers(2, acc, device)
+    below_buf = None if floor is None else tiling.buffers(1, torch.bool, device)[0]
     for v0, v1 in tiling.vocab_ranges():
         w = weight[v0:v1].to(acc)  # [Vc, D]
         dw = None
@@ -171,7 +175,7 @@ def _backward(hidden, weight, targets, stats, grad_logp, grad_entropy, inv_temp,
             dz = _tile(z_buf, t1 - t0, v1 - v0)  # [Tc, Vc]
             _tile_grad(dz, _tile(p_buf, t1 - t0, v1 - v0), h, w, targets[t0:t1], v0, v1,
                        [x[t0:t1] for x in stats], grad_logp[t0:t1], grad_entropy[t0:t1],
-                       inv_temp, None if floor is None else floor[t0:t1])
+                       inv_temp, None if floor is None else (floor[t0:t1], _tile(below_buf, t1 - t0, v1 - v0)))
             if want_dhidden:
                 dhidden[t0:t1].addmm_(dz, w)  # += [Tc, Vc] @ [Vc, D]
             if want_dweight:
@@ -184,7 +188,7 @@ def _backward(hidden, weight, targets, stats, grad_logp, grad_entropy, inv_temp,
 def _tile_grad(dz, p, h, w, targets, v0, v1, stats, grad_logp, grad_entropy, inv_temp, floor=None):
     """Write dz = (gL * (onehot - p) - gH * p * (log p + H)) / temperature [Tc, Vc] into dz,
     recomputing the logits of h [Tc, D] and w [Vc, D]; p is scratch of the same shape, 0 outside
-    a floor's support.
+    the support of `floor` = (floor [Tc], bool scratch [Tc, Vc]).
     Tiles are far bigger than cache, so each elementwise pass costs memory bandwidth: the
     passes are fused where torch allows."""
     row_max, log_s, entropy = stats  # [Tc] each
@@ -192,7 +196,8 @@ def _tile_grad(dz, p, h, w, targets, v0, v1, stats, grad_logp, grad_entropy, inv
     dz.sub_(log_s[:, None])  # log p; not z - (max + log_s), which rounds badly at 1e4
     torch.exp(dz, out=p)
     if floor is not None:  # z < floor, in log p's terms
-        p.masked_fill_(dz < (floor - row_max - log_s)[:, None], 0.0)
+        floor, below = floor
+        p.masked_fill_(torch.lt(dz, (floor - row_max - log_s)[:, None], out=below), 0.0)
     # dz = p * (slope * log p + offset), per-token slope = -gH / temp, offset = -(gH H + gL) / temp
     slope = grad_entropy * -inv_temp  # [Tc]
     offset = (grad_entropy * entropy + grad_logp) * -inv_temp  # [Tc]

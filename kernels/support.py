@@ -10,8 +10,8 @@ token whose strictly larger neighbours hold less than p of the mass, so at least
 
 Finding the floor needs each token's logits sorted near their top, so they are formed here a few
 token rows at a time ([rows, V], a bounded buffer, never [T, V]), without gradients: the kept set is
-piecewise constant in the weights. Top-p looks among the largest `first_candidates` logits first,
-widening to the whole vocabulary only for the rows whose nucleus is larger.
+piecewise constant in the weights. Top-p looks among the largest `first_candidates` logits first, then
+16 times as many, and sorts the whole row only where the nucleus is wider still (a flat distribution).
 """
 
 from __future__ import annotations
@@ -41,16 +41,30 @@ def sampler_floor(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     if (top_k == 0 or top_k >= vocab_size) and top_p >= 1.0:
         return floor, inside
     w = weight[:vocab_size].float()  # [V, D]
-    rows = max(1, BUFFER_BYTES // (4 * vocab_size))
+    rows = max(1, min(BUFFER_BYTES // (4 * vocab_size), num_tokens))
+    # one buffer for every chunk of rows: on a CPU each fresh 64 MiB tensor costs ~20 ms of page faults
+    buffer, scratch = torch.empty(2, rows * vocab_size, dtype=torch.float32, device=hidden.device)
     for t0 in range(0, num_tokens, rows):
         t1 = min(t0 + rows, num_tokens)
-        logits = hidden[t0:t1].float() @ w.T / temperature  # [rows, V]
-        floor[t0:t1] = _row_floor(logits, top_k, top_p, first_candidates)
+        logits = buffer[: (t1 - t0) * vocab_size].view(t1 - t0, vocab_size)  # [rows, V]
+        torch.mm(hidden[t0:t1].float(), w.T, out=logits)
+        logits.mul_(1.0 / temperature)
+        floor[t0:t1] = _row_floor(logits, top_k, top_p, first_candidates, scratch[: logits.numel()].view_as(logits))
         inside[t0:t1] = logits.gather(1, targets[t0:t1, None].long()).squeeze(1) >= floor[t0:t1]
     return floor, inside
 
 
-def _row_floor(logits: torch.Tensor, top_k: int, top_p: float, first_candidates: int) -> torch.Tensor:
+def _log_norm(logits: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """log sum exp of each row of logits [rows, V], scratch of its shape. Each term is held at or above e^-80
+    (1.8e-35, a normal float32; its error is below V * 1e-35): torch.logsumexp over a trained model's
+    logits, which span hundreds, computes millions of subnormal floats, which x86 cores do ten times slower."""
+    top = logits.amax(dim=1, keepdim=True)  # [rows, 1]
+    torch.sub(logits, top, out=scratch).clamp_(min=-80.0).exp_()
+    return top.squeeze(1) + scratch.sum(dim=1).log()
+
+
+def _row_floor(logits: torch.Tensor, top_k: int, top_p: float, first_candidates: int,
+               scratch: torch.Tensor) -> torch.Tensor:
     """The floor [rows] of logits [rows, V]: half-way between the smallest kept logit and the largest
     dropped one, so that a kernel forming the same logits with another rounding keeps the same tokens."""
     vocab_size = logits.shape[1]
@@ -61,15 +75,17 @@ def _row_floor(logits: torch.Tensor, top_k: int, top_p: float, first_candidates:
         log_norm = torch.logsumexp(top[:, :k], dim=1)  # top-p renormalises over the top-k set
     else:
         k_floor = logits.new_full((logits.shape[0],), float("-inf"))
-        log_norm = torch.logsumexp(logits, dim=1)  # [rows]
+        log_norm = _log_norm(logits, scratch)  # [rows]
     if top_p >= 1.0:
         return k_floor
     floor = k_floor.clone()
     pending = torch.arange(logits.shape[0], device=logits.device)
     width = min(first_candidates, k)
     while pending.numel():
-        values = logits[pending].topk(min(width + 1, vocab_size), dim=1).values  # descending, one beyond
-        probs = torch.exp(values[:, :width] - log_norm[pending, None])  # [rows, width]
+        candidates = logits if pending.numel() == logits.shape[0] else logits[pending]  # a copy only when fewer
+        values = candidates.topk(min(width + 1, vocab_size), dim=1).values  # descending, one beyond
+        # in float64: summed in float32 over thousands of candidates, the mass near the boundary errs by ~1e-5
+        probs = torch.exp((values[:, :width] - log_norm[pending, None]).double())  # [rows, width]
         above = torch.cumsum(probs, dim=1) - probs  # mass strictly above each candidate
         kept = above < top_p  # a prefix of each row
         last = kept.sum(dim=1, keepdim=True) - 1  # the smallest kept candidate
@@ -80,5 +96,7 @@ def _row_floor(logits: torch.Tensor, top_k: int, top_p: float, first_candidates:
         settled = ~whole | (width == k)
         floor[pending[settled]] = torch.where(whole, k_floor[pending], mid)[settled]
         pending = pending[~settled]
-        width = min(width * 16, k)
+        # once more 16 times as wide, then the whole top-k set: a topk of tens of thousands of logits costs
+        # half a full sort, so a nucleus wider than 16 x first_candidates is found by sorting its rows
+        width = min(width * 16, k) if width == min(first_candidates, k) else k
     return floor

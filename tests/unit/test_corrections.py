@@ -9,7 +9,16 @@ import pytest
 import torch
 
 from conftest import step_batch
-from tidal.config import AdvantageNorm, Aggregation, ConfigError, LossConfig, LossType, RatioLevel, RatioMode, load_config
+from tidal.config import (
+    AdvantageNorm,
+    Aggregation,
+    ConfigError,
+    LossConfig,
+    LossType,
+    RatioLevel,
+    RatioMode,
+    load_config,
+)
 from tidal.learner.batch import aggregation_weights, build_rows, collate, group_advantages
 from tidal.learner.loss import LossInputs, policy_loss
 from tidal.learner.validation import logprob_floor
@@ -106,7 +115,8 @@ def _term(cfg, t, tokens, now, start, logp, prox, adv):
 
 AGGREGATIONS = list(Aggregation)
 # gspo forms its own sequence ratio: ratio_level and ratio_mode are refused for it at load
-PAIRS = [pytest.param(loss, correction, id=f"{loss.value}-{correction}") for loss in LossType for correction in CORRECTIONS
+PAIRS = [pytest.param(loss, correction, id=f"{loss.value}-{correction}")
+         for loss in LossType for correction in CORRECTIONS
          if loss is not LossType.gspo or not correction.startswith(("seq_tis", "token_mis", "seq_mis"))]
 
 

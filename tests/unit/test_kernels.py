@@ -233,14 +233,18 @@ def test_floor_keeps_the_softmax_to_the_support(backend, shape):
 def test_floor_of_minus_infinity_changes_nothing():
     hidden, weight, targets = kernel_inputs(*LARGE, torch.float32)
     floor = torch.full((LARGE[0],), float("-inf"))
-    for a, b in zip(run_kernel("torch", hidden, weight, targets, floor=floor), run_kernel("torch", hidden, weight, targets)):
+    plain = run_kernel("torch", hidden, weight, targets)
+    for a, b in zip(run_kernel("torch", hidden, weight, targets, floor=floor), plain):
         assert torch.equal(a, b)
 
 
 def _kept_by_sorting(logits, top_k, top_p):
-    """bool [T, V]: the tokens a top-k then top-p sampler keeps, the straightforward way: sort each row,
-    cut at the k-th logit, renormalise, and drop from the bottom while the mass dropped stays <= 1 - p."""
+    """(bool [T, V], bool [T]): the tokens a top-k then top-p sampler keeps, the straightforward way: sort each
+    row, cut at the k-th logit, renormalise, and drop from the bottom while the mass dropped stays <= 1 - p; and
+    whether each row's cut is clear, its nearest candidate's mass above more than 1e-7 from top_p (closer, the
+    rounding of the logits themselves decides)."""
     kept = torch.ones_like(logits, dtype=torch.bool)
+    clear = torch.ones(len(logits), dtype=torch.bool)
     for t, row in enumerate(logits.double()):
         order = row.argsort(descending=True)
         keep = torch.zeros(len(row), dtype=torch.bool)
@@ -249,7 +253,8 @@ def _kept_by_sorting(logits, top_k, top_p):
         mass_above = probs.cumsum(0) - probs
         cut = int((mass_above < top_p).sum())  # a prefix of the sorted row
         kept[t] = torch.zeros(len(row), dtype=torch.bool).index_fill(0, order[:cut], True) & keep
-    return kept
+        clear[t] = bool((mass_above[keep[order]] - top_p).abs().min() > 1e-7) if top_p < 1 else True
+    return kept, clear
 
 
 @pytest.mark.parametrize("top_k, top_p", [(0, 0.7), (5, 1.0), (12, 0.9), (0, 0.999), (0, 0.05)])
@@ -260,9 +265,10 @@ def test_sampler_floor_keeps_what_the_sampler_keeps(top_k, top_p):
     # few first candidates, so rows whose nucleus is wider are widened
     floor, inside = sampler_floor(hidden, weight, targets, 0.8, top_k, top_p, first_candidates=4)
     logits = hidden @ weight.T / 0.8
-    want = _kept_by_sorting(logits, top_k, top_p)
-    assert torch.equal(logits >= floor[:, None], want)
-    assert torch.equal(inside, want.gather(1, targets[:, None]).squeeze(1))
+    want, clear = _kept_by_sorting(logits, top_k, top_p)
+    assert int(clear.sum()) >= 56
+    assert torch.equal((logits >= floor[:, None])[clear], want[clear])
+    assert torch.equal(inside[clear], want.gather(1, targets[:, None]).squeeze(1)[clear])
 
 
 def test_sampler_floor_off_and_bad_arguments():

@@ -116,7 +116,8 @@ __all__ = [
     "ZmqConfig", "curve_on", "default_weights_dir",
     "AdvantageNorm", "Aggregation", "Attention", "CheckpointConfig", "CurriculumConfig", "EvalConfig",
     "FsdpConfig", "KernelBackend", "LearnerConfig", "LoraConfig", "LossConfig", "LossType", "LrScaling", "LrSchedule",
-    "MixedPrecision", "OnViolation", "OptimConfig", "Packing", "RatioLevel", "RatioMode", "StalenessConfig", "compute_dtype", "served_lora_rank",
+    "MixedPrecision", "OnViolation", "OptimConfig", "Packing", "RatioLevel", "RatioMode", "StalenessConfig",
+    "compute_dtype", "served_lora_rank",
     "TrackingConfig",
     # the whole run, loading, redaction and help
     "CROSS_SECTION_RULES", "RunConfig", "check_actor_holds_a_group", "check_colocated_weights", "flatten",
