@@ -81,7 +81,8 @@ def ratios_of(policy_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, sa
 
 def _inside(log_ratio: torch.Tensor, band: tuple[float, float]) -> torch.Tensor:
     low, high = band
-    return (torch.exp(log_ratio.double()) >= low) & (torch.exp(log_ratio.double()) <= high)
+    ratio = torch.exp(log_ratio.double())  # float64: e^116 at the logprob floor overflows float32
+    return (ratio >= low) & (ratio <= high)
 
 
 def behaviour_weight(log_token: torch.Tensor, log_sequence: torch.Tensor, cap: float,
