@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import textwrap
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from tidal.learner.tracking import redacting_logger
 
 log = redacting_logger(__name__)  # a figure that failed to reach MLflow names its URL
 
+TITLE_WIDTH = 60  # characters per line of a panel's small-print title: a half-width panel holds about this many
+MAX_REWARD_BARS = 12  # distinct rewards drawn a bar each; more are binned
 PRINT_SAMPLES_ENV = "TIDAL_PRINT_SAMPLES"  # rollouts of each rollout table the learner also writes to its log
 ROLLOUTS_FILE = "rollouts.jsonl"  # in the run folder: a line per rollout table (what `tidal run --print-samples` shows)
 
@@ -218,18 +221,23 @@ class Diagnostics:
         by_step.set(xlabel="optimizer step", ylabel=label, ylim=(0, 1.02), title="pass rate by step")
         c, r = np.asarray(compute, dtype=float), np.asarray(rate, dtype=float)
         by_compute.scatter(c[c > 0], r[c > 0], s=16, label="measured")
+        end = c.max()  # of the compute axis: the last eval, or past it where a fit extrapolates
         try:
             fit = scaling.fit_sigmoid(c, r, intervals=False)  # the curve only; `tidal fit` gives intervals
             # as `tidal fit` draws it: solid over the compute measured so far, dashed beyond
-            if scaling.draw_curve(by_compute, fit, c[c > 0].min(), 4 * c.max(), "C0", "sigmoid"):
+            end = 4 * c.max()
+            if scaling.draw_curve(by_compute, fit, c[c > 0].min(), end, "C0", "sigmoid"):
                 by_compute.plot([], [], "--", color="grey", label="extrapolated (past the measured compute)")
         except (scaling.ScalingFitError, ValueError) as err:  # too few or flat points so far
-            by_compute.set_title(f"no sigmoid fit yet: {str(err)[:60]}", fontsize=8)
+            # wrapped, never cut: the reason says how many points there are and how many the fit needs
+            by_compute.set_title(textwrap.fill(f"no sigmoid fit yet: {err}", TITLE_WIDTH), fontsize=8)
         else:
             by_compute.set_title("pass rate by compute (ScaleRL sigmoid)")
         if (c > 0).any():
             by_compute.set_xscale("log")
-            scaling.log_ticks(by_compute.xaxis)  # after the curves: the ticks suit the range they span
+            # from a label at or before the first point to one at or past the end, a little room each side
+            by_compute.set_xlim(*scaling.log_limits(c[c > 0].min() / 1.1, end * 1.1))
+            scaling.log_ticks(by_compute.xaxis)  # after the limits: the ticks suit the range they span
         by_compute.set(xlabel="compute (FLOPs)", ylabel=label, ylim=(0, 1.02))
         by_compute.legend(fontsize=7)
         return fig
@@ -275,8 +283,8 @@ class Diagnostics:
         if not rewards.size:
             return None
         fig, (r, n) = _subplots(2, self._heading(trained))
-        r.hist(rewards, bins=min(30, max(len(np.unique(rewards)), 2)))
-        r.set(xlabel="reward (as trained)", ylabel="samples", title=f"mean reward {rewards.mean():.3f}")
+        _reward_bars(r, rewards)
+        r.set(ylabel="samples", title=f"mean reward {rewards.mean():.3f}")
         n.hist(lengths, bins=30)
         n.set(xlabel="completion tokens", ylabel="samples", title=f"mean length {lengths.mean():.1f}")
         return fig
@@ -285,6 +293,24 @@ class Diagnostics:
         """A figure's title: the run (its folder's name, which `runs/<name>-<time>` makes unique where
         the MLflow run name often is not) and the steps the figure covers."""
         return f"{self.run_dir.name}: steps {steps[0]}-{steps[1]}"
+
+
+def _reward_bars(ax, rewards: np.ndarray) -> None:
+    """The rewards' distribution: a bar per distinct value when there are few (a pass/fail reward with a
+    format bonus takes 0, 0.2, 1 and 1.2: equal-width bins merged 0 with 0.2 and hid the bonus), else a
+    histogram."""
+    values, counts = np.unique(rewards, return_counts=True)
+    if values.size > MAX_REWARD_BARS:
+        ax.hist(rewards, bins=30)
+        ax.set_xlabel("reward (as trained)")
+        return
+    from matplotlib.ticker import MaxNLocator
+
+    bars = ax.bar(np.arange(values.size), counts, width=0.7, tick_label=[f"{v:.3g}" for v in values])
+    ax.bar_label(bars, labels=[_count_text(int(k)) for k in counts], fontsize=7, padding=2)
+    ax.margins(y=0.12)  # room above the tallest bar for its label
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts of samples
+    ax.set_xlabel("reward (as trained), a bar per value")
 
 
 def _versions_text(versions: list[int]) -> str:

@@ -17,7 +17,8 @@ class Window:
     """The part of each curve a fit sees, as fractions of the run's final compute: points below
     `skip` are left out (the early transient; the step-0 evaluation still counts), points above
     `fit` are held out and predicted. skip="auto" finds each curve's transient by a rule
-    (`scaling.transient_end`: the skip that best predicts the fitted points' own last quarter)."""
+    (`scaling.fit_past_transient`: the skip that best predicts the fitted points' own last quarter,
+    its intervals widened to the fit on every point unless the skipped points depart beyond noise)."""
 
     fit: float | None = None
     skip: float | str | None = None
@@ -38,11 +39,12 @@ class Window:
     def params(self) -> dict:
         return {"fit_fraction": self.fit or "", "skip_fraction": self.skip or ""}
 
-    def skip_below(self, compute, pass_rate, final: float) -> float | None:
-        """The compute below which this curve's points are left out (None: none are)."""
+    def sigmoid(self, compute, pass_rate, final: float) -> scaling.SigmoidFit:
+        """The sigmoid fit of this curve's points past the skip (auto: past its transient, the choice paid
+        for in the intervals)."""
         if self.skip == AUTO:
-            return scaling.transient_end(compute, pass_rate)
-        return self.skip and self.skip * final
+            return scaling.fit_past_transient(compute, pass_rate)
+        return scaling.fit_sigmoid(compute, pass_rate, min_compute=self.skip and self.skip * final)
 
 
 def fit_points(points: dict, window: Window, failed: dict | None = None) -> tuple[dict, dict, dict]:
@@ -55,9 +57,8 @@ def fit_points(points: dict, window: Window, failed: dict | None = None) -> tupl
             keep = compute <= window.fit * final
             compute, pass_rate = compute[keep], pass_rate[keep]
         try:
-            skip = window.skip_below(compute, pass_rate, final)
-            fit = scaling.fit_sigmoid(compute, pass_rate, min_compute=skip)
-            late = (compute >= (skip or 0)) & (compute > 0)
+            fit = window.sigmoid(compute, pass_rate, final)
+            late = (compute >= (fit.skipped_below or 0)) & (compute > 0)
             power[name] = scaling.fit_power_law(compute[late], pass_rate[late])
         except scaling.ScalingFitError as err:
             if failed is None:
@@ -148,24 +149,25 @@ def reach_table(points: dict, wall: dict, window: Window, target: float, compute
     """Per run (a sweep's seeds of one point pooled into one curve), the predicted compute and wall time
     to `target` with 90% intervals (inf: the curve, or some curve its data allow, never gets there) beside
     the measured wall time (the first evaluation at or above it, from the step-0 evaluation; the median
-    over seeds); then the run predicted to get there soonest, and whether its interval clears the
-    runner-up's. The fits keep the early points: a target is often crossed within the transient. `png`
-    gets the wall-time fits."""
+    over seeds); then the verdict (`verdict`), its pick last. The fits keep the early points: a target is
+    often crossed within the transient. `png` gets the wall-time fits."""
     keep_all = Window(fit=window.fit)
     fits, _, _ = fit_points(pooled(points), keep_all, failed={})
     wall_fits, _, _ = fit_points(pooled(wall), keep_all, failed={})
     fits = {name: fit for name, fit in fits.items() if name in wall_fits}  # a curve that never rose has no time
     if not fits:
         return f"no run could be fitted against wall time: none is predicted to reach {target:g}"
-    if png is not None:
-        fitted = {name: curve for name, curve in pooled(wall).items() if name in fits}
-        scaling.plot_fits(fitted, wall_fits, png, xlabel="wall time since the step-0 evaluation (s)",
-                          title=f"pass rate vs wall time, seeds pooled, target {target:g}")
-        print(f"plot: {png}")
     measured: dict[str, list[float]] = {}
     for label, (seconds, rates) in wall.items():
         hit = np.flatnonzero((rates >= target) & (seconds > 0))
         measured.setdefault(label.split(SEED)[0], []).append(seconds[hit[0]] if hit.size else np.inf)
+    num_seeds = min(len(measured[name]) for name in fits)
+    if png is not None:
+        fitted = {name: curve for name, curve in pooled(wall).items() if name in fits}
+        pooled_note = f", {num_seeds} seeds pooled" if num_seeds > 1 else ""
+        scaling.plot_fits(fitted, wall_fits, png, xlabel="wall time since the step-0 evaluation (s)",
+                          title=f"pass rate vs wall time{pooled_note}", target=target)
+        print(f"plot: {png}")
     rows = [["run", f"{compute_metric} to {target:g} [90%]", f"wall s to {target:g} [90%]", "measured wall s"]]
     reach = {name: wall_fits[name].compute_to(target) for name in fits}
     for name in fits:
@@ -174,17 +176,32 @@ def reach_table(points: dict, wall: dict, window: Window, target: float, compute
                      f"{seen:.1f}" if np.isfinite(seen) else "not reached"])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join([*lines, *verdict(reach, target, num_seeds)])
+
+
+def verdict(reach: dict[str, tuple[float, float, float]], target: float, num_seeds: int) -> list[str]:
+    """The lines under the reach table, the pick last: what a reader who never heard of the fit's
+    parameters needs to act on. `reach` maps each run to its predicted wall seconds to `target` (best,
+    lo, hi); `num_seeds` is the fewest runs pooled into one of them."""
     order = sorted(reach, key=lambda name: reach[name][0])
     best = order[0]
     if not np.isfinite(reach[best][0]):
-        return "\n".join([*lines, f"no run is predicted to reach {target:g}: fit on longer runs or lower the target"])
-    verdict = f"pick: {best}, predicted to reach {target:g} soonest ({_reach(reach[best], '.1f')} s)"
-    if len(order) > 1:
-        second = order[1]
-        clear = reach[best][2] < reach[second][1]
-        verdict += (f"; its interval {'clears' if clear else 'overlaps'} the runner-up's, {second} "
-                    f"({_reach(reach[second], '.1f')} s)")
-    return "\n".join([*lines, verdict])
+        return [f"no run is predicted to reach {target:g}: fit on longer runs or lower the target"]
+    pick = (f"pick: {best}, predicted to reach {target:g} soonest ({_reach(reach[best], '.1f')} s of wall time "
+            f"to an eval pass rate of {target:g}, its 90% interval in brackets)")
+    if len(order) == 1:
+        return [f"{pick}; the only run fitted"]
+    second, more_seeds = order[1], f"--seeds {max(3, 2 * num_seeds)}"
+    lines = []
+    if num_seeds == 1:
+        lines.append(f"warning: one seed per value: a run's own luck can move its time to {target:g} by more than "
+                     f"the values differ, and one run per value cannot show it; use {more_seeds}")
+    if reach[best][2] < reach[second][1]:
+        return [*lines, f"{pick}; clearly ahead of the runner-up, {second} ({_reach(reach[second], '.1f')} s)"]
+    lines.append(f"inconclusive: the intervals overlap ({best} {_reach(reach[best], '.1f')} s, {second} "
+                 f"{_reach(reach[second], '.1f')} s), so this sweep cannot tell which reaches {target:g} sooner; "
+                 f"add seeds ({more_seeds}) or steps (learner.max_steps) and sweep again")
+    return [*lines, f"{pick}; tentative: the runner-up, {second}, may be as fast"]
 
 
 def _reach(span: tuple[float, float, float], fmt: str) -> str:

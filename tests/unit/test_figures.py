@@ -212,3 +212,49 @@ def test_every_figure_is_saved_at_its_own_dpi_through_one_helper(tmp_path):
     fig, axes = scaling.figure(3, figsize=(6, 2), squeeze=False)
     assert axes.shape == (1, 3) and matplotlib.get_backend().lower() == "agg"
     plt.close(fig)
+
+
+# ---- early in a run, and rewards with a bonus -----------------------------------------------------
+
+@pytest.mark.parametrize("compute", [(1.2e15, 2.4e15, 3.6e15), (4e15, 8e15, 1.2e16), (2e15, 2.1e15, 2.2e15),
+                                     (9.9e14, 1.42e15)])
+def test_a_pass_rate_panel_before_any_fit_says_why_in_full_and_labels_span_its_points(tmp_path, drawn, compute):
+    steps = list(range(len(compute) + 1))
+    diagnostics(tmp_path, steps, (0.0, *compute), np.linspace(0.1, 0.4, len(steps))).draw(len(compute))
+    fig = drawn["pass_rate"]
+    by_compute = fig.axes[1]
+    title = by_compute.title.get_text()
+    assert title.startswith("no sigmoid fit yet") and title.endswith("the sigmoid needs at least 4")  # not cut
+    assert max(len(line) for line in title.splitlines()) <= 60  # wrapped to the panel
+    fig.canvas.draw()
+    inside = fig.bbox
+    box = by_compute.title.get_window_extent()
+    assert inside.x0 <= box.x0 and box.x1 <= inside.x1, (box, inside)
+    lo, hi = by_compute.get_xlim()
+    assert lo < min(compute) and max(compute) < hi
+    assert_readable(by_compute)
+    ticks = [t.get_position()[0] for t in shown_labels(by_compute)]
+    assert min(ticks) <= min(compute) and max(ticks) >= max(compute), ticks  # a label at or past each end
+
+
+def test_distinct_rewards_get_a_bar_each_so_a_bonus_stays_visible(tmp_path, drawn):
+    d = diagnostics(tmp_path)
+    d.rewards.extend([0.0] * 5 + [0.2] * 3 + [1.0] * 2 + [1.2] * 6)  # pass/fail plus a 0.2 format bonus
+    d.lengths.extend([10] * 16)
+    d.draw(5)
+    ax = drawn["rewards_lengths"].axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "0.2", "1", "1.2"]
+    assert [p.get_height() for p in ax.patches] == [5, 3, 2, 6]
+    many = diagnostics(tmp_path)
+    many.rewards.extend(np.linspace(0, 1, 200))  # a continuous reward: binned
+    many.lengths.extend([10] * 200)
+    many.draw(6)
+    assert len(drawn["rewards_lengths"].axes[0].patches) == 30
+
+
+def test_the_fit_figure_draws_a_target_as_a_line(tmp_path, drawn):
+    _, compute, rate = eval_curve(1.0, 2.0)
+    scaling.plot_fits({"a": (compute, rate)}, {}, tmp_path / "wall.png", target=0.55)
+    [ax] = drawn["wall"].axes
+    [line] = [line for line in ax.get_lines() if line.get_label() == "target pass rate 0.55"]
+    assert set(line.get_ydata()) == {0.55}

@@ -104,8 +104,10 @@ def test_the_reach_table_names_the_run_predicted_to_reach_the_target_soonest():
               "k=2": scaling.sigmoid_curve(seconds, A=0.8, B=2.0, C_mid=20.0, R0=0.3)}
     points = {name: (seconds, rates) for name, rates in curves.items()}
     text = reach_table(points, points, Window(), 0.55, "compute/wall_s")
-    assert "pick: k=2, predicted to reach 0.55 soonest (20.0 [" in text  # the midpoint: half-way from R0 to A
-    assert "clears the runner-up's, k=0 (40.0 [" in text
+    pick = text.splitlines()[-1]  # the line to act on, last
+    assert pick.startswith("pick: k=2, predicted to reach 0.55 soonest (20.0 [")  # the midpoint: half-way from R0 to A
+    assert "s of wall time to an eval pass rate of 0.55" in pick and "clearly ahead of the runner-up, k=0 (40.0 [" in pick
+    assert "warning: one seed per value" in text and "use --seeds 3" in text
     assert "measured wall s" in text.splitlines()[0] and " 20.0" in text.splitlines()[2]
     assert "no run is predicted to reach 0.9" in reach_table(points, points, Window(), 0.9, "compute/wall_s")
 
@@ -122,6 +124,43 @@ def test_a_sweeps_seeds_are_fitted_as_one_curve_and_measured_by_their_median():
     assert list(pooled(runs)) == ["k=2"] and pooled(runs)["k=2"][0].size == 63
     text = reach_table(runs, runs, Window(), 0.55, "compute/wall_s")
     assert text.splitlines()[1].split()[0] == "k=2" and text.splitlines()[1].endswith(" 25.0")  # 15, 25, 40
+    assert "one seed" not in text and text.splitlines()[-1].endswith("; the only run fitted")
+
+
+def test_overlapping_intervals_make_the_verdict_inconclusive_and_say_what_to_do():
+    from tidal.scaling_report import verdict
+
+    reach = {"k=0": (40.0, 30.0, 55.0), "k=2": (35.0, 28.0, 45.0), "k=8": (60.0, 50.0, 70.0)}
+    lines = verdict(reach, 0.6, num_seeds=1)
+    assert lines[0].startswith("warning: one seed per value") and "use --seeds 3" in lines[0]
+    assert lines[1].startswith("inconclusive: the intervals overlap (k=2 35.0 [28.0,45.0] s, k=0 40.0 [30.0,55.0] s)")
+    assert lines[1].endswith("add seeds (--seeds 3) or steps (learner.max_steps) and sweep again")
+    assert lines[-1].startswith("pick: k=2, predicted to reach 0.6 soonest (35.0 [28.0,45.0] s of wall time")
+    assert lines[-1].endswith("tentative: the runner-up, k=0, may be as fast")
+    seeded = verdict(reach, 0.6, num_seeds=2)  # seeds already: no warning, and more of them
+    assert len(seeded) == 2 and "add seeds (--seeds 4)" in seeded[0]
+    assert verdict({**reach, "k=0": (40.0, 46.0, 55.0)}, 0.6, num_seeds=3) == [
+        "pick: k=2, predicted to reach 0.6 soonest (35.0 [28.0,45.0] s of wall time to an eval pass rate of 0.6, its "
+        "90% interval in brackets); clearly ahead of the runner-up, k=0 (40.0 [46.0,55.0] s)"]
+    never = {"k=0": (float("inf"),) * 3}
+    assert verdict(never, 0.9, 1) == ["no run is predicted to reach 0.9: fit on longer runs or lower the target"]
+
+
+def test_the_wall_time_figure_draws_the_target_and_says_seeds_pooled_only_for_seeds(tmp_path, monkeypatch):
+    import numpy as np
+
+    from tidal import scaling
+    from tidal.scaling_report import Window, reach_table
+
+    drawn = []
+    monkeypatch.setattr(scaling, "plot_fits", lambda *args, **kwargs: drawn.append(kwargs))
+    seconds = np.linspace(0, 100, 21)
+    curve = (seconds, scaling.sigmoid_curve(seconds, A=0.8, B=2.0, C_mid=20.0, R0=0.3))
+    reach_table({"k=2": curve}, {"k=2": curve}, Window(), 0.55, "compute/wall_s", tmp_path / "w.png")
+    seeded = {f"k=2,seed={s}": curve for s in range(2)}
+    reach_table(seeded, seeded, Window(), 0.55, "compute/wall_s", tmp_path / "w.png")
+    assert [d["target"] for d in drawn] == [0.55, 0.55]
+    assert drawn[0]["title"] == "pass rate vs wall time" and drawn[1]["title"] == "pass rate vs wall time, 2 seeds pooled"
 
 
 def test_a_lag_by_lr_grid_finds_each_lags_largest_stable_lr_and_reads_the_law(tmp_path):
