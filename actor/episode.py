@@ -31,6 +31,7 @@ from tidal.tasks import get_environment
 from tidal.tasks.data import bad_messages
 from tidal.tasks.env import ChatRenderer, Env, Message, Turn, is_async, tool_schemas
 from tidal.tasks.rewards import PROMPT_TEXT, Rewarded, RewardFailed
+from tidal.tasks.user_code import failure
 
 log = logging.getLogger(__name__)
 
@@ -210,8 +211,8 @@ class Episodes:
             raise EnvFailed(str(err)) from err
         except TimeoutError:
             raise EnvFailed(f"{name} took longer than env.step_timeout_s = {self.cfg.step_timeout_s:g} s") from None
-        except Exception as err:
-            raise EnvFailed(f"{name} raised {type(err).__name__}: {err}") from err
+        except Exception as err:  # named after the user's method and line, not tidal's adapter around it
+            raise EnvFailed(failure(err, name)) from err
         finally:
             counts.env_seconds += time.perf_counter() - start
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tidal.config import EnvConfig
 from tidal.tasks.env import Message, is_async
+from tidal.tasks.user_code import one_line, raised_by
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ class ToolRunner:
         self.tools = {tool.__name__: tool for tool in tools}
         self.cfg = cfg
         self.pool = ThreadPoolExecutor(TOOL_THREADS, thread_name_prefix="tidal-tool") if tools else None
+        self.failures: Counter[tuple[str, str, str]] = Counter()  # (tool, error type, where) -> times
 
     async def run(self, calls: list[ToolCall]) -> list[ToolOutcome]:
         """Every call answered, in order; those beyond env.max_tool_calls with an error."""
@@ -94,8 +97,20 @@ class ToolRunner:
             return ToolOutcome(self.message(call, f"error: {call.name} took longer than {self.cfg.tool_timeout_s:g} s"),
                                "timeout")
         except Exception as err:  # the tool's own failure: the model reads it, as from any API
+            self.note_failure(call.name, err)
             return ToolOutcome(self.message(call, f"error: {type(err).__name__}: {err}"), "error")
         return ToolOutcome(self.message(call, str(output)), "ok")
+
+    def note_failure(self, name: str, err: Exception) -> None:
+        """A tool's own error in the actor's log at the user's file and line, at the 1st, 10th, 100th, ...
+        of each kind: the model reads each one, so a bug in the tool would otherwise pass for the model's."""
+        _, where = raised_by(err)
+        kind = (name, type(err).__name__, where)
+        self.failures[kind] += 1
+        times = self.failures[kind]
+        if str(times).rstrip("0") == "1":
+            log.warning("tool %s raised %s (%d time%s so far)%s", name, one_line(err), times, "s" * (times > 1),
+                        f"\n{where}" if where else "")
 
     async def invoke(self, tool: Callable, kwargs: dict):
         if is_async(tool):

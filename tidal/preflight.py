@@ -15,6 +15,7 @@ def preflight(cfg: RunConfig) -> list[str]:
     from tidal.models import resolve_model_path
     from tidal.tasks import PromptEncoder, get_task
 
+    check_prompt_template(cfg.task)
     split = get_task(cfg.task.name).load_prompts(cfg.task)
     if not split.train:
         raise ConfigError(f"config key 'task.name' = {cfg.task.name!r}: the task gave no training prompts")
@@ -64,7 +65,7 @@ def check_task_options(cfg: RunConfig) -> None:
     """task.kwargs against the options the task module declares (OPTIONS, name -> help), and env.kwargs
     against its environment's (built here, which checks them): a misspelt one was silently ignored. A
     module or environment that declares none is not checked."""
-    from tidal.tasks import get_environment, get_task
+    from tidal.tasks import get_task
     from tidal.tasks.env import options_text
 
     task = cfg.task
@@ -73,8 +74,42 @@ def check_task_options(cfg: RunConfig) -> None:
     if unknown:
         raise ConfigError(f"config key 'task.kwargs.{unknown[0]}': task {task.name} has no such option "
                           f"({options_text(declared)})")
-    if cfg.env.kwargs:
-        get_environment(task, cfg.env.kwargs)
+    check_environment(cfg)
+
+
+def check_environment(cfg: RunConfig) -> None:
+    """The task's environment built as an actor builds it (which checks env.kwargs), and its tools'
+    schemas read: an environment that raises as it is built, or a tool without a docstring, is a
+    line naming the user's file here rather than an actor's traceback."""
+    from tidal.tasks import get_environment, tool_schemas
+    from tidal.tasks.user_code import failure
+
+    try:
+        env = get_environment(cfg.task, cfg.env.kwargs)
+        tools = list(env.tools())
+    except ConfigError:
+        raise
+    except Exception as err:  # the user's __init__ or tools()
+        raise ConfigError(f"config key 'task.name' = {cfg.task.name!r}: {failure(err, 'its Environment')}") from None
+    tool_schemas(tools)
+
+
+# the built-in tasks whose string prompts go through task.prompt_template; the others would ignore it
+TEMPLATED_TASKS = ("math",)
+
+
+def check_prompt_template(task: TaskConfig) -> None:
+    """A task.prompt_template set for a built-in task that does not use it is refused (it was silently
+    ignored); a task module of the user's own may read it from its config."""
+    from tidal.tasks import BUILTIN
+
+    if task.prompt_template == TaskConfig().prompt_template or task.name not in BUILTIN:
+        return
+    if task.name not in TEMPLATED_TASKS:
+        uses = "sends each row's prompt as it is" if task.name in ("rows", "skyrl") else "makes its own prompts"
+        raise ConfigError(f"config key 'task.prompt_template' = {task.prompt_template!r}: task {task.name} "
+                          f"{uses}; the template is for task {', '.join(TEMPLATED_TASKS)} (put the text into "
+                          "the prompts, or leave task.prompt_template unset)")
 
 
 def check_vllm_names(cfg: RunConfig) -> None:
@@ -128,36 +163,58 @@ def check_reward(cfg: TaskConfig, prompts: list, tokenizer) -> list[str]:
 
 
 def _check_reward_funcs(cfg: TaskConfig, prompts: list, tokenizer) -> list[str]:
-    from tidal.tasks.rewards import PROMPT_TEXT, RewardFailed, call_kwargs, decode_row, load_reward_funcs, score
+    """Each function's signature against the rows' columns, then the prompts scored together (a
+    function taking lists gets them in one call, as it gets a group), then their sums against
+    task.reward_range."""
+    from tidal.tasks.rewards import RewardFailed, decode_row, load_reward_funcs, score_rows, signature_mismatch
 
     funcs = load_reward_funcs(cfg)
-    values: dict[str, list[float]] = {f.name: [] for f in funcs}
-    totals = []
-    for prompt in prompts:
-        reference = decode_row(prompt.payload).get(cfg.answer_field)
-        completion = reference if isinstance(reference, str) else ""
-        ids = tokenizer(completion, add_special_tokens=False)["input_ids"] if tokenizer is not None else []
-        kwargs = call_kwargs({**prompt.payload, PROMPT_TEXT: prompt.text}, cfg.prompt_field, completion, ids)
-        try:
-            total, components = asyncio.run(score(funcs, kwargs))
-        except RewardFailed as err:
-            raise ConfigError(f"config key 'task.reward_funcs': {err}\n  (scoring training prompt "
-                              f"{prompt.prompt_id}{_completion_said(cfg, reference)})") from None
-        totals.append(total)
-        for name, value in components.items():
-            values[name].append(value)
+    samples = [_reference_kwargs(cfg, p, tokenizer) for p in prompts]
+    columns = list(decode_row(prompts[0].payload))
+    for func in funcs:
+        mismatch = signature_mismatch(func, samples[0], columns)
+        if mismatch:
+            raise ConfigError(f"config key 'task.reward_funcs': {mismatch}")
     said = _completion_said(cfg, "" if any(isinstance(decode_row(p.payload).get(cfg.answer_field), str)
                                          for p in prompts) else None)
+    try:
+        scored = asyncio.run(score_rows(funcs, samples))
+    except RewardFailed as err:
+        ids = ", ".join(str(p.prompt_id) for p in prompts)
+        raise ConfigError(f"config key 'task.reward_funcs': {err}\n  (scoring training prompts {ids}{said})") from None
+    totals = [total for total, _ in scored]
+    for prompt, (total, components) in zip(prompts, scored):
+        parts = " + ".join(f"{f.name} {components[f.name]:g} x {f.weight:g}" for f in funcs if f.name in components)
+        _check_range(cfg, total, f"training prompt {prompt.prompt_id} scored {total:g} ({parts}){said}")
     lines = [f"reward {f.name} (weight {f.weight:g}) on {len(prompts)} training prompts{said}: "
-             f"{_listed(values[f.name])}" for f in funcs]
+             f"{_listed([c[f.name] for _, c in scored if f.name in c])}" for f in funcs]
     judged = f"reward function {cfg.pass_on}'s value" if cfg.pass_on else "the weighted sum"
     return [*lines, f"reward, their weighted sum: {_listed(totals)}",
             f"a sample passes when {judged} is >= {cfg.pass_threshold:g} (task.pass_threshold)"]
 
 
+def _reference_kwargs(cfg: TaskConfig, prompt, tokenizer) -> dict:
+    """A prompt's reward keywords with its answer column as the completion ("" where it has none)."""
+    from tidal.tasks.rewards import PROMPT_TEXT, call_kwargs, decode_row
+
+    reference = decode_row(prompt.payload).get(cfg.answer_field)
+    completion = reference if isinstance(reference, str) else ""
+    ids = tokenizer(completion, add_special_tokens=False)["input_ids"] if tokenizer is not None else []
+    return call_kwargs({**prompt.payload, PROMPT_TEXT: prompt.text}, cfg.prompt_field, completion, ids)
+
+
+def _check_range(cfg: TaskConfig, reward: float, scored: str) -> None:
+    """A reward outside task.reward_range is one line: the learner would refuse every group holding one."""
+    low, high = cfg.reward_range
+    if not low <= reward <= high:
+        raise ConfigError(f"config key 'task.reward_range' = [{low:g}, {high:g}]: {scored}, outside it; the learner "
+                          "refuses every group holding such a reward (widen task.reward_range, or rescale the "
+                          "rewards)")
+
+
 def _check_task_reward(cfg: TaskConfig, prompts: list) -> list[str]:
     from tidal.tasks import get_reward
-    from tidal.tasks.rewards import where_raised
+    from tidal.tasks.user_code import where_raised
 
     reward, values = get_reward(cfg), []
     for prompt in prompts:
@@ -168,6 +225,8 @@ def _check_task_reward(cfg: TaskConfig, prompts: list) -> list[str]:
             raise ConfigError(f"config key 'task.name' = {cfg.name!r}: its reward raised {type(err).__name__}: "
                               f"{err}\n{where_raised(err, reward)}\n  (scoring training prompt {prompt.prompt_id}, "
                               "completion = its payload's answer)") from None
+        _check_range(cfg, values[-1], f"training prompt {prompt.prompt_id} scored {values[-1]:g} (completion = "
+                                      "its payload's answer)")
     return [f"reward of task {cfg.name} on {len(prompts)} training prompts, completion = the payload's answer: "
             f"{_listed(values)}"]
 

@@ -213,3 +213,84 @@ def test_an_actor_started_alone_without_the_learners_ports_is_one_line(capsys):
     assert main(["actor", "tiny", "broker.zmq.curve=off", "broker.zmq.control_port=5555"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("tidal actor: config key 'broker.zmq.rollout_port' = 0: an actor started on its own")
+
+
+# ---- overrides, tools, reward files, export: each one line naming what to fix ---------------------------
+
+def tidal_says(capsys, *args) -> str:
+    """`tidal ARGS` fails as one line on stderr, exit 2."""
+    assert main(list(args)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["run", "tiny", "learner.max_steps"],
+     "tidal run: 'learner.max_steps' has no value: overrides are key=value (learner.max_steps=VALUE)"),
+    (["config", "check", "tiny", "task.reward_funcs=[my_rewards:accuracy"],
+     "tidal config: override 'task.reward_funcs=[my_rewards:accuracy': its value is not valid YAML (did not find "
+     "expected ',' or ']'): close its brackets (task.reward_funcs=[a, b])"),
+    (["config", "check", "tiny", "task.system_prompt=[answer"],
+     "tidal config: override 'task.system_prompt=[answer': its value is not valid YAML (did not find expected ',' "
+     "or ']'): quote it to pass it as text (\"task.system_prompt='[answer'\")"),
+    (["config", "check", "tiny", "task.prompt_template={prompt}"],
+     "tidal config: config key 'task.prompt_template': {prompt} was read as a mapping, not text: quote it, "
+     "\"task.prompt_template='{prompt}'\""),
+    (["config", "check", "tiny", "--gpu-gib", "80", "--model-config", "nope.json"],
+     "tidal config: --model-config nope.json: no such file or folder (the model's config.json, or its folder)"),
+])
+def test_a_mistyped_command_line_is_one_line_saying_how_to_write_it(capsys, args, says):
+    assert tidal_says(capsys, *args) == says
+
+
+def test_exporting_a_folder_that_is_no_run_says_so(tmp_path, capsys):
+    """It said the folder's config.yaml was no preset, and listed the presets."""
+    assert tidal_says(capsys, "export", str(tmp_path / "nope-run")) == \
+        f"tidal export: no run folder at {tmp_path / 'nope-run'} (no config.yaml there)"
+
+
+CALC = '''
+from tidal.tasks import Env, Turn
+from tidal.tasks.arithmetic import load_prompts  # noqa: F401
+
+
+def mul(a: int, b: int) -> int:
+    return a * b
+
+
+class Environment(Env):
+    def tools(self):
+        return [mul]
+
+    def step(self, state, reply):
+        return Turn(done=True, reward=1.0)
+'''
+
+
+def test_a_tool_without_a_docstring_is_one_line_at_its_def(tmp_path, capsys, monkeypatch):
+    """It was a 30-line traceback from `config check`."""
+    import sys
+
+    (tmp_path / "my_calc").mkdir()
+    (tmp_path / "my_calc" / "__init__.py").write_text("")
+    (tmp_path / "my_calc" / "task.py").write_text(CALC)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("my_calc", "my_calc.task"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    line = tidal_says(capsys, "config", "check", "tiny", "task.name=my_calc.task")
+    assert line == (f"tidal config: tool 'mul' at {tmp_path / 'my_calc' / 'task.py'}:6: Cannot generate JSON schema "
+                    "for mul because it has no docstring! (a tool needs type hints and a docstring with an Args: "
+                    "line per parameter)")
+
+
+def test_a_prompt_template_the_task_would_ignore_is_refused(tmp_path, capsys):
+    """task rows sent each row's prompt as it was, whatever the template said."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n')
+    line = tidal_says(capsys, "config", "check", "tiny", "task.name=rows", f"task.data_path={data}",
+                      "task.num_val=1", "task.prompt_field=prompt", "task.reward_funcs=[math:floor]",
+                      "task.prompt_template='Q: {prompt}'")
+    assert line == ("tidal config: config key 'task.prompt_template' = 'Q: {prompt}': task rows sends each row's "
+                    "prompt as it is; the template is for task math (put the text into the prompts, or leave "
+                    "task.prompt_template unset)")

@@ -195,3 +195,30 @@ def test_explain_prints_every_section_as_keys_with_types_defaults_and_help():
 def test_explain_below_a_value_says_so():
     with pytest.raises(ConfigError, match="'learner.optim.lr' is a value, not a section"):
         explain("learner.optim.lr.x")
+
+
+@pytest.mark.parametrize("override, key, value", [
+    ("task.pass_on=", "pass_on", ""),  # was "Incompatible value 'None' for field of type 'str'"
+    ("task.reward_funcs=", "reward_funcs", []),
+])
+def test_an_empty_value_clears_a_string_or_list_key(override, key, value):
+    base = load_config(None, ["task.pass_on=accuracy", "task.reward_funcs=[a:accuracy]"])
+    assert getattr(base.task, key) != value
+    cleared = load_config(None, ["task.pass_on=accuracy", "task.reward_funcs=[a:accuracy]", override,
+                                 *(["task.pass_on="] if key == "reward_funcs" else [])])
+    assert getattr(cleared.task, key) == value
+
+
+def test_an_empty_value_for_a_number_still_names_the_key():
+    with pytest.raises(ConfigError, match="^config key 'learner.max_steps': "):
+        load_config(None, ["learner.max_steps="])
+
+
+def test_explain_lists_every_built_in_task_and_where_the_prompt_template_applies():
+    from tidal.preflight import TEMPLATED_TASKS
+    from tidal.tasks import BUILTIN
+
+    name = explain("task.name")
+    assert f"built-in ({', '.join(sorted(BUILTIN))})" in name
+    assert explain("task.prompt_template").split("): ")[1].startswith(f"task {', '.join(TEMPLATED_TASKS)}'s string "
+                                                                       "prompts (the other built-in tasks refuse it")

@@ -195,7 +195,7 @@ def test_single_turn_tasks_are_the_one_turn_case(tokenizer):
     assert len(engine.prompts) == 1  # the group's samples in one request, as before episodes
 
 
-def test_failing_tools_are_answered_and_counted(tokenizer):
+def test_failing_tools_are_answered_and_counted(tokenizer, caplog):
     calls = "".join(f'<tool_call>{{"name": "{name}", "arguments": {{"x": 1}}}}</tool_call>'
                     for name in ("crash", "flood", "hang", "nope"))
     prompt = PromptEncoder(tokenizer, chat_template=True)(Prompt(0, "go", {}))
@@ -204,6 +204,10 @@ def test_failing_tools_are_answered_and_counted(tokenizer):
     [result] = run(Episodes(Sum(), cfg, tokenizer, chat_template=True), engine, group(prompt, max_tokens=1024))
     outputs = [m["content"] for m in result.messages if m["role"] == "tool"]
     assert outputs[0] == "error: RuntimeError: the tool broke"
+    # the model reads the tool's error; the actor's log says where the user's tool raised it
+    [logged] = [r.getMessage() for r in caplog.records if r.name == "tidal.actor.tools"]
+    assert logged == (f"tool crash raised RuntimeError: the tool broke (1 time so far)\n  File \"{__file__}\", "
+                      f"line {line_of('the tool broke')}, in crash\n    raise RuntimeError(\"the tool broke\")")
     assert outputs[1] == "y" * 50 + "\n[cut: 99950 more characters]"
     assert outputs[2] == "error: hang took longer than 0.2 s"
     assert outputs[3].startswith("error: no tool named 'nope'")
@@ -220,6 +224,12 @@ def test_a_garbled_tool_call_is_answered_with_an_error(tokenizer):
     assert (result.episode.tool_calls, result.episode.tool_errors, result.reward) == (1, 1, 1.0)
 
 
+def line_of(text: str, source: str | None = None) -> int:
+    """The line of this file (or of `source`) that holds `text`."""
+    lines = (source or open(__file__).read()).splitlines()
+    return next(i for i, line in enumerate(lines, start=1) if text in line and "line_of(" not in line)
+
+
 class Broken(Env):
     def __init__(self, how):
         super().__init__()
@@ -234,7 +244,8 @@ class Broken(Env):
 
 
 @pytest.mark.parametrize("how, error", [
-    ("raises", "Broken.step raised KeyError: 'answer'"),
+    ("raises", f"Broken.step raised KeyError: 'answer'\n  File \"{__file__}\", line {line_of('raise KeyError')}, "
+               "in step\n    raise KeyError(\"answer\")"),  # the user's method, file and line
     ("hangs", "Broken.step took longer than env.step_timeout_s = 0.2 s"),
     ("returns", "Broken.step returned str, not a Turn"),
 ])
@@ -430,3 +441,59 @@ def test_a_groups_plain_steps_share_one_thread_hop_and_a_hung_one_holds_only_tho
     assert len(threads) == 1 and threading.get_ident() not in threads  # one worker thread, not the loop's
     assert [r.reward for r in results] == [1.0, 0.0, 0.0, 0.0]
     assert all(r.episode.env_error.startswith("SingleTurn.step took longer") for r in results[1:])
+
+
+LOOKUP_ENVS = '''
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
+from skyrl_gym.envs.registration import register
+
+
+class LookupEnv(BaseTextEnv):
+    def __init__(self, env_config=None, extras={}):
+        super().__init__()
+        self.table = {1: "one"}
+
+    def step(self, action):
+        return BaseTextEnvStepOutput(observations=[], reward=float(self.table[int(action)] == "one"), done=True,
+                                     metadata={})
+
+
+register(id="tidal_test_lookup", entry_point=LookupEnv)
+'''
+
+
+def test_a_skyrl_gym_environments_error_names_the_users_class_and_line_and_its_messages(tokenizer, tmp_path,
+                                                                                        monkeypatch):
+    """Named after the user's LookupEnv, not tidal's adapter (Environment); the end-of-run summary counts the
+    failures as one kind at that line, and shows two of their messages rather than one standing for all."""
+    import json
+    import sys
+    from types import SimpleNamespace
+
+    from tidal.config import StalenessConfig, TaskConfig
+    from tidal.learner.admission import Admission
+    from tidal.tasks import get_task
+
+    (tmp_path / "lookup_envs.py").write_text(LOOKUP_ENVS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "lookup_envs", raising=False)
+    rows = [{"prompt": [{"role": "user", "content": "look it up"}], "env_class": "tidal_test_lookup"}] * 3
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = TaskConfig(name="skyrl", data_path=str(tmp_path / "train.jsonl"), prompt_field="prompt", num_val=1)
+    episodes = Episodes.of(task, EnvConfig(kwargs={"imports": ["lookup_envs"]}), tokenizer)
+    payload = get_task("skyrl").load_prompts(task).train[0].payload
+    errors = []
+    for key in ("39", "5207", "39"):
+        [result] = run(episodes, ScriptedTurns(tokenizer, [key]), PromptGroup(
+            run_id="r", group_id="g0", prompt_id=0, prompt_tokens=int32s([5, 6]), task="skyrl",
+            payload=payload, n=1, sampling=SamplingParams(), min_version=0))
+        errors.append(result.episode.env_error)
+    where = (f'  File "{tmp_path / "lookup_envs.py"}", line {line_of("self.table[int", LOOKUP_ENVS)}, in step\n'
+             "    return BaseTextEnvStepOutput(observations=[], reward=float(self.table[int(action)] == \"one\"), "
+             "done=True,")
+    assert errors[0] == f"LookupEnv.step raised KeyError: 39\n{where}"
+    admission = Admission(StalenessConfig(), True, None, on_rewards=lambda *_: None)
+    admission._note_failures(SimpleNamespace(samples=[SimpleNamespace(episode=SimpleNamespace(env_error=e))
+                                                      for e in errors]))
+    assert admission.failure_summary() == {"count": 3, "reasons": [
+        (f"LookupEnv.step raised KeyError with different messages, e.g. '39' and '5207'\n{where}", 3)]}

@@ -128,6 +128,39 @@ def test_a_task_of_episodes_refuses_reward_functions(user_rewards):
         get_environment(cfg)
 
 
+def test_a_function_named_by_its_file_loads_from_any_working_folder(user_rewards, tmp_path, monkeypatch):
+    """verl's way: `./my_rewards.py:exact` and `my_rewards.py:exact` are made absolute at load, so the
+    processes a run starts (and a config.yaml read from another folder) find the same file."""
+    monkeypatch.chdir(tmp_path)
+    cfg = task("task.reward_funcs=[./my_rewards.py:exact,my_rewards.py:short]")
+    assert list(cfg.reward_funcs) == [f"{user_rewards}:exact", f"{user_rewards}:short"]
+    monkeypatch.chdir("/")
+    assert [f.name for f in load_reward_funcs(cfg)] == ["exact", "short"]
+
+
+def test_the_working_folder_is_importable_as_python_m_makes_it(tmp_path, monkeypatch):
+    (tmp_path / "here_rewards.py").write_text("def exact(completion, answer, **kwargs):\n    return 1.0\n")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "here_rewards", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert [f.name for f in load_reward_funcs(task("task.reward_funcs=[here_rewards:exact]"))] == ["exact"]
+
+
+@pytest.mark.parametrize("source, says", [
+    ("def accuracy(completion, **kwargs)\n    return 1.0\n", "{file}:1: expected ':' (a syntax error)"),
+    ("import no_such_dependency\n", "importing {name} raised ModuleNotFoundError: No module named "
+                                     "'no_such_dependency'"),
+])
+def test_a_reward_file_that_does_not_import_is_one_line_at_its_line(tmp_path, source, says):
+    (tmp_path / "broken_rewards.py").write_text(source)
+    with pytest.raises(ConfigError) as err:
+        load_reward_funcs(task(f"task.reward_funcs=[{tmp_path / 'broken_rewards.py'}:accuracy]"))
+    first = str(err.value).splitlines()[0]
+    assert first.startswith("config key 'task.reward_funcs' entry ")
+    assert first.endswith(says.format(file=tmp_path / "broken_rewards.py", name=tmp_path / "broken_rewards.py"))
+    assert "Traceback" not in str(err.value)
+
+
 # ---- rows and calls -----------------------------------------------------------------------
 
 def test_a_row_travels_as_strings_and_comes_back_with_its_types():
@@ -161,6 +194,56 @@ def test_a_raising_function_names_itself_and_the_users_line(user_rewards):
     text = str(err.value)
     assert text.startswith("reward function broken raised KeyError: 'answr'")
     assert f'File "{user_rewards}", line 20, in broken' in text and "asyncio" not in text
+
+
+SIGNATURES = '''
+def no_kwargs(completion, solution):
+    return 1.0
+
+
+def missing_column(completion, ground_truth, **kwargs):
+    return 1.0
+
+
+def plural_typo(completions, answers, **kwargs):
+    return [1.0] * len(completions)
+
+
+def strict(completion, answer):
+    return 1.0
+'''
+
+
+@pytest.fixture
+def signatures(tmp_path):
+    (tmp_path / "signatures.py").write_text(SIGNATURES)
+    return tmp_path / "signatures.py"
+
+
+def def_of(path, name: str) -> str:
+    line = next(i for i, text in enumerate(SIGNATURES.splitlines(), 1) if text.startswith(f"def {name}("))
+    return f'  File "{path}", line {line}, in {name}'
+
+
+@pytest.mark.parametrize("name, says", [
+    ("no_kwargs", "reward function no_kwargs(completion, solution) asks for 'solution', which the rows lack "
+                  "(columns: problem, answer, tags, prompt); add **kwargs: it is passed the row's columns problem, "
+                  "answer, tags, prompt and completion_ids"),
+    ("missing_column", "reward function missing_column(completion, ground_truth, **kwargs) asks for 'ground_truth', "
+                       "which the rows lack (columns: problem, answer, tags, prompt)"),
+    ("plural_typo", "reward function plural_typo(completions, answers, **kwargs) asks for 'answers', which the rows "
+                    "lack (columns: problem, answer, tags, prompt, each passed as a list); did you mean 'answer'?"),
+    ("strict", "reward function strict(completion, answer): add **kwargs: it is passed the row's columns problem, "
+               "tags, prompt and completion_ids"),
+])
+def test_a_signature_that_does_not_fit_the_row_is_reported_at_its_def(signatures, name, says):
+    """Was Python's TypeError at concurrent/futures/thread.py, line 58, naming neither the def nor the columns."""
+    env = Rewarded(task(f"task.reward_funcs=[{signatures}:{name}]"))
+    state = {**encode_row({"problem": "1+2=", "answer": "3", "tags": ["sum"]}), PROMPT_TEXT: "1+2="}
+    with pytest.raises(RewardFailed) as err:
+        asyncio.run(env.score(state, "3", [5]))
+    assert str(err.value).splitlines()[:2] == [says, def_of(signatures, name)]
+    assert "thread.py" not in str(err.value)
 
 
 @pytest.mark.parametrize("value", ["three", float("nan"), [1.0]])
@@ -294,6 +377,42 @@ def test_config_check_shows_where_a_raising_reward_failed_and_exits_2(tmp_path, 
                         "'answr'")
     assert lines[1] == f'  File "{user_rewards}", line 20, in broken'
     assert len(lines) <= 5 and "asyncio" not in out.err
+
+
+def test_config_check_reports_a_signature_at_its_def_naming_the_columns(tmp_path, signatures, capsys):
+    code, out = check(tmp_path, capsys, f"{signatures}:missing_column")
+    assert code == 2
+    assert out.err.strip().splitlines()[:2] == [
+        "tidal config: config key 'task.reward_funcs': reward function missing_column(completion, ground_truth, "
+        "**kwargs) asks for 'ground_truth', which the rows lack (columns: problem, answer, tags)",
+        def_of(signatures, "missing_column")]
+
+
+def test_config_check_scores_a_function_taking_lists_in_one_call(tmp_path, user_rewards, capsys):
+    """A group's worth of rows in one call: one returning the wrong count fails at the check, not 512
+    episodes into a run."""
+    import my_rewards
+
+    code, out = check(tmp_path, capsys, "my_rewards:accuracy")
+    assert code == 0, out.err
+    assert my_rewards.CALLS == [3]
+    code, out = check(tmp_path, capsys, "my_rewards:one_short")
+    assert code == 2
+    assert "reward function one_short takes lists (it names `completions`) and returned 2 values for 3 samples" \
+        in out.err
+
+
+def test_config_check_refuses_rewards_outside_the_reward_range(tmp_path, user_rewards, capsys):
+    """A 0-10 score plus a format bonus reached 10.2: `config ok`, then a run whose groups were all refused."""
+    code, out = check(tmp_path, capsys, "my_rewards:exact,my_rewards:seen", "task.reward_weights=[10,0.2]")
+    assert code == 2
+    [line] = out.err.strip().splitlines()
+    assert line == ("tidal config: config key 'task.reward_range' = [-10, 10]: training prompt 0 scored 10.4 "
+                    "(exact 1 x 10 + seen 2 x 0.2), completion = its 'answer' column, outside it; the learner refuses "
+                    "every group holding such a reward (widen task.reward_range, or rescale the rewards)")
+    code, out = check(tmp_path, capsys, "my_rewards:exact,my_rewards:seen", "task.reward_weights=[10,0.2]",
+                      "task.reward_range=[-1,11]")
+    assert code == 0, out.err
 
 
 def test_the_readme_reward_functions_score_as_printed(tmp_path, monkeypatch, capsys):

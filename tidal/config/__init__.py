@@ -101,7 +101,15 @@ from tidal.config.run import (
     to_yaml,
     write_config,
 )
-from tidal.config.task import EnvConfig, InterruptConfig, OverlongConfig, SamplingConfig, TaskConfig
+from tidal.config.task import (
+    EnvConfig,
+    InterruptConfig,
+    OverlongConfig,
+    SamplingConfig,
+    TaskConfig,
+    absolute_reward_files,
+    reward_file,
+)
 from tidal.config.tracking import TrackingConfig
 
 __all__ = [
@@ -109,7 +117,8 @@ __all__ = [
     "ConfigError", "Dtype", "Section", "choices", "opt",
     # model, task, actor, broker, learner, tracking: the sections and their closed sets
     "LmHead", "ModelConfig", "TinyModelConfig", "WarmStartConfig",
-    "EnvConfig", "InterruptConfig", "OverlongConfig", "SamplingConfig", "TaskConfig",
+    "EnvConfig", "InterruptConfig", "OverlongConfig", "SamplingConfig", "TaskConfig", "absolute_reward_files",
+    "reward_file",
     "CORES_PATTERN", "CPU_LINEAR_LAYOUTS", "TIDAL_ENGINE_ARGS", "ActorConfig", "CpuLinear", "VllmConfig",
     "parse_cores",
     "LOOPBACK", "BrokerConfig", "BrokerType", "Curve", "RedisConfig", "WeightsConfig", "WeightTransport",

@@ -2,6 +2,7 @@
 (with its length control: interruptions or the overlong penalty), and multi-turn episodes."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,8 +13,8 @@ from tidal.config.base import Section, _require, opt
 class TaskConfig(Section):
     """The task: prompts for the coordinator, the reward for the actors."""
 
-    name: str = opt("arithmetic", "built-in (arithmetic, math), installed (entry-point group tidal.tasks) or an import "
-                                  "path (my_pkg.my_task)")
+    name: str = opt("arithmetic", "built-in (arithmetic, chain, count, math, rows, skyrl), installed (entry-point "
+                                  "group tidal.tasks) or an import path (my_pkg.my_task)")
     kwargs: dict[str, Any] = opt({}, "options of the task itself, e.g. {tolerance: 0.01}")
     max_operand: int = opt(99, "arithmetic: operands are drawn from 0..max_operand")
     num_val: int = opt(256, "held-out prompts for evaluation (never trained on); math: at most this many")
@@ -30,16 +31,19 @@ class TaskConfig(Section):
     answer_field: str = opt("answer", 'the column holding the gold answer, e.g. "\\\\frac{1}{2}" or "12"')
     prompt_template: str = opt(
         "{problem}\nPut the final answer in \\boxed{{}}.",
-        "string prompts: the text; {<prompt_field>} is replaced by the prompt, {{ and }} are literal braces")
+        "task math's string prompts (the other built-in tasks refuse it; rows sends each prompt as it is): the text; "
+        "{<prompt_field>} is replaced by the prompt, {{ and }} are literal braces")
     chat_template: bool = opt(False, "apply the tokenizer's chat template (a string prompt becomes one user message; "
                                      "chat messages always get it)")
     system_prompt: str = opt("", "with a chat template: a system message first, unless the prompt's messages have one")
-    reward_range: tuple[float, float] = opt((-10.0, 10.0), "rollouts with a reward outside it are rejected, counted")
+    reward_range: tuple[float, float] = opt((-10.0, 10.0), "rollouts with a reward outside it are rejected, counted; "
+                                                           "config check refuses a scored row's reward outside it")
     pass_threshold: float = opt(1.0, "a sample passes when its reward is at least this: pass rates (rollout/, eval/), "
                                      "the curriculum and the scaling fits count passes by it, whatever the reward's "
                                      "scale (partial credit, summed components)")
     reward_funcs: list[str] = opt([], "reward functions, each an import path (my_pkg.rewards:accuracy or "
-                                      "my_pkg.rewards.accuracy) or a name in the entry-point group tidal.rewards, "
+                                      "my_pkg.rewards.accuracy; the working folder is importable), a file's function "
+                                      "(./my_rewards.py:accuracy) or a name in the entry-point group tidal.rewards, "
                                       "called with prompt, completion, completion_ids and every column of the row; the "
                                       "sample's reward is their weighted sum (instead of the task's own reward)")
     reward_weights: list[float] = opt([], "one per reward function; empty = all 1.0")
@@ -64,6 +68,29 @@ class TaskConfig(Section):
                  "names one of task.reward_funcs, and there are none")
         _require(self.remote_timeout_s > 0, "task.remote_timeout_s", self.remote_timeout_s, "must be > 0")
         _require(self.remote_retries >= 0, "task.remote_retries", self.remote_retries, "must be >= 0")
+
+
+def reward_file(spec: str) -> tuple[str, str] | None:
+    """(the file, the function's name or "") of a task.reward_funcs entry naming a Python file's function,
+    verl's way (`./my_rewards.py:accuracy`, `my_rewards.py:accuracy`, `rewards/my.py:f`); None for an
+    import path, an entry-point name or a URL."""
+    if spec.startswith(("http://", "https://")):
+        return None
+    path, _, attr = spec.rpartition(":") if ":" in spec else (spec, "", "")
+    if not (path.endswith(".py") or "/" in path or os.sep in path):
+        return None
+    return path, attr
+
+
+def absolute_reward_files(specs: list[str]) -> list[str]:
+    """task.reward_funcs with each file made absolute (from the working folder), so that the processes a
+    run starts, and a config.yaml read elsewhere, find the same file."""
+    out = []
+    for spec in specs:
+        in_file = reward_file(spec)
+        out.append(spec if in_file is None else
+                   os.path.abspath(os.path.expanduser(in_file[0])) + (f":{in_file[1]}" if in_file[1] else ""))
+    return out
 
 
 @dataclass(frozen=True)

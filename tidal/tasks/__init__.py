@@ -20,7 +20,6 @@ exactly the same prompt, chat template and system prompt included.
 """
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -28,6 +27,7 @@ from types import ModuleType
 
 from tidal.config import ConfigError, TaskConfig
 from tidal.tasks.env import ChatRenderer, Env, Message, SingleTurn, Turn, tool_schemas
+from tidal.tasks.user_code import import_module
 
 __all__ = ["ChatRenderer", "Env", "Message", "Prompt", "PromptEncoder", "SingleTurn", "Split", "Turn",
            "encode_prompt", "get_environment", "get_reward", "get_task", "installed_tasks", "tool_schemas"]
@@ -106,11 +106,8 @@ def get_task(name: str) -> ModuleType:
     if module_name is None:
         raise ConfigError(f"config key 'task.name' = {name!r}: not a known task ({', '.join(sorted(known))}) nor "
                           "an import path (my_pkg.my_task)")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        raise ConfigError(f"config key 'task.name' = {name!r}: cannot import {module_name} ({err}; is its folder "
-                          "on PYTHONPATH, or its package installed?)") from None
+    # the working folder imports; a syntax error or a raise at import is one line at the user's own line
+    module = import_module(module_name, f"config key 'task.name' = {name!r}")
     missing = [f for f in ("load_prompts",) if not callable(getattr(module, f, None))]
     if not any(callable(getattr(module, f, None)) for f in ("reward", "build_reward", "Environment")):
         missing.append("reward (or build_reward, or Environment)")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.config import ConfigError
+from tidal.tasks.user_code import def_line
 
 Message = dict[str, Any]  # a chat message as chat templates take it: {"role", "content", ...}
 
@@ -87,6 +88,8 @@ class SingleTurn(Env):
 
 def tool_schemas(tools: Sequence[Callable]) -> list[dict]:
     """Each tool's JSON schema, read from its signature and docstring (the form chat templates take)."""
+    if not tools:
+        return []
     from transformers.utils import get_json_schema
 
     out = []
@@ -94,7 +97,9 @@ def tool_schemas(tools: Sequence[Callable]) -> list[dict]:
         try:
             out.append(get_json_schema(tool))
         except Exception as err:  # transformers names what the docstring or hints lack
-            raise ValueError(f"tool {getattr(tool, '__name__', tool)!r}: {err}") from None
+            at = def_line(tool)
+            raise ConfigError(f"tool {getattr(tool, '__name__', tool)!r}{f' at {at}' if at else ''}: {err} (a tool "
+                              "needs type hints and a docstring with an Args: line per parameter)") from None
     return out
 
 

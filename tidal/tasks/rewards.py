@@ -1,5 +1,6 @@
-"""Reward functions as users write them: `task.reward_funcs` names them (import paths or entry points in
-the group `tidal.rewards`), `task.reward_weights` weighs them. Each is called with keyword arguments
+"""Reward functions as users write them: `task.reward_funcs` names them (import paths, a file's function
+such as `./my_rewards.py:accuracy`, or entry points in the group `tidal.rewards`), `task.reward_weights`
+weighs them. Each is called with keyword arguments
 
     prompt            the prompt: its chat messages where the row holds messages, else the text the model read
     completion        the completion's text
@@ -14,29 +15,33 @@ functions are written. Or an http(s) URL: a remote reward (RemoteReward), batche
 rewards that need a GPU or a sandbox. A sample's reward is the weighted sum; each function's own value
 travels in `Sample.reward_components` under the function's name (metrics `rewards/<name>/mean`, `/std`).
 
+A function whose signature does not fit the row (a parameter no column fills, no **kwargs for the columns
+it has no parameter for) is reported at its def, naming the columns; one that raises, at the line that
+raised (tidal.tasks.user_code).
+
 Rows travel to the actors in the prompt's payload, a dict of strings on the wire: string columns as they
 are, others as JSON (named under JSON_COLUMNS), decoded back before the call.
 """
 from __future__ import annotations
 
 import asyncio
-import importlib
+import difflib
 import inspect
 import json
 import math
 import re
 import time
-import traceback
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-from tidal.config import ConfigError, TaskConfig
+from tidal.config import ConfigError, TaskConfig, reward_file
 from tidal.tasks.env import Env, is_async
+from tidal.tasks.user_code import defined_at, import_file, import_module, one_line, where_raised
 
 ENTRY_POINTS = "tidal.rewards"
 JSON_COLUMNS = "_tidal_json_columns"  # payload key: the columns stored as JSON (a JSON list of names)
@@ -44,6 +49,7 @@ PROMPT_TEXT = "_tidal_prompt_text"  # payload key the actor adds: the prompt as 
 RESERVED = ("prompt", "completion", "completion_ids")  # keyword arguments a column of that name cannot override
 MAX_COLUMNS = 62  # the wire's payload holds 64 keys: two are the reserved ones above
 MAX_VALUE_CHARS = 65_536  # a payload value's bound on the wire
+BATCH_NAMES = {"prompt": "prompts", "completion": "completions"}  # a function taking lists gets these plural
 
 
 @dataclass(frozen=True)
@@ -79,8 +85,8 @@ def load_reward_funcs(cfg: TaskConfig) -> list[RewardFunc]:
 
 
 def resolve(spec: str, cfg: TaskConfig | None = None) -> Callable[..., Any]:
-    """`pkg.mod:func`, `pkg.mod.func`, an entry-point name in the group tidal.rewards, or an http(s) URL
-    (a RemoteReward) -> the function."""
+    """`pkg.mod:func`, `pkg.mod.func`, a file's function (`./my_rewards.py:func`, `my_rewards.py:func`),
+    an entry-point name in the group tidal.rewards, or an http(s) URL (a RemoteReward) -> the function."""
     key = f"config key 'task.reward_funcs' entry {spec!r}"
     if spec.startswith(("http://", "https://")):
         cfg = cfg or TaskConfig()
@@ -89,21 +95,29 @@ def resolve(spec: str, cfg: TaskConfig | None = None) -> Callable[..., Any]:
     if spec in installed:
         fn = installed[spec].load()
     else:
-        module_name, sep, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
-        if not (module_name and attr):
-            known = ", ".join(sorted(installed)) or "none installed"
-            raise ConfigError(f"{key}: not an import path (my_pkg.rewards:accuracy) nor an entry point of "
-                              f"{ENTRY_POINTS} ({known})")
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as err:
-            raise ConfigError(f"{key}: cannot import {module_name} ({err}; is its folder on PYTHONPATH?)") from None
+        module, attr = _module_of(spec, key, installed)
         fn = getattr(module, attr, None)
         if fn is None:
-            raise ConfigError(f"{key}: {module_name} has no {attr!r}")
+            raise ConfigError(f"{key}: {module.__name__} has no {attr!r}")
     if not callable(fn):
         raise ConfigError(f"{key}: {type(fn).__name__} is not callable")
     return BatchedReward(fn) if takes_lists(fn) else fn
+
+
+def _module_of(spec: str, key: str, installed: dict) -> tuple[ModuleType, str]:
+    """The module a spec names (a file or an import path) and the function's name in it."""
+    in_file = reward_file(spec)
+    if in_file is not None:
+        path, attr = in_file
+        if not attr:
+            raise ConfigError(f"{key}: name the function after the file ({path}:accuracy)")
+        return import_file(path, key), attr
+    module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
+    if not (module_name and attr):
+        known = ", ".join(sorted(installed)) or "none installed"
+        raise ConfigError(f"{key}: not an import path (my_pkg.rewards:accuracy), a file's function "
+                          f"(./my_rewards.py:accuracy) nor an entry point of {ENTRY_POINTS} ({known})")
+    return import_module(module_name, key), attr
 
 
 def takes_lists(fn: Callable) -> bool:
@@ -160,9 +174,31 @@ def call_kwargs(payload: dict[str, str], prompt_field: str, completion: str,
 async def score(funcs: Sequence[RewardFunc], kwargs: dict[str, Any]) -> tuple[float, dict[str, float]]:
     """(the weighted sum, each function's value); plain functions run on a worker thread. A function that
     answered None does not apply to this sample: it adds nothing and has no component."""
-    values = await asyncio.gather(*(_call(f, kwargs) for f in funcs))
+    return _summed(funcs, await asyncio.gather(*(_call(f, kwargs) for f in funcs)))
+
+
+async def score_rows(funcs: Sequence[RewardFunc], samples: list[dict[str, Any]]) -> list[tuple[float, dict]]:
+    """score() of each sample, a function taking lists called once with them all, as with a group
+    (so one that answers the wrong number of values fails here, not in a run)."""
+    per_func = await asyncio.gather(*(_call_all(f, samples) for f in funcs))  # [funcs][samples]
+    return [_summed(funcs, [values[i] for values in per_func]) for i in range(len(samples))]
+
+
+def _summed(funcs: Sequence[RewardFunc], values: Sequence[float | None]) -> tuple[float, dict[str, float]]:
     components = {f.name: v for f, v in zip(funcs, values) if v is not None}
     return sum(f.weight * v for f, v in zip(funcs, values) if v is not None), components
+
+
+async def _call_all(func: RewardFunc, samples: list[dict[str, Any]]) -> list[float | None]:
+    if not isinstance(func.fn, BatchedReward):
+        return list(await asyncio.gather(*(_call(func, s) for s in samples)))
+    try:
+        values = await func.fn.call_batch(samples)
+    except RewardFailed:
+        raise
+    except Exception as err:
+        raise _failed(func, err, samples[0]) from err
+    return [as_reward(func.name, v) for v in values]
 
 
 async def _call(func: RewardFunc, kwargs: dict[str, Any]) -> float | None:
@@ -171,10 +207,59 @@ async def _call(func: RewardFunc, kwargs: dict[str, Any]) -> float | None:
     except RewardFailed:
         raise
     except Exception as err:
-        user_fn = getattr(func.fn, "fn", func.fn)  # a batched function's own code, not its wrapper's
-        where = "" if isinstance(func.fn, RemoteReward) else f"\n{where_raised(err, user_fn)}"  # a URL says where
-        raise RewardFailed(f"reward function {func.name} raised {type(err).__name__}: {err}{where}") from err
+        raise _failed(func, err, kwargs) from err
     return as_reward(func.name, value)
+
+
+def _failed(func: RewardFunc, err: Exception, kwargs: dict[str, Any]) -> RewardFailed:
+    """The function's error, at the user's line: a call its signature does not fit at the def, with
+    what to change; another error at the line that raised it (a URL says where itself)."""
+    mismatch = signature_mismatch(func, kwargs) if isinstance(err, TypeError) else None
+    if mismatch:
+        return RewardFailed(mismatch)
+    where = "" if isinstance(func.fn, RemoteReward) else where_raised(err, user_function(func.fn))
+    return RewardFailed(f"reward function {func.name} raised {one_line(err)}" + (f"\n{where}" if where else ""))
+
+
+def user_function(fn: Callable) -> Callable:
+    """The user's own function: a batched one's, not its wrapper's."""
+    return fn.fn if isinstance(fn, BatchedReward) and fn.fn is not None else fn
+
+
+def signature_mismatch(func: RewardFunc, kwargs: dict[str, Any], columns: Sequence[str] = ()) -> str | None:
+    """What in a reward function's signature does not fit one sample's keyword arguments (a parameter
+    none of them fills; no **kwargs for those it has no parameter for), with the function's file and
+    line; None when they fit, or it has no signature to read (a URL, a builtin). `columns`: the row's."""
+    fn = user_function(func.fn)
+    if isinstance(fn, RemoteReward):
+        return None
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None
+    batched = isinstance(func.fn, BatchedReward)
+    passed = [BATCH_NAMES.get(k, k) if batched else k for k in kwargs]
+    columns = list(columns) or [k for k in kwargs if k not in ("completion", "completion_ids")]
+    takes_rest = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    missing = [n for n, p in params.items() if n not in passed and p.default is p.empty
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    extra = [] if takes_rest else [k for k in passed if k not in params]
+    if not (missing or extra):
+        return None
+    problems = [_asks_for(missing, passed, columns, batched)] if missing else []
+    if extra:
+        given, own = [c for c in columns if c in extra], [k for k in extra if k not in columns]
+        parts = [f"the row's columns {', '.join(given)}" if given else "", ", ".join(own)]
+        problems.append("add **kwargs: it is passed " + " and ".join(p for p in parts if p))
+    where = defined_at(fn)
+    head = f"reward function {func.name}({', '.join(str(p) for p in params.values())})"
+    return f"{head}{' ' if missing else ': '}{'; '.join(problems)}" + (f"\n{where}" if where else "")
+
+
+def _asks_for(missing: list[str], passed: list[str], columns: list[str], batched: bool) -> str:
+    close = difflib.get_close_matches(missing[0], passed, n=1, cutoff=0.85)  # a typo such as answers for answer
+    return (f"asks for {', '.join(map(repr, missing))}, which the rows lack (columns: {', '.join(columns)}"
+            f"{', each passed as a list' if batched else ''})" + (f"; did you mean {close[0]!r}?" if close else ""))
 
 
 def as_reward(name: str, value: Any) -> float | None:
@@ -189,22 +274,6 @@ def as_reward(name: str, value: Any) -> float | None:
     if not math.isfinite(number):
         raise RewardFailed(f"reward function {name} returned {number}, not a finite number")
     return number
-
-
-def where_raised(err: BaseException, fn: Callable | None = None) -> str:
-    """The user's frame of a traceback, as Python prints a frame: the deepest one in `fn`'s file, else the
-    deepest one outside tidal and asyncio (the frames that ran it say nothing the user can fix)."""
-    frames = traceback.extract_tb(err.__traceback__)
-    own_file = getattr(getattr(fn, "__code__", None), "co_filename", None)
-    mine = [f for f in frames if own_file and f.filename == own_file]
-    tidal_dir = str(Path(__file__).resolve().parents[1])
-    theirs = [f for f in frames if not f.filename.startswith(tidal_dir)
-              and not any(part in f.filename for part in ("asyncio", "concurrent", "threading"))]
-    chosen = (mine or theirs or frames[-1:])
-    if not chosen:
-        return ""
-    frame = chosen[-1]
-    return "".join(traceback.format_list([frame])).rstrip()
 
 
 class Rewarded(Env):
@@ -267,14 +336,14 @@ class BatchedReward:
     async def call_batch(self, samples: list[dict]) -> list:
         """The function called once with each keyword as a list (prompt -> prompts, completion ->
         completions); its answer checked to hold one value per sample."""
-        columns = {{"prompt": "prompts", "completion": "completions"}.get(k, k): [s[k] for s in samples]
-                   for k in samples[0]}
+        columns = {BATCH_NAMES.get(k, k): [s[k] for s in samples] for k in samples[0]}
         if is_async(self.fn):
             values = await self.fn(**columns)
         else:
             values = await asyncio.to_thread(self.fn, **columns)
         if isinstance(values, str | bytes) or not hasattr(values, "__len__") or len(values) != len(samples):
-            got = f"{len(values)} values" if hasattr(values, "__len__") else type(values).__name__
+            got = (f"{len(values)} value{'s' * (len(values) != 1)}" if hasattr(values, "__len__")
+                   else type(values).__name__)
             raise RewardFailed(f"reward function {self.__name__} takes lists (it names `completions`) and returned "
                                f"{got} for {len(samples)} samples: it must return one value per completion")
         return list(values)

@@ -18,13 +18,13 @@ as sampled).
 """
 from __future__ import annotations
 
-import importlib
 import json
 
 from tidal.config import ConfigError, TaskConfig
 from tidal.tasks import Prompt, Split
 from tidal.tasks.data import load_rows, split_rows
 from tidal.tasks.env import Env, Turn
+from tidal.tasks.user_code import import_module
 
 PAYLOAD_CHARS = 65_536  # a payload value's bound on the wire
 DEFAULT_MAX_TURNS = 5  # told to an environment whose row does not say (skyrl-gym's generator always does)
@@ -72,8 +72,8 @@ class Environment(Env):
                               "(pip install tidal[skyrl])") from None
         from omegaconf import OmegaConf
 
-        for module in self.kwargs.get("imports", []):
-            importlib.import_module(module)  # registers its environments with skyrl-gym
+        for module in self.kwargs.get("imports", []):  # each registers its environments with skyrl-gym
+            import_module(module, f"config key 'env.kwargs.imports' entry {module!r}")
         self.make = skyrl_gym.make
         self.env_class = self.kwargs.get("env_class", "")  # for rows without one
         self.env_config = OmegaConf.create(dict(self.kwargs.get("env_config", {})))
@@ -91,6 +91,9 @@ class Environment(Env):
 
     def step(self, env, reply: str) -> Turn:
         out = env.step(reply)
+        if not (isinstance(out, dict) and "done" in out):
+            raise TypeError(f"{type(env).__name__}.step returned {type(out).__name__} {repr(out)[:60]}, not a "
+                            "BaseTextEnvStepOutput (observations, reward, done)")
         return Turn(messages=list(out.get("observations") or []), done=bool(out["done"]),
                     reward=float(out.get("reward") or 0.0))
 
