@@ -1,6 +1,7 @@
 """The trained policy as a Hugging Face model folder (config, tokenizer, safetensors with the
 model's own parameter names) that `from_pretrained` and vLLM load as they are; a LoRA run's adapter
-also as PEFT saves one (adapter_model.safetensors, adapter_config.json naming the base model).
+also as PEFT saves one (adapter_model.safetensors, adapter_config.json naming the base model), with the
+base's tokenizer beside it, as TRL's save_model writes one.
 
 Every run exports its final policy to `<run_dir>/model`, a LoRA run the adapter merged in there (a
 folder everything that reads a model loads alone) and the adapter to `<run_dir>/adapter`; `tidal export
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import uuid
 from pathlib import Path
 
@@ -44,14 +46,18 @@ def export_model(policy, tokenizer_from: str, out: Path, dtype: str, state: dict
 
 def export_adapter(tensors: dict[str, torch.Tensor], cfg: LoraConfig, base_model: str, out: Path, dtype: str) -> Path:
     """A LoRA adapter as PEFT saves one, into `out` (replacing an earlier export only once complete):
-    `tensors` (PEFT's names) in `dtype` in adapter_model.safetensors, and adapter_config.json naming
-    `base_model`; `peft.PeftModel.from_pretrained(base, out)` and vLLM's LoRA load it."""
+    `tensors` (PEFT's names) in `dtype` in adapter_model.safetensors, adapter_config.json naming
+    `base_model`, and the base's tokenizer beside them, as TRL's save_model writes it;
+    `peft.AutoPeftModelForCausalLM.from_pretrained(out)`, `AutoTokenizer.from_pretrained(out)` and
+    vLLM's LoRA load it."""
     from safetensors.torch import save_file
+    from transformers import AutoTokenizer
 
     def write(tmp: Path) -> None:
         save_file({k: v.detach().to("cpu", getattr(torch, dtype)).contiguous() for k, v in tensors.items()},
                   str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         lora.peft_config(cfg, base_model).save_pretrained(str(tmp))
+        AutoTokenizer.from_pretrained(base_model).save_pretrained(tmp)
 
     return write_folder(out, write)
 
@@ -164,7 +170,7 @@ def export_checkpoint(run_dir: Path, step: int | None, out: Path | None, force: 
     """`tidal export`: a run's checkpoint at `step` (default: the newest) as a model folder at `out`
     (default RUN_DIR/model-step-<N>), which must be new or empty unless `force`. A LoRA run's is its
     adapter in PEFT's format (default RUN_DIR/adapter-step-<N>), or with `merge` the model with the
-    adapter merged in."""
+    adapter merged in. Says on stderr, in one line, how to load what it wrote."""
     from tidal.config import load_config
     from tidal.learner.checkpoint import latest_valid
 
@@ -188,10 +194,23 @@ def export_checkpoint(run_dir: Path, step: int | None, out: Path | None, force: 
     check_export_folder(out, run_dir, force)  # before the minutes a large model takes to load
     policy = load_checkpoint_policy(checkpoint, cfg.model.path, adapter)
     if adapter is None:
-        return export_model(policy, cfg.model.path, out, cfg.model.dtype)
-    state = policy.state_dict()
-    if merge:
-        return export_model(policy, cfg.model.path, out, cfg.model.dtype, dict(lora.merged(state.items(),
-                                                                                          adapter.scaling)))
-    tensors = {lora.peft_name(k): v for k, v in state.items() if lora.is_adapter(k)}
-    return export_adapter(tensors, adapter, cfg.model.path, out, cfg.model.dtype)
+        folder = export_model(policy, cfg.model.path, out, cfg.model.dtype)
+    elif merge:
+        merged = dict(lora.merged(policy.state_dict().items(), adapter.scaling))
+        folder = export_model(policy, cfg.model.path, out, cfg.model.dtype, merged)
+    else:
+        tensors = {lora.peft_name(k): v for k, v in policy.state_dict().items() if lora.is_adapter(k)}
+        folder = export_adapter(tensors, adapter, cfg.model.path, out, cfg.model.dtype)
+    # on stderr: stdout keeps the folder alone, for $(tidal export ...)
+    print(load_line(folder, adapter if kind == "adapter" else None, cfg.model.path), file=sys.stderr)
+    return folder
+
+
+def load_line(folder: Path, adapter: LoraConfig | None = None, base_model: str = "") -> str:
+    """How to load an export (an adapter of `base_model` when `adapter` is given), in one line for the console."""
+    if adapter is None:
+        return (f"load it: AutoModelForCausalLM.from_pretrained('{folder}') and AutoTokenizer.from_pretrained("
+                f"'{folder}'), or vllm serve {folder}")
+    return (f"load it: peft's AutoPeftModelForCausalLM.from_pretrained('{folder}') (the base from its "
+            f"adapter_config.json) and AutoTokenizer.from_pretrained('{folder}'), or vllm serve {base_model} "
+            f"--enable-lora --max-lora-rank {adapter.rank} --lora-modules adapter={folder}")

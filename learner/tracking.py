@@ -80,6 +80,15 @@ def experiment_name(cfg: TrackingConfig) -> str:
     return cfg.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
 
 
+def run_name(cfg: RunConfig) -> str:
+    """tracking.run_name, else the task and the config's name (`rows-tiny`): a preset's name alone named
+    every run built on it alike, whatever its task. A sweep's child keeps its grid point's name (`tidal
+    sweep` sets `name`); its task is the parent's."""
+    if cfg.tracking.run_name or cfg.tracking.parent_run_id:
+        return cfg.tracking.run_name or cfg.name
+    return cfg.task.name if cfg.task.name == cfg.name else f"{cfg.task.name}-{cfg.name}"
+
+
 def sqlite_file(uri: str) -> Path | None:
     """The file of a `sqlite:///path` store (None for any other store)."""
     if not uri.startswith("sqlite:///"):
@@ -105,7 +114,9 @@ def use_store(uri: str, experiment: str, artifacts: Path | None = None) -> None:
             tags = {ARTIFACTS_BESIDE: "beside the store"} if folder == store.resolve().parent / "artifacts" else {}
             mlflow.create_experiment(experiment, artifact_location=folder.as_uri(), tags=tags)
         found = mlflow.set_experiment(experiment)
-    if EXPERIMENT_KIND not in found.tags:  # the UI then opens on runs and charts, not on GenAI traces
+    # MLflow's UI opens an experiment so tagged as model training (runs, charts), not GenAI (traces); the
+    # UI of MLflow 3.17 reads the mode from the page's address instead (run_page_url)
+    if EXPERIMENT_KIND not in found.tags:
         mlflow.MlflowClient().set_experiment_tag(found.experiment_id, EXPERIMENT_KIND, "custom_model_development")
 
 
@@ -161,7 +172,7 @@ class Tracker:
         if resume_run_id:
             self.run = mlflow.start_run(run_id=resume_run_id, log_system_metrics=system)
         else:
-            self.run = mlflow.start_run(run_name=run_name, parent_run_id=cfg.parent_run_id or None,
+            self.run = mlflow.start_run(run_name=cfg.run_name or run_name, parent_run_id=cfg.parent_run_id or None,
                                         log_system_metrics=system)
         self.run_id = self.run.info.run_id
         self.log_every_steps = cfg.log_every_steps  # how often the learner writes a progress line (ProgressLog)
@@ -179,7 +190,9 @@ class Tracker:
         self._lock = threading.Lock()
 
     def log_config(self, cfg: RunConfig, split=None) -> None:
-        """A new run's params (the flattened config), tags, config.yaml and dataset."""
+        """A new run's name, params (the flattened config), tags, config.yaml and dataset. The name is set
+        here: its default needs the task, and the tracker is built from tracking.* alone."""
+        self._client.update_run(self.run_id, name=run_name(cfg))
         params = flatten(redacted_config(cfg))
         items = list(params.items())
         for i in range(0, len(items), 100):  # log_batch takes at most 100 params
@@ -277,7 +290,8 @@ class Tracker:
                 raise
             log.exception("metrics of the failed run did not all reach MLflow")  # the run's own error matters more
         self._writer.shutdown()
-        summary = {**summary, "mlflow_run_id": self.run_id, "mlflow_uri": self.shown_uri}
+        summary = {**summary, "mlflow_run_id": self.run_id, "mlflow_experiment_id": self.run.info.experiment_id,
+                   "mlflow_uri": self.shown_uri}
         self._mlflow.log_dict(summary, "summary.json")
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self._jsonl.flush()
@@ -379,18 +393,45 @@ def open_run_store(run_dir: Path, shown: str) -> str:
 def mlflow_ui_lines(shown: str, run_dir: Path) -> list[str]:
     """The summary's ready-to-paste way to see the run: for a sqlite store, the `mlflow ui` command
     (the installed one, by full path) and, when the store is the run's own, how runs share one
-    store to be compared side by side; for a tracking server, its address."""
+    store to be compared side by side; for a tracking server, its address. Then the run's page,
+    opened as model training, once summary.json names the run."""
     store = sqlite_file(shown)
+    scheme = urlparse(shown).scheme
+    if store is None and scheme in ("http", "https", "databricks"):
+        server = [f"mlflow ui: {shown} (the tracking server)"]
+        return server if scheme == "databricks" else [*server, *_run_page_line(shown, run_dir)]
     if store is None:
-        scheme = urlparse(shown).scheme
-        if scheme in ("http", "https", "databricks"):
-            return [f"mlflow ui: {shown} (the tracking server)"]
-        return [f"mlflow ui: {_mlflow_command()} ui --backend-store-uri {shlex.quote(shown)}"]
-    lines = [f"mlflow ui: {_mlflow_command()} ui --backend-store-uri {shlex.quote(f'sqlite:///{store.resolve()}')}"]
+        return [f"mlflow ui: {_mlflow_command()} ui --backend-store-uri {shlex.quote(shown)}",
+                *_run_page_line(MLFLOW_UI_ADDRESS, run_dir)]
+    lines = [f"mlflow ui: {_mlflow_command()} ui --backend-store-uri {shlex.quote(f'sqlite:///{store.resolve()}')}",
+             *_run_page_line(MLFLOW_UI_ADDRESS, run_dir)]
     if store.resolve().parent == run_dir.resolve():
         shared = run_dir.resolve().parent / "mlflow.db"
         lines.append(f"to compare runs in one UI, give them one store: tracking.uri=sqlite:///{shared}")
     return lines
+
+
+MLFLOW_UI_ADDRESS = "http://127.0.0.1:5000"  # where `mlflow ui` serves unless told --host or --port
+MODEL_TRAINING = "workflowType=machine_learning"  # the UI's model-training mode; GenAI is its default
+
+
+def run_page_url(server: str, experiment_id: str, run_id: str) -> str:
+    """The run's page in the MLflow UI at `server` (without credentials), in model-training mode: MLflow
+    3.17's UI takes the mode from this parameter, else from the browser's last choice (at first GenAI),
+    and not from the experiment's mlflow.experimentKind tag."""
+    parts = urlparse(server)
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname  # an IPv6 address
+    base = f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}{parts.path.rstrip('/')}"
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?{MODEL_TRAINING}"
+
+
+def _run_page_line(server: str, run_dir: Path) -> list[str]:
+    summary = run_dir / "summary.json"
+    found = json.loads(summary.read_text()) if summary.is_file() else {}
+    if not {"mlflow_run_id", "mlflow_experiment_id"} <= found.keys():
+        return []  # a run from before the summary named its experiment
+    page = run_page_url(server, found["mlflow_experiment_id"], found["mlflow_run_id"])
+    return [f"the run, as model training: {page}"]
 
 
 def _mlflow_command() -> str:

@@ -151,6 +151,9 @@ def test_a_sweep_is_one_parent_run_with_a_child_per_point_and_the_fit(tmp_path, 
     assert {c.data.tags["tidal.fit_run_id"] for c in children} == {parent_id}
     parent = client.get_run(parent_id)
     assert parent.data.params["grid.staleness.max_lag"] == "0,4" and parent.info.status == "FINISHED"
+    assert {c.info.run_name for c in children} == {"staleness.max_lag-0", "staleness.max_lag-4"}  # grid points
+    experiment = client.get_experiment(parent.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # model training, not GenAI
     logged = {a.path for a in client.list_artifacts(parent_id)}
     assert {"fit.png", "fit-wall.png", "fit_table.txt", "runs.json"} <= logged
     assert {"fit/staleness.max_lag_0/A", "fit/staleness.max_lag_4/B"} <= set(parent.data.metrics)
@@ -341,3 +344,91 @@ def test_plan_batch_probes_each_batch_and_times_the_target_from_an_earlier_run(t
     assert rows["8"][3:] == ["0.180", "1.00", "2240", "40", "10.2"]
     assert rows["16"][3:] == ["0.260", "1.00", "2240", "20", "8.2"]
     assert "ASSUMPTION" in out and "recommendation: B = 16" in out and (tmp_path / "plan.png").is_file()
+
+
+def test_a_new_run_is_named_after_its_task_and_its_config(tmp_path):
+    """A `count` run on the tiny preset was named "tiny", like every run built on the preset."""
+    from mlflow.tracking import MlflowClient
+
+    from tidal.config import load_config
+    from tidal.learner.tracking import Tracker
+
+    cfg = load_config(["tiny"], ["task.name=count", "tracking.system_metrics_interval_s=0",
+                                 f"tracking.uri=sqlite:///{tmp_path}/store.db"])
+    tracker = Tracker(cfg.tracking, tmp_path, cfg.name)
+    tracker.log_config(cfg)
+    tracker.finish({})
+    assert MlflowClient(tracker.uri).get_run(tracker.run_id).info.run_name == "count-tiny"
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on a free loopback port, a sqlite store and artifacts behind it, as a team
+    runs one; its address. It takes 10-45 s to start on 2 cores (the store's migrations)."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import requests
+
+    folder = tmp_path_factory.mktemp("mlflow-server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(folder / "server.log", "w")
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{folder}/server.db", "--artifacts-destination", str(folder / "artifacts"),
+         "--workers", "1"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    uri, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 240
+    while not _answers(requests, f"{uri}/health"):
+        assert server.poll() is None and time.monotonic() < deadline, (folder / "server.log").read_text()[-2000:]
+        time.sleep(0.5)
+    yield uri
+    os.killpg(server.pid, signal.SIGTERM)  # the server and the uvicorn it started
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    log.close()
+
+
+def _answers(requests, url: str) -> bool:
+    try:
+        return requests.get(url, timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def test_a_run_on_a_tracking_server_is_checked_named_and_linked_as_model_training(mlflow_server, tmp_path):
+    """Before start the server is asked for /health (a server that is down is one line, tests/unit/
+    test_reachable.py); the run is named after its task and config, its experiment tagged as model
+    training, and the summary links its page in model-training mode, which the server serves."""
+    import requests
+    from mlflow.tracking import MlflowClient
+
+    from tidal.config import load_config
+    from tidal.learner.tracking import Tracker, mlflow_ui_lines
+    from tidal.reachable import check_reachable
+
+    cfg = load_config(["tiny"], ["task.name=count", "tracking.system_metrics_interval_s=0",
+                                 f"tracking.uri={mlflow_server}", "tracking.experiment=team"])
+    assert check_reachable(cfg) == [f"MLflow server {mlflow_server}: answers (200 from /health)"]
+    tracker = Tracker(cfg.tracking, tmp_path, cfg.name)
+    tracker.log_config(cfg)
+    tracker.log_metrics({"eval/pass_rate": 0.5}, step=1)
+    tracker.finish({})
+    client = MlflowClient(mlflow_server)
+    run = client.get_run(tracker.run_id)
+    assert run.info.run_name == "count-tiny"
+    assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    lines = mlflow_ui_lines(mlflow_server, tmp_path)
+    page = (f"{mlflow_server}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+            "?workflowType=machine_learning")
+    assert lines == [f"mlflow ui: {mlflow_server} (the tracking server)", f"the run, as model training: {page}"]
+    answer = requests.get(page, timeout=10)  # the part after # is the UI's own: the server serves the UI there
+    assert answer.status_code == 200 and "<html" in answer.text.lower()

@@ -236,7 +236,7 @@ def test_the_final_export_is_the_merged_model_and_the_adapter_beside_it(accelera
     model_dir = FinalExport(str(tmp_path / "base"), tmp_path / "run" / "model", "float32", tracker, ALL_TARGETS)(
         t.policy, t.export_state("float32"))
     assert [name for name, _ in tracker.logged] == ["model", "adapter"]
-    assert tracker.logged[1][1] == ["adapter_config.json", "adapter_model.safetensors"]
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer_config.json"} <= set(tracker.logged[1][1])
     ours = logits(t.policy.eval(), IDS)
     merged = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     torch.testing.assert_close(logits(merged, IDS), ours, atol=1e-5, rtol=0)
@@ -278,6 +278,29 @@ def test_tidal_export_writes_a_lora_runs_adapter_that_peft_loads_over_the_base(l
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"]),
                                       folder).eval()
     torch.testing.assert_close(logits(model, IDS), logits(t.policy.eval(), IDS), atol=1e-6, rtol=0)
+
+
+def test_an_exported_adapter_holds_the_bases_tokenizer_and_export_says_how_to_load_it(lora_run, capsys):
+    """AutoTokenizer.from_pretrained(adapter) failed (no tokenizer in the folder); TRL's save_model writes
+    it beside the adapter, and so does tidal export."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+
+    from tidal.learner.export import export_checkpoint
+
+    root, cfg, t = lora_run
+    folder = export_checkpoint(root / "run", None, root / "adapter-with-tokenizer")
+    ours, base = AutoTokenizer.from_pretrained(folder), AutoTokenizer.from_pretrained(root / "base")
+    assert ours.get_vocab() == base.get_vocab() and ours("37+48=")["input_ids"] == base("37+48=")["input_ids"]
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"load it: peft's AutoPeftModelForCausalLM.from_pretrained('{folder}') (the base from its adapter_config.json)"
+        f" and AutoTokenizer.from_pretrained('{folder}'), or vllm serve {root / 'base'} --enable-lora --max-lora-rank "
+        f"{cfg.learner.lora.rank} --lora-modules adapter={folder}")
+    model = AutoPeftModelForCausalLM.from_pretrained(folder).eval()  # what the line says loads, does
+    ours = logits(t.policy.eval(), IDS)
+    # peft grows the embeddings to a longer tokenizer's length, and the tiny model's, reloaded, has one token
+    # more than its 14 embeddings (transformers adds <|endoftext|>); the rows it had are untouched
+    torch.testing.assert_close(logits(model, IDS)[..., :ours.shape[-1]], ours, atol=1e-6, rtol=0)
 
 
 def test_tidal_export_merge_writes_a_model_with_the_peft_models_logits(lora_run, capsys):

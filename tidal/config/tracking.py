@@ -12,6 +12,8 @@ class TrackingConfig(Section):
 
     uri: str = opt("", "MLflow tracking URI; empty = $MLFLOW_TRACKING_URI, else sqlite:///<run_dir>/mlflow.db")
     experiment: str = opt("", 'MLflow experiment name; empty = $MLFLOW_EXPERIMENT_NAME, else "tidal"')
+    run_name: str = opt("", "MLflow run name; empty = the task and the config's name, e.g. rows-tiny for task.name "
+                            "rows on the tiny preset (one name when they are the same: math)")
     parent_run_id: str = opt("", "the MLflow run this run is a child of (tidal sweep sets it)")
     system_metrics_interval_s: float = opt(10.0, "CPU, memory, disk, network and (where nvidia-ml-py finds GPUs) GPU "
                                                  "metrics every this many seconds, as system/* metrics of the "
