@@ -8,7 +8,6 @@ those tokens out of the loss, or keep them (counted either way). Tokens the acto
 """
 from __future__ import annotations
 
-import logging
 import math
 import re
 from collections import Counter
@@ -21,12 +20,12 @@ from tidal.broker.schema import RolloutGroup, Sample
 from tidal.config import OnViolation, StalenessConfig
 from tidal.learner.accounting import COMPONENT
 from tidal.learner.groups import GroupBook
+from tidal.learner.notices import notice
 
 MAX_FAILURE_KINDS = 32  # distinct kinds of failure kept for the summary; the rest are counted together
 FAILING_RUN = 512  # this many training episodes failing in a row stop the run: its reward or environment is broken
 RAISED = re.compile(r"^(.* raised \w+)(: .*)?$")  # "<what> raised <Error>: <its message>"
 
-log = logging.getLogger(__name__)
 
 
 def staleness_masks(lags: list[np.ndarray], max_lag: int, on_violation: OnViolation,
@@ -68,13 +67,24 @@ class Admission:
         self.warned_reward_scale = False
         self.failures: Counter[str] = Counter()  # why episodes failed (a reward or environment raised), by kind
         self.failure_example: dict[str, str] = {}  # kind -> the first failure of that kind, its message included
+        self.failure_other: dict[str, str] = {}  # kind -> a later failure of that kind whose text differs
         self.failing_in_a_row = 0  # training episodes that failed since the last that did not
 
     def failure_summary(self) -> dict:
         """The training episodes that failed and were scored 0, with their most frequent reasons (each
         names the reward function or environment, and the user's file and line where it raised)."""
         return {"count": sum(self.failures.values()),
-                "reasons": [(self.failure_example.get(kind, kind), n) for kind, n in self.failures.most_common(3)]}
+                "reasons": [(self._reason(kind), n) for kind, n in self.failures.most_common(3)]}
+
+    def _reason(self, kind: str) -> str:
+        """A kind's failure as it was; where its messages differ, the kind with two of them, so that one
+        message does not stand for many (KeyError 5207 for keys 39, 16, 8040, ...)."""
+        first, other = self.failure_example.get(kind, kind), self.failure_other.get(kind)
+        if other is None:
+            return first
+        head, _, where = kind.partition("\n")
+        said = [e.partition("\n")[0].removeprefix(head).removeprefix(": ")[:80] for e in (first, other)]
+        return f"{head} with different messages, e.g. {said[0]!r} and {said[1]!r}" + (f"\n{where}" if where else "")
 
     def add(self, group: RolloutGroup, batch: StepBatch, version: int) -> None:
         """Count a claimed training group and append it to `batch` unless it is stale or carries no signal."""
@@ -114,7 +124,8 @@ class Admission:
             if kind not in self.failures and len(self.failures) >= MAX_FAILURE_KINDS:
                 kind = "(other reasons)"
             self.failures[kind] += 1
-            self.failure_example.setdefault(kind, s.episode.env_error)
+            if self.failure_example.setdefault(kind, s.episode.env_error) != s.episode.env_error:
+                self.failure_other.setdefault(kind, s.episode.env_error)
         if self.failing_in_a_row >= FAILING_RUN:
             example, times = self.failure_summary()["reasons"][0]
             raise EpisodesFailing(f"the last {self.failing_in_a_row} training episodes all failed (each scored 0, so "
@@ -130,7 +141,7 @@ class Admission:
         if other is None:
             return
         self.warned_reward_scale = True
-        log.warning("task rewards are not all 0 or 1 (prompt %d got %.4g) and task.pass_threshold is 1.0: a sample "
+        notice.warning("task rewards are not all 0 or 1 (prompt %d got %.4g) and task.pass_threshold is 1.0: a sample "
                     "counts as a pass only at a reward >= 1.0 (rollout/pass_rate, eval/pass_rate, the curriculum); "
                     "set task.pass_threshold to the reward a solved sample earns if that is not it",
                     group.prompt_id, other)

@@ -35,6 +35,7 @@ from tidal.learner.groups import GroupBook
 from tidal.learner.ledger import Ledger
 from tidal.learner.loop import Learner, LearnerParts
 from tidal.learner.ranks import RankGroup, WeightPush
+from tidal.learner.refusals import RefusalWatch
 from tidal.learner.resume import check_resume_state
 from tidal.learner.steps import Follower, Role, StepRunner
 from tidal.learner.tracking import Tracker
@@ -151,7 +152,8 @@ def build_learner(cfg: RunConfig, setup: TrainerSetup, transport: LearnerTranspo
                             cfg.task.pass_threshold, cfg.task.pass_on),
         publisher=build_publisher(cfg.weights, uuid.uuid4().hex[:12], cfg.name, cfg.run_dir, cfg.model.dtype),
         checkpointer=setup.checkpointer, ranks=RankGroup(setup.accelerator), push=WeightPush.of(cfg),
-        validator=Validator(trainer.policy.config.vocab_size, cfg.sampling.max_tokens, cfg.task.reward_range),
+        validator=Validator(trainer.policy.config.vocab_size, cfg.sampling.max_tokens, cfg.task.reward_range,
+                            watch=RefusalWatch(cfg.learner.groups_per_step, cfg.learner.refusal_patience_steps)),
         export=FinalExport(cfg.model.path, run_dir / "model", cfg.model.dtype,
                            tracker if cfg.tracking.log_model else None, cfg.learner.lora),
         diagnostics=Diagnostics(tracker, lambda ids: tokenizer.decode(ids.tolist()), run_dir,

@@ -8,12 +8,10 @@ can cause it; MLflow carries the figure as `offpolicy/fresh_ratio`.
 """
 from __future__ import annotations
 
-import logging
 import math
 
 from tidal.config import RunConfig
-
-log = logging.getLogger(__name__)
+from tidal.learner.notices import notice
 
 # |log fresh_ratio| above this is drift: fp32 actors and learner agree to about 1e-5 per token (a few
 # parts in a million over a step), an actor serving bf16 weights to an fp32 learner to a few percent
@@ -52,7 +50,7 @@ class FreshRatioWatch:
         if self.in_a_row < self.steps or self.warned:
             return
         self.warned = True
-        log.warning("the learner and the actors score the same weights differently: at version %d the fresh tokens' "
+        notice.warning("the learner and the actors score the same weights differently: at version %d the fresh tokens' "
                     "ratio (offpolicy/fresh_ratio, lag 0) was %.4f, off 1 by more than %.0f%% for %d steps in a row, "
                     "so every off-policy correction is biased by it. Likely: %s. See docs/corrections.md",
                     version, ratio, 100 * self.tolerance, self.in_a_row, "; or ".join(self.causes))

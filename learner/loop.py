@@ -8,7 +8,7 @@
         StepRunner (steps.py, the same on every rank): exchange → trainer.step (advantages → micro-batches
           │ → fused logprobs → loss → AdamW; v → v+1) → weight push → checkpoint when due
           ▼
-        on_trained: diagnostics · announce: the new version to the actors ·
+        on_trained: diagnostics · announce: the new version to the actors (held while an evaluation is under way) ·
         on_step: coordinator.on_step → eval? → log (+ progress line, rollout table?) · on_saved: commit, figures
 
 `Learner.run` hands itself to the step runner, which calls the named steps below between its
@@ -34,7 +34,7 @@ from tidal.learner.coordinator import Coordinator
 from tidal.learner.curriculum import CurriculumExhausted
 from tidal.learner.diagnostics import Diagnostics
 from tidal.learner.drift import FreshRatioWatch
-from tidal.learner.evaluation import Evaluator
+from tidal.learner.evaluation import Evaluator, HeldAnnouncements
 from tidal.learner.export import FinalExport
 from tidal.learner.groups import DUPLICATE, NEW, GroupBook
 from tidal.learner.inbox import Inbox
@@ -87,6 +87,7 @@ class Learner:
         self.evaluator = Evaluator(self.coordinator, self.metrics_log, self.accounting, self.transport, parts.validator,
                                    parts.diagnostics, parts.admission.pass_threshold, parts.admission.pass_on)
         self.evals = self.evaluator.evals
+        self.held = HeldAnnouncements(self.evaluator, self.transport.publish_weights)
         self.inbox = Inbox(self.transport, self.book.ledger, self.accounting, cfg.rollout_timeout_s, cfg.health_file,
                            on_dead_letter=self.on_dead_letter)
         self.resumed: dict | None = None  # the checkpoint state this learner continues from
@@ -110,11 +111,15 @@ class Learner:
     def begin(self) -> None:
         """Evaluate the starting weights (or finish a resumed run's evaluations), release prompts."""
         if self.resumed is None:
-            self.evaluator.start(self.version)
+            self.held.evaluate()
         else:
             self.metrics_log.heal(self.resumed.get("unlogged", []))
             for version in restore_learner_state(self.resumed["learner"], self.accounting, self.evals):
-                self.evaluator.start(version)  # lost with the old process
+                if version == self.version:
+                    self.held.evaluate()  # lost with the old process; its version is the one resumed
+                else:  # its weights are gone: any other version's samples would be logged as its
+                    log.warning("the evaluation at version %d was under way when the run stopped; it is not "
+                                "made again (the resumed run serves version %d)", version, self.version)
         self.coordinator.start()
 
     def collect(self) -> StepBatch | None:
@@ -130,7 +135,7 @@ class Learner:
             group = self.inbox.next(self.version)
             self.progress.on_receive(group is not None, self.transport.actors)
             if group is not None and group.is_eval:
-                self.evaluator.on_group(group, self.version)
+                self.on_eval_group(group)
             elif group is not None:
                 self.on_training_group(group, batch)
         return batch
@@ -141,13 +146,16 @@ class Learner:
             self.show_rollouts(batch)
 
     def announce(self, update: WeightUpdate | None) -> None:
-        self.transport.publish_weights(update)
+        if update is None:
+            self.transport.publish_weights(update)
+        else:
+            self.held.announce(update)  # unless an evaluation is under way
 
     def on_step(self, batch: StepBatch, metrics: dict[str, float]) -> None:
         """The step's groups are trained and its version published: release more, evaluate when due, log."""
         self.coordinator.on_step(self.version, [g.group_id for g in batch.groups])
         if self.eval_cfg.every and self.version % self.eval_cfg.every == 0 and self.version < self.cfg.max_steps:
-            self.evaluator.start(self.version)
+            self.held.evaluate()
         metrics = self.step_metrics(batch, metrics)
         self.fresh_ratio.observe(metrics, self.version)
         self.metrics_log.log(metrics, step=self.version)
@@ -171,12 +179,12 @@ class Learner:
         """Stop releasing, evaluate the final weights, let the actors go (the runner then saves the final
         checkpoint and gathers the final policy)."""
         self.coordinator.stop()
-        self.evaluator.start(self.version)
+        self.held.evaluate()  # on the final version, once an evaluation under way has ended
         self.inbox.restart_clock()
-        while self.evaluator.waiting():
+        while self.evaluator.waiting() or self.held.due:
             group = self.inbox.next(self.version, what="the final evaluation")
             if group is not None and group.is_eval:
-                self.evaluator.on_group(group, self.version)
+                self.on_eval_group(group)
             elif group is not None:
                 self.transport.leave_pending(group)  # not trained: a longer resumed run still can
         # only a finished run stops the actors (after a crash or an eviction they wait for the resumed
@@ -216,22 +224,32 @@ class Learner:
         log.warning("%s; ending the run at step %d of %d", why, self.version, self.cfg.max_steps)
         self.stopped_early = why  # the step runner tells the other ranks
 
+    def on_eval_group(self, group: RolloutGroup) -> None:
+        self.evaluator.on_group(group, self.version)
+        self.held.release()  # the evaluation may be complete: the newest version goes out
+
     def on_dead_letter(self, group_id: str) -> None:
         """The broker gave up on a group: an evaluation completes without it, a training group frees its slot."""
-        if not self.evaluator.dead_letter(group_id):
+        if self.evaluator.dead_letter(group_id):
+            self.held.release()
+        else:
             self.book.dead_letter(group_id)
 
     def step_metrics(self, batch: StepBatch, train: dict[str, float]) -> dict[str, float]:
         rollout = self.accounting.add_step(batch.stats, int(train["learner/computed_tokens"]))
+        watch = self.parts.validator.watch if self.parts.validator is not None else None
         return train | rollout | {
             "eval/multi_version_samples_total": float(self.evals.multi_version_samples),
+            "eval/off_version_samples_total": float(self.evals.off_version_samples),
+            "eval/hold_s_total": self.held.held_s,
             "curriculum/retired_prompts": float(self.coordinator.num_retired_prompts),
             "broker/duplicate_groups": float(self.book.counts["duplicates"]),
             "broker/dead_lettered_groups": float(self.book.counts["dead_lettered"]),
             "learner/rejected_groups": float(sum(v for k, v in self.book.counts.items()
                                                  if k.startswith(("rejected/", "discarded/invalid/")))),
             "learner/version": float(self.version),
-        } | self.transport.metrics() | self.accounting.compute_axis(len(self.transport.actors()))
+        } | (watch.step_metrics() if watch is not None else {}) | self.transport.metrics() \
+            | self.accounting.compute_axis(len(self.transport.actors()))
 
     def restore(self, state: dict) -> None:
         """Continue from a checkpoint's tidal state (the step runner restored the model and optimizer)."""
@@ -248,6 +266,7 @@ class Learner:
                 "gen_tokens": self.accounting.totals["gen_tokens"], "wall_s": self.accounting.wall_s(),
                 "mlflow_run_id": tracker.run_id, "mlflow_uri": tracker.shown_uri,
                 "rejected_frames": broker["broker/rejected_frames"], "broker": broker,  # as at shutdown
+                "eval_off_version_samples": self.evals.off_version_samples, "eval_hold_s": self.held.held_s,
                 "stopped_early": self.stopped_early, "groups_by_actor": dict(self.accounting.by_actor),
                 "episode_failures": self.parts.admission.failure_summary(),
                 "groups": dict(self.book.counts), "outstanding_groups": sorted(self.book.outstanding)}

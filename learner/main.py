@@ -14,10 +14,13 @@ from pathlib import Path
 import torch.distributed as dist
 
 from tidal.config import LearnerConfig, RunConfig, resolve
+from tidal.files import run_marks, used_run_dir
+from tidal.learner import notices
 from tidal.learner.admission import EpisodesFailing
 from tidal.learner.build import MissingCheckpoint, build, build_follower, find_checkpoint
 from tidal.learner.checkpoint import NoValidCheckpoint
 from tidal.learner.loop import Learner
+from tidal.learner.refusals import RolloutsRefused
 from tidal.learner.warmstart import build_tiny
 from tidal.models import resolve_model_path
 
@@ -28,6 +31,10 @@ def main(cfg: RunConfig, resume: str | None = None) -> int:
     if cfg.learner.num_ranks > 1 and "RANK" not in os.environ:
         return start_ranks(cfg.learner)
     rank = int(os.environ.get("RANK", "0"))
+    marks = [m for m in run_marks(Path(cfg.run_dir)) if m != "config.yaml"] if cfg.run_dir else []
+    if rank == 0 and marks and not resume:  # (`tidal run` writes the config first; the other ranks start with 0)
+        print(f"tidal learner: {used_run_dir(Path(cfg.run_dir).resolve(), marks, overwrite=False)}", file=sys.stderr)
+        return 2
     # rank 0 builds the tiny model if it is missing; under torchrun the others find it (the launcher built it)
     builder = partial(build_tiny, progress=log.info) if rank == 0 else None
     cfg = resolve(cfg, model_path=resolve_model_path(cfg.model, cfg.task, builder))
@@ -37,6 +44,7 @@ def main(cfg: RunConfig, resume: str | None = None) -> int:
     try:  # a run that must not start (no checkpoint where one is required, or none that verifies): exit 2
         if rank > 0:  # under torchrun: only rank 0 talks to actors and MLflow, and picks the checkpoint
             return leave_group(build_follower(cfg).run())
+        notices.attach(run_dir)
         learner = build(cfg, find_checkpoint(run_dir, resume), fresh_if_damaged=resume == "fresh")
     except (MissingCheckpoint, NoValidCheckpoint) as err:
         print(f"tidal learner: {err}", file=sys.stderr)
@@ -79,7 +87,7 @@ def serve(learner: Learner, run_dir: Path) -> int:
     except (KeyboardInterrupt, SystemExit):
         tracker.finish({"error": "learner stopped by a signal"}, status="KILLED")
         raise
-    except EpisodesFailing as err:  # the user's reward or environment: its own file and line, no frames of ours
+    except (EpisodesFailing, RolloutsRefused) as err:  # the user's reward, environment or setting: no frames of ours
         tracker.finish({"error": str(err)}, status="FAILED")
         log.error("%s", err)
         raise SystemExit(1) from None

@@ -19,6 +19,7 @@ from collections import Counter
 
 from tidal.broker.schema import RolloutGroup, Sample
 from tidal.learner.groups import Release, prompt_digest
+from tidal.learner.refusals import RefusalWatch
 
 log = logging.getLogger(__name__)
 
@@ -50,23 +51,29 @@ def logprob_floor(vocab_size: int) -> float:
 
 
 class Validator:
-    def __init__(self, vocab_size: int, max_tokens: int, reward_range: tuple[float, float], clock=time.time):
+    def __init__(self, vocab_size: int, max_tokens: int, reward_range: tuple[float, float], clock=time.time,
+                 watch: RefusalWatch | None = None):
         self.vocab_size = vocab_size
         self.max_tokens = max_tokens
         self.reward_range = reward_range
         self.logprob_floor = logprob_floor(vocab_size)
         self.clock = clock  # wall-clock seconds, as Release.released_at
         self.rejected: Counter[str] = Counter()
+        self.watch = watch  # told every verdict: many refusals for one reason are said, and may stop the run
+        self.detail = ""  # what the last refused group held that was refused (where a value says more)
 
     def check(self, group: RolloutGroup, release: Release, version: int) -> str | None:
         """Why `group` must not be used (a short reason), or None."""
+        self.detail = ""
         reason = self._why(group, release, version)
         if reason is not None:
             self.rejected[reason] += 1
             count = self.rejected[reason]
             if _is_power_of_ten(count):
-                log.warning("rejected rollout %s from %s: %s (#%d)", group.group_id[:80], group.actor_id, reason,
-                            count)
+                log.warning("rejected rollout %s from %s: %s%s (#%d)", group.group_id[:80], group.actor_id, reason,
+                            f" ({self.detail})" if self.detail else "", count)
+        if self.watch is not None:
+            self.watch.observe(reason, self.detail)
         return reason
 
     def _why(self, group: RolloutGroup, release: Release, version: int) -> str | None:
@@ -119,6 +126,8 @@ class Validator:
             if versions and (min(versions) < release.min_version or max(versions) > version):
                 return "version"
             if not (low <= s.reward <= high and low <= s.task_reward <= high):
+                self.detail = (f"a reward of {s.reward:g} (task reward {s.task_reward:g}) outside "
+                               f"task.reward_range = [{low:g}, {high:g}]")
                 return "reward"
         return None
 

@@ -27,7 +27,7 @@ from tidal.tasks import (
     encode_prompt,
     get_task,
 )
-from tidal.tiny import build_tiny_model, max_positions, save_model
+from tidal.tiny import OwnTask, build_tiny_model, max_positions, save_model
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,8 @@ def build_tiny(model: ModelConfig, task: TaskConfig, path: Path, progress=print)
     """Build the tiny model, warm-start it on the task's training split and save it at `path`."""
     task_mod = get_task(task.name)
     progress(f"building the warm-started tiny model at {path}")
+    if getattr(task_mod, "ALPHABET", None) is None:
+        return build_own_tiny(model, OwnTask.of(task_mod, task), path, progress)
     split = task_mod.load_prompts(task)
     net, tokenizer = build_tiny_model(model.tiny, task_mod.ALPHABET, model.tiny.warmstart.seed,
                                       max_positions(task_mod), getattr(task_mod, "CHAT_TEMPLATE", None))
@@ -48,6 +50,17 @@ def build_tiny(model: ModelConfig, task: TaskConfig, path: Path, progress=print)
     else:
         slip = getattr(task_mod, "teacher_slip", None) or stray_suffix(task_mod.ALPHABET)
         warm_start(net, tokenizer, split.train, split.val, task_mod.reward, slip, model.tiny.warmstart, progress)
+    save_model(net, tokenizer, path)
+
+
+def build_own_tiny(model: ModelConfig, own: OwnTask, path: Path, progress) -> None:
+    """A task's own tiny model: taught to write each training prompt's answer, until greedy decoding writes
+    the held-out ones exactly (the task's own reward may want more; RL teaches that)."""
+    net, tokenizer = build_tiny_model(model.tiny, own.alphabet, model.tiny.warmstart.seed, own.positions)
+    prompts = [Prompt(i, text, {"answer": answer}) for i, (text, answer) in enumerate(own.pairs)]
+    train, val = prompts[:own.num_train], prompts[own.num_train:] or prompts[:own.num_train]
+    exact = lambda text, payload: float(text == payload["answer"])  # noqa: E731
+    warm_start(net, tokenizer, train, val, exact, stray_suffix(own.alphabet), model.tiny.warmstart, progress)
     save_model(net, tokenizer, path)
 
 

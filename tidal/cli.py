@@ -16,7 +16,8 @@ from tidal.config import ConfigError, load_config
 LAYERS_HELP = ("presets (tidal presets) or YAML files, layered in order, then key=value overrides, "
                "e.g. tiny-scalerl my-overlay.yaml learner.max_steps=50")
 SKIP_HELP = ("leave out each curve's points below this fraction of its compute (the early transient); auto "
-             "(the default) finds it by a rule, 0 keeps every point")
+             "(the default) finds it by a rule, its intervals widened to the fit on every point unless the left-out "
+             "points lie beyond the noise; 0 keeps every point")
 TARGET_HELP = ("a pass rate: fit each curve against wall time too and name the run predicted to reach it "
                "soonest, with 90%% intervals")
 
@@ -66,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _resume_flags(sub) -> None:
+    sub.choices["run"].add_argument(
+        "--overwrite", action="store_true",
+        help="run_dir holds a run already: delete it and start over there (without it, or --resume, such a "
+             "run_dir is refused)")
     for name in ("run", "learner"):
         sub.choices[name].add_argument(
             "--resume", nargs="?", const="required", choices=("required", "auto", "fresh"),
@@ -252,7 +257,7 @@ def _role(cfg, args) -> int:
     if args.command == "run":
         from tidal.launcher import launch
 
-        return launch(cfg, resume=args.resume, print_samples=args.print_samples)
+        return launch(cfg, resume=args.resume, print_samples=args.print_samples, overwrite=args.overwrite)
     if args.command == "learner":
         from tidal.learner.main import main as learner_main
 
@@ -310,10 +315,16 @@ def _config(cfg, args) -> int:
         return 0
     from tidal.memory import check_lines
     from tidal.preflight import preflight
+    from tidal.reachable import check_reachable
 
+    if args.model_config and not os.path.exists(args.model_config):
+        raise ConfigError(f"--model-config {args.model_config}: no such file or folder (the model's config.json, "
+                          "or its folder)")
     for line in check_lines(cfg, args.gpu_gib, args.gpus_per_node, args.host_gib, args.model_config):
         print(line)
     for line in preflight(cfg):
+        print(line)
+    for line in check_reachable(cfg):
         print(line)
     print("config ok")
     return 0
@@ -363,6 +374,8 @@ def _export(args) -> int:
     from tidal.learner.export import export_checkpoint
 
     try:
+        if not (Path(args.run_dir) / "config.yaml").is_file():  # read first by the export: say what it is not
+            raise ConfigError(f"no run folder at {args.run_dir} (no config.yaml there)")
         out = export_checkpoint(Path(args.run_dir), args.step, Path(args.out) if args.out else None, args.force,
                                 args.merge)
     except (ConfigError, OSError, ValueError) as err:  # OSError: a folder that cannot be made or read

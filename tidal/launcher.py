@@ -30,10 +30,12 @@ from pathlib import Path
 
 from tidal.broker.zmq_keys import generate, run_keys
 from tidal.config import BrokerType, RunConfig, resolve, write_config
+from tidal.files import run_marks, used_run_dir
 from tidal.learner.tracking import log_final_logs, mlflow_ui_lines
 from tidal.memory import check_gpus
 from tidal.placement import Placement, PlacementError, Slot, place, visible_gpus
 from tidal.preflight import preflight
+from tidal.reachable import check_reachable
 
 
 @dataclass
@@ -227,10 +229,12 @@ def supervise(children: list[Child], run_dir: Path, cfg: RunConfig, print_sample
     bar = tqdm(total=cfg.learner.max_steps, desc="steps", unit="step", dynamic_ncols=True, bar_format=BAR_FORMAT)
     eta, offset, learner = StepEta(), 0, next(c for c in children if c.role == "learner")
     samples = RolloutFollower(run_dir, print_samples, bar.write) if print_samples > 0 else None
+    notices = NoticeFollower(run_dir, bar.write)
     warmed = False
     try:
         while True:
             offset = _advance(bar, eta, metrics_path, offset)
+            notices.advance()
             if samples is not None:
                 samples.advance()
             if bar.n and not warmed:  # training is under way: the start-up's imports are done
@@ -242,10 +246,12 @@ def supervise(children: list[Child], run_dir: Path, cfg: RunConfig, print_sample
                     continue
                 if c is learner and code == 0:
                     _advance(bar, eta, metrics_path, offset)
+                    notices.advance()
                     if samples is not None:
                         samples.advance()  # a table written just before the learner exited
                     return
                 if c.role != "actor":
+                    notices.advance()
                     raise LaunchError(f"{c.name} exited with code {code}; last lines of {c.log_path}:\n"
                                       f"{tail(c.log_path)}")
                 if code != 0:  # exit 0: told to shut down by a finishing learner
@@ -353,6 +359,28 @@ def _advance(bar, eta: StepEta, metrics_path: Path, offset: int) -> int:
     return offset
 
 
+class NoticeFollower:
+    """The learner's notices (run_dir/notices.log: a setting that makes it refuse rollouts, a ratio that
+    drifts) on the console as they are written, each once; a resumed run's earlier ones are not shown again."""
+
+    def __init__(self, run_dir: Path, write: Callable[[str], None]):
+        from tidal.learner.notices import NOTICES_FILE
+
+        self.path, self.write = run_dir / NOTICES_FILE, write
+        self.offset = self.path.stat().st_size if self.path.exists() else 0  # a resumed run's were shown
+
+    def advance(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            for line in f:
+                if not line.endswith(b"\n"):  # the learner is still writing it
+                    break
+                self.offset += len(line)
+                self.write(f"[learner] {line.decode(errors='replace').rstrip()}")
+
+
 class RolloutFollower:
     """The learner's rollout tables (run_dir/rollouts.jsonl, one line per table) as they are written:
     the first `rows` rollouts of each, truncated, through `write` (the bar's, so the bar stays whole).
@@ -417,19 +445,49 @@ def print_failures(failures: dict, samples: int) -> None:
         print(f"  {times} x " + reason.replace("\n", "\n    "))
 
 
+def check_run_dir(run_dir: Path, resume: str | None, overwrite: bool) -> bool:
+    """Whether a run may start in `run_dir`: one it holds already is continued (--resume), deleted first
+    (--overwrite), or refused in one line, so that two runs never mix their metrics, checkpoints and model."""
+    marks = run_marks(run_dir)
+    if resume and overwrite:
+        print("tidal run: --resume continues the run in run_dir and --overwrite deletes it: give one",
+              file=sys.stderr)
+        return False
+    if not marks or resume:
+        return True
+    if not overwrite:
+        print(f"tidal run: {used_run_dir(run_dir, marks)}", file=sys.stderr)
+        return False
+    if "config.yaml" not in marks:  # tidal writes it first: a folder without it may hold the user's own files
+        print(f"tidal run: --overwrite deletes only a folder tidal made (with its config.yaml): {run_dir} has "
+              f"none; choose another run_dir", file=sys.stderr)
+        return False
+    return True  # deleted by `overwrite_run_dir` once every check has passed
+
+
+def overwrite_run_dir(run_dir: Path) -> None:
+    """--overwrite, after the checks: a run that cannot start leaves the old one in place."""
+    if run_marks(run_dir):
+        print(f"[run] --overwrite: deleting the run in {run_dir}", flush=True)
+        shutil.rmtree(run_dir)
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def launch(cfg: RunConfig, resume: str | None = None, print_samples: int = 0) -> int:
+def launch(cfg: RunConfig, resume: str | None = None, print_samples: int = 0, overwrite: bool = False) -> int:
     """The whole run on this machine; `print_samples` rollouts of each rollout table (every
-    tracking.rollout_table_every steps) are shown on the console. Returns the exit code."""
+    tracking.rollout_table_every steps) are shown on the console; `overwrite` deletes the run a given
+    run_dir holds first. Returns the exit code."""
     # Ctrl-C and SIGTERM both stop every child cleanly, even where SIGINT was inherited as ignored
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     start = time.monotonic()
     if resume and not cfg.run_dir:
         print("tidal run: --resume needs run_dir=<the run's folder>", file=sys.stderr)
+        return 2
+    if cfg.run_dir and not check_run_dir(Path(cfg.run_dir), resume, overwrite):
         return 2
     if cfg.broker.type is BrokerType.zmq and cfg.broker.zmq.curve == "off":
         print("tidal run: broker.zmq.curve=off: a run authenticates every actor, with keys it makes itself "
@@ -439,6 +497,9 @@ def launch(cfg: RunConfig, resume: str | None = None, print_samples: int = 0) ->
         print("tidal run: --print-samples shows rollouts of the rollout tables, and tracking.rollout_table_every=0 "
               "or tracking.rollout_table_rows=0 turns them off: no rollouts will be shown", file=sys.stderr)
     preflight(cfg)  # a bad dataset, model or tokenizer stops here, before anything is created
+    check_reachable(cfg)  # so does a fixed port in use, or a tracking server that does not answer
+    if overwrite and cfg.run_dir:
+        overwrite_run_dir(Path(cfg.run_dir))
     try:
         placement = place(cfg.learner, cfg.actor, visible_gpus(), sorted(os.sched_getaffinity(0)))
         check_gpus(cfg, visible_gpus())  # each GPU's and host's memory: a layout that cannot fit stops here

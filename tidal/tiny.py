@@ -9,7 +9,8 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-from dataclasses import asdict
+import string
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tidal.config import ConfigError, ModelConfig, TaskConfig, TinyModelConfig
@@ -62,13 +63,52 @@ def cached_model_path(model: ModelConfig, task: TaskConfig) -> Path:
     from tidal.tasks import get_task
 
     module = get_task(task.name)
-    alphabet = getattr(module, "ALPHABET", None)
-    if alphabet is None:
-        raise ConfigError(f"config key 'model.path' = '': task {task.name!r} has no ALPHABET to build the tiny "
-                          "model from; set model.path to a Hugging Face model")
+    alphabet, positions = getattr(module, "ALPHABET", None), max_positions(module)
     teacher = inspect.getsource(module) if hasattr(module, "demonstration") else None
-    key = cache_key(model.tiny, task, alphabet, max_positions(module), getattr(module, "CHAT_TEMPLATE", None), teacher)
-    return Path(model.cache_dir).expanduser() / f"tiny-{task.name}-{key}"
+    if alphabet is None:  # a task of one's own: its answers are the teacher, another dataset another model
+        own = OwnTask.of(module, task)
+        alphabet, positions, teacher = own.alphabet, own.positions, own.digest
+    key = cache_key(model.tiny, task, alphabet, positions, getattr(module, "CHAT_TEMPLATE", None), teacher)
+    return Path(model.cache_dir).expanduser() / f"tiny-{task.name.replace('/', '_')}-{key}"
+
+
+OWN_TASK_HELP = "set model.path to a Hugging Face model, or see docs/tasks.md for what the tiny model needs"
+
+
+@dataclass(frozen=True)
+class OwnTask:
+    """The tiny model of a task that names no ALPHABET (its own module, or rows): one token per printable
+    ASCII character and per other character of its prompts and answers, context for its longest prompt and
+    answer, warm-started to write each prompt's answer (the `answer` of its payload, or task.answer_field's
+    column). Prompts must be text: chat messages need a model with a chat template."""
+
+    alphabet: str
+    positions: int
+    pairs: tuple[tuple[str, str], ...]  # (prompt, answer) of the training then the held-out prompts
+    num_train: int
+    digest: str  # of the pairs: the cache key's teacher
+
+    @classmethod
+    def of(cls, module, task: TaskConfig) -> OwnTask:
+        split = module.load_prompts(task)
+        pairs = tuple(_answered(p, task) for p in [*split.train, *split.val])
+        seen = {ch for text, answer in pairs for ch in text + answer}
+        alphabet = "".join(sorted(set(string.printable.strip()) | {" "} | seen - {PAD, EOS}))
+        longest = max((len(t) + len(a) for t, a in pairs), default=0) + 8  # an answer's <eos> and a slip
+        positions = max(DEFAULT_POSITIONS, 1 << (longest - 1).bit_length())
+        digest = hashlib.sha256(json.dumps(pairs).encode()).hexdigest()[:16]
+        return cls(alphabet, positions, pairs, len(split.train), digest)
+
+
+def _answered(prompt, task: TaskConfig) -> tuple[str, str]:
+    answer = prompt.payload.get("answer", prompt.payload.get(task.answer_field))
+    if prompt.messages is not None or not isinstance(answer, (str, int, float)):
+        what = "is chat messages" if prompt.messages is not None else \
+            f"has no answer (payload 'answer' or column task.answer_field = {task.answer_field!r})"
+        raise ConfigError(f"config key 'model.path' = '': task {task.name!r} names no ALPHABET, so the tiny model is "
+                          f"warm-started to write each prompt's answer, and prompt {prompt.prompt_id} {what}; "
+                          f"{OWN_TASK_HELP}")
+    return prompt.text, str(answer)
 
 
 def build_tiny_model(tiny: TinyModelConfig, alphabet: str, seed: int, positions: int = DEFAULT_POSITIONS,

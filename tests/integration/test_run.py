@@ -75,3 +75,22 @@ def test_the_agent_preset_learns_to_finish_its_chains(tmp_path):
     conversation = table["data"][0][table["columns"].index("conversation")]
     assert conversation[0]["by"] == "model" and conversation[0]["text"].startswith("[look(x=")
     assert conversation[1]["by"] == "environment"
+
+
+def test_rewards_outside_their_range_are_said_on_the_console_and_stop_the_run(tmp_path):
+    """A wrong answer's partial credit (0.5) below task.reward_range ([0.6, 1]): the config check scores right
+    answers and passes, and at run time every group holding a wrong answer is refused. The console says so
+    with the setting to change, and the run stops (exit 1) once most of two steps' worth of groups were
+    refused."""
+    run_dir = tmp_path / "refused"
+    cmd = [sys.executable, "-m", "tidal", "run", "tiny", f"run_dir={run_dir}", "task.kwargs.partial_credit=0.5",
+           "task.reward_range=[0.6,1.0]", "learner.refusal_patience_steps=2", "learner.max_steps=50"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    console = done.stdout + done.stderr
+    assert done.returncode == 1, console[-3000:]
+    said = [line for line in console.splitlines() if line.startswith("[learner] the learner refused")]
+    assert said and "for 'reward' (a reward of 0.5 (task reward 0.5) outside task.reward_range = [0.6, 1]): widen " \
+                    "task.reward_range" in said[0], console[-3000:]
+    assert "stopping the run (learner.refusal_patience_steps)" in console
+    assert evals(run_dir) == {}  # no pass rate over what was left (tests/unit/test_validation.py: never one)
+    print("\n".join(said[:1] + [line for line in console.splitlines() if "stopping the run" in line]))

@@ -106,7 +106,8 @@ def test_the_reach_table_names_the_run_predicted_to_reach_the_target_soonest():
     text = reach_table(points, points, Window(), 0.55, "compute/wall_s")
     pick = text.splitlines()[-1]  # the line to act on, last
     assert pick.startswith("pick: k=2, predicted to reach 0.55 soonest (20.0 [")  # the midpoint: half-way from R0 to A
-    assert "s of wall time to an eval pass rate of 0.55" in pick and "clearly ahead of the runner-up, k=0 (40.0 [" in pick
+    assert "s of wall time to an eval pass rate of 0.55" in pick
+    assert "clearly ahead of the runner-up, k=0 (40.0 [" in pick
     assert "warning: one seed per value" in text and "use --seeds 3" in text
     assert "measured wall s" in text.splitlines()[0] and " 20.0" in text.splitlines()[2]
     assert "no run is predicted to reach 0.9" in reach_table(points, points, Window(), 0.9, "compute/wall_s")
@@ -160,7 +161,8 @@ def test_the_wall_time_figure_draws_the_target_and_says_seeds_pooled_only_for_se
     seeded = {f"k=2,seed={s}": curve for s in range(2)}
     reach_table(seeded, seeded, Window(), 0.55, "compute/wall_s", tmp_path / "w.png")
     assert [d["target"] for d in drawn] == [0.55, 0.55]
-    assert drawn[0]["title"] == "pass rate vs wall time" and drawn[1]["title"] == "pass rate vs wall time, 2 seeds pooled"
+    assert drawn[0]["title"] == "pass rate vs wall time"
+    assert drawn[1]["title"] == "pass rate vs wall time, 2 seeds pooled"
 
 
 def test_a_lag_by_lr_grid_finds_each_lags_largest_stable_lr_and_reads_the_law(tmp_path):

@@ -55,11 +55,23 @@ def learner(tmp_path):
     assert [g.prompt_id for g, _ in groups] == [R0_PROMPT, R1_PROMPT]
     parts = LearnerParts(trainer=SimpleNamespace(num_params=10), coordinator=coordinator, book=book,
                          admission=Admission(StalenessConfig(max_lag=1), False, book, coordinator.on_rewards),
-                         transport=transport, publisher=None, tracker=None,
+                         transport=transport, publisher=None, tracker=RecordingTracker(),
                          checkpointer=SimpleNamespace(periodic=False), validator=Validator(VOCAB, 6, (-1.0, 1.0)))
     learner = Learner(LearnerConfig(), EvalConfig(), parts)
     learner.version = VERSION
     return learner
+
+
+class RecordingTracker:
+    """What the learner logs, kept (no MLflow in this tier)."""
+
+    log_every_steps = 0
+
+    def __init__(self):
+        self.logged: list[tuple[int, dict]] = []
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        self.logged.append((step, metrics))
 
 
 def rollout(group_id="r-0", tokens=(5, 6, 1), logprobs=(-0.5, -1.0, -0.1), version=VERSION - 1, rewards=(1.0, 0.0),
@@ -137,6 +149,7 @@ def test_forged_eval_groups_change_no_evaluation(learner):
                                        version=VERSION, **held_out), VERSION)
     assert learner.parts.validator.rejected["logprob"] == 1
     assert learner.evals.results == {} and not learner.evaluator.waiting()  # done, and no pass rate from poison
+    assert learner.parts.tracker.logged == [(VERSION, {"eval/refused_groups": 1.0})]  # said instead
 
 
 def test_an_eval_group_naming_another_prompt_gives_no_pass_rate(learner):

@@ -317,6 +317,8 @@ class LearnerConfig(Section):
                                          "step")
     torch_threads: int = opt(1, "intra-op threads of the learner")
     rollout_timeout_s: float = opt(600.0, "no rollout for this long means the actors are gone: the learner fails")
+    refusal_patience_steps: int = opt(5, "the run stops when the learner refused most of the last this many steps' "
+                                         "worth of rollout groups (a reward outside task.reward_range, ...); 0 = never")
     dist_timeout_s: float = opt(7200.0, "the learner ranks' process group timeout: a rank waits this long in a "
                                         "collective while rank 0 is busy elsewhere (waiting for rollouts, the final "
                                         "evaluation, writing a checkpoint) before the group gives up")
@@ -326,6 +328,8 @@ class LearnerConfig(Section):
     def check(self) -> None:
         _require(self.groups_per_step >= 1, "learner.groups_per_step", self.groups_per_step, "must be >= 1")
         _require(self.max_steps >= 1, "learner.max_steps", self.max_steps, "must be >= 1")
+        _require(self.refusal_patience_steps >= 0, "learner.refusal_patience_steps", self.refusal_patience_steps,
+                 "must be >= 0")
         _require(self.num_ranks >= 1, "learner.num_ranks", self.num_ranks, "must be >= 1")
         minibatches = self.loss.minibatches_per_step
         _require(self.groups_per_step >= self.num_ranks * minibatches, "learner.groups_per_step", self.groups_per_step,
@@ -375,7 +379,8 @@ class LearnerConfig(Section):
 class EvalConfig(Section):
     """Evaluation on the held-out prompts."""
 
-    every: int = opt(10, "optimizer steps between evaluations (0 = only at start and end)")
+    every: int = opt(10, "optimizer steps between evaluations (0 = only at start and end); one due while another is "
+                         "under way runs on the version announced when that one ends")
     n: int = opt(4, "samples per held-out prompt (mean@n pass rate)")
     temperature: float = opt(1.0, "eval sampling temperature")
 
