@@ -93,8 +93,12 @@ def open_sweep_store(uri: str, experiment: str, out: Path):
     from mlflow.tracking import MlflowClient
 
     from tidal.learner.tracking import use_store
+    from tidal.reachable import STORE_TIMEOUT_S, check_server
     from tidal.scaling import one_line
 
+    if uri.lower().startswith(("http://", "https://")):  # MLflow's client retries a dead server for minutes
+        check_server(uri, f"the sweep's MLflow store {uri!r} (tracking.uri, else MLFLOW_TRACKING_URI)",
+                     STORE_TIMEOUT_S)
     try:
         use_store(uri, experiment, out / "artifacts")
         return MlflowClient(uri)
