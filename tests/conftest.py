@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from tidal.broker.schema import PromptGroup, RolloutGroup, SampleArrays, SamplingParams, int32s  # noqa: E402
 from tidal.config import Aggregation, LearnerConfig, LossConfig, LossType, OptimConfig, TinyModelConfig  # noqa: E402
 from tidal.kernels import logprobs  # noqa: E402
+from tidal.reachable import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TIERS = {"integration": "integration", "fault": "fault", "gpu": "gpu"}  # folder -> marker
@@ -565,12 +566,8 @@ class RedisServer:
     """A real redis-server on a free port, its data (AOF, fsync per write) in a temp folder."""
 
     def __init__(self, directory, port: int | None = None, extra: tuple[str, ...] = ()):
-        import socket
-
         if port is None:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port()
         self.port, self.directory, self.extra = port, directory, extra
         self.url = f"redis://127.0.0.1:{port}/0"
         self.proc = None

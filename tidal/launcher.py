@@ -35,7 +35,7 @@ from tidal.learner.tracking import log_final_logs, mlflow_ui_lines
 from tidal.memory import check_gpus
 from tidal.placement import Placement, PlacementError, Slot, place, visible_gpus
 from tidal.preflight import preflight
-from tidal.reachable import check_reachable
+from tidal.reachable import check_reachable, free_port
 
 
 @dataclass
@@ -90,10 +90,10 @@ def start_children(cfg: RunConfig, placement: Placement, children: list[Child], 
     config = str(run_dir / "config.yaml")
     learner_args = ["learner", config, *(["--resume", resume] if resume else [])]
     if cfg.learner.num_ranks > 1 and cfg.learner.nodes == 1:  # `tidal learner` starts its ranks with torchrun
-        learner_args.append(f"learner.master_port={_free_port()}")  # two runs on one machine must not meet
+        learner_args.append(f"learner.master_port={free_port()}")  # two runs on one machine must not meet
     ports = {}
     if cfg.broker.type is BrokerType.zmq:
-        ports = {name: getattr(cfg.broker.zmq, f"{name}_port") or _free_port()
+        ports = {name: getattr(cfg.broker.zmq, f"{name}_port") or free_port()
                  for name in ("control", "rollout", "weights")}
         learner_args += actor_endpoint_overrides(ports)
     children.append(_spawn("learner", "learner", learner_args, run_dir, placement.learner))
@@ -145,7 +145,7 @@ def start_redis(cfg: RunConfig, run_dir: Path) -> tuple[Child, str]:
     if server is None:
         raise LaunchError("broker.redis.embedded is true but redis-server is not installed "
                           "(apt-get install redis-server)")
-    port = cfg.broker.redis.embedded_port or _free_port()
+    port = cfg.broker.redis.embedded_port or free_port()
     data = run_dir / "redis"
     data.mkdir(exist_ok=True)
     log_path = run_dir / "logs" / "redis.log"
@@ -164,12 +164,6 @@ def start_redis(cfg: RunConfig, run_dir: Path) -> tuple[Child, str]:
             raise LaunchError(f"redis-server did not start on port {port}; see {log_path}:\n{tail(log_path)}")
         time.sleep(0.1)
     return child, f"redis://127.0.0.1:{port}/0"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _port_open(port: int) -> bool:

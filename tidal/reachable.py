@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
+import random
 import socket
 import tempfile
 from contextlib import ExitStack
@@ -26,6 +27,33 @@ from tidal.config import BrokerType, ConfigError, RunConfig, WeightTransport, re
 
 STORE_TIMEOUT_S = 4.0  # a server that has not answered /health by then is reported; MLflow would retry for minutes
 ANY_ADDRESS = ("", "*", "0.0.0.0", "::")  # every interface: ZeroMQ writes it *, sockets ""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now for a process started later to bind, chosen below the kernel's ephemeral range.
+
+    A port the kernel hands out for bind(0) lies in that range, and so does the local end of every
+    outgoing connection: between this choice and the child's bind, a vLLM engine starting beside it
+    (its own ports, its connections) took the learner's port once in a CI run. Below the range only a
+    process that names the port can take it. Falls back to bind(0) where the range leaves no room."""
+    low = _ephemeral_low()
+    for port in random.sample(range(20000, low), min(64, max(low - 20000, 0))):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; elsewhere the range differs and bind(0) is the fallback
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,6 @@ master weights), matches the same step in fp32 on the CPU closely, and two ranks
 update one rank does."""
 import json
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import replace
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from conftest import ALPHABET, CASES, TINY, gpu_check_report, learner_config, run_step
+from tidal.reachable import free_port
 from tidal.tiny import build_tiny_model
 
 SCRIPT = Path(__file__).parents[1] / "integration" / "multirank_step.py"
@@ -42,9 +42,7 @@ def test_a_bf16_step_on_cuda_moves_every_weight_and_tracks_fp32(fresh_accelerato
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_two_ranks_over_nccl_make_the_same_update_as_one(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # outside the ephemeral range: a child binds it later
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
            str(SCRIPT), str(tmp_path), "--cuda"]
     done = subprocess.run(cmd, env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
@@ -62,9 +60,7 @@ def test_two_ranks_over_nccl_make_the_same_update_as_one(tmp_path):
 
 def one_gpu_fsdp(mode: str, tmp_path: Path) -> dict:
     """fsdp_one_gpu.py's numbers for `mode`, run under torchrun with one rank."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # outside the ephemeral range: a child binds it later
     out = tmp_path / f"{mode}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(port),
            str(Path(__file__).with_name("fsdp_one_gpu.py")), mode, str(out)]

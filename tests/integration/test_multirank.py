@@ -3,7 +3,6 @@ loss is normalised by counts over both ranks."""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,14 +11,9 @@ import pytest
 import torch
 
 from conftest import CASES, learner_config, run_step
+from tidal.reachable import free_port
 
 SCRIPT = Path(__file__).with_name("multirank_step.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # two torchrun processes plus a one-rank reference: 12-21 s on 2 busy cores

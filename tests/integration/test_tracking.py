@@ -11,6 +11,7 @@ from conftest import ALPHABET, CASES, STEP_VERSION, learner_config, sample, step
 from tidal.broker.schema import RolloutGroup, int32s
 from tidal.config import TrackingConfig
 from tidal.learner.diagnostics import Diagnostics, TokenSample
+from tidal.reachable import free_port
 
 FIGURES = {"pass_rate.png", "token_lag.png", "logprob_mismatch.png", "rewards_lengths.png"}
 
@@ -367,7 +368,6 @@ def mlflow_server(tmp_path_factory):
     runs one; its address. It takes 10-45 s to start on 2 cores (the store's migrations)."""
     import os
     import signal
-    import socket
     import subprocess
     import sys
     from pathlib import Path
@@ -375,9 +375,7 @@ def mlflow_server(tmp_path_factory):
     import requests
 
     folder = tmp_path_factory.mktemp("mlflow-server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # outside the ephemeral range: a child binds it later
     log = open(folder / "server.log", "w")
     server = subprocess.Popen(
         [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),

@@ -172,3 +172,15 @@ def test_a_sweep_stops_on_a_tracking_server_that_is_down_in_one_line(tmp_path, c
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith(f"tidal sweep: the sweep's MLflow store 'http://127.0.0.1:{port}' (tracking.uri, else "
                            "MLFLOW_TRACKING_URI): no MLflow server answered"), line
+
+
+def test_a_free_port_for_a_child_lies_below_the_kernels_ephemeral_range():
+    """Connections and bind(0) take ports from that range: one chosen there was taken between the
+    launcher's choice and the learner's bind."""
+    from tidal.reachable import _ephemeral_low, free_port
+
+    ports = {free_port() for _ in range(8)}
+    assert all(20000 <= p < _ephemeral_low() for p in ports), ports
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free, as promised
