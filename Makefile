@@ -20,6 +20,7 @@ demo: $(STAMP)
 	$(BIN)/tidal run configs/tiny.yaml
 
 test: $(STAMP)
+	$(BIN)/ruff check .  # seconds; the code is held to its lint rules by CI, not by hand
 	$(BIN)/python -m pytest -q
 
 test-unit: $(STAMP)
