@@ -37,6 +37,11 @@ Id = Annotated[str, Meta(min_length=1, max_length=256)]  # run and group ids
 ActorId = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$")]
 Text = Annotated[str, Meta(max_length=65_536)]
 Seconds = Annotated[float, Meta(ge=0, le=1e9)]  # NaN and inf fail these bounds too
+# A reward component's name becomes a metric name (rewards/<name>/mean): letters, digits and _ . : -, as a
+# Python function or an entry point is named, so no name is a path or a character a tracking store refuses.
+# Checked by the learner (tidal.learner.validation), which says which name, rather than here at decode.
+COMPONENT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]*")
+MAX_COMPONENT = 1e9  # a reward component's magnitude: well past any score, short of squares that overflow a sum
 Info = Annotated[dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=1024)]], Meta(max_length=32)]
 F4 = np.dtype("<f4")
 # RolloutGroup.check's dot product overflows on absurd logprobs (then tested one by one): not worth a warning
@@ -242,9 +247,10 @@ class Sample(msgspec.Struct, kw_only=True, gc=False):
             raise WireError("bad_value", "finish_reason 'interrupted' without injected_spans")
         if not math.isfinite(self.reward) or (self.raw_reward is not None and not math.isfinite(self.raw_reward)):
             raise WireError("bad_value", f"non-finite reward {self.reward} (raw_reward {self.raw_reward})")
-        bad = [name for name, value in self.reward_components.items() if not math.isfinite(value)]
-        if bad:
-            raise WireError("bad_value", f"non-finite reward_components[{bad[0]!r}] {self.reward_components[bad[0]]}")
+        bad = [name for name, value in self.reward_components.items() if not abs(value) <= MAX_COMPONENT]
+        if bad:  # NaN fails the comparison too
+            raise WireError("bad_value", f"reward_components[{bad[0]!r}] {self.reward_components[bad[0]]} is not "
+                                         f"a finite number within +-{MAX_COMPONENT:g}")
 
     def versions(self) -> np.ndarray:
         """int64 [completion_len]: the weight version that produced each token."""

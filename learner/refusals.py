@@ -22,6 +22,7 @@ STOP_FRAC = 0.5  # most of what arrives is refused: the run learns from what is 
 FIX = {
     "reward": "widen task.reward_range to hold every sample's reward (the reward functions' weighted sum), or "
               "rescale the rewards",
+    "reward_component": "rename the reward function or the value the environment's score() returns",
     "length": "the actors sample more than sampling.max_tokens: start them with this run's config",
     "token_id": "the actors serve a larger vocabulary than the learner's model: give both the same model.path",
     "logprob": "the actors report logprobs no sampler can give: check the engine's settings (actor.vllm)",

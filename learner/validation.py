@@ -6,9 +6,10 @@ out; when a completion is empty or longer than its budget, starts with an inject
 a finish reason its tokens contradict; when a token id is outside the vocabulary, a behaviour
 logprob is positive or below what any sampled token can have (`logprob_floor`); when a token claims
 weights older than the group's min_version or newer than the learner's; when a reward falls
-outside `task.reward_range`; or when its timings could not have been measured since the release.
-Whatever passes is something `Trainer.step` can train on. Rejections are counted by reason and
-logged at the 1st, 10th, 100th ... occurrence; none is fatal.
+outside `task.reward_range`, or a reward component's name could not be a metric's; or when its
+timings could not have been measured since the release. Whatever passes is something `Trainer.step`
+can train on. Rejections are counted by reason and logged at the 1st, 10th, 100th ... occurrence;
+none is fatal by itself (a RefusalWatch stops the run when most groups are refused).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import math
 import time
 from collections import Counter
 
-from tidal.broker.schema import RolloutGroup, Sample
+from tidal.broker.schema import COMPONENT_NAME, RolloutGroup, Sample
 from tidal.learner.groups import Release, prompt_digest
 from tidal.learner.refusals import RefusalWatch
 
@@ -129,6 +130,10 @@ class Validator:
                 self.detail = (f"a reward of {s.reward:g} (task reward {s.task_reward:g}) outside "
                                f"task.reward_range = [{low:g}, {high:g}]")
                 return "reward"
+            odd = next((name for name in s.reward_components if not COMPONENT_NAME.fullmatch(name)), None)
+            if odd is not None:  # it would be a metric's name (rewards/<name>/mean): one a store refuses stops a run
+                self.detail = f"a reward component named {odd[:64]!r}; a name is letters, digits and _ . : -"
+                return "reward_component"
         return None
 
     def _timings(self, group: RolloutGroup, release: Release) -> str | None:

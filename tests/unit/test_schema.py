@@ -260,6 +260,8 @@ def test_reward_components_round_trip_and_default_to_none():
 
 @pytest.mark.parametrize("components, reason", [
     ({"accuracy": float("nan")}, "bad_value"),
+    ({"accuracy": 1e30}, "bad_value"),  # past any score: its square would swamp the component's metrics
+    ({"accuracy": -2e9}, "bad_value"),
     ({"": 1.0}, "malformed"),  # a component needs a name
     ({f"f{i}": 1.0 for i in range(65)}, "malformed"),  # past the bound on components
 ])

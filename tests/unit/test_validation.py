@@ -76,9 +76,10 @@ class RecordingTracker:
 
 def rollout(group_id="r-0", tokens=(5, 6, 1), logprobs=(-0.5, -1.0, -0.1), version=VERSION - 1, rewards=(1.0, 0.0),
             prompt=(2, 3, 4), n=2, eval_version=None, prompt_id=R0_PROMPT, finish_reason="stop", injected_spans=(),
-            gen_seconds=0.0, episode=None) -> RolloutGroup:
+            gen_seconds=0.0, episode=None, components=None) -> RolloutGroup:
     samples = [SampleArrays.of(tokens, logprobs, version_spans=[(version, 0, len(tokens))], reward=r,
-                               finish_reason=finish_reason, injected_spans=list(injected_spans), episode=episode)
+                               finish_reason=finish_reason, injected_spans=list(injected_spans), episode=episode,
+                               reward_components=components or {})
                for r in rewards[:n]]
     return RolloutGroup.pack(samples, group_id=group_id, prompt_id=prompt_id,
                              actor_id="actor-0", prompt_tokens=int32s(prompt), eval_version=eval_version,
@@ -95,6 +96,11 @@ def test_a_rollout_that_means_what_was_sent_out_is_admitted(learner):
     assert len(take(learner, rollout()).groups) == 1
 
 
+def test_reward_components_named_as_functions_and_entry_points_are_admitted(learner):
+    group = rollout(components={"accuracy": 1.0, "format_v2": 0.0, "my-pkg.length:short": 0.5})
+    assert len(take(learner, group).groups) == 1
+
+
 @pytest.mark.parametrize("bad, reason", [
     (dict(tokens=(5, 14, 1)), "token_id"),  # beyond the vocabulary
     (dict(tokens=(5, -3, 1)), "token_id"),
@@ -105,6 +111,10 @@ def test_a_rollout_that_means_what_was_sent_out_is_admitted(learner):
     (dict(version=VERSION - 2), "version"),  # older than the group's min_version
     (dict(rewards=(1e30, 0.0)), "reward"),  # would shrink every other group's advantage to nothing
     (dict(prompt=(2, 3, 9)), "prompt"),  # a prompt that was never sent
+    # a component's name is a metric's: one MLflow refuses stopped the learner 2.9 s after one rollout
+    (dict(components={"a?b": 1.0}), "reward_component"),
+    (dict(components={"accuracy": 1.0, "../../x": 0.0}), "reward_component"),
+    (dict(components={"a\nb": 1.0}), "reward_component"),
     (dict(n=1), "sample_count"),
     (dict(tokens=(), logprobs=()), "empty_completion"),  # crashed Trainer.step on an empty tensor
     (dict(logprobs=(-0.5, -999.0, -0.1)), "logprob"),  # passed the old -1e3 floor: offpolicy/* inf and NaN
