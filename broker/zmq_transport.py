@@ -96,6 +96,10 @@ REQUEST_EVERY_S = 2 / CONTROL_RATE
 # the weights socket's inbound frames are subscriptions: an actor sends one of a byte. The limit is on
 # CURVE's handshake frames too (under 400 bytes); without it a stranger's first frame could be any size
 SUBSCRIPTION_BYTES = 1024
+# A CURVE socket whose receive mark is 1 takes nothing in: every message waited in the kernel and the
+# learner heard no request, or no rollout, until its timeout. The config refuses such marks; this floor
+# holds for a transport built without that check.
+MIN_MARK = 2
 SUBSCRIPTION_HWM = 16  # subscriptions held unread per connection (the PUB socket takes them as it sends)
 # a peer whose host is gone is noticed by TCP keepalive within ~2 minutes: the learner never writes to a
 # rollout connection and rarely to a control one, and the connection would hold its place under the cap
@@ -124,7 +128,12 @@ def claimed_actor(identity: bytes) -> bytes:
 def rollout_mark(cfg: BrokerConfig) -> int:
     """The PULL socket's high-water mark, in frames: rollout_hwm, fewer where frames as large as the wire
     allows would hold more than rollout_buffer_bytes."""
-    return max(1, min(cfg.zmq.rollout_hwm, cfg.zmq.rollout_buffer_bytes // cfg.max_message_bytes))
+    return max(MIN_MARK, min(cfg.zmq.rollout_hwm, cfg.zmq.rollout_buffer_bytes // cfg.max_message_bytes))
+
+
+def control_mark(cfg: BrokerConfig) -> int:
+    """The ROUTER socket's high-water mark, in messages: control_hwm, at least MIN_MARK."""
+    return max(MIN_MARK, cfg.zmq.control_hwm)
 
 
 def connection_cap(cfg: BrokerConfig) -> int:
@@ -138,7 +147,7 @@ def buffer_bound_bytes(cfg: BrokerConfig) -> int:
     per connection a full queue and the frame decoded beside it, on each socket, times the cap. The kernel's
     TCP buffers come on top."""
     per_connection = ((rollout_mark(cfg) + 1) * cfg.max_message_bytes
-                      + (cfg.zmq.control_hwm + 1) * cfg.max_control_bytes
+                      + (control_mark(cfg) + 1) * cfg.max_control_bytes
                       + (SUBSCRIPTION_HWM + 1) * SUBSCRIPTION_BYTES)
     return connection_cap(cfg) * per_connection
 
@@ -420,7 +429,7 @@ class ZmqLearnerTransport(LearnerTransport):
         # no ROUTER_HANDOVER: a second connection under a routing id in use is refused and never displaces the
         # first; and each actor connection's routing id holds a nonce, so nobody can take it first
         router.setsockopt(zmq.MAXMSGSIZE, self._cfg.max_control_bytes)
-        router.setsockopt(zmq.RCVHWM, self._zmq.control_hwm)
+        router.setsockopt(zmq.RCVHWM, control_mark(self._cfg))
         pull.setsockopt(zmq.MAXMSGSIZE, self._cfg.max_message_bytes)  # bigger frames drop the connection
         pull.setsockopt(zmq.RCVHWM, rollout_mark(self._cfg))
         pub.setsockopt(zmq.MAXMSGSIZE, SUBSCRIPTION_BYTES)

@@ -17,7 +17,7 @@ from tidal.broker.grants import GrantTable
 from tidal.broker.schema import Heartbeat, WireCodec, WorkRequest
 from tidal.broker.zmq_keys import check_actor_id, generate, secure_client
 from tidal.broker.zmq_transport import ZmqActorTransport, ZmqLearnerTransport
-from tidal.config import ActorConfig, BrokerConfig, RunConfig, ZmqConfig, curve_on
+from tidal.config import ActorConfig, BrokerConfig, ConfigError, RunConfig, ZmqConfig, curve_on, load_config
 from tidal.launcher import with_run_keys
 
 
@@ -292,3 +292,35 @@ def test_unread_rollouts_are_bounded_in_bytes_not_only_in_frames():
     side.close()
     # 2 in the socket and what the kernel's socket buffers held (about 6 MB here: 14 in all), not 64 and those
     assert len(granted) == 80 and 0 < received < 40
+
+
+@pytest.mark.parametrize("hwm", [dict(control_hwm=1), dict(rollout_hwm=1), dict(rollout_buffer_bytes=1 << 20)])
+def test_a_socket_whose_mark_is_set_to_one_still_receives_under_curve(tmp_path, hwm):
+    """A high-water mark of 1 on a CURVE socket let nothing through: the learner heard no request (control)
+    or no rollout (a mark of 1 frame, by rollout_hwm or by a buffer of one frame) and waited out its timeout.
+    The config refuses such marks; a transport built without the check pins them at 2."""
+    keys = generate(tmp_path / "keys", ["actor-0"])
+    curve = dict(curve="on", keys_dir=str(keys))
+    side = ZmqLearnerTransport(BrokerConfig(max_message_bytes=1 << 20, zmq=ZmqConfig(**curve, **hwm)),
+                               WireCodec(1 << 20))
+    side.submit_prompts([prompt(0)])
+
+    async def actor():
+        t = ZmqActorTransport(actor_config(side, **curve), WireCodec(1 << 20), "actor-0")
+        try:
+            await t.heartbeat(hello("actor-0"))
+            groups = await t.request_work(8, timeout_s=10)
+            await t.send_rollout(rollout(group_id="r-0"))
+            received = await asyncio.to_thread(side.recv_rollout, 10)  # before the actor closes: it may drop
+            return groups, received
+        finally:
+            t.close()
+
+    try:
+        groups, received = asyncio.run(actor())
+        assert [g.group_id for g in groups] == ["r-0"] and received.group_id == "r-0"
+    finally:
+        side.close()
+    key = next(iter(hwm))
+    with pytest.raises(ConfigError, match=f"broker.zmq.{key}"):
+        load_config(None, [f"broker.zmq.{key}={hwm[key]}"])

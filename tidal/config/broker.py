@@ -46,7 +46,7 @@ class ZmqConfig(Section):
     rollout_buffer_bytes: int = opt(512 * 1024 * 1024, "rollout_hwm in bytes: fewer rollouts are held when rollout_hwm "
                                                        "frames of broker.max_message_bytes would be more than this "
                                                        "(the socket counts frames, so its mark is this / "
-                                                       "broker.max_message_bytes, at least 1)")
+                                                       "broker.max_message_bytes, at least 2)")
     control_hwm: int = opt(16, "control messages (hellos, heartbeats, work requests; each at most "
                                "broker.max_control_bytes) the learner holds unread per connection; its I/O thread "
                                "reads them as they come")
@@ -65,9 +65,9 @@ class ZmqConfig(Section):
     def check(self) -> None:
         # keys_dir is not required here: `tidal run` makes keys of its own, and a role started alone with CURVE on
         # and no keys fails before it builds anything (tidal.cli), naming broker.zmq.keys_dir
-        for key in ("rollout_hwm", "control_hwm"):
-            _require(getattr(self, key) >= 1, f"broker.zmq.{key}", getattr(self, key),
-                     "must be >= 1 (0 would mean no bound)")
+        for key in ("rollout_hwm", "control_hwm"):  # a CURVE socket with a mark of 1 receives nothing
+            _require(getattr(self, key) >= 2, f"broker.zmq.{key}", getattr(self, key),
+                     "must be >= 2 (0 would mean no bound; with CURVE on, 1 lets no message through)")
         _require(self.max_connections >= 0, "broker.zmq.max_connections", self.max_connections,
                  "must be >= 0 (0: twice broker.max_actors)")
 
@@ -117,8 +117,9 @@ class BrokerConfig(Section):
             _require(getattr(self, key) >= 1, f"broker.{key}", getattr(self, key), "must be >= 1")
         self.zmq.check()
         frame = self.max_message_bytes
-        _require(self.zmq.rollout_buffer_bytes >= frame, "broker.zmq.rollout_buffer_bytes",
-                 self.zmq.rollout_buffer_bytes, f"must hold a frame of broker.max_message_bytes = {frame}")
+        _require(self.zmq.rollout_buffer_bytes >= 2 * frame, "broker.zmq.rollout_buffer_bytes",
+                 self.zmq.rollout_buffer_bytes, f"must hold two frames of broker.max_message_bytes = {frame} (a "
+                 "mark of one frame lets no rollout through with CURVE on)")
         _require(self.zmq.max_connections == 0 or self.zmq.max_connections >= self.max_actors,
                  "broker.zmq.max_connections", self.zmq.max_connections,
                  f"must be 0 or at least broker.max_actors = {self.max_actors} (an actor holds a connection to each "
