@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +57,8 @@ def grid_points(config: list[str], overrides: list[str], out: Path, seeds: int =
         label = ",".join(combo) + (f",seed={seeded[0].split('=')[1]}" if seeded else "")
         combo += seeded
         run_dir = out / label.replace("=", "-").replace(",", "_")
-        point = GridPoint(label, (*fixed, *combo, f"run_dir={run_dir}", f"name={run_dir.name}"), run_dir)
+        name = re.sub(r"[^A-Za-z0-9_.-]", "-", run_dir.name)[:128]  # a value may hold what a run name may not
+        point = GridPoint(label, (*fixed, *combo, f"run_dir={run_dir}", f"name={name}"), run_dir)
         load_config(config, list(point.overrides))
         points.append(point)
     return points

@@ -240,3 +240,16 @@ def test_receive_buffers_must_be_bounded(key):
 def test_a_rollout_buffer_that_cannot_hold_one_frame_is_refused():
     with pytest.raises(ConfigError, match="broker.zmq.rollout_buffer_bytes"):
         load_config(None, ["broker.max_message_bytes=2048", "broker.zmq.rollout_buffer_bytes=1024"])
+
+
+@pytest.mark.parametrize("bad", ["../../escaped", "a/b", "x y;rm", ".hidden", "", "n" * 129])
+def test_a_run_name_that_could_leave_its_folders_is_refused(bad):
+    """The name is part of runs/<name>-<time>, of the weights folder in /dev/shm and of the Redis keys:
+    `../` put the run folder and the weights folder (removed at the end as the run's own) elsewhere."""
+    with pytest.raises(ConfigError, match="config key 'name'"):
+        load_config(None, [f"name='{bad}'"])
+
+
+def test_run_names_of_presets_and_sweeps_are_accepted():
+    for name in ("tiny", "tiny-loo-tis", "staleness.max_lag-2_seed-1", "probe-b64", "A_1"):
+        assert load_config(None, [f"name={name}"]).name == name

@@ -4,6 +4,7 @@ write_config, flatten (MLflow params) and redacted_config."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -18,12 +19,15 @@ from tidal.config.redact import redact_uri
 from tidal.config.task import EnvConfig, SamplingConfig, TaskConfig
 from tidal.config.tracking import TrackingConfig
 
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # what k8s/base/redis-users.sh reads as a name too
+
 
 @dataclass(frozen=True)
 class RunConfig(Section):
     """The whole run. Components receive only their own part."""
 
-    name: str = opt("tidal", "run name (MLflow run name, weight dir name)")
+    name: str = opt("tidal", "run name: part of the run folder's, the weights folder's and the Redis streams' names; "
+                             "letters, digits and _ . - (at most 128, starting with a letter or digit)")
     run_dir: str = opt("", "output folder; empty = runs/<name>-<timestamp>")
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -45,6 +49,9 @@ class RunConfig(Section):
             value = getattr(self, part.name)
             if isinstance(value, Section):
                 value.check()
+        _require(RUN_NAME.fullmatch(self.name) is not None, "name", self.name,
+                 "letters, digits and _ . - only, starting with a letter or digit, at most 128 characters (it names "
+                 "folders and Redis keys: a / or .. would put them outside their place)")
         for rule in CROSS_SECTION_RULES:
             rule(self)
 
