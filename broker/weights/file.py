@@ -4,6 +4,12 @@ cluster) and announces it with a sha256 per byte range (`weights.bucket_mib`), n
 the whole file, over the authenticated broker. Each actor copies the file once into memory of its
 own (tcp's staging), checks the copy's ranges on several threads, and its workers load that copy
 in place: what was checked is what loads, whatever a writer of the folder does meanwhile.
+
+The run's own folder (weights.dir empty: a name in /dev/shm anyone can work out from the run folder)
+is made 0700 by the learner, or taken back from an earlier run of the same user; one another user
+made first is refused, since whoever owns it reads every version and can plant links in it. Files
+are written without following a link, so a link planted in a configured folder is never written
+through.
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import asyncio
 import json
 import os
 import shutil
+import stat
 import struct
 import weakref
 from pathlib import Path
@@ -68,7 +75,10 @@ class FilePublisher(WeightPublisher):
         self.dtype = dtype  # what the actors serve: weights travel in it (master weights may be fp32)
         self.owns_dir = owns_dir  # the run's own folder (the default): removed by close()
         self.directory = Path(cfg.dir)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        if owns_dir:
+            own_folder(self.directory)
+        else:
+            self.directory.mkdir(parents=True, exist_ok=True)
         self.keep = max(cfg.keep, 2)  # an actor may still be reading the previous file
 
     def publish(self, named_tensors, version: int, entries=None) -> WeightUpdate:
@@ -81,8 +91,8 @@ class FilePublisher(WeightPublisher):
         # serialized in memory, so the ranges' checksums come from the bytes written, not a second read;
         # pairs made one at a time (a sharded learner's gathers) reach host memory one at a time
         data = save(unshared(named_tensors, dtype), metadata={"version": str(version)})
-        tmp.write_bytes(data)
-        os.replace(tmp, path)  # atomic: readers see the whole file or none
+        write_new(tmp, data)
+        os.replace(tmp, path)  # atomic: readers see the whole file or none (a link at `path` is replaced, not followed)
         self._prune(version)
         return WeightUpdate(version=version, transport=NAME, location=str(path), manifest=read_manifest(path),
                             checksum="", incarnation=self.incarnation,
@@ -97,6 +107,37 @@ class FilePublisher(WeightPublisher):
         """The default folder lives in /dev/shm: give its memory back. A configured one is left alone."""
         if self.owns_dir:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class ForeignFolder(PermissionError):
+    """The run's own weights folder exists and is not this user's."""
+
+
+def own_folder(path: Path) -> None:
+    """Make `path` 0700, or take it back from an earlier run of this user (a crash leaves it); a folder
+    (or a link) another user put there first is refused, naming its owner."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+        return
+    except FileExistsError:
+        pass
+    found = os.lstat(path)
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.geteuid():
+        what = "a directory" if stat.S_ISDIR(found.st_mode) else "not a directory"
+        raise ForeignFolder(f"the run's weights folder {path} exists, {what} of uid {found.st_uid}, not this "
+                            f"process's user (uid {os.geteuid()}): whoever made it could read every version; remove "
+                            "it or set weights.dir")
+    os.chmod(path, 0o700)
+
+
+def write_new(path: Path, data: bytes) -> None:
+    """`data` into a new file at `path`: a file or link left there is removed first, and the open neither
+    follows a link nor reuses a file another process made in between."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
 
 
 class FileReceiver(WeightReceiver):

@@ -356,3 +356,64 @@ def test_a_weights_file_rewritten_after_its_check_changes_nothing_loaded(publish
     engine.transfer_weights = swapped_meanwhile
     asyncio.run(build_receiver(cfg).apply(update, engine))
     assert engine.swaps == [3] and all(torch.equal(engine.loaded[k], v) for k, v in state.items())
+
+
+# ---- the run's own folder: made by the learner, never another user's ----------------------------------
+
+NOBODY = 65534
+
+
+def own_default_folder(tmp_path, name: str = "run"):
+    """weights.dir as a run resolves it when empty (its own folder in /dev/shm), and its config."""
+    from tidal.config import default_weights_dir
+
+    run_dir = tmp_path / name
+    return weights_config("file", dir=default_weights_dir("tidal", run_dir)), run_dir
+
+
+def test_the_runs_own_weights_folder_is_0700_and_a_link_planted_in_a_folder_is_not_written_through(tmp_path):
+    """Writes went through `weights-vNNNNNN.tmp` with a plain open, which follows a link: one planted
+    there made the learner overwrite a file its planter could not write. Now the link is replaced."""
+    from conftest import ALPHABET, TINY
+    from tidal.tiny import build_tiny_model
+
+    model, _ = build_tiny_model(TINY, ALPHABET, seed=0)
+    cfg, run_dir = own_default_folder(tmp_path)
+    publisher = build_publisher(cfg, "inc", "tidal", str(run_dir))
+    try:
+        folder = publisher.directory
+        assert oct(folder.stat().st_mode & 0o777) == "0o700"
+        target = tmp_path / "not-the-learners.txt"
+        target.write_text("kept")
+        (folder / "weights-v000000.tmp").symlink_to(target)
+        publisher.publish(model.state_dict(), version=0)
+        assert target.read_text() == "kept" and not (folder / "weights-v000000.tmp").exists()
+    finally:
+        publisher.close()
+
+
+def test_a_folder_of_this_users_left_by_a_crash_is_taken_back_private(tmp_path):
+    cfg, run_dir = own_default_folder(tmp_path, "crashed")
+    os.makedirs(cfg.dir, mode=0o755, exist_ok=True)
+    os.chmod(cfg.dir, 0o755)
+    publisher = build_publisher(cfg, "inc", "tidal", str(run_dir))
+    try:
+        assert oct(publisher.directory.stat().st_mode & 0o777) == "0o700"
+    finally:
+        publisher.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a folder of another user's needs root")
+def test_the_runs_weights_folder_made_first_by_another_user_is_refused(tmp_path):
+    """Its name follows from the run folder's: `nobody` made it (0777) and read every version."""
+    from tidal.broker.weights.file import ForeignFolder
+
+    cfg, run_dir = own_default_folder(tmp_path, "squatted")
+    os.makedirs(cfg.dir, exist_ok=True)
+    os.chown(cfg.dir, NOBODY, NOBODY)
+    os.chmod(cfg.dir, 0o777)
+    try:
+        with pytest.raises(ForeignFolder, match=f"uid {NOBODY}"):
+            build_publisher(cfg, "inc", "tidal", str(run_dir))
+    finally:
+        os.rmdir(cfg.dir)
