@@ -7,7 +7,9 @@ to its key: a peer is who its key says, whatever id it claims.
 
 `tidal keys DIR --actors actor-0,actor-1` makes them; `tidal run` makes a set of its own in the run
 folder (`run_keys`); on Kubernetes they come from a Secret. Folders are 0700 and key files 0600:
-a secret key readable by another user would let that user be the learner or an actor.
+a secret key readable by another user would let that user be the learner or an actor. A folder
+another user made first is refused (ForeignKeys), and the learner trusts only key files owned by its
+own user or root: that user could otherwise add a key of its own and be granted work.
 """
 from __future__ import annotations
 
@@ -28,6 +30,10 @@ log = logging.getLogger(__name__)
 
 LEARNER = "learner"
 FOLDER_MODE, FILE_MODE = 0o700, 0o600
+
+
+class ForeignKeys(ValueError):
+    """A keys folder of another user's: whoever owns it can put keys in it."""
 
 
 def check_actor_id(actor_id: str) -> str:
@@ -67,7 +73,17 @@ def _private_folder(path: Path) -> None:
     # made 0700 (mkdir's mode is cut by the umask, and an existing folder keeps its own): the key files
     # are written before their chmod, so nobody else may look inside in between
     path.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
+    _check_owner(path)
     _tighten(path, FOLDER_MODE)
+
+
+def _check_owner(path: Path, root_too: bool = False) -> None:
+    """`path` (a link followed) belongs to this process's user, or to root where `root_too` (a Secret's
+    mount, read-only keys an administrator put there)."""
+    owner, me = path.stat().st_uid, os.geteuid()
+    if owner != me and not (root_too and owner == 0):
+        raise ForeignKeys(f"{path} belongs to uid {owner}, not to this process's user (uid {me}): whoever made it "
+                          "can add keys the learner would trust; remove it or choose another folder")
 
 
 def _tighten(path: Path, mode: int) -> None:
@@ -117,6 +133,10 @@ class ActorKeys(ThreadAuthenticator):
         self.folder = Path(keys_dir) / "actors"
         self.actor_of: dict[bytes, str] = {}
         self.read_at: float | None = None
+        self.skipped: set[str] = set()  # key files of another user's, each said once
+        for folder in (Path(keys_dir), self.folder):
+            if folder.exists():
+                _check_owner(folder, root_too=True)
         self._read()
         if not self.actor_of:
             raise FileNotFoundError(f"no actor keys in {self.folder} (make them with `tidal keys DIR --actors ...`)")
@@ -146,7 +166,20 @@ class ActorKeys(ThreadAuthenticator):
         if changed == self.read_at:
             return
         try:
-            self.actor_of = {zmq.auth.load_certificate(str(p))[0]: p.stem for p in sorted(self.folder.glob("*.key"))}
+            self.actor_of = {zmq.auth.load_certificate(str(p))[0]: p.stem for p in self._trusted()}
         except (OSError, ValueError):  # a key file being written as we read: the next attempt reads again
             return
         self.read_at = changed
+
+    def _trusted(self) -> list[Path]:
+        """The folder's public keys that this user or root wrote."""
+        me, kept = os.geteuid(), []
+        for path in sorted(self.folder.glob("*.key")):
+            owner = path.stat().st_uid
+            if owner in (me, 0):
+                kept.append(path)
+            elif path.name not in self.skipped:
+                self.skipped.add(path.name)
+                log.warning("actor key %s belongs to uid %d, not to this user (uid %d) or root: not trusted",
+                            path, owner, me)
+        return kept

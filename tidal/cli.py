@@ -335,7 +335,7 @@ def _keys(folder: str, actors: str) -> int:
 
     try:
         out = generate(folder, [a for a in actors.split(",") if a])
-    except ValueError as err:  # an actor id that is not a plain name; nothing was written
+    except ValueError as err:  # an actor id that is not a plain name, a folder of another user's: nothing written
         print(f"tidal keys: {err}", file=sys.stderr)
         return 2
     print(f"{out}: give the learner {out}/learner.key_secret and actors/*.key; each actor learner.key "

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
-from tidal.broker.zmq_keys import generate, run_keys
+from tidal.broker.zmq_keys import ForeignKeys, generate, run_keys
 from tidal.config import BrokerType, RunConfig, resolve, write_config
 from tidal.files import run_marks, used_run_dir
 from tidal.learner.tracking import log_final_logs, mlflow_ui_lines
@@ -74,7 +74,10 @@ def with_run_keys(cfg: RunConfig) -> RunConfig:
     if cfg.broker.type is not BrokerType.zmq:
         return cfg
     actor_ids = [f"actor-{i}" for i in range(cfg.actor.replicas)]
-    keys_dir = generate(z.keys_dir, actor_ids) if z.keys_dir else run_keys(cfg.run_dir, actor_ids)
+    try:
+        keys_dir = generate(z.keys_dir, actor_ids) if z.keys_dir else run_keys(cfg.run_dir, actor_ids)
+    except ForeignKeys as err:
+        raise LaunchError(str(err)) from None
     return replace(cfg, broker=replace(cfg.broker, zmq=replace(z, curve="on", keys_dir=str(Path(keys_dir).resolve()))))
 
 
@@ -139,7 +142,7 @@ def _spawn(name: str, role: str, args: list[str], run_dir: Path, slot: Slot, res
 def start_redis(cfg: RunConfig, run_dir: Path) -> tuple[Child, str]:
     """A local redis-server for this run: AOF on with fsync per write, data in run_dir/redis,
     so `--resume` finds the streams where the crashed run left them, and a password of its own,
-    generated, in a 0600 config file and in the environment of this launcher's children (never in
+    generated, in a 0600 config file (in a 0700 folder) and in the environment of this launcher's children (never in
     config.yaml or on a command line). Returns it and its URL."""
     server = shutil.which("redis-server")
     if server is None:
@@ -148,6 +151,9 @@ def start_redis(cfg: RunConfig, run_dir: Path) -> tuple[Child, str]:
     port = cfg.broker.redis.embedded_port or free_port()
     data = run_dir / "redis"
     data.mkdir(exist_ok=True)
+    # its files (the AOF holds every announcement, weight tokens included) are written under redis-server's
+    # umask, readable by every local user: the folder is what keeps them the run's own
+    os.chmod(data, 0o700)
     log_path = run_dir / "logs" / "redis.log"
     (run_dir / "logs").mkdir(exist_ok=True)
     password = secrets.token_urlsafe(32)

@@ -314,7 +314,8 @@ def test_a_group_left_pending_is_not_acknowledged_by_the_next_commit(redis_serve
 
 def test_the_embedded_redis_server_has_a_password_of_its_own(tmp_path, monkeypatch):
     """`broker.redis.embedded` servers refuse a client without the password, which reaches the run's
-    processes through the environment only (never config.yaml, never a command line)."""
+    processes through the environment only (never config.yaml, never a command line); its files are in a
+    folder no other user can enter."""
     from tidal.config import load_config
     from tidal.launcher import start_redis, stop_children
 
@@ -329,6 +330,10 @@ def test_the_embedded_redis_server_has_a_password_of_its_own(tmp_path, monkeypat
         assert redis.Redis.from_url(url, password=password).ping()
         assert password not in " ".join(child.args) and len(password) >= 32
         assert oct((tmp_path / "redis" / "redis.conf").stat().st_mode & 0o777) == "0o600"
+        # the AOF (announcements, weight tokens) is written under redis-server's umask: its folder keeps it
+        assert redis.Redis.from_url(url, password=password).set("k", "v")
+        assert any((tmp_path / "redis").rglob("*.aof"))
+        assert oct((tmp_path / "redis").stat().st_mode & 0o777) == "0o700"
     finally:
         stop_children([child])
 

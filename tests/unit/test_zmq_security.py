@@ -64,6 +64,56 @@ def test_keys_that_cannot_be_changed_are_used_as_they_are(tmp_path, monkeypatch,
     assert [r.getMessage().split(" is ")[0] for r in caplog.records] == [str(keys / "learner.key")]
 
 
+NOBODY = 65534
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="making a folder of another user's needs root")
+
+
+@needs_root
+def test_a_keys_folder_another_user_made_first_is_refused_and_nothing_is_written(tmp_path, capsys):
+    """`nobody` made shared/actors (0777) first: tightening its mode left it theirs, and a key they added
+    there was granted work. Now `tidal keys` and `tidal run` refuse the folder, naming its owner."""
+    from tidal.cli import main
+
+    (tmp_path / "shared" / "actors").mkdir(parents=True)
+    for folder in (tmp_path / "shared", tmp_path / "shared" / "actors"):
+        os.chown(folder, NOBODY, NOBODY)
+        folder.chmod(0o777)
+    assert main(["keys", str(tmp_path / "shared"), "--actors", "actor-0"]) == 2
+    assert f"belongs to uid {NOBODY}" in capsys.readouterr().err
+    assert not any((tmp_path / "shared").rglob("*.key*"))
+    run = tmp_path / "run"
+    (run / "keys").mkdir(parents=True)
+    os.chown(run / "keys", NOBODY, NOBODY)
+    with pytest.raises(Exception, match=f"belongs to uid {NOBODY}"):
+        with_run_keys(RunConfig(run_dir=str(run)))
+
+
+@needs_root
+def test_the_learner_trusts_no_key_file_of_another_user(tmp_path):
+    keys = generate(tmp_path / "keys", ["actor-0"])
+    evil = generate(tmp_path / "evil", ["evil"])
+    planted = keys / "actors" / "evil.key"
+    planted.write_bytes((evil / "actors" / "evil.key").read_bytes())
+    os.chown(planted, NOBODY, NOBODY)
+    side = ZmqLearnerTransport(BrokerConfig(zmq=ZmqConfig(curve="on", keys_dir=str(keys))), WireCodec(1 << 20))
+    side.submit_prompts([prompt(0)])
+
+    async def ask(keys_dir, actor_id):
+        t = ZmqActorTransport(actor_config(side, curve="on", keys_dir=str(keys_dir)), WireCodec(1 << 20), actor_id)
+        try:
+            await t.heartbeat(hello(actor_id))
+            return await t.request_work(8, timeout_s=1)
+        finally:
+            t.close()
+
+    try:
+        (evil / "learner.key").write_bytes((keys / "learner.key").read_bytes())
+        assert asyncio.run(ask(evil, "evil")) == []  # a grant comes within milliseconds to a trusted key
+        assert [g.group_id for g in asyncio.run(ask(keys, "actor-0"))] == ["r-0"]
+    finally:
+        side.close()
+
+
 @pytest.mark.parametrize("bad", ["../x", "a/b", "", "x" * 129, ".hidden", "/abs"])
 def test_an_actor_id_that_could_leave_the_keys_folder_is_refused_before_anything_is_written(tmp_path, bad):
     with pytest.raises(ValueError, match="actor id .* is not valid"):
