@@ -583,3 +583,93 @@ def test_a_remote_reward_that_keeps_failing_names_its_url(reward_server, monkeyp
     with pytest.raises(RewardFailed, match=rf"reward function length raised ConnectionError: {url}: 3 tries failed"):
         score_group(env, ["3"])
     assert seen["requests"] == 3
+
+
+@pytest.fixture
+def odd_server():
+    """A real HTTP server on loopback that misbehaves as `mode` says: drip (a reply a byte at a time,
+    counting what it got out before the client hung up), huge (17 MiB), redirect (to `target`)."""
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen = {"mode": "drip", "dripped": 0, "target": "", "requests": 0, "hung_up": threading.Event()}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen["requests"] += 1
+            self.rfile.read(int(self.headers["Content-Length"]))
+            if seen["mode"] == "redirect":
+                self.send_response(302)
+                self.send_header("Location", seen["target"])
+                self.end_headers()
+                return
+            body = b" " * (17 << 20) if seen["mode"] == "huge" else b'{"rewards": [1.0]}' + b" " * 200
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            try:
+                if seen["mode"] == "huge":
+                    self.wfile.write(body)
+                    return
+                for i in range(len(body)):
+                    self.wfile.write(body[i:i + 1])
+                    self.wfile.flush()
+                    seen["dripped"] = i + 1
+                    time.sleep(0.05)
+            except (BrokenPipeError, ConnectionResetError):
+                seen["hung_up"].set()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_dripped_reply_is_cut_off_at_the_timeout_not_read_byte_by_byte(odd_server):
+    """remote_timeout_s was a per-read timeout: a reply dripped a byte at a time took 30 s against 2. Now
+    the whole POST ends at the timeout: the client hangs up long before the 218 bytes are out."""
+    from tidal.tasks.rewards import RemoteReward
+
+    url, seen = odd_server
+    reward = RemoteReward(f"{url}/score", timeout_s=1.0, retries=0)
+    with pytest.raises(ConnectionError, match="TimeoutError"):
+        reward.post([{"completion": "3"}])
+    assert seen["hung_up"].wait(30) and seen["dripped"] < 218
+
+
+def test_a_huge_reply_is_refused_unread_and_a_redirect_is_not_followed(odd_server, reward_server):
+    from tidal.tasks.rewards import RemoteReward
+
+    url, seen = odd_server
+    seen["mode"] = "huge"
+    with pytest.raises(ConnectionError, match="a reply of more than 16777216 bytes"):
+        RemoteReward(f"{url}/score", timeout_s=10, retries=0).post([{"completion": "3"}])
+    target, target_seen = reward_server
+    seen["mode"], seen["target"] = "redirect", target
+    with pytest.raises(ConnectionError, match=r"HTTP 302 \(redirects are not followed\)"):
+        RemoteReward(f"{url}/score", timeout_s=10, retries=0).post([{"completion": "3"}])
+    assert target_seen["requests"] == 0
+
+
+def test_credentials_in_a_remote_rewards_url_are_shown_nowhere(reward_server, monkeypatch):
+    """A password and a token in the URL were in the MLflow params, config.yaml's artifact, the metric's
+    name (rewards/score_token_S3cretTok/mean) and the failure text that travels to the learner."""
+    from tidal.config import flatten, redacted_config, to_yaml
+    from tidal.tasks.rewards import RemoteReward
+
+    monkeypatch.setattr(RemoteReward, "RETRY_PAUSE_S", 0.0)
+    url, seen = reward_server
+    secret = url.replace("http://", "http://rw:S3cret@") + "?token=S3cretTok"
+    cfg = load_config(None, [f"task.reward_funcs=['{secret}']"])
+    shown = redacted_config(cfg)
+    assert "S3cret" not in to_yaml(shown) and "S3cret" not in json.dumps(flatten(shown))
+    [func] = load_reward_funcs(cfg.task)
+    assert func.name == "length"
+    seen["fail_first"] = 10
+    with pytest.raises(ConnectionError) as err:
+        func.fn.post([{"completion": "3"}])
+    assert "S3cret" not in str(err.value) and "rw:***@" in str(err.value)

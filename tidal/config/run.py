@@ -123,7 +123,9 @@ def flatten(cfg: RunConfig) -> dict[str, str]:
 
 
 def redacted_config(cfg: RunConfig) -> RunConfig:
-    """The config as it may be shown: the URIs that can carry credentials redacted."""
+    """The config as it may be shown: the URIs that can carry credentials redacted (remote rewards'
+    among task.reward_funcs too)."""
     redis = replace(cfg.broker.redis, url=redact_uri(cfg.broker.redis.url))
+    funcs = [redact_uri(f) if f.startswith(("http://", "https://")) else f for f in cfg.task.reward_funcs]
     return replace(cfg, tracking=replace(cfg.tracking, uri=redact_uri(cfg.tracking.uri)),
-                   broker=replace(cfg.broker, redis=redis))
+                   broker=replace(cfg.broker, redis=redis), task=replace(cfg.task, reward_funcs=funcs))

@@ -51,7 +51,7 @@ class TaskConfig(Section):
                            "pass_threshold: the accuracy of accuracy + 0.2 x format, so a format bonus is no pass; "
                            "empty = the weighted sum (the reward)")
     remote_timeout_s: float = opt(30.0, "a remote reward (an http:// or https:// URL in reward_funcs): each POST of a "
-                                        "batch waits this long")
+                                        "batch, its whole reply included, ends within this long")
     remote_retries: int = opt(2, "more tries of a remote reward's failed POST (error status, timeout, refused)")
 
     def check(self) -> None:

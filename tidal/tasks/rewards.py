@@ -26,20 +26,21 @@ from __future__ import annotations
 
 import asyncio
 import difflib
+import http.client
 import inspect
 import json
 import math
 import re
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from types import ModuleType
 from typing import Any
+from urllib.parse import urlsplit
 
-from tidal.config import ConfigError, TaskConfig, reward_file
+from tidal.config import ConfigError, TaskConfig, redact_uri, reward_file
 from tidal.tasks.env import Env, is_async
 from tidal.tasks.user_code import defined_at, import_file, import_module, one_line, where_raised
 
@@ -351,20 +352,30 @@ class BatchedReward:
 
 class RemoteReward(BatchedReward):
     """A reward served over HTTP: a batch goes in one POST of JSON {"samples": [<keyword arguments>, ...]},
-    answered with {"rewards": [float, ...]} in the same order; each POST waits at most `timeout_s`, and a
-    failed one is tried `retries` more times."""
+    answered with {"rewards": [float, ...]} in the same order. Each POST, reply included, ends within
+    `timeout_s` (a server that drips its reply is cut off there), its reply is at most MAX_REPLY_BYTES,
+    a redirect is a failure (never followed), and a failed one is tried `retries` more times. The POSTs
+    run on threads of the reward's own, so a slow server never holds the threads that other reward
+    functions and environment steps run on. Its URL is shown with credentials as *** wherever it
+    appears (errors travel to the learner)."""
 
     RETRY_PAUSE_S = 0.2  # first pause between tries, doubled after each
+    MAX_REPLY_BYTES = 16 << 20  # a float per sample needs far less
+    THREADS = 4  # POSTs in flight at once per remote reward; more wait their turn
 
     def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 2):
         super().__init__()
         self.url, self.timeout_s, self.retries = url, timeout_s, retries
-        path = url.split("://", 1)[1].rstrip("/")
-        last = path.rsplit("/", 1)[-1] if "/" in path else path
-        self.__name__ = re.sub(r"[^\w.-]", "_", last)  # the metric's name: the URL's last part
+        self.shown = redact_uri(url)
+        parts = urlsplit(url)
+        last = parts.path.rstrip("/").rsplit("/", 1)[-1] or parts.hostname or "remote"
+        self.__name__ = re.sub(r"[^\w.-]", "_", last)  # the metric's name: the URL path's last part, no query
+        self._pool: ThreadPoolExecutor | None = None
 
     async def call_batch(self, samples: list[dict]) -> list:
-        return await asyncio.to_thread(self.post, samples)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.THREADS, thread_name_prefix=f"reward-{self.__name__}")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.post, samples)
 
     def post(self, samples: list[dict]) -> list[float]:
         """One batch's rewards, tried 1 + retries times; raises naming the URL and the last failure."""
@@ -374,16 +385,55 @@ class RemoteReward(BatchedReward):
             if attempt:
                 time.sleep(pause)
                 pause *= 2
-            request = urllib.request.Request(self.url, body, {"Content-Type": "application/json"}, method="POST")
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    answer = json.loads(response.read())
-            except (urllib.error.URLError, TimeoutError, OSError, json.JSONDecodeError) as err:
-                failure = f"{type(err).__name__}: {getattr(err, 'reason', None) or err}"
+                answer = json.loads(self.post_once(body))
+            except (RemoteFailed, TimeoutError, OSError, http.client.HTTPException, json.JSONDecodeError) as err:
+                failure = f"{type(err).__name__}: {err}"
                 continue
             rewards = answer.get("rewards") if isinstance(answer, dict) else None
             if not (isinstance(rewards, list) and len(rewards) == len(samples)):
-                raise ValueError(f"{self.url} answered {repr(answer)[:80]}, not {{\"rewards\": [...]}} with "
+                raise ValueError(f"{self.shown} answered {repr(answer)[:80]}, not {{\"rewards\": [...]}} with "
                                  f"{len(samples)} values")
             return rewards
-        raise ConnectionError(f"{self.url}: {self.retries + 1} tries failed, the last with {failure}")
+        raise ConnectionError(f"{self.shown}: {self.retries + 1} tries failed, the last with {failure}")
+
+    def post_once(self, body: bytes) -> bytes:
+        """One POST's reply body, within timeout_s from its start: every socket wait is given only the
+        time left, so neither a slow connect nor a dripped reply outlasts it."""
+        deadline = time.monotonic() + self.timeout_s
+
+        def left() -> float:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no whole reply within task.remote_timeout_s = {self.timeout_s:g} s")
+            return remaining
+
+        parts = urlsplit(self.url)
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        conn = kind(parts.hostname, parts.port, timeout=left())
+        try:
+            conn.connect()
+            sock = conn.sock  # the response reads from it too, even once the connection hands it over
+            conn.request("POST", (parts.path or "/") + (f"?{parts.query}" if parts.query else ""), body,
+                         {"Content-Type": "application/json"})
+            sock.settimeout(left())
+            response = conn.getresponse()
+            if response.status >= 300:  # a redirect is not followed: its target was never configured
+                raise RemoteFailed(f"HTTP {response.status}" + (" (redirects are not followed)"
+                                                                if response.status < 400 else ""))
+            chunks, size = [], 0
+            while True:
+                sock.settimeout(left())
+                chunk = response.read1(1 << 16)
+                if not chunk:
+                    return b"".join(chunks)
+                size += len(chunk)
+                if size > self.MAX_REPLY_BYTES:
+                    raise RemoteFailed(f"a reply of more than {self.MAX_REPLY_BYTES} bytes")
+                chunks.append(chunk)
+        finally:
+            conn.close()
+
+
+class RemoteFailed(RuntimeError):
+    """A remote reward's server answered with an error, a redirect or too many bytes."""
