@@ -53,6 +53,7 @@ from tidal.broker.base import (
 )
 from tidal.broker.schema import Heartbeat, PromptGroup, RolloutGroup, Shutdown, WeightUpdate, WireCodec, WireError
 from tidal.config import RedisConfig, redact_uri
+from tidal.logs import SparseLog
 
 log = logging.getLogger(__name__)
 
@@ -335,6 +336,7 @@ class RedisLearnerTransport(LearnerTransport):
     def __init__(self, cfg: RedisConfig, codec: WireCodec, run: str, actor_timeout_s: float, fresh: bool,
                  max_actors: int = 1024):
         self.cfg, self.codec = cfg, codec
+        self.sparse = SparseLog(log)  # refused entries: a line at the 1st, 10th, 100th ... of each reason
         self.keys = StreamKeys(cfg.prefix, run)
         self.link = Reconnect(cfg, relieve=self.relieve)
         self.r = redis.Redis.from_url(cfg.url, **client_kwargs(cfg, cfg.block_ms))
@@ -526,8 +528,8 @@ class RedisLearnerTransport(LearnerTransport):
         for (entry_id, group), (why, prompt_entry) in zip(decoded, self.receipts.check([g for _, g in decoded])):
             if why is not None:  # never delivered to that actor: dropped, counted, and no slot freed
                 self.codec.rejected[why] += 1
-                log.warning("refused rollout entry %s (group %s from %s): %s", entry_id.decode(),
-                            group.group_id[:80], group.actor_id, why)
+                self.sparse.warning(f"rollout entries refused ({why})", "refused rollout entry %s (group %s from %s)",
+                                    entry_id.decode(), group.group_id[:80], group.actor_id)
                 self._forget(entry_id)
                 self._seen.discard(entry_id)
             else:
@@ -552,7 +554,8 @@ class RedisLearnerTransport(LearnerTransport):
         try:
             return self.codec.decode(frame, expect=RolloutGroup)
         except WireError as err:
-            log.warning("rejected rollout entry %s: %s", entry_id.decode(), err)
+            self.sparse.warning(f"rollout entries rejected ({err.reason})", "rejected rollout entry %s: %s",
+                                entry_id.decode(), err)
             self._dead_letter(entry_id, frame, err.reason)
             return None
 

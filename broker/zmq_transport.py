@@ -74,6 +74,7 @@ from tidal.broker.schema import (
 )
 from tidal.broker.zmq_keys import ActorKeys, require_keys, secure_client, secure_server
 from tidal.config import BrokerConfig, curve_on
+from tidal.logs import SparseLog, power_of_ten
 
 log = logging.getLogger(__name__)
 
@@ -266,6 +267,7 @@ class ZmqLearnerTransport(LearnerTransport):
         self._control_codec = WireCodec(cfg.max_control_bytes)
         self._control_codec.rejected = codec.rejected  # one count of rejected frames
         self._grants = GrantTable(cfg.actor_timeout_s, cfg.max_actors)
+        self._sparse = SparseLog(log)  # what peers send that is refused: a line at the 1st, 10th, 100th ...
         self._rate = _RateLimit(CONTROL_RATE)
         # requests waiting for prompts, by connection, in arrival order: the newest of each (an actor has one open)
         self._parked: dict[bytes, tuple[WorkRequest, float]] = {}
@@ -467,7 +469,7 @@ class ZmqLearnerTransport(LearnerTransport):
     def _watch_connections(self) -> None:
         for conns in refuse_beyond_cap(self._conns):
             self._refuse("too_many_connections", f"a connection to the {conns.name} socket beyond its {conns.cap} "
-                         "(broker.zmq.max_connections)", quiet=True)
+                         "(broker.zmq.max_connections)")
 
     def _repeat_announcement(self, pub: zmq.Socket) -> None:
         with self._lock:
@@ -482,7 +484,8 @@ class ZmqLearnerTransport(LearnerTransport):
         try:
             group = self._codec.decode(frame.buffer, expect=RolloutGroup)
         except WireError as err:
-            log.warning("rejected a frame on the rollout stream: %s", err)
+            self._sparse.warning(f"rollout frames rejected ({err.reason})",
+                                 "rejected a frame on the rollout stream: %s", err)
             return None
         if self._authenticated and frame.get("User-Id") != group.actor_id:
             self._refuse("impersonation", f"rollout {group.group_id} claims {group.actor_id!r} "
@@ -505,12 +508,13 @@ class ZmqLearnerTransport(LearnerTransport):
             # one budget per actor, however many connections it opens: its key's, else the id it claims
             sender = frame.get("User-Id").encode() if self._authenticated else claimed_actor(identity.bytes)
             if not self._rate.allow(sender):
-                self._refuse("rate_limited", f"control messages from {identity.bytes[:40]!r}", quiet=True)
+                self._refuse("rate_limited", f"control messages from {identity.bytes[:40]!r}")
                 continue
             try:
                 msg = self._control_codec.decode(frame.buffer, expect=(Heartbeat, WorkRequest))
             except WireError as err:
-                log.warning("rejected a frame on the control socket from %r: %s", identity.bytes[:40], err)
+                self._sparse.warning(f"control frames rejected ({err.reason})",
+                                     "rejected a frame on the control socket from %r: %s", identity.bytes[:40], err)
                 continue
             wrong_key = self._authenticated and frame.get("User-Id") != msg.actor_id
             if msg.actor_id.encode() != claimed_actor(identity.bytes) or wrong_key:
@@ -530,13 +534,14 @@ class ZmqLearnerTransport(LearnerTransport):
         self._parked.pop(identity, None)
         self._parked[identity] = (msg, time.monotonic() + (LONG_POLL_S if live else 0.0))
         if not live:
-            self._refuse("unknown_actor", f"work request from {msg.actor_id!r}, which sent no heartbeat", quiet=True)
+            self._refuse("unknown_actor", f"work request from {msg.actor_id!r}, which sent no heartbeat")
 
-    def _refuse(self, reason: str, what: str, quiet: bool = False) -> None:
+    def _refuse(self, reason: str, what: str) -> None:
+        """Counted exactly (broker/rejected/<reason>); logged at the 1st, 10th, 100th ... of each reason."""
         with self._lock:
             self._grants.refused[reason] += 1
             count = self._grants.refused[reason]
-        if not quiet or str(count).rstrip("0") == "1":  # quiet ones at the 1st, 10th, 100th ...
+        if power_of_ten(count):
             log.warning("refused %s: %s (#%d)", what, reason, count)
 
     def _serve_parked(self, router: zmq.Socket) -> None:

@@ -21,6 +21,7 @@ from collections import Counter
 from tidal.broker.schema import COMPONENT_NAME, RolloutGroup, Sample
 from tidal.learner.groups import Release, prompt_digest
 from tidal.learner.refusals import RefusalWatch
+from tidal.logs import power_of_ten
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class Validator:
         if reason is not None:
             self.rejected[reason] += 1
             count = self.rejected[reason]
-            if _is_power_of_ten(count):
+            if power_of_ten(count):
                 log.warning("rejected rollout %s from %s: %s%s (#%d)", group.group_id[:80], group.actor_id, reason,
                             f" ({self.detail})" if self.detail else "", count)
         if self.watch is not None:
@@ -149,7 +150,3 @@ class Validator:
         if not all(env_seconds <= group.gen_seconds + CLOCK_ROUNDING_S for env_seconds in episodes):
             return "timing"
         return None
-
-
-def _is_power_of_ten(n: int) -> bool:
-    return str(n).rstrip("0") == "1"

@@ -32,6 +32,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from tidal.config import ConfigError, TaskConfig
+from tidal.logs import power_of_ten
 from tidal.tasks import Prompt, Split
 from tidal.tasks.data import load_rows, row_payload, split_rows
 
@@ -158,7 +159,7 @@ class Verifier:
                 self._start()  # at once, so its imports overlap with the caller's next sampling
             self.counts[outcome] += 1
             num = self.counts[outcome]
-        if outcome in _WORTH_A_WARNING and _is_power_of_ten(num):
+        if outcome in _WORTH_A_WARNING and power_of_ten(num):
             log.warning("math reward: %s #%d (gold %.60r, completion ending %.80r); the sample scores 0",
                         outcome, num, gold, completion[-80:])
         return outcome
@@ -225,12 +226,6 @@ def _stop(proc: subprocess.Popen, replies, owner_pid: int) -> None:
         proc.wait()
     proc.stdin.close()
     replies.close()
-
-
-def _is_power_of_ten(n: int) -> bool:
-    while n % 10 == 0:
-        n //= 10
-    return n == 1
 
 
 def cap_memory(headroom_bytes: int) -> int:
