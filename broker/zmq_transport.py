@@ -49,6 +49,7 @@ import ctypes
 import logging
 import math
 import os
+import resource
 import secrets
 import socket
 import struct
@@ -73,7 +74,7 @@ from tidal.broker.schema import (
     WorkRequest,
 )
 from tidal.broker.zmq_keys import ActorKeys, require_keys, secure_client, secure_server
-from tidal.config import BrokerConfig, curve_on
+from tidal.config import BrokerConfig, ConfigError, curve_on
 from tidal.logs import SparseLog, power_of_ten
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ SUBSCRIPTION_BYTES = 1024
 # learner heard no request, or no rollout, until its timeout. The config refuses such marks; this floor
 # holds for a transport built without that check.
 MIN_MARK = 2
+FILES_OF_ITS_OWN = 512  # what a learner opens beside its connections: weights, checkpoints, logs, libraries
 SUBSCRIPTION_HWM = 16  # subscriptions held unread per connection (the PUB socket takes them as it sends)
 # a peer whose host is gone is noticed by TCP keepalive within ~2 minutes: the learner never writes to a
 # rollout connection and rarely to a control one, and the connection would hold its place under the cap
@@ -137,20 +139,51 @@ def control_mark(cfg: BrokerConfig) -> int:
     return max(MIN_MARK, cfg.zmq.control_hwm)
 
 
-def connection_cap(cfg: BrokerConfig) -> int:
+def connection_cap(cfg: BrokerConfig, open_files: int | None = None) -> int:
     """TCP connections each learner socket keeps open: broker.zmq.max_connections, else twice
-    broker.max_actors (an actor holds one per socket; the rest is room for reconnects and strangers)."""
-    return cfg.zmq.max_connections or 2 * cfg.max_actors
+    broker.max_actors (an actor holds one per socket; the rest is room for reconnects and strangers),
+    fewer where the process's `open_files` could not hold three sockets' worth beside its own files."""
+    if cfg.zmq.max_connections:
+        return cfg.zmq.max_connections
+    auto = 2 * cfg.max_actors
+    return auto if open_files is None else min(auto, (open_files - FILES_OF_ITS_OWN) // 3)
 
 
-def buffer_bound_bytes(cfg: BrokerConfig) -> int:
+def open_file_limit() -> int:
+    """The files this process may open, its soft limit raised to the hard one first (no privilege needed):
+    at a soft limit of 1,024, 1,100 connections under a cap of 2,048 made the learner fail on EMFILE."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):  # an unlimited hard limit beyond what the kernel allows: keep the soft one
+            pass
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def checked_cap(cfg: BrokerConfig, open_files: int) -> int:
+    """The connection cap, once three sockets of it and the learner's own files fit in `open_files`;
+    ConfigError naming the key to lower otherwise."""
+    cap = connection_cap(cfg, open_files)
+    needed = 3 * max(cap, cfg.max_actors) + FILES_OF_ITS_OWN
+    if needed > open_files:
+        key, value = (("broker.zmq.max_connections", cfg.zmq.max_connections) if cfg.zmq.max_connections
+                      else ("broker.max_actors", cfg.max_actors))
+        raise ConfigError(f"config key '{key}' = {value}: 3 sockets x {max(cap, cfg.max_actors)} connections and "
+                          f"{FILES_OF_ITS_OWN} files of the learner's own need {needed} open files, and this process "
+                          f"may open {open_files} (its hard limit, ulimit -Hn): lower {key}, or raise the limit")
+    return cap
+
+
+def buffer_bound_bytes(cfg: BrokerConfig, cap: int | None = None) -> int:
     """The most bytes the learner's sockets hold for their peers (sending a frame a message, as actors do):
     per connection a full queue and the frame decoded beside it, on each socket, times the cap. The kernel's
     TCP buffers come on top."""
     per_connection = ((rollout_mark(cfg) + 1) * cfg.max_message_bytes
                       + (control_mark(cfg) + 1) * cfg.max_control_bytes
                       + (SUBSCRIPTION_HWM + 1) * SUBSCRIPTION_BYTES)
-    return connection_cap(cfg) * per_connection
+    return (cap or connection_cap(cfg)) * per_connection
 
 
 def seed_routing_ids() -> None:
@@ -268,6 +301,7 @@ class ZmqLearnerTransport(LearnerTransport):
         self._control_codec.rejected = codec.rejected  # one count of rejected frames
         self._grants = GrantTable(cfg.actor_timeout_s, cfg.max_actors)
         self._sparse = SparseLog(log)  # what peers send that is refused: a line at the 1st, 10th, 100th ...
+        self._cap = checked_cap(cfg, open_file_limit())  # before any socket: a cap the process cannot hold is refused
         self._rate = _RateLimit(CONTROL_RATE)
         # requests waiting for prompts, by connection, in arrival order: the newest of each (an actor has one open)
         self._parked: dict[bytes, tuple[WorkRequest, float]] = {}
@@ -405,7 +439,7 @@ class ZmqLearnerTransport(LearnerTransport):
             if keys is not None:
                 for sock in (router, pull, pub):
                     secure_server(sock, self._zmq.keys_dir)
-            cap = connection_cap(self._cfg)  # monitored before they bind: no connection goes uncounted
+            cap = self._cap  # monitored before they bind: no connection goes uncounted
             self._conns = [_Connections(name, sock, cap) for name, sock in
                            (("control", router), ("rollout", pull), ("weights", pub))]
             self.ports = {"control": _bind(router, self._zmq.host, self._zmq.control_port),
@@ -413,7 +447,8 @@ class ZmqLearnerTransport(LearnerTransport):
                           "weights": _bind(pub, self._zmq.host, self._zmq.weights_port)}
             self._pull, self._authenticated = pull, keys is not None
             log.info("zmq learner: at most %d connections a socket, holding at most %.1f GiB for their peers "
-                     "(broker.zmq.max_connections; see buffer_bound_bytes)", cap, buffer_bound_bytes(self._cfg) / 2**30)
+                     "(broker.zmq.max_connections; see buffer_bound_bytes)", cap,
+                     buffer_bound_bytes(self._cfg, cap) / 2**30)
             self._ready.set()
             self._loop(router, pub)
         except BaseException as err:  # surfaces in the training thread via _raise_if_failed

@@ -342,3 +342,53 @@ def test_a_peer_whose_host_is_gone_is_noticed_by_tcp_keepalive():
     finally:
         conn.close()
         side.close()
+
+
+# ---- the open-file limit: a cap the process can hold ------------------------------------------------
+
+def test_the_learner_raises_its_soft_open_file_limit_to_the_hard_one():
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
+    try:
+        side = ZmqLearnerTransport(BrokerConfig(max_actors=4), WireCodec(1 << 20))
+        side.close()
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+LOW_LIMIT = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+from tidal.broker.schema import WireCodec
+from tidal.broker.zmq_transport import ZmqLearnerTransport, connection_cap
+from tidal.config import BrokerConfig, ConfigError, ZmqConfig
+explicit = BrokerConfig(max_actors=8, zmq=ZmqConfig(max_connections=2048))
+for cfg in (BrokerConfig(), explicit, BrokerConfig(max_actors=64)):
+    try:
+        side = ZmqLearnerTransport(cfg, WireCodec(1 << 20))
+    except ConfigError as err:
+        print("refused:", err)
+        continue
+    print("cap:", side._cap)
+    side.close()
+"""
+
+
+def test_under_a_hard_limit_of_1024_files_the_cap_fits_it_or_the_learner_refuses_naming_the_key():
+    """At a limit of 1,024 and the cap of 2,048, 1,100 connections to one socket crashed the learner (EMFILE)
+    in about 7 s. Now the default cap is what the limit holds, and a cap or a max_actors it cannot hold is
+    refused before any socket opens."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", LOW_LIMIT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("refused: config key 'broker.max_actors' = 1024: 3 sockets x 1024 connections")
+    assert "may open 1024" in lines[0]
+    assert lines[1].startswith("refused: config key 'broker.zmq.max_connections' = 2048")
+    assert lines[2] == "cap: 128"  # twice max_actors: it fits
+    assert connection_cap(BrokerConfig(max_actors=1024), open_files=2048) == (2048 - 512) // 3
