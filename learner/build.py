@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import uuid
 from collections.abc import Callable
 from functools import partial
@@ -99,7 +100,7 @@ def setup_trainer(cfg: RunConfig, checkpoint: Path | None = None, fresh_if_damag
     newest older one that verifies; none verifying raises NoValidCheckpoint unless rank 0 is told
     `fresh_if_damaged`."""
     lc = cfg.learner
-    torch.set_num_threads(lc.torch_threads)
+    torch.set_num_threads(learner_threads(lc))
     torch.manual_seed(lc.seed)
     accelerator = build_accelerator(lc)
     # sharded, every rank builds the policy empty and reads only its own shards of the weights
@@ -110,6 +111,20 @@ def setup_trainer(cfg: RunConfig, checkpoint: Path | None = None, fresh_if_damag
     checkpointer = Checkpointer(cfg.checkpoint, Path(cfg.run_dir) / "checkpoints", accelerator, trainer)
     return TrainerSetup(accelerator, trainer, checkpointer,
                         checkpointer.agree(checkpoint, fresh_if_damaged, check_resume_state))
+
+
+def learner_threads(lc: LearnerConfig, cores: int | None = None, local_ranks: int | None = None) -> int:
+    """learner.torch_threads, or for 0: one thread, except where a sharded learner offloads to host
+    memory and its optimizer step runs on the CPU: one thread there made an optimizer step at 32B take
+    minutes. `cores` (this process's CPU affinity) are then shared among the node's ranks (torchrun's
+    LOCAL_WORLD_SIZE)."""
+    if lc.torch_threads:
+        return lc.torch_threads
+    if not (lc.fsdp.enabled and lc.fsdp.cpu_offload):
+        return 1
+    cores = cores if cores is not None else len(os.sched_getaffinity(0))
+    local_ranks = local_ranks if local_ranks is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, cores // max(local_ranks, 1))
 
 
 def build_accelerator(cfg: LearnerConfig) -> Accelerator:

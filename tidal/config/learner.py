@@ -315,7 +315,9 @@ class LearnerConfig(Section):
                                          "with all its completions after it (not with flash-attn); auto: packed under "
                                          "flash_attention_2, otherwise padded or shared, whichever computes less each "
                                          "step")
-    torch_threads: int = opt(1, "intra-op threads of the learner")
+    torch_threads: int = opt(0, "intra-op threads of each learner rank; 0 = 1, or with fsdp.cpu_offload (AdamW, the "
+                                "gradient norm and the clip run on the host) the cores the rank owns: its CPU "
+                                "affinity shared among the node's ranks")
     rollout_timeout_s: float = opt(600.0, "no rollout for this long means the actors are gone: the learner fails")
     refusal_patience_steps: int = opt(5, "the run stops when the learner refused most of the last this many steps' "
                                          "worth of rollout groups (a reward outside task.reward_range, ...); 0 = never")
@@ -331,6 +333,7 @@ class LearnerConfig(Section):
         _require(self.refusal_patience_steps >= 0, "learner.refusal_patience_steps", self.refusal_patience_steps,
                  "must be >= 0")
         _require(self.num_ranks >= 1, "learner.num_ranks", self.num_ranks, "must be >= 1")
+        _require(self.torch_threads >= 0, "learner.torch_threads", self.torch_threads, "must be >= 0 (0: chosen)")
         minibatches = self.loss.minibatches_per_step
         _require(self.groups_per_step >= self.num_ranks * minibatches, "learner.groups_per_step", self.groups_per_step,
                  f"every rank needs a group in every mini-batch: at least learner.num_ranks ({self.num_ranks}) x "
