@@ -2,11 +2,12 @@
 package (function-level ones too), so a layering mistake fails here rather than in review.
 
     tidal.kernels                      imports nothing of tidal
-    tidal.broker                       the wire and the channels: only tidal.config and tidal.files
+    tidal.broker                       the wire and the channels: only tidal.config, tidal.files, tidal.logs
     tidal.actor  ─┐  never each other  broker, config, tasks, health, models (+ tiny)
     tidal.learner ┘                    broker, kernels, config, tasks, health, models, tiny
     tidal.config                       nothing of tidal (the weight channel reads its folder rule from it)
     tidal.files                        nothing of tidal (file helpers for anyone)
+    tidal.logs                         nothing of tidal (sparse warnings for anyone)
 """
 import ast
 from pathlib import Path
@@ -14,15 +15,16 @@ from pathlib import Path
 from conftest import ROOT
 
 PACKAGES = {"actor": "actor", "learner": "learner", "broker": "broker", "kernels": "kernels", "tidal": None}
-SHARED = {"config", "tasks", "health", "files"}
+SHARED = {"config", "tasks", "health", "files", "logs"}
 ALLOWED = {
     "kernels": set(),
-    "broker": {"config", "files"},
+    "broker": {"config", "files", "logs"},
     "actor": {"broker", "models", "tiny"} | SHARED,
     "learner": {"broker", "kernels", "models", "tiny", "scaling", "mlflow_store"} | SHARED,
     "config": set(),
-    "tasks": {"config"},
+    "tasks": {"config", "logs"},
     "files": set(),
+    "logs": set(),
     "mlflow_store": set(),
     "scaling": {"config", "mlflow_store"},
 }
