@@ -98,18 +98,18 @@ def test_the_learner_trusts_no_key_file_of_another_user(tmp_path):
     side = ZmqLearnerTransport(BrokerConfig(zmq=ZmqConfig(curve="on", keys_dir=str(keys))), WireCodec(1 << 20))
     side.submit_prompts([prompt(0)])
 
-    async def ask(keys_dir, actor_id):
+    async def ask(keys_dir, actor_id, timeout_s):
         t = ZmqActorTransport(actor_config(side, curve="on", keys_dir=str(keys_dir)), WireCodec(1 << 20), actor_id)
         try:
             await t.heartbeat(hello(actor_id))
-            return await t.request_work(8, timeout_s=1)
+            return await t.request_work(8, timeout_s=timeout_s)  # returns as soon as a grant comes
         finally:
             t.close()
 
     try:
         (evil / "learner.key").write_bytes((keys / "learner.key").read_bytes())
-        assert asyncio.run(ask(evil, "evil")) == []  # a grant comes within milliseconds to a trusted key
-        assert [g.group_id for g in asyncio.run(ask(keys, "actor-0"))] == ["r-0"]
+        assert asyncio.run(ask(evil, "evil", 1)) == []  # a grant comes within milliseconds to a trusted key
+        assert [g.group_id for g in asyncio.run(ask(keys, "actor-0", 30))] == ["r-0"]
     finally:
         side.close()
 
