@@ -69,13 +69,13 @@ def log_tails(run_dir: Path, lines: int = 25) -> str:
     return "".join(tails)
 
 
-def finish(proc: subprocess.Popen, timeout_s: float = 420) -> str:
+def finish(proc: subprocess.Popen, run_dir: Path, timeout_s: float = 420) -> str:
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
-        pytest.fail(f"tidal run did not finish in {timeout_s} s:\n{out[-3000:]}")
+        pytest.fail(f"tidal run did not finish in {timeout_s} s:\n{out[-3000:]}{log_tails(run_dir, lines=60)}")
     return out
 
 
@@ -195,7 +195,7 @@ def test_async_run_with_two_actors_survives_junk_frames_and_a_killed_actor(tmp_p
     junk = threading.Thread(target=send_junk, args=(run_dir,), daemon=True)
     junk.start()
     victim, killed_at = kill_an_actor(run_dir, proc)
-    out = finish(proc)
+    out = finish(proc, run_dir)
     junk.join(timeout=30)
     restart_s, summary, tallies = check_finished_run(run_dir, proc, out, victim, killed_at, steps=ASYNC_STEPS)
     print(f"\nzmq: {victim} back (restarted, weights loaded, hello) {restart_s:.1f} s after SIGKILL; "
@@ -326,7 +326,7 @@ def test_redis_killed_actor_and_redis_restart_lose_nothing(tmp_path):
         back_at = time.time()
         resumed_at = wait_for("training after the Redis restart", lambda: steps_done(run_dir) > step_before + 1,
                               proc, run_dir)
-        out = finish(proc)
+        out = finish(proc, run_dir)
     finally:
         server.stop()
     restart_s, summary, tallies = check_finished_run(run_dir, proc, out, victim, killed_at, steps=24)
@@ -349,7 +349,7 @@ def test_killed_learner_resumes_with_the_same_mlflow_run_and_no_step_twice(tmp_p
     launched = child_pids(proc.pid)
     os.kill(learner_pid, signal.SIGKILL)
     killed_at = time.time()
-    out = finish(proc, timeout_s=120)
+    out = finish(proc, run_dir, timeout_s=120)
     assert proc.returncode == 1 and "learner exited with code -9" in out, out[-3000:]
     # nothing of the killed run lingers to compete with the resumed one (each child leads its own group)
     lingering = [pid for pid in launched if not wait_until_group_is_gone(pid)]
@@ -360,7 +360,7 @@ def test_killed_learner_resumes_with_the_same_mlflow_run_and_no_step_twice(tmp_p
     first_step_at = wait_for("the first step after the resume",
                              lambda: any(e["event"] == "trained" and e["time"] > killed_at for e in ledger(run_dir)),
                              resumed, run_dir)
-    out = finish(resumed)
+    out = finish(resumed, run_dir)
     assert resumed.returncode == 0, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     client = MlflowClient(tracking_uri=summary["mlflow_uri"])
