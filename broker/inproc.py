@@ -104,7 +104,7 @@ class InprocLearnerTransport(LearnerTransport):
 
     def recv_rollout(self, timeout_s: float) -> RolloutGroup | None:
         with self.broker.lock:
-            self.broker.grants.expire_silent_actors()
+            self.broker.grants.expire()
         try:
             frame = self.broker.rollouts.get(timeout=timeout_s)
         except queue.Empty:

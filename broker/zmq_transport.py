@@ -299,7 +299,7 @@ class ZmqLearnerTransport(LearnerTransport):
         self._codec = codec
         self._control_codec = WireCodec(cfg.max_control_bytes)
         self._control_codec.rejected = codec.rejected  # one count of rejected frames
-        self._grants = GrantTable(cfg.actor_timeout_s, cfg.max_actors)
+        self._grants = GrantTable(cfg.actor_timeout_s, cfg.max_actors, cfg.grant_timeout_s)
         self._sparse = SparseLog(log)  # what peers send that is refused: a line at the 1st, 10th, 100th ...
         self._cap = checked_cap(cfg, open_file_limit())  # before any socket: a cap the process cannot hold is refused
         self._rate = _RateLimit(CONTROL_RATE)
@@ -499,7 +499,7 @@ class ZmqLearnerTransport(LearnerTransport):
             if (now := time.monotonic()) >= self._expire_at:
                 self._expire_at = now + POLL_MS / 1000
                 with self._lock:
-                    self._grants.expire_silent_actors()
+                    self._grants.expire()
 
     def _watch_connections(self) -> None:
         for conns in refuse_beyond_cap(self._conns):

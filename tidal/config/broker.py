@@ -107,6 +107,9 @@ class BrokerConfig(Section):
     max_control_bytes: int = opt(4 * 1024 * 1024, "hellos, heartbeats and work requests above this are refused")
     max_actors: int = opt(1024, "live actor ids at once; hellos beyond are refused")
     actor_timeout_s: float = opt(10.0, "an actor silent this long counts as gone (zmq: its groups are re-dispatched)")
+    grant_timeout_s: float = opt(600.0, "zmq: a group granted this long ago and not returned is offered to the other "
+                                        "actors too, the first rollout in counting (raise it above the longest a "
+                                        "group takes to generate; 0: never)")
     zmq: ZmqConfig = field(default_factory=ZmqConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
 
@@ -115,6 +118,7 @@ class BrokerConfig(Section):
         as it always has (a preset switched to redis must not start failing)."""
         for key in ("max_message_bytes", "max_control_bytes", "max_actors"):
             _require(getattr(self, key) >= 1, f"broker.{key}", getattr(self, key), "must be >= 1")
+        _require(self.grant_timeout_s >= 0, "broker.grant_timeout_s", self.grant_timeout_s, "must be >= 0 (0: never)")
         self.zmq.check()
         frame = self.max_message_bytes
         _require(self.zmq.rollout_buffer_bytes >= 2 * frame, "broker.zmq.rollout_buffer_bytes",
