@@ -52,7 +52,7 @@ def parse_sampler(text: str):
     """`none`, `p0.9`, `k50`, `k50p0.95` -> the learner's Sampler at temperature 1."""
     import re
 
-    from tidal.learner.trainer import Sampler
+    from tidal.learner.every_rank.trainer import Sampler
 
     match = re.fullmatch(r"(?:k(\d+))?(?:p([0-9.]+))?", "" if text == "none" else text)
     if match is None:
@@ -98,7 +98,7 @@ def measure(args, backend: str, sampler: str, groups, masks) -> dict:
     from accelerate.state import AcceleratorState
 
     from tidal.config import LearnerConfig, OptimConfig
-    from tidal.learner.trainer import Trainer
+    from tidal.learner.every_rank.trainer import Trainer
 
     AcceleratorState._reset_state(reset_partial_state=True)
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision)

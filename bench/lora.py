@@ -50,8 +50,8 @@ def trainers(cfg, rank: int):
     from accelerate import Accelerator
 
     from tidal.config import LoraConfig
-    from tidal.learner.ranks import WeightPush
-    from tidal.learner.trainer import Trainer, load_policy, policy_dtype
+    from tidal.learner.every_rank.ranks import WeightPush
+    from tidal.learner.every_rank.trainer import Trainer, load_policy, policy_dtype
 
     accelerator = Accelerator(cpu=True)
     lora_cfg = replace(cfg, learner=replace(cfg.learner, lora=LoraConfig(rank=rank, alpha=2.0 * rank)))

@@ -12,8 +12,8 @@ import tempfile
 import tracemalloc
 from pathlib import Path
 
-from tidal.learner.groups import GroupBook, Release
-from tidal.learner.ledger import Ledger
+from tidal.learner.rank0.groups import GroupBook, Release
+from tidal.learner.rank0.ledger import Ledger
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ def trl_history(config: str, seed: int, overrides: list[str], every: int) -> dic
     from trl import GRPOConfig, GRPOTrainer
 
     from tidal.config import load_config, preset_path
-    from tidal.learner.trainer import lr_factor
+    from tidal.learner.every_rank.trainer import lr_factor
     from tidal.models import resolve_model_path
     from tidal.tasks import get_task
 

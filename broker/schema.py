@@ -39,7 +39,7 @@ Text = Annotated[str, Meta(max_length=65_536)]
 Seconds = Annotated[float, Meta(ge=0, le=1e9)]  # NaN and inf fail these bounds too
 # A reward component's name becomes a metric name (rewards/<name>/mean): letters, digits and _ . : -, as a
 # Python function or an entry point is named, so no name is a path or a character a tracking store refuses.
-# Checked by the learner (tidal.learner.validation), which says which name, rather than here at decode.
+# Checked by the learner (tidal.learner.rank0.validation), which says which name, rather than here at decode.
 COMPONENT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]*")
 MAX_COMPONENT = 1e9  # a reward component's magnitude: well past any score, short of squares that overflow a sum
 Info = Annotated[dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=1024)]], Meta(max_length=32)]

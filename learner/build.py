@@ -26,22 +26,22 @@ from tidal.broker.schema import InterruptParams, SamplingParams
 from tidal.broker.weights import build_publisher
 from tidal.config import LearnerConfig, RunConfig, compute_dtype, write_config
 from tidal.health import HealthFile
-from tidal.learner.admission import Admission
-from tidal.learner.checkpoint import Checkpointer, NoValidCheckpoint, folders, read_state, set_aside, survey
-from tidal.learner.coordinator import Coordinator, DispatchPlan
-from tidal.learner.diagnostics import Diagnostics
-from tidal.learner.drift import likely_causes
-from tidal.learner.export import FinalExport
-from tidal.learner.groups import GroupBook
-from tidal.learner.ledger import Ledger
-from tidal.learner.loop import Learner, LearnerParts
-from tidal.learner.ranks import RankGroup, WeightPush
-from tidal.learner.refusals import RefusalWatch
-from tidal.learner.resume import check_resume_state
+from tidal.learner.every_rank.checkpoint import Checkpointer, NoValidCheckpoint, folders, read_state, set_aside, survey
+from tidal.learner.every_rank.ranks import RankGroup, WeightPush
+from tidal.learner.every_rank.trainer import Sampler, Trainer, load_policy, policy_dtype
+from tidal.learner.rank0.admission import Admission
+from tidal.learner.rank0.coordinator import Coordinator, DispatchPlan
+from tidal.learner.rank0.diagnostics import Diagnostics
+from tidal.learner.rank0.drift import likely_causes
+from tidal.learner.rank0.groups import GroupBook
+from tidal.learner.rank0.ledger import Ledger
+from tidal.learner.rank0.loop import Learner, LearnerParts
+from tidal.learner.rank0.refusals import RefusalWatch
+from tidal.learner.rank0.resume import check_resume_state
+from tidal.learner.rank0.tracking import Tracker
+from tidal.learner.rank0.validation import Validator
 from tidal.learner.steps import Follower, Role, StepRunner
-from tidal.learner.tracking import Tracker
-from tidal.learner.trainer import Sampler, Trainer, load_policy, policy_dtype
-from tidal.learner.validation import Validator
+from tidal.learner.tools.export import FinalExport
 from tidal.tasks import PromptEncoder, encode_prompt, get_task
 
 if TYPE_CHECKING:  # imported where used: transformers and accelerate take seconds to import

@@ -15,13 +15,13 @@ import torch.distributed as dist
 
 from tidal.config import LearnerConfig, RunConfig, resolve
 from tidal.files import run_marks, used_run_dir
-from tidal.learner import notices
-from tidal.learner.admission import EpisodesFailing
 from tidal.learner.build import MissingCheckpoint, build, build_follower, find_checkpoint
-from tidal.learner.checkpoint import NoValidCheckpoint
-from tidal.learner.loop import Learner
-from tidal.learner.refusals import RolloutsRefused
-from tidal.learner.warmstart import build_tiny
+from tidal.learner.every_rank.checkpoint import NoValidCheckpoint
+from tidal.learner.rank0 import notices
+from tidal.learner.rank0.admission import EpisodesFailing
+from tidal.learner.rank0.loop import Learner
+from tidal.learner.rank0.refusals import RolloutsRefused
+from tidal.learner.tools.warmstart import build_tiny
 from tidal.models import resolve_model_path
 
 log = logging.getLogger("tidal.learner")

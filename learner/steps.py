@@ -27,10 +27,10 @@ import torch
 from tidal.broker.schema import WeightUpdate
 from tidal.broker.weights import WeightPublisher
 from tidal.health import HealthFile
-from tidal.learner.admission import StepBatch
-from tidal.learner.checkpoint import Checkpointer
-from tidal.learner.ranks import Collective, RankGroup, WeightPush
-from tidal.learner.trainer import Trainer
+from tidal.learner.every_rank.checkpoint import Checkpointer
+from tidal.learner.every_rank.ranks import Collective, RankGroup, WeightPush
+from tidal.learner.every_rank.trainer import Trainer
+from tidal.learner.rank0.admission import StepBatch
 
 log = logging.getLogger(__name__)
 

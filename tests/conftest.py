@@ -165,7 +165,7 @@ def fresh_accelerator():
 def tiny_model_path() -> str:
     """The warm-started tiny model of configs/tiny.yaml, built once if the cache lacks it (about 80 s)."""
     from tidal.config import load_config
-    from tidal.learner.warmstart import build_tiny
+    from tidal.learner.tools.warmstart import build_tiny
     from tidal.models import resolve_model_path
 
     cfg = load_config(ROOT / "configs" / "tiny.yaml")
@@ -245,7 +245,7 @@ def learner_config(loss: LossType, aggregation: Aggregation, micro_batch_tokens:
 
 def run_step(cfg: LearnerConfig, accelerator, groups=None, masks=None) -> tuple[dict, dict]:
     """Parameters after one step from the same initial tiny model, and the step's metrics."""
-    from tidal.learner.trainer import Trainer
+    from tidal.learner.every_rank.trainer import Trainer
     from tidal.tiny import build_tiny_model
 
     if groups is None:
@@ -482,7 +482,7 @@ def on_engine(engine, coro):
 
 def learner_logprobs(policy, prompt: list[int], tokens: np.ndarray) -> np.ndarray:
     """What the learner computes for these completion tokens: its fused-kernel forward, temperature 1."""
-    from tidal.learner.trainer import PolicyLogprobs
+    from tidal.learner.every_rank.trainer import PolicyLogprobs
 
     module = PolicyLogprobs(policy, temperature=1.0, backend="torch").eval()
     ids = torch.tensor([prompt + tokens.tolist()])

@@ -270,7 +270,7 @@ def _role(cfg, args) -> int:
 
         return actor_main(cfg)
     from tidal.config import resolve
-    from tidal.learner.warmstart import build_tiny
+    from tidal.learner.tools.warmstart import build_tiny
     from tidal.models import resolve_model_path
 
     cfg = resolve(cfg, model_path=resolve_model_path(cfg.model, cfg.task, build_tiny))
@@ -371,7 +371,7 @@ def _presets() -> int:
 def _export(args) -> int:
     from pathlib import Path
 
-    from tidal.learner.export import export_checkpoint
+    from tidal.learner.tools.export import export_checkpoint
 
     try:
         if not (Path(args.run_dir) / "config.yaml").is_file():  # read first by the export: say what it is not

@@ -31,7 +31,7 @@ from pathlib import Path
 from tidal.broker.zmq_keys import ForeignKeys, generate, run_keys
 from tidal.config import BrokerType, RunConfig, resolve, write_config
 from tidal.files import run_marks, used_run_dir
-from tidal.learner.tracking import log_final_logs, mlflow_ui_lines
+from tidal.learner.rank0.tracking import log_final_logs, mlflow_ui_lines
 from tidal.memory import check_gpus
 from tidal.placement import Placement, PlacementError, Slot, place, visible_gpus
 from tidal.preflight import preflight
@@ -57,7 +57,7 @@ class LaunchError(RuntimeError):
 def prepare(cfg: RunConfig, redis_url: str | None = None) -> RunConfig:
     """Resolve what the processes must agree on (building the tiny model if it is missing) and write
     it to the run directory's config.yaml, which every child reads."""
-    from tidal.learner.warmstart import build_tiny
+    from tidal.learner.tools.warmstart import build_tiny
     from tidal.models import resolve_model_path
 
     progress = partial(print, "[prepare]", flush=True)
@@ -364,7 +364,7 @@ class NoticeFollower:
     drifts) on the console as they are written, each once; a resumed run's earlier ones are not shown again."""
 
     def __init__(self, run_dir: Path, write: Callable[[str], None]):
-        from tidal.learner.notices import NOTICES_FILE
+        from tidal.learner.rank0.notices import NOTICES_FILE
 
         self.path, self.write = run_dir / NOTICES_FILE, write
         self.offset = self.path.stat().st_size if self.path.exists() else 0  # a resumed run's were shown
@@ -387,13 +387,13 @@ class RolloutFollower:
     A resumed run's file starts with the tables already shown: those are skipped."""
 
     def __init__(self, run_dir: Path, rows: int, write: Callable[[str], None]):
-        from tidal.learner.diagnostics import ROLLOUTS_FILE
+        from tidal.learner.rank0.diagnostics import ROLLOUTS_FILE
 
         self.path, self.rows, self.write = run_dir / ROLLOUTS_FILE, rows, write
         self.offset = self.path.stat().st_size if self.path.exists() else 0
 
     def advance(self) -> None:
-        from tidal.learner.diagnostics import rollout_text
+        from tidal.learner.rank0.diagnostics import rollout_text
 
         if not self.path.exists():
             return

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from tidal.config import ModelConfig, TaskConfig
 
-# builds the warm-started tiny model into a folder (tidal.learner.warmstart.build_tiny): (model, task, path) -> None
+# builds the warm-started tiny model into a folder (tidal.learner.tools.warmstart.build_tiny):
+# (model, task, path) -> None
 Builder = Callable[[ModelConfig, TaskConfig, Path], None]
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name, as the Hub spells repository ids
 

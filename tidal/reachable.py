@@ -154,7 +154,7 @@ def port_error(bound: BoundPort, err: OSError, holders: dict[int, str]) -> str:
 def check_store(cfg: RunConfig, timeout_s: float = STORE_TIMEOUT_S) -> str:
     """The run's MLflow store (tracking.uri, else $MLFLOW_TRACKING_URI, else a sqlite file in run_dir):
     a server answers, a file can be written. The ConfigError names where the URI came from."""
-    from tidal.learner.tracking import tracking_uri
+    from tidal.learner.rank0.tracking import tracking_uri
 
     run_dir = Path(cfg.run_dir) if cfg.run_dir else Path("runs") / cfg.name  # resolve() adds a time to the name
     uri = tracking_uri(cfg.tracking, run_dir)
@@ -175,7 +175,7 @@ def check_store(cfg: RunConfig, timeout_s: float = STORE_TIMEOUT_S) -> str:
 
 def store_folder(uri: str) -> Path | None:
     """The folder a file store writes: a sqlite file's, a file store's own; None for any other store."""
-    from tidal.learner.tracking import sqlite_file
+    from tidal.learner.rank0.tracking import sqlite_file
 
     scheme = urlsplit(uri).scheme.lower()
     if scheme == "sqlite":

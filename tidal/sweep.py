@@ -94,7 +94,7 @@ def open_sweep_store(uri: str, experiment: str, out: Path):
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from tidal.learner.tracking import use_store
+    from tidal.learner.rank0.tracking import use_store
     from tidal.reachable import STORE_TIMEOUT_S, check_server
     from tidal.scaling import one_line
 

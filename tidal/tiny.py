@@ -2,7 +2,7 @@
 
 `build_tiny_model` writes a Hugging Face model directory (config, safetensors weights,
 tokenizer.json) that both vLLM and transformers load. The supervised warm start that makes
-it useful lives in tidal.learner.warmstart; the cache key covers everything that shapes it.
+it useful lives in tidal.learner.tools.warmstart; the cache key covers everything that shapes it.
 """
 from __future__ import annotations
 

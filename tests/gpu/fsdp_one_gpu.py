@@ -28,7 +28,7 @@ def main() -> None:
     from conftest import STEP_VERSION, learner_config, step_batch
     from tidal.config import Aggregation, FsdpConfig, LossType
     from tidal.learner.build import build_accelerator
-    from tidal.learner.trainer import Trainer, load_policy
+    from tidal.learner.every_rank.trainer import Trainer, load_policy
 
     mode, out = sys.argv[1], Path(sys.argv[2])
     base = learner_config(LossType.cispo, Aggregation.prompt_mean, 4096, 1, num_groups=4)

@@ -92,7 +92,7 @@ def test_a_sharded_learner_offloading_to_host_memory_takes_a_step(tmp_path):
 def test_auto_attention_takes_flash_attn_only_for_half_precision():
     """F8: flash-attn has no fp32 kernels: a learner computing in fp32 runs sdpa."""
     pytest.importorskip("flash_attn", reason="flash-attn is not installed")
-    from tidal.learner.trainer import PolicyLogprobs, attention_implementation, load_policy
+    from tidal.learner.every_rank.trainer import PolicyLogprobs, attention_implementation, load_policy
     from tidal.tiny import build_tiny_model
 
     assert attention_implementation("auto", "float32") == "sdpa"

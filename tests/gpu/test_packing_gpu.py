@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import ALPHABET, TINY, step_batch
-from tidal.learner.batch import build_rows, collate
-from tidal.learner.trainer import PolicyLogprobs
+from tidal.learner.every_rank.batch import build_rows, collate
+from tidal.learner.every_rank.trainer import PolicyLogprobs
 from tidal.tiny import build_tiny_model
 
 needs_flash_attn = pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None,

@@ -39,7 +39,7 @@ CASES = {
 
 
 def trainer_for(case: str, accelerator, sharded: bool):
-    from tidal.learner.trainer import Trainer
+    from tidal.learner.every_rank.trainer import Trainer
     from tidal.tiny import build_tiny_model
 
     args, fsdp, lora = CASES[case]
@@ -57,7 +57,7 @@ def train(trainer, first: int, last: int) -> dict[str, torch.Tensor]:
 
 
 def checkpointer(trainer, accelerator, directory: Path):
-    from tidal.learner.checkpoint import Checkpointer
+    from tidal.learner.every_rank.checkpoint import Checkpointer
 
     return Checkpointer(CheckpointConfig(), directory, accelerator, trainer)
 

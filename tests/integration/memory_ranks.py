@@ -75,8 +75,8 @@ def main() -> None:
 
     from conftest import STEP_VERSION, learner_config, step_batch
     from tidal.config import Aggregation, CheckpointConfig, FsdpConfig, LossType
-    from tidal.learner.checkpoint import Checkpointer
-    from tidal.learner.trainer import Trainer, load_policy
+    from tidal.learner.every_rank.checkpoint import Checkpointer
+    from tidal.learner.every_rank.trainer import Trainer, load_policy
 
     parser = argparse.ArgumentParser()
     parser.add_argument("model_dir", type=Path)
@@ -97,7 +97,7 @@ def main() -> None:
     cfg = dataclasses.replace(learner_config(LossType.cispo, Aggregation.prompt_mean, 64, 1, num_groups=2),
                               fsdp=FsdpConfig(enabled=True))
     # AdamW's state, which the trainer takes as it starts, measured as a phase of its own
-    from tidal.learner import trainer as trainer_module
+    from tidal.learner.every_rank import trainer as trainer_module
 
     allocate, optimizers = trainer_module.allocate_state, []
     trainer_module.allocate_state = optimizers.append

@@ -23,8 +23,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the step batch lives in conftest.py
 from conftest import step_batch  # noqa: E402
 from tidal.health import HealthFile  # noqa: E402
-from tidal.learner.admission import StepBatch  # noqa: E402
-from tidal.learner.ranks import Collective, RankGroup, WeightPush, broadcast_bytes  # noqa: E402
+from tidal.learner.every_rank.ranks import Collective, RankGroup, WeightPush, broadcast_bytes  # noqa: E402
+from tidal.learner.rank0.admission import StepBatch  # noqa: E402
 from tidal.learner.steps import Follower, StepRunner  # noqa: E402
 
 TIMEOUT_S = 3.0  # the process group's: a rank left waiting fails after this

@@ -26,7 +26,7 @@ def main() -> None:
 
     from conftest import learner_config
     from tidal.config import Aggregation, FsdpConfig, LoraConfig, LossType
-    from tidal.learner.trainer import Trainer, load_policy
+    from tidal.learner.every_rank.trainer import Trainer, load_policy
 
     model_dir, out = sys.argv[1], Path(sys.argv[2])
     lora = LORA if "--lora" in sys.argv[3:] else LoraConfig()
@@ -49,8 +49,8 @@ def main() -> None:
 
 def unsharded_adapter(model_dir: str, lora, seed: int) -> dict:
     """The adapter an unsharded policy starts with, under PEFT's names."""
-    from tidal.learner import lora as adapters
-    from tidal.learner.trainer import load_policy
+    from tidal.learner.every_rank import lora as adapters
+    from tidal.learner.every_rank.trainer import load_policy
 
     policy = load_policy(model_dir, "float32")
     adapters.attach(policy, lora, "float32")

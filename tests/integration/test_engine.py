@@ -29,9 +29,9 @@ def exported(tmp_path_factory, tiny_model_path):
     from accelerate import Accelerator
 
     from tidal.config import write_config
-    from tidal.learner.checkpoint import Checkpointer
-    from tidal.learner.export import export_checkpoint, load_checkpoint_policy
-    from tidal.learner.trainer import Trainer, load_policy
+    from tidal.learner.every_rank.checkpoint import Checkpointer
+    from tidal.learner.every_rank.trainer import Trainer, load_policy
+    from tidal.learner.tools.export import export_checkpoint, load_checkpoint_policy
 
     run_dir = tmp_path_factory.mktemp("export") / "run"
     cfg = resolve(load_config(ROOT / "configs/tiny.yaml", [f"model.path={tiny_model_path}", f"run_dir={run_dir}",
@@ -77,7 +77,7 @@ def _on_policy_step(folder, policy, engine, served: SamplingParams, learner_samp
 
     from accelerate import Accelerator
 
-    from tidal.learner.trainer import Trainer
+    from tidal.learner.every_rank.trainer import Trainer
 
     rollouts = []
     for i, text in enumerate(("37+48=", "5+61=")):
@@ -97,7 +97,7 @@ def test_under_top_k_and_top_p_an_on_policy_step_reads_ratio_one(exported, engin
     """The engine reports each token's probability under the truncated, renormalised sampler; the learner
     scores the same sampler from its own logits, so at lag 0 the ratio is 1 (as at top_p = 1), where the
     whole-vocabulary learner reads the kept mass instead."""
-    from tidal.learner.trainer import Sampler
+    from tidal.learner.every_rank.trainer import Sampler
 
     folder, policy = exported
     served = SamplingParams(0.9, top_p, 6, (), top_k=top_k)

@@ -18,7 +18,7 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 @pytest.fixture(scope="module")
 def base(tiny_model_path):
-    from tidal.learner.trainer import load_policy
+    from tidal.learner.every_rank.trainer import load_policy
 
     return load_policy(tiny_model_path, "float32")
 
@@ -145,7 +145,7 @@ def test_an_exported_adapter_folder_is_served_by_vllm_with_the_learners_logprobs
     from vllm.lora.request import LoRARequest
 
     from tidal.config import LoraConfig
-    from tidal.learner.export import export_adapter
+    from tidal.learner.tools.export import export_adapter
 
     policy, tensors = adapted(base, seed=40)
     folder = export_adapter(tensors, LoraConfig(rank=RANK, alpha=ALPHA, target_modules=TARGETS), tiny_model_path,

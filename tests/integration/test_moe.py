@@ -40,7 +40,7 @@ def serves(engine, policy, version: int) -> float:
 
 def checkpoint_pairs(policy):
     """What a weight push sends of `policy`: (entries, pairs) under the checkpoint's names."""
-    from tidal.learner.ranks import checkpoint_format
+    from tidal.learner.every_rank.ranks import checkpoint_format
 
     state = policy.state_dict()
     return checkpoint_format(policy, [(k, v.dtype, tuple(v.shape)) for k, v in state.items()], iter(state.items()))

@@ -38,7 +38,7 @@ def test_the_wheel_runs_presets_by_name_from_any_folder(tmp_path, tiny_model_pat
                               timeout=300, env=env)
 
     where = subprocess.run([str(venv / "bin/python"), "-c", "import tidal.broker.weights, tidal.presets, "
-                            "tidal.learner.loop, tidal.actor.loop; print(tidal.presets.__file__)"],
+                            "tidal.learner.rank0.loop, tidal.actor.loop; print(tidal.presets.__file__)"],
                            cwd=elsewhere, capture_output=True, text=True)
     assert where.returncode == 0, where.stderr[-2000:]
     assert Path(where.stdout.strip()).is_relative_to(site)  # the wheel's copy, not this checkout

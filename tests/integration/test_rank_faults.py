@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rank_faults import CASES, TIMEOUT_S
 
-from tidal.learner.ranks import Collective
+from tidal.learner.every_rank.ranks import Collective
 
 SCRIPT = Path(__file__).with_name("rank_faults.py")
 

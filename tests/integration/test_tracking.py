@@ -10,7 +10,8 @@ import pytest
 from conftest import ALPHABET, CASES, STEP_VERSION, learner_config, sample, step_batch
 from tidal.broker.schema import RolloutGroup, int32s
 from tidal.config import TrackingConfig
-from tidal.learner.diagnostics import Diagnostics, TokenSample
+from tidal.learner.every_rank.trainer import TokenSample
+from tidal.learner.rank0.diagnostics import Diagnostics
 from tidal.reachable import free_port
 
 FIGURES = {"pass_rate.png", "token_lag.png", "logprob_mismatch.png", "rewards_lengths.png"}
@@ -18,7 +19,7 @@ FIGURES = {"pass_rate.png", "token_lag.png", "logprob_mismatch.png", "rewards_le
 
 @pytest.fixture
 def tracker(tmp_path):
-    from tidal.learner.tracking import Tracker
+    from tidal.learner.rank0.tracking import Tracker
 
     t = Tracker(TrackingConfig(uri=f"sqlite:///{tmp_path}/mlflow.db", system_metrics_interval_s=0), tmp_path, "t")
     yield t
@@ -54,7 +55,7 @@ def test_figures_are_drawn_from_the_stream_and_logged(tracker, tmp_path, acceler
     from mlflow.tracking import MlflowClient
 
     from conftest import TINY
-    from tidal.learner.trainer import Trainer
+    from tidal.learner.every_rank.trainer import Trainer
     from tidal.tiny import build_tiny_model
 
     cfg = learner_config(*CASES["cispo_prompt_mean"])
@@ -85,7 +86,7 @@ def test_a_figure_with_nothing_to_show_is_left_out(tracker, tmp_path):
 def test_tracking_honours_the_environment_when_the_config_is_empty(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    from tidal.learner.tracking import Tracker
+    from tidal.learner.rank0.tracking import Tracker
 
     uri = f"sqlite:///{tmp_path}/team.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
@@ -113,7 +114,7 @@ def logged_run(cfg) -> int:
     times (lag + 1) passes 0.02 comes apart at its last evaluations."""
     from pathlib import Path
 
-    from tidal.learner.tracking import Tracker
+    from tidal.learner.rank0.tracking import Tracker
 
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True)
@@ -228,7 +229,7 @@ def test_a_refused_chunk_costs_only_its_own_steps_and_its_error_is_raised_once(t
     store refuses: the steps of the other chunks arrive, and settle raises the refusal once."""
     from mlflow.exceptions import MlflowException
 
-    import tidal.learner.tracking as tracking
+    import tidal.learner.rank0.tracking as tracking
 
     monkeypatch.setattr(tracking, "MAX_BATCH_METRICS", 1)  # one metric per chunk
     release, write = threading.Event(), tracker._client.log_batch
@@ -280,7 +281,7 @@ def test_the_launchers_last_word_finds_the_store_from_the_runs_config_not_the_re
     from mlflow.tracking import MlflowClient
 
     from tidal.config import RunConfig, to_yaml
-    from tidal.learner.tracking import Tracker, log_final_logs
+    from tidal.learner.rank0.tracking import Tracker, log_final_logs
 
     uri = f"sqlite:///{tmp_path}/store.db"
     cfg = RunConfig()
@@ -302,7 +303,7 @@ def probed_run(cfg) -> int:
     evaluation holds up the step after it by 1 s."""
     from pathlib import Path
 
-    from tidal.learner.tracking import Tracker
+    from tidal.learner.rank0.tracking import Tracker
 
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True)
@@ -322,7 +323,7 @@ def test_plan_batch_probes_each_batch_and_times_the_target_from_an_earlier_run(t
     import tidal.launcher
     from tidal.cli import main
     from tidal.config import load_config
-    from tidal.learner.tracking import Tracker
+    from tidal.learner.rank0.tracking import Tracker
 
     # an earlier run at 16 groups, evaluated every 5 steps, first at 0.7 at step 20: about 17.5 steps
     cfg = load_config(["tiny"], ["learner.groups_per_step=16", "eval.every=5", "tracking.system_metrics_interval_s=0",
@@ -352,7 +353,7 @@ def test_a_new_run_is_named_after_its_task_and_its_config(tmp_path):
     from mlflow.tracking import MlflowClient
 
     from tidal.config import load_config
-    from tidal.learner.tracking import Tracker
+    from tidal.learner.rank0.tracking import Tracker
 
     cfg = load_config(["tiny"], ["task.name=count", "tracking.system_metrics_interval_s=0",
                                  f"tracking.uri=sqlite:///{tmp_path}/store.db"])
@@ -410,7 +411,7 @@ def test_a_run_on_a_tracking_server_is_checked_named_and_linked_as_model_trainin
     from mlflow.tracking import MlflowClient
 
     from tidal.config import load_config
-    from tidal.learner.tracking import Tracker, mlflow_ui_lines
+    from tidal.learner.rank0.tracking import Tracker, mlflow_ui_lines
     from tidal.reachable import check_reachable
 
     cfg = load_config(["tiny"], ["task.name=count", "tracking.system_metrics_interval_s=0",

@@ -35,12 +35,12 @@ from tidal.config import (
     OptimConfig,
     StalenessConfig,
 )
-from tidal.learner.admission import Admission, StepBatch
-from tidal.learner.coordinator import release_of
-from tidal.learner.groups import NEW, GroupBook
-from tidal.learner.ledger import Ledger
-from tidal.learner.trainer import Trainer
-from tidal.learner.validation import LOGPROB_SLACK, Validator, logprob_floor
+from tidal.learner.every_rank.trainer import Trainer
+from tidal.learner.rank0.admission import Admission, StepBatch
+from tidal.learner.rank0.coordinator import release_of
+from tidal.learner.rank0.groups import NEW, GroupBook
+from tidal.learner.rank0.ledger import Ledger
+from tidal.learner.rank0.validation import LOGPROB_SLACK, Validator, logprob_floor
 from tidal.tiny import build_tiny_model
 
 VERSION = 5  # the learner's version during every step

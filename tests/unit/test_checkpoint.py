@@ -11,8 +11,8 @@ import torch
 
 from conftest import ALPHABET, CASES, TINY, learner_config, step_batch
 from tidal.config import CheckpointConfig
-from tidal.learner.checkpoint import MANIFEST, STATE_FILE, Checkpointer, latest_valid, read_state
-from tidal.learner.trainer import Trainer
+from tidal.learner.every_rank.checkpoint import MANIFEST, STATE_FILE, Checkpointer, latest_valid, read_state
+from tidal.learner.every_rank.trainer import Trainer
 from tidal.tiny import build_tiny_model
 
 

@@ -13,10 +13,10 @@ from conftest import ALPHABET, CASES, ROOT, TINY, learner_config, step_batch
 from tidal.config import CheckpointConfig, load_config, resolve, write_config
 from tidal.files import sha256_file
 from tidal.learner.build import find_checkpoint
-from tidal.learner.checkpoint import MANIFEST, Checkpointer, NoValidCheckpoint, latest_valid, verify_part
-from tidal.learner.ledger import Ledger, read_ledger
-from tidal.learner.resume import check_resume_state
-from tidal.learner.trainer import Trainer
+from tidal.learner.every_rank.checkpoint import MANIFEST, Checkpointer, NoValidCheckpoint, latest_valid, verify_part
+from tidal.learner.every_rank.trainer import Trainer
+from tidal.learner.rank0.ledger import Ledger, read_ledger
+from tidal.learner.rank0.resume import check_resume_state
 from tidal.tiny import build_tiny_model, save_model
 
 RANK0 = "MANIFEST-rank0.json"

@@ -52,7 +52,7 @@ def test_a_broken_pipe_that_is_not_the_output_is_still_raised(monkeypatch):
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
 def test_an_exported_model_has_the_modes_of_the_users_umask(tmp_path, umask, mode):
-    from tidal.learner.export import export_model
+    from tidal.learner.tools.export import export_model
     from tidal.tiny import build_tiny_model, save_model
 
     model, tokenizer = build_tiny_model(TINY, ALPHABET, seed=0)

@@ -19,9 +19,9 @@ from tidal.config import (
     RatioMode,
     load_config,
 )
-from tidal.learner.batch import aggregation_weights, build_rows, collate, group_advantages
-from tidal.learner.loss import LossInputs, policy_loss
-from tidal.learner.validation import logprob_floor
+from tidal.learner.every_rank.batch import aggregation_weights, build_rows, collate, group_advantages
+from tidal.learner.every_rank.loss import LossInputs, policy_loss
+from tidal.learner.rank0.validation import logprob_floor
 
 INF = float("inf")
 CORRECTIONS = {

@@ -8,10 +8,10 @@ import pytest
 from tidal.broker.inproc import InprocBroker
 from tidal.broker.schema import SamplingParams, WireCodec
 from tidal.config import CurriculumConfig
-from tidal.learner.coordinator import Coordinator, DispatchPlan
-from tidal.learner.curriculum import Curriculum, CurriculumExhausted
-from tidal.learner.groups import GroupBook
-from tidal.learner.ledger import Ledger, read_ledger
+from tidal.learner.rank0.coordinator import Coordinator, DispatchPlan
+from tidal.learner.rank0.curriculum import Curriculum, CurriculumExhausted
+from tidal.learner.rank0.groups import GroupBook
+from tidal.learner.rank0.ledger import Ledger, read_ledger
 from tidal.tasks import Prompt
 
 ALL_PASS, ONE_PASS = [1.0] * 4, [1.0, 0.0, 0.0, 0.0]

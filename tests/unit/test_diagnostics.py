@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from conftest import rollout
-from tidal.learner.diagnostics import Diagnostics, Reservoir
+from tidal.learner.rank0.diagnostics import Diagnostics, Reservoir
 
 
 def test_reservoir_is_bounded_and_uniform():
@@ -36,12 +36,12 @@ def test_a_fresh_ratio_that_strays_for_several_steps_is_named_once(caplog):
     import logging
 
     from tidal.config import load_config
-    from tidal.learner.drift import DRIFT_STEPS, FreshRatioWatch, likely_causes
+    from tidal.learner.rank0.drift import DRIFT_STEPS, FreshRatioWatch, likely_causes
 
     causes = likely_causes(load_config("tiny", ["model.dtype=bfloat16"]))
     assert "model.head=served" in causes[0]
     watch = FreshRatioWatch(causes)
-    with caplog.at_level(logging.WARNING, logger="tidal.learner.drift"):
+    with caplog.at_level(logging.WARNING, logger="tidal.learner.rank0.drift"):
         for version, ratio in enumerate([0.9, 0.9, 1.0, 0.95, None, 0.95]):  # broken by 1.0; the None skips
             watch.observe({} if ratio is None else {"offpolicy/fresh_ratio": ratio}, version)
         assert not caplog.records

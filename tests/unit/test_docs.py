@@ -47,7 +47,7 @@ def test_every_metric_the_code_logs_is_documented_and_every_documented_one_is_lo
 
 def test_a_real_steps_metrics_are_all_documented(tmp_path):
     learner = build_learner(tmp_path, OnViolation.mask_tokens)
-    from tidal.learner.admission import StepBatch
+    from tidal.learner.rank0.admission import StepBatch
 
     batch = StepBatch()
     learner.parts.admission.add(group(MIXED, "a"), batch, learner.version)

@@ -309,9 +309,9 @@ def test_the_renderer_closes_a_turn_cut_short(tokenizer):
 def test_the_learner_counts_episodes_and_tables_their_turns(tokenizer, tmp_path):
     from collections import Counter
 
-    from tidal.learner.accounting import episode_metrics
-    from tidal.learner.admission import count
-    from tidal.learner.diagnostics import Diagnostics
+    from tidal.learner.rank0.accounting import episode_metrics
+    from tidal.learner.rank0.admission import count
+    from tidal.learner.rank0.diagnostics import Diagnostics
 
     env = Sum()
     prompt = PromptEncoder(tokenizer, chat_template=True, tools=tool_schemas(env.tools()))(Prompt(0, "go", {}))
@@ -349,7 +349,7 @@ def test_the_chain_tasks_teacher_writes_the_episodes_the_actor_runs():
 
     from conftest import TINY
     from tidal.config import TaskConfig
-    from tidal.learner.warmstart import Teacher
+    from tidal.learner.tools.warmstart import Teacher
     from tidal.tasks import chain, get_environment
     from tidal.tiny import build_tiny_model
 
@@ -471,7 +471,7 @@ def test_a_skyrl_gym_environments_error_names_the_users_class_and_line_and_its_m
     from types import SimpleNamespace
 
     from tidal.config import StalenessConfig, TaskConfig
-    from tidal.learner.admission import Admission
+    from tidal.learner.rank0.admission import Admission
     from tidal.tasks import get_task
 
     (tmp_path / "lookup_envs.py").write_text(LOOKUP_ENVS)

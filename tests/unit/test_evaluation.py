@@ -4,8 +4,8 @@ import math
 
 from conftest import rollout
 from tidal.broker.schema import WeightUpdate
-from tidal.learner.evaluation import Evaluations, HeldAnnouncements
-from tidal.learner.groups import Release
+from tidal.learner.rank0.evaluation import Evaluations, HeldAnnouncements
+from tidal.learner.rank0.groups import Release
 
 
 def released(*ids: str, version: int) -> dict[str, Release]:

@@ -12,8 +12,9 @@ import pytest
 
 from conftest import ROOT
 from tidal import scaling
-from tidal.learner import diagnostics as diagnostics_module
-from tidal.learner.diagnostics import Diagnostics, TokenSample
+from tidal.learner.every_rank.trainer import TokenSample
+from tidal.learner.rank0 import diagnostics as diagnostics_module
+from tidal.learner.rank0.diagnostics import Diagnostics
 from tidal.plan_batch import PlanRow, plot_plan
 from tidal.scaling_report import _labels
 

@@ -30,8 +30,8 @@ class Recorded:
 
 
 def sharded(monkeypatch, world: int, per_node: int, mixed_precision: str, head: str, tie: bool) -> Recorded:
-    from tidal.learner import sharding
-    from tidal.learner.trainer import PolicyLogprobs, decoder_layers
+    from tidal.learner.every_rank import sharding
+    from tidal.learner.every_rank.trainer import PolicyLogprobs, decoder_layers
     from tidal.tiny import build_tiny_model
 
     model, _ = build_tiny_model(TINY, ALPHABET, seed=0)
@@ -81,7 +81,7 @@ def test_several_machines_shard_within_each_and_replicate_across(monkeypatch):
 def test_flash_attn_only_for_half_precision(monkeypatch):
     import importlib.util
 
-    from tidal.learner.trainer import attention_implementation
+    from tidal.learner.every_rank.trainer import attention_implementation
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else None)

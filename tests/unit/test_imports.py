@@ -5,6 +5,7 @@ package (function-level ones too), so a layering mistake fails here rather than 
     tidal.broker                       the wire and the channels: only tidal.config, tidal.files, tidal.logs
     tidal.actor  ─┐  never each other  broker, config, tasks, health, models (+ tiny)
     tidal.learner ┘                    broker, kernels, config, tasks, health, models, tiny
+      learner.every_rank               what every rank runs: nothing of learner.rank0 (rank 0's alone)
     tidal.config                       nothing of tidal (the weight channel reads its folder rule from it)
     tidal.files                        nothing of tidal (file helpers for anyone)
     tidal.logs                         nothing of tidal (sparse warnings for anyone)
@@ -77,6 +78,14 @@ def test_every_import_respects_the_layers():
     assert violations() == []
 
 
+def test_what_every_rank_runs_imports_nothing_of_what_rank_0_alone_runs():
+    every_rank = sorted((ROOT / "learner" / "every_rank").rglob("*.py"))
+    assert every_rank
+    bad = [f"{p.relative_to(ROOT)} imports tidal.{t}" for p in every_rank for t in sorted(imports_of(p))
+           if t.startswith("learner.rank0")]
+    assert bad == []
+
+
 def test_the_check_sees_a_violation_inside_a_function(tmp_path):
     for folder in PACKAGES:
         (tmp_path / folder).mkdir()
@@ -87,7 +96,7 @@ def test_the_check_sees_a_violation_inside_a_function(tmp_path):
 
 
 def module_of(path: Path, root: Path = ROOT) -> str:
-    """A file's module name without `tidal.`: learner/loop.py -> learner.loop, tidal/config.py -> config."""
+    """A file's module name without `tidal.`: learner/rank0/loop.py -> learner.rank0.loop, tidal/config.py -> config."""
     parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[0] == "tidal":
         parts = parts[1:]

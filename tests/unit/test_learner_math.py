@@ -6,8 +6,15 @@ import torch
 from conftest import step_batch
 from tidal.broker.schema import RolloutGroup, SampleArrays, int32s
 from tidal.config import AdvantageNorm, Aggregation, LossConfig
-from tidal.learner.batch import aggregation_weights, assign_groups, build_rows, collate, group_advantages, micro_batches
-from tidal.learner.loss import LossInputs, policy_loss
+from tidal.learner.every_rank.batch import (
+    aggregation_weights,
+    assign_groups,
+    build_rows,
+    collate,
+    group_advantages,
+    micro_batches,
+)
+from tidal.learner.every_rank.loss import LossInputs, policy_loss
 
 
 def group(rewards, lengths, gid="g"):

@@ -18,7 +18,7 @@ from tidal.actor.length_control import (
 )
 from tidal.broker.schema import InterruptParams, PromptGroup, RolloutGroup, SamplingParams, WireCodec, int32s
 from tidal.config import Aggregation, ConfigError, load_config
-from tidal.learner.batch import aggregation_weights, build_rows
+from tidal.learner.every_rank.batch import aggregation_weights, build_rows
 
 INTERRUPT = InterruptParams(tokens=(50, 51), text="<stop>", min_think_tokens=3, max_think_tokens=6, answer_tokens=4)
 EOS = 1

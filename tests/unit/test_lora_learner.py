@@ -12,8 +12,8 @@ from safetensors import safe_open
 from conftest import ALPHABET, CASES, ROOT, STEP_VERSION, TINY, learner_config, step_batch
 from tidal.broker.schema import AdapterSpec
 from tidal.config import CheckpointConfig, ConfigError, LoraConfig, WeightsConfig, load_config, write_config
-from tidal.learner.checkpoint import Checkpointer, safetensors_header
-from tidal.learner.trainer import Trainer
+from tidal.learner.every_rank.checkpoint import Checkpointer, safetensors_header
+from tidal.learner.every_rank.trainer import Trainer
 from tidal.tiny import build_tiny_model, save_model
 
 # q, k, v, o (32 -> 32) and gate, up (32 -> 64), down (64 -> 32): 4 x 64 + 3 x 96 = 544 (in + out) a layer
@@ -109,7 +109,7 @@ def peft_model_with(trainer: Trainer, lora: LoraConfig):
     """A real peft PeftModel of the tiny base, carrying the trainer's adapter values."""
     from peft import get_peft_model
 
-    from tidal.learner.lora import peft_config
+    from tidal.learner.every_rank.lora import peft_config
 
     base, _ = build_tiny_model(TINY, ALPHABET, seed=0)
     model = get_peft_model(base, peft_config(lora))
@@ -125,7 +125,7 @@ def test_a_push_carries_the_adapter_alone_under_peft_names_in_the_served_dtype(a
     from peft import get_peft_model_state_dict
 
     from tidal.broker.weights import build_publisher
-    from tidal.learner.ranks import WeightPush
+    from tidal.learner.every_rank.ranks import WeightPush
 
     lora = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
     t = lora_trainer(accelerator, lora)
@@ -199,7 +199,7 @@ def test_a_lora_checkpoint_holds_the_adapter_and_its_adamw_state_and_resumes_bit
 def test_the_base_is_held_in_the_compute_dtype_and_the_adapter_and_head_in_fp32(fresh_accelerator):
     from accelerate import Accelerator
 
-    from tidal.learner.trainer import policy_dtype
+    from tidal.learner.every_rank.trainer import policy_dtype
 
     accelerator = Accelerator(cpu=True, mixed_precision="bf16")
     cfg = dataclasses.replace(learner_config(*CASES["cispo_prompt_mean"]), mixed_precision="bf16", lora=ALL_TARGETS)
@@ -226,7 +226,7 @@ def test_the_final_export_is_the_merged_model_and_the_adapter_beside_it(accelera
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tidal.learner.export import FinalExport
+    from tidal.learner.tools.export import FinalExport
 
     base, tokenizer = build_tiny_model(TINY, ALPHABET, seed=0)
     save_model(base, tokenizer, tmp_path / "base")
@@ -266,7 +266,7 @@ def test_tidal_export_writes_a_lora_runs_adapter_that_peft_loads_over_the_base(l
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tidal.learner.export import export_checkpoint
+    from tidal.learner.tools.export import export_checkpoint
 
     root, cfg, t = lora_run
     folder = export_checkpoint(root / "run", None, None)
@@ -286,7 +286,7 @@ def test_an_exported_adapter_holds_the_bases_tokenizer_and_export_says_how_to_lo
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoTokenizer
 
-    from tidal.learner.export import export_checkpoint
+    from tidal.learner.tools.export import export_checkpoint
 
     root, cfg, t = lora_run
     folder = export_checkpoint(root / "run", None, root / "adapter-with-tokenizer")

@@ -10,8 +10,8 @@ import torch
 from conftest import ALPHABET, STEP_VERSION, TINY, learner_config, run_step, step_batch
 from tidal.broker.schema import RolloutGroup, SampleArrays, int32s
 from tidal.config import AdvantageNorm, Aggregation, ConfigError, LossConfig, LossType, load_config
-from tidal.learner.batch import aggregation_weights, build_rows, collate, group_advantages, micro_batches
-from tidal.learner.loss import LossInputs, policy_loss
+from tidal.learner.every_rank.batch import aggregation_weights, build_rows, collate, group_advantages, micro_batches
+from tidal.learner.every_rank.loss import LossInputs, policy_loss
 
 # The hand batch: prompt a with 2 samples (2 and 3 tokens), prompt b with 3 samples (1, 1, 2 tokens).
 # Tokens in order: a0 = t0 t1 | a1 = t2 t3 t4 | b0 = t5 | b1 = t6 | b2 = t7 t8.
@@ -316,7 +316,7 @@ def test_lr_scaling_sets_the_effective_lr(scaling, ref, expected, accelerator):
 @pytest.mark.parametrize("schedule", ["constant", "cosine", "linear"])
 def test_lr_schedule_warms_up_then_holds_or_decays_to_its_floor(schedule):
     from tidal.config import LearnerConfig, LrSchedule, OptimConfig
-    from tidal.learner.trainer import lr_factor
+    from tidal.learner.every_rank.trainer import lr_factor
 
     cfg = LearnerConfig(max_steps=110, optim=OptimConfig(warmup_steps=10, schedule=LrSchedule(schedule),
                                                          min_lr_ratio=0.1))

@@ -11,8 +11,8 @@ import torch
 
 from conftest import ALPHABET, STEP_VERSION, TINY, learner_config, run_step, step_batch
 from tidal.config import Aggregation, LossType
-from tidal.learner.batch import build_rows, collate, computed_positions, micro_batches
-from tidal.learner.trainer import PolicyLogprobs, micro_batch_layout
+from tidal.learner.every_rank.batch import build_rows, collate, computed_positions, micro_batches
+from tidal.learner.every_rank.trainer import PolicyLogprobs, micro_batch_layout
 from tidal.tiny import build_tiny_model
 
 

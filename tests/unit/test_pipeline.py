@@ -19,8 +19,8 @@ from tidal.broker.schema import WireCodec
 from tidal.broker.weights import build_receiver
 from tidal.broker.zmq_transport import ZmqActorTransport, ZmqLearnerTransport
 from tidal.config import load_config, resolve
-from tidal.learner.export import export_checkpoint
 from tidal.learner.main import build, serve
+from tidal.learner.tools.export import export_checkpoint
 from tidal.tiny import build_tiny_model, save_model
 
 MAX_STEPS, MAX_LAG = 4, 1
@@ -40,7 +40,7 @@ def unrendered_figures(monkeypatch):
     something else. The transport test renders them."""
     import matplotlib.pyplot as plt
 
-    from tidal.learner import diagnostics
+    from tidal.learner.rank0 import diagnostics
 
     def unrendered(fig, path):
         plt.close(fig)
@@ -127,7 +127,7 @@ def test_a_lora_run_trains_the_adapter_and_every_version_reaches_the_actor_as_th
     """learner.lora end to end in process: each push is the adapter alone (PEFT's names), which the
     worker keeps for the engine's LoRA instead of loading into its model; the last one equals the
     learner's adapter; the run ends with the merged model and the adapter beside it."""
-    from tidal.learner import lora
+    from tidal.learner.every_rank import lora
 
     model_path, tokenizer = tiny_model
     cfg = resolve(load_config("configs/tiny-lora.yaml", [

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from tidal.actor.engine import PER_UPDATE_LOGGERS, quiet_logging_config, user_configures_logging
 from tidal.launcher import BAR_FORMAT, MIN_MEASURED_STEPS, StepEta, eta_text, print_summary, show_step
-from tidal.learner.tracking import ProgressLog, progress_line, waiting_line
+from tidal.learner.rank0.tracking import ProgressLog, progress_line, waiting_line
 
 STEP = {"rollout/reward": 0.4123, "rollout/pass_rate": 0.375, "learner/loss": -0.01234, "offpolicy/lag_mean": 0.4,
         "offpolicy/lag_max": 1.0}
@@ -46,7 +46,7 @@ def test_a_progress_line_names_each_field_and_says_na_for_what_is_missing():
 def test_a_line_every_n_steps_with_rates_over_the_recent_steps_not_since_the_start(caplog, monkeypatch):
     """The first ten steps take 10 s and generate 100 tokens each, the next twenty 1 s and 500 tokens: the
     last line says 500 tok/s and 1 s/step where since-the-start averages would say 92 and 4."""
-    import tidal.learner.accounting as accounting
+    import tidal.learner.rank0.accounting as accounting
 
     caplog.set_level(logging.INFO, logger="tidal.learner.progress")
     clock = Clock()

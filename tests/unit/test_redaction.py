@@ -1,5 +1,5 @@
 """Credentials in URIs are redacted wherever tidal shows them: MLflow params, config.yaml, the
-summary, log lines (learner/tracking.py), and the Redis URL in the broker's logs and errors."""
+summary, log lines (learner/rank0/tracking.py), and the Redis URL in the broker's logs and errors."""
 from dataclasses import replace
 
 import pytest
@@ -47,7 +47,7 @@ def test_log_lines_and_tracebacks_of_mlflow_errors_hold_no_credentials(caplog):
     """MLflow's errors quote the URL they failed on: the tracking and diagnostics loggers redact it."""
     import logging
 
-    from tidal.learner import diagnostics, tracking
+    from tidal.learner.rank0 import diagnostics, tracking
 
     url = "https://bob:s3cret@mlflow.example/api/2.0/mlflow/runs/log-batch?token=t0k3n"
     with caplog.at_level(logging.INFO):
@@ -66,7 +66,7 @@ def test_a_log_call_with_wrong_arguments_does_not_raise_where_it_is_made():
     own error handling, as without the filter, instead of raising in the tracker's code."""
     import logging
 
-    from tidal.learner import tracking
+    from tidal.learner.rank0 import tracking
 
     raised = []
     logging.raiseExceptions, before = False, logging.raiseExceptions

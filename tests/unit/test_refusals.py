@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from tidal.learner.refusals import RefusalWatch, RolloutsRefused
+from tidal.learner.rank0.refusals import RefusalWatch, RolloutsRefused
 
 RANGE = "a reward of 10.2 (task reward 10.2) outside task.reward_range = [-10, 10]"
 

@@ -15,8 +15,8 @@ import pytest
 from conftest import ALPHABET, TINY, ScriptedEngine, sample
 from tidal.broker.schema import RolloutGroup, int32s
 from tidal.config import ConfigError, load_config
-from tidal.learner.accounting import reward_component_metrics
-from tidal.learner.admission import count
+from tidal.learner.rank0.accounting import reward_component_metrics
+from tidal.learner.rank0.admission import count
 from tidal.tasks import get_environment, get_task
 from tidal.tasks.rewards import (
     PROMPT_TEXT,

@@ -10,12 +10,12 @@ from conftest import sample
 from tidal.broker.inproc import InprocBroker
 from tidal.broker.schema import RolloutGroup, SamplingParams, WireCodec, int32s
 from tidal.config import CurriculumConfig, StalenessConfig, TaskConfig
-from tidal.learner.accounting import Accounting
-from tidal.learner.admission import Admission, StepBatch
-from tidal.learner.coordinator import Coordinator, DispatchPlan
-from tidal.learner.evaluation import Evaluator
-from tidal.learner.groups import GroupBook, Release
-from tidal.learner.ledger import Ledger
+from tidal.learner.rank0.accounting import Accounting
+from tidal.learner.rank0.admission import Admission, StepBatch
+from tidal.learner.rank0.coordinator import Coordinator, DispatchPlan
+from tidal.learner.rank0.evaluation import Evaluator
+from tidal.learner.rank0.groups import GroupBook, Release
+from tidal.learner.rank0.ledger import Ledger
 from tidal.tasks import Prompt, get_reward
 
 VERSION = 3
@@ -87,7 +87,7 @@ def test_a_threshold_on_another_scale_counts_passes_by_it(tmp_path):
 def test_rewards_beyond_0_and_1_at_the_default_threshold_warn_once(tmp_path, caplog):
     _, admission, prompts = build(tmp_path)
     batch = StepBatch()
-    with caplog.at_level(logging.WARNING, logger="tidal.learner.admission"):
+    with caplog.at_level(logging.WARNING, logger="tidal.learner.rank0.admission"):
         admission.add(scored_group(prompts[2], [1.0, 0.0, 1.0, 0.0], "binary"), batch, VERSION)
         assert caplog.records == []
         for i in range(3):
@@ -98,7 +98,7 @@ def test_rewards_beyond_0_and_1_at_the_default_threshold_warn_once(tmp_path, cap
 
 def test_an_explicit_threshold_does_not_warn(tmp_path, caplog):
     _, admission, prompts = build(tmp_path, pass_threshold=0.5)
-    with caplog.at_level(logging.WARNING, logger="tidal.learner.admission"):
+    with caplog.at_level(logging.WARNING, logger="tidal.learner.rank0.admission"):
         admission.add(scored_group(prompts[3], [0.1, 1.0, 0.7, 0.1], "g"), StepBatch(), VERSION)
     assert caplog.records == []
 
@@ -176,7 +176,7 @@ def test_a_reward_that_fails_every_episode_stops_the_run_naming_why(tmp_path):
     import pytest
 
     from tidal.broker.schema import Episode
-    from tidal.learner.admission import FAILING_RUN, EpisodesFailing
+    from tidal.learner.rank0.admission import FAILING_RUN, EpisodesFailing
 
     _, admission, prompts = build(tmp_path)
     error = "reward function broken raised KeyError: 'answr'\n  File \"/tmp/my_rewards.py\", line 20, in broken"

@@ -10,9 +10,9 @@ from conftest import sample
 from tidal.broker.schema import RolloutGroup, int32s
 from tidal.config import AdvantageNorm, LearnerConfig
 from tidal.launcher import RolloutFollower
-from tidal.learner.admission import StepBatch
-from tidal.learner.diagnostics import PRINT_SAMPLES_ENV, ROLLOUTS_FILE, Diagnostics, rollout_text
-from tidal.learner.loop import Learner
+from tidal.learner.rank0.admission import StepBatch
+from tidal.learner.rank0.diagnostics import PRINT_SAMPLES_ENV, ROLLOUTS_FILE, Diagnostics, rollout_text
+from tidal.learner.rank0.loop import Learner
 
 COLUMNS = ["step", "prompt", "completion", "reward", "task_reward", "advantage", "versions", "lag",
            "finish_reason", "tokens", "actor", "group_id"]
@@ -99,7 +99,7 @@ def test_nothing_is_logged_with_zero(tmp_path):
 
 def test_print_samples_writes_a_few_truncated_rollouts_to_the_log(tmp_path, caplog):
     d, _ = diagnostics(tmp_path, every=1, rows=4, print_samples=2)
-    with caplog.at_level(logging.INFO, logger="tidal.learner.diagnostics"):
+    with caplog.at_level(logging.INFO, logger="tidal.learner.rank0.diagnostics"):
         run_steps(d, four_by_four(), [0])
     shown = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[rollout]")]
     assert len(shown) == 2 and "versions=0 lag=0" in shown[0]
@@ -137,7 +137,7 @@ def test_the_launcher_shows_the_first_rows_of_each_new_table(tmp_path):
 def test_the_advantages_are_those_the_trainer_trains_with(tmp_path, accelerator, norm):
     from conftest import ALPHABET, TINY, learner_config, step_batch
     from tidal.config import Aggregation, LossType
-    from tidal.learner.trainer import Trainer
+    from tidal.learner.every_rank.trainer import Trainer
     from tidal.tiny import build_tiny_model
 
     groups, masks = step_batch(6)

@@ -10,12 +10,12 @@ from conftest import sample
 from tidal.broker.inproc import InprocBroker
 from tidal.broker.schema import RolloutGroup, SamplingParams, WireCodec, int32s
 from tidal.config import CurriculumConfig, EvalConfig, LearnerConfig, LossConfig, OnViolation, StalenessConfig
-from tidal.learner.admission import Admission, StepBatch, staleness_masks
-from tidal.learner.coordinator import Coordinator, DispatchPlan
-from tidal.learner.groups import GroupBook
-from tidal.learner.ledger import Ledger, read_ledger
-from tidal.learner.loop import Learner, LearnerParts
-from tidal.learner.trainer import _StepStats
+from tidal.learner.every_rank.trainer import _StepStats
+from tidal.learner.rank0.admission import Admission, StepBatch, staleness_masks
+from tidal.learner.rank0.coordinator import Coordinator, DispatchPlan
+from tidal.learner.rank0.groups import GroupBook
+from tidal.learner.rank0.ledger import Ledger, read_ledger
+from tidal.learner.rank0.loop import Learner, LearnerParts
 from tidal.tasks import Prompt
 
 VERSION = 10  # the learner's version: step 10 is about to be trained

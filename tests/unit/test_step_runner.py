@@ -9,8 +9,8 @@ import pytest
 
 from conftest import step_batch
 from tidal.health import HealthFile
-from tidal.learner.admission import StepBatch
-from tidal.learner.ranks import Collective, Position, RankGroup, RanksOutOfStep, WeightPush
+from tidal.learner.every_rank.ranks import Collective, Position, RankGroup, RanksOutOfStep, WeightPush
+from tidal.learner.rank0.admission import StepBatch
 from tidal.learner.steps import Follower, StepRunner
 
 RESTORE, BATCH, TRAIN, PUSH, SAVE, EXPORT = (Collective.RESTORE, Collective.BATCH, Collective.TRAIN, Collective.PUSH,

@@ -142,7 +142,7 @@ def test_the_warm_start_loss_is_the_same_however_a_batch_is_chunked():
     import torch
 
     from tidal.config import TinyModelConfig
-    from tidal.learner.warmstart import pass_rate, sft_loss
+    from tidal.learner.tools.warmstart import pass_rate, sft_loss
     from tidal.tasks import count
 
     split = count.load_prompts(TaskConfig(name="count", max_operand=999, num_val=16))
@@ -167,7 +167,7 @@ def test_the_warm_start_stops_only_after_its_target_holds_at_stable_checks_in_a_
     """A single greedy pass can be a lucky jump: with stable_checks=2 the SFT goes on until two
     checks in a row reach the target (the checks' results scripted here; the SFT steps are real)."""
     from tidal.config import TinyModelConfig, WarmStartConfig
-    from tidal.learner import warmstart
+    from tidal.learner.tools import warmstart
     from tidal.tasks import arithmetic
 
     split = arithmetic.load_prompts(TaskConfig(name="arithmetic", max_operand=9, num_val=8))

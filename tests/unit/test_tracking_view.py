@@ -6,7 +6,7 @@ import pytest
 
 from conftest import ROOT
 from tidal.config import load_config
-from tidal.learner.tracking import mlflow_ui_lines, run_name, run_page_url
+from tidal.learner.rank0.tracking import mlflow_ui_lines, run_name, run_page_url
 
 
 @pytest.mark.parametrize("config, overrides, name", [

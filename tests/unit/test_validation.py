@@ -23,12 +23,12 @@ from tidal.broker.schema import (
     int32s,
 )
 from tidal.config import CurriculumConfig, EvalConfig, LearnerConfig, StalenessConfig
-from tidal.learner.admission import Admission, StepBatch
-from tidal.learner.coordinator import Coordinator, DispatchPlan, release_of
-from tidal.learner.groups import GroupBook, Release
-from tidal.learner.ledger import Ledger, read_ledger
-from tidal.learner.loop import Learner, LearnerParts
-from tidal.learner.validation import FLOAT32_EXP_UNDERFLOW, Validator, logprob_floor
+from tidal.learner.rank0.admission import Admission, StepBatch
+from tidal.learner.rank0.coordinator import Coordinator, DispatchPlan, release_of
+from tidal.learner.rank0.groups import GroupBook, Release
+from tidal.learner.rank0.ledger import Ledger, read_ledger
+from tidal.learner.rank0.loop import Learner, LearnerParts
+from tidal.learner.rank0.validation import FLOAT32_EXP_UNDERFLOW, Validator, logprob_floor
 from tidal.tasks import Prompt
 
 VOCAB, VERSION = 14, 5

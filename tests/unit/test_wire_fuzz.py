@@ -34,9 +34,9 @@ from tidal.broker.schema import (
     int32s,
 )
 from tidal.config import LearnerConfig, LossConfig, LossType
-from tidal.learner.coordinator import release_of
-from tidal.learner.trainer import Trainer
-from tidal.learner.validation import Validator
+from tidal.learner.every_rank.trainer import Trainer
+from tidal.learner.rank0.coordinator import release_of
+from tidal.learner.rank0.validation import Validator
 from tidal.tiny import build_tiny_model
 
 FRAMES_PER_KIND = 10_000

@@ -372,7 +372,8 @@ class LearnerConfig(Section):
         flash = self.attention == Attention.flash_attention_2
         _require(not flash or compute_dtype(self) != Dtype.float32, "learner.attention", self.attention,
                  "flash-attn computes in bf16 or fp16 only: set learner.mixed_precision=bf16 or learner.attention=sdpa")
-        # the same rule as the trainer's (learner/trainer.py), which also sees attention=auto resolved to flash-attn
+        # the same rule as the trainer's (learner/every_rank/trainer.py), which also sees attention=auto resolved to
+        # flash-attn
         _require(not flash or self.packing != Packing.shared, "learner.packing", self.packing,
                  "shared needs attention that takes a mask; flash_attention_2 does not: use learner.attention=sdpa "
                  "or learner.packing=packed")

@@ -26,24 +26,24 @@ from tidal.broker.base import LearnerTransport
 from tidal.broker.schema import RolloutGroup, WeightUpdate
 from tidal.broker.weights import WeightPublisher
 from tidal.config import EvalConfig, LearnerConfig
-from tidal.learner.accounting import Accounting
-from tidal.learner.admission import Admission, StepBatch
-from tidal.learner.batch import group_advantages
-from tidal.learner.checkpoint import Checkpointer
-from tidal.learner.coordinator import Coordinator
-from tidal.learner.curriculum import CurriculumExhausted
-from tidal.learner.diagnostics import Diagnostics
-from tidal.learner.drift import FreshRatioWatch
-from tidal.learner.evaluation import Evaluator, HeldAnnouncements
-from tidal.learner.export import FinalExport
-from tidal.learner.groups import DUPLICATE, NEW, GroupBook
-from tidal.learner.inbox import Inbox
-from tidal.learner.ranks import RankGroup, WeightPush
-from tidal.learner.resume import MetricsLog, learner_state, restore_learner_state
+from tidal.learner.every_rank.batch import group_advantages
+from tidal.learner.every_rank.checkpoint import Checkpointer
+from tidal.learner.every_rank.ranks import RankGroup, WeightPush
+from tidal.learner.every_rank.trainer import Trainer
+from tidal.learner.rank0.accounting import Accounting
+from tidal.learner.rank0.admission import Admission, StepBatch
+from tidal.learner.rank0.coordinator import Coordinator
+from tidal.learner.rank0.curriculum import CurriculumExhausted
+from tidal.learner.rank0.diagnostics import Diagnostics
+from tidal.learner.rank0.drift import FreshRatioWatch
+from tidal.learner.rank0.evaluation import Evaluator, HeldAnnouncements
+from tidal.learner.rank0.groups import DUPLICATE, NEW, GroupBook
+from tidal.learner.rank0.inbox import Inbox
+from tidal.learner.rank0.resume import MetricsLog, learner_state, restore_learner_state
+from tidal.learner.rank0.tracking import ProgressLog, Tracker
+from tidal.learner.rank0.validation import Validator
 from tidal.learner.steps import StepRunner
-from tidal.learner.tracking import ProgressLog, Tracker
-from tidal.learner.trainer import Trainer
-from tidal.learner.validation import Validator
+from tidal.learner.tools.export import FinalExport
 
 log = logging.getLogger(__name__)
 

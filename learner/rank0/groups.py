@@ -19,7 +19,7 @@ import threading
 from collections import Counter, OrderedDict
 from dataclasses import asdict, dataclass
 
-from tidal.learner.ledger import Ledger
+from tidal.learner.rank0.ledger import Ledger
 
 NEW, DUPLICATE, UNRELEASED = "new", "duplicate", "unreleased"
 

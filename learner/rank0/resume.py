@@ -7,8 +7,8 @@ a save and the logging would lose them otherwise). No step is logged twice.
 """
 from __future__ import annotations
 
-from tidal.learner.accounting import Accounting
-from tidal.learner.evaluation import Evaluations
+from tidal.learner.rank0.accounting import Accounting
+from tidal.learner.rank0.evaluation import Evaluations
 
 HEALED_KEYS = ("learner/version", "eval/pass_rate")  # a training step's record has the first, an eval's the second
 

@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tidal.broker.weights.payload import without_aliases
-from tidal.learner.ranks import broadcast_tensors
-from tidal.learner.sharding import PREFIX
+from tidal.learner.every_rank.ranks import broadcast_tensors
+from tidal.learner.every_rank.sharding import PREFIX
 
 OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)  # AdamW's state keyed by parameter name
 

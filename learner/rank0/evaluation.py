@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tidal.broker.schema import RolloutGroup, WeightUpdate
-from tidal.learner.admission import pass_score
-from tidal.learner.groups import Release
+from tidal.learner.rank0.admission import pass_score
+from tidal.learner.rank0.groups import Release
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from tidal.broker.schema import RolloutGroup
 from tidal.config import LearnerConfig, LossConfig, LossType, LrScaling, LrSchedule, compute_dtype
 from tidal.kernels import logprobs as fused_logprobs
 from tidal.kernels import sampler_floor
-from tidal.learner import lora, sharding, state_files
-from tidal.learner.batch import (
+from tidal.learner.every_rank import lora, sharding, state_files
+from tidal.learner.every_rank.batch import (
     MicroBatch,
     Row,
     aggregation_weights,
@@ -32,8 +32,7 @@ from tidal.learner.batch import (
     group_advantages,
     micro_batches,
 )
-from tidal.learner.diagnostics import TokenSample
-from tidal.learner.loss import LossInputs, policy_loss, ratios_of
+from tidal.learner.every_rank.loss import LossInputs, policy_loss, ratios_of
 
 
 def load_policy(model_path: str, param_dtype: str, attention: str = "sdpa", compute_dtype: str | None = None,
@@ -101,6 +100,16 @@ def micro_batch_layout(packing: str, policy) -> str:
 # Far below any behaviour logprob (validation's floor is about -116), so its ratio exp(this - behaviour)
 # is exactly 0 in float32, and finite everywhere a loss or a metric uses it.
 OUTSIDE_SUPPORT_LOGPROB = -1.0e4
+
+
+@dataclass
+class TokenSample:
+    """One step's trained tokens as the learner saw them at step start: every token's lag (as
+    counts per lag) and a bounded random subset of (behaviour, learner) logprob pairs (rank 0's figures)."""
+
+    lag_counts: np.ndarray  # int64 [max lag + 1]: tokens per lag
+    behavior: np.ndarray  # float32 [k]
+    learner: np.ndarray  # float32 [k]
 
 
 @dataclass(frozen=True)

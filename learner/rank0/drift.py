@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from tidal.config import RunConfig
-from tidal.learner.notices import notice
+from tidal.learner.rank0.notices import notice
 
 # |log fresh_ratio| above this is drift: fp32 actors and learner agree to about 1e-5 per token (a few
 # parts in a million over a step), an actor serving bf16 weights to an fp32 learner to a few percent

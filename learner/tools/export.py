@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 
 from tidal.config import LoraConfig
-from tidal.learner import lora
+from tidal.learner.every_rank import lora
 
-CHECKPOINT_WEIGHTS = "model"  # the policy's parameters in a checkpoint, every rank's shards (tidal.learner.checkpoint)
+# the policy's parameters in a checkpoint, every rank's shards (tidal.learner.every_rank.checkpoint)
+CHECKPOINT_WEIGHTS = "model"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # a LoRA adapter's folder, as PEFT saves one
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -148,9 +149,9 @@ def load_checkpoint_policy(checkpoint: Path, model_path: str, adapter: LoraConfi
     (`adapter`) the base from model_path and the adapter from the checkpoint."""
     import torch.distributed.checkpoint as dcp
 
-    from tidal.learner.checkpoint import MANIFEST, verify
-    from tidal.learner.state_files import trained_state
-    from tidal.learner.trainer import load_policy
+    from tidal.learner.every_rank.checkpoint import MANIFEST, verify
+    from tidal.learner.every_rank.state_files import trained_state
+    from tidal.learner.every_rank.trainer import load_policy
 
     if not (checkpoint / CHECKPOINT_WEIGHTS).is_dir():
         raise FileNotFoundError(f"{checkpoint} has no {CHECKPOINT_WEIGHTS}/: not a tidal checkpoint")
@@ -172,7 +173,7 @@ def export_checkpoint(run_dir: Path, step: int | None, out: Path | None, force: 
     adapter in PEFT's format (default RUN_DIR/adapter-step-<N>), or with `merge` the model with the
     adapter merged in. Says on stderr, in one line, how to load what it wrote."""
     from tidal.config import load_config
-    from tidal.learner.checkpoint import latest_valid
+    from tidal.learner.every_rank.checkpoint import latest_valid
 
     run_dir = Path(run_dir)
     cfg = load_config(run_dir / "config.yaml")

@@ -9,7 +9,7 @@ launches the ranks, sets up the process group and supplies the autocast of mixed
 Everything that reads the whole model (the final export, a weight push) goes through the
 collectives below, which every rank must call at the same point: a weight push gathers one tensor at
 a time, in the dtype the actors serve, for rank 0 to copy into its payload. A checkpoint is written
-by every rank, each its own shards (learner/state_files.py), so no rank ever holds the whole model.
+by every rank, each its own shards (learner/every_rank/state_files.py), so no rank ever holds the whole model.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from tidal.config import FsdpConfig
-from tidal.learner import lora
+from tidal.learner.every_rank import lora
 
 log = logging.getLogger(__name__)
 

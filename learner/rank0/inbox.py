@@ -10,8 +10,8 @@ from collections.abc import Callable
 from tidal.broker.base import LearnerTransport
 from tidal.broker.schema import RolloutGroup
 from tidal.health import HealthFile
-from tidal.learner.accounting import Accounting
-from tidal.learner.ledger import Ledger
+from tidal.learner.rank0.accounting import Accounting
+from tidal.learner.rank0.ledger import Ledger
 
 BROKER_POLL_S = 1.0  # how often joins and dead letters are asked for
 RECV_WAIT_S = 0.5  # one wait for a rollout: the caller re-checks its own state (coordinator, evals) this often

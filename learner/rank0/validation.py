@@ -19,8 +19,8 @@ import time
 from collections import Counter
 
 from tidal.broker.schema import COMPONENT_NAME, RolloutGroup, Sample
-from tidal.learner.groups import Release, prompt_digest
-from tidal.learner.refusals import RefusalWatch
+from tidal.learner.rank0.groups import Release, prompt_digest
+from tidal.learner.rank0.refusals import RefusalWatch
 from tidal.logs import power_of_ten
 
 log = logging.getLogger(__name__)

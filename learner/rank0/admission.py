@@ -18,9 +18,9 @@ import numpy as np
 
 from tidal.broker.schema import RolloutGroup, Sample
 from tidal.config import OnViolation, StalenessConfig
-from tidal.learner.accounting import COMPONENT
-from tidal.learner.groups import GroupBook
-from tidal.learner.notices import notice
+from tidal.learner.rank0.accounting import COMPONENT
+from tidal.learner.rank0.groups import GroupBook
+from tidal.learner.rank0.notices import notice
 
 MAX_FAILURE_KINDS = 32  # distinct kinds of failure kept for the summary; the rest are counted together
 FAILING_RUN = 512  # this many training episodes failing in a row stop the run: its reward or environment is broken

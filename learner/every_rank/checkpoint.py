@@ -46,13 +46,13 @@ import torch
 
 from tidal.config import CheckpointConfig
 from tidal.files import sha256_file
-from tidal.learner.lora import is_adapter
-from tidal.learner.ranks import broadcast_bytes
+from tidal.learner.every_rank.lora import is_adapter
+from tidal.learner.every_rank.ranks import broadcast_bytes
 
 if TYPE_CHECKING:  # types only: a checkpoint is verified (tidal export) without building a trainer
     from accelerate import Accelerator
 
-    from tidal.learner.trainer import Trainer
+    from tidal.learner.every_rank.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -446,7 +446,7 @@ class Checkpointer:
         """The checkpoint's tensors have this policy's names and shapes, and its shards hold parts of
         them that fit (one process: all of them); a checkpoint of another model, or a shard rewritten
         with its manifest, stops here, not halfway through a load."""
-        from tidal.learner.state_files import trained_state
+        from tidal.learner.every_rank.state_files import trained_state
 
         shapes = json.loads((path / "trainer.json").read_bytes())["shapes"]
         adapter = self.trainer.lora

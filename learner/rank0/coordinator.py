@@ -22,8 +22,8 @@ import numpy as np
 from tidal.broker.base import LearnerTransport
 from tidal.broker.schema import PromptGroup, SamplingParams, int32s
 from tidal.config import CurriculumConfig
-from tidal.learner.curriculum import Curriculum, CurriculumExhausted
-from tidal.learner.groups import GroupBook, Release, prompt_digest
+from tidal.learner.rank0.curriculum import Curriculum, CurriculumExhausted
+from tidal.learner.rank0.groups import GroupBook, Release, prompt_digest
 from tidal.tasks import Prompt
 
 log = logging.getLogger(__name__)

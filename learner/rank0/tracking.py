@@ -32,7 +32,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from tidal.config import RunConfig, TrackingConfig, flatten, load_config, redact_uri, redacted_config, to_yaml
-from tidal.learner.accounting import RecentRate
+from tidal.learner.rank0.accounting import RecentRate
 from tidal.mlflow_store import ARTIFACTS_BESIDE, reroot_artifacts
 
 DEFAULT_EXPERIMENT = "tidal"

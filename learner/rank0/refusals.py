@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 
-from tidal.learner.notices import notice
+from tidal.learner.rank0.notices import notice
 
 WARN_FRAC = 0.05  # "more than a few percent" of a step's groups
 STOP_FRAC = 0.5  # most of what arrives is refused: the run learns from what is left, if anything

@@ -16,15 +16,15 @@ import os
 import textwrap
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from tidal.broker.schema import RolloutGroup
 from tidal.config import TrackingConfig
-from tidal.learner.admission import pass_score
-from tidal.learner.tracking import redacting_logger
+from tidal.learner.every_rank.trainer import TokenSample
+from tidal.learner.rank0.admission import pass_score
+from tidal.learner.rank0.tracking import redacting_logger
 
 log = redacting_logger(__name__)  # a figure that failed to reach MLflow names its URL
 
@@ -32,16 +32,6 @@ TITLE_WIDTH = 60  # characters per line of a panel's small-print title: a half-w
 MAX_REWARD_BARS = 12  # distinct rewards drawn a bar each; more are binned
 PRINT_SAMPLES_ENV = "TIDAL_PRINT_SAMPLES"  # rollouts of each rollout table the learner also writes to its log
 ROLLOUTS_FILE = "rollouts.jsonl"  # in the run folder: a line per rollout table (what `tidal run --print-samples` shows)
-
-
-@dataclass
-class TokenSample:
-    """One step's trained tokens as the learner saw them at step start: every token's lag (as
-    counts per lag) and a bounded random subset of (behaviour, learner) logprob pairs."""
-
-    lag_counts: np.ndarray  # int64 [max lag + 1]: tokens per lag
-    behavior: np.ndarray  # float32 [k]
-    learner: np.ndarray  # float32 [k]
 
 
 class Reservoir:
