@@ -1,4 +1,4 @@
-"""Memory plans (tidal/memory.py) of real models on one node of 8 GPUs, with the scalerl preset's
+"""Memory plans (tidal/ops/memory.py) of real models on one node of 8 GPUs, with the scalerl preset's
 settings: for each model and GPU size, the layouts below in order (the most GPUs for generation
 first), the first that fits chosen. Nothing is downloaded: the models' shapes come from the
 config.json files in bench/models.
@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from tidal.config import ConfigError, load_config
-from tidal.memory import Cluster, GiB, MiB, ModelShape, kv_cache_tokens, plan
+from tidal.ops.memory import Cluster, GiB, MiB, ModelShape, kv_cache_tokens, plan
 
 MODELS = Path(__file__).parent / "models"
 # every layout: sharded learner with activation checkpointing, engines limited to the preset's

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from runs import history, mlflow_run, tidal_run, time_to_target
 from tidal.config import ConfigError, load_config
-from tidal.plan_batch import at_batch, plan, probe, probe_steps, read_probe, run_evidence
+from tidal.ops.plan_batch import at_batch, plan, probe, probe_steps, read_probe, run_evidence
 
 
 def run_at(config: list[str], overrides: list[str], batch: int, seed: int, budget_groups: int, eval_groups: int,

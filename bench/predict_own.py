@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from runs import mlflow_run, tidal_run
+from tidal.ops.scaling_report import AUTO, Window, fit_points
 from tidal.scaling import points_from_mlflow
-from tidal.scaling_report import AUTO, Window, fit_points
 
 FINAL_EVALS = 3
 CLOSE = 0.03

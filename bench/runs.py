@@ -54,7 +54,7 @@ def timed_tidal_run(config: str, run_dir: Path, every: int, overrides: list[str]
 def mlflow_run(run_dir: Path) -> tuple[str, str]:
     """The tracking URI and MLflow run id a finished run wrote into its summary (its store re-rooted
     where the run folder was moved or copied since)."""
-    from tidal.learner.rank0.tracking import open_run_store
+    from tidal.mlflow_store import open_run_store
 
     summary = json.loads((run_dir / "summary.json").read_text())
     return open_run_store(run_dir, summary["mlflow_uri"]), summary["mlflow_run_id"]

@@ -10,5 +10,6 @@ TRITON_INTERPRET=1), "torch" (chunked, never holds [T, V] logits; the CPU path) 
 
 from tidal.kernels.api import BACKENDS, logprobs
 from tidal.kernels.support import sampler_floor
+from tidal.kernels.working_set import auto_backend, working_set_bytes
 
-__all__ = ["BACKENDS", "logprobs", "sampler_floor"]
+__all__ = ["BACKENDS", "auto_backend", "logprobs", "sampler_floor", "working_set_bytes"]

@@ -8,6 +8,8 @@ import os
 
 import torch
 
+from tidal.kernels.working_set import auto_backend
+
 BACKENDS = ("auto", "naive", "torch", "triton")
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 # fp64 is accepted by the pure-torch backends so tests can build an fp64 reference.
@@ -66,10 +68,7 @@ def _resolve_backend(backend: str, hidden: torch.Tensor) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
     if backend == "auto":
-        # On a GPU the Triton kernels win in half precision; in fp32 their exact ("ieee") dots run
-        # on the FMA units, several times slower than the chunked backend's cuBLAS matmuls.
-        on_gpu = getattr(hidden, "is_cuda", False)
-        return "triton" if on_gpu and getattr(hidden, "dtype", None) in _HALF_DTYPES else "torch"
+        return auto_backend(getattr(hidden, "is_cuda", False), getattr(hidden, "dtype", None) in _HALF_DTYPES)
     on_cpu = not getattr(hidden, "is_cuda", True)
     if backend == "triton" and on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from tidal.broker.schema import PromptGroup, RolloutGroup, SampleArrays, SamplingParams, int32s  # noqa: E402
 from tidal.config import Aggregation, LearnerConfig, LossConfig, LossType, OptimConfig, TinyModelConfig  # noqa: E402
 from tidal.kernels import logprobs  # noqa: E402
-from tidal.reachable import free_port  # noqa: E402
+from tidal.ops.reachable import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TIERS = {"integration": "integration", "fault": "fault", "gpu": "gpu"}  # folder -> marker

@@ -1,4 +1,4 @@
-from tidal.cli import entry
+from tidal.ops.cli import entry
 
 if __name__ == "__main__":
     entry()

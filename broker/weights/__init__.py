@@ -19,14 +19,16 @@ from __future__ import annotations
 
 from tidal.broker.weights import file, gloo, nccl, tcp
 from tidal.broker.weights.base import EngineStuck, Transport, WeightPublisher, WeightReceiver
+from tidal.broker.weights.tags import SCRATCH_BYTES as TAG_SCRATCH_BYTES
+from tidal.broker.weights.tcp import orphaned_staging
 from tidal.config import WeightsConfig, default_weights_dir
 
 TRANSPORTS: dict[str, Transport] = {t.name: t for t in (file.TRANSPORT, tcp.TRANSPORT, gloo.TRANSPORT,
                                                           nccl.TRANSPORT)}
 default_dir = default_weights_dir  # where a run's weights live when weights.dir is empty (the config's rule)
 
-__all__ = ["TRANSPORTS", "EngineStuck", "WeightPublisher", "WeightReceiver", "build_publisher", "build_receiver",
-           "default_dir", "transport"]
+__all__ = ["TAG_SCRATCH_BYTES", "TRANSPORTS", "EngineStuck", "WeightPublisher", "WeightReceiver", "build_publisher",
+           "build_receiver", "default_dir", "orphaned_staging", "transport"]
 
 
 def transport(name: str) -> Transport:

@@ -25,15 +25,13 @@ from tidal.config import TrackingConfig
 from tidal.learner.every_rank.trainer import TokenSample
 from tidal.learner.rank0.admission import pass_score
 from tidal.learner.rank0.tracking import redacting_logger
+from tidal.run_files import ROLLOUTS_FILE, rollout_text
 
 log = redacting_logger(__name__)  # a figure that failed to reach MLflow names its URL
 
 TITLE_WIDTH = 60  # characters per line of a panel's small-print title: a half-width panel holds about this many
 MAX_REWARD_BARS = 12  # distinct rewards drawn a bar each; more are binned
 PRINT_SAMPLES_ENV = "TIDAL_PRINT_SAMPLES"  # rollouts of each rollout table the learner also writes to its log
-ROLLOUTS_FILE = "rollouts.jsonl"  # in the run folder: a line per rollout table (what `tidal run --print-samples` shows)
-
-
 class Reservoir:
     """A uniform sample of at most `size` values from a stream of any length."""
 
@@ -317,19 +315,6 @@ def _pick_rollouts(groups: list[RolloutGroup], count: int, seed: int) -> dict[in
     for k in sorted(chosen.tolist()):
         picked.setdefault(where[k][0], []).append(where[k][1])
     return picked
-
-
-def rollout_text(row: dict, width: int = 160) -> str:
-    """One rollout table row as a console line: its numbers, then its prompt and completion truncated
-    to `width` characters each, newlines shown as \\n."""
-    def short(text: str) -> str:
-        text = text.replace("\n", "\\n")
-        return text if len(text) <= width else text[:width - 3] + "..."
-
-    components = "".join(f" {key}={value:.3g}" for key, value in row.items() if key.startswith("reward/"))
-    return (f"[rollout] step {row['step']} reward={row['reward']:.3g}{components} advantage={row['advantage']:+.3f} "
-            f"versions={row['versions']} lag={row['lag']} {row['finish_reason']}\n"
-            f"  prompt: {short(row['prompt'])}\n  completion: {short(row['completion'])}")
 
 
 def _print_samples_from_env() -> int:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from tidal.run_files import NOTICES_FILE
+
 notice = logging.getLogger("tidal.notice")
-NOTICES_FILE = "notices.log"
 
 
 def attach(run_dir: Path) -> logging.Handler:

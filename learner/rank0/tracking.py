@@ -14,29 +14,23 @@ config.yaml, summary.json and log lines carry `redact_uri(...)`; only the MLflow
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import math
 import os
 import re
-import shlex
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
-from tidal.config import RunConfig, TrackingConfig, flatten, load_config, redact_uri, redacted_config, to_yaml
+from tidal.config import RunConfig, TrackingConfig, flatten, redact_uri, redacted_config, to_yaml
 from tidal.learner.rank0.accounting import RecentRate
-from tidal.mlflow_store import ARTIFACTS_BESIDE, reroot_artifacts
+from tidal.mlflow_store import tracking_uri, use_store
 
 DEFAULT_EXPERIMENT = "tidal"
-EXPERIMENT_KIND = "mlflow.experimentKind"
 MAX_BATCH_METRICS = 1000  # the most metrics MLflow's log_batch takes
 URI_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 
@@ -72,10 +66,6 @@ def redacting_logger(name: str) -> logging.Logger:
 log = redacting_logger(__name__)
 
 
-def tracking_uri(cfg: TrackingConfig, run_dir: Path) -> str:
-    return cfg.uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
-
-
 def experiment_name(cfg: TrackingConfig) -> str:
     return cfg.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
 
@@ -87,55 +77,6 @@ def run_name(cfg: RunConfig) -> str:
     if cfg.tracking.run_name or cfg.tracking.parent_run_id:
         return cfg.tracking.run_name or cfg.name
     return cfg.task.name if cfg.task.name == cfg.name else f"{cfg.task.name}-{cfg.name}"
-
-
-def sqlite_file(uri: str) -> Path | None:
-    """The file of a `sqlite:///path` store (None for any other store)."""
-    if not uri.startswith("sqlite:///"):
-        return None
-    return Path(unquote(uri.removeprefix("sqlite:///").split("?")[0]))
-
-
-def use_store(uri: str, experiment: str, artifacts: Path | None = None) -> None:
-    """Point MLflow at `uri` and `experiment`. A local sqlite store's experiment is created with
-    its artifacts in `artifacts` (by default `artifacts/` beside the file: not in the current
-    directory, nor in the folder of the first run that used a shared store); a store that was
-    moved is re-rooted first."""
-    import mlflow
-
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    store = sqlite_file(uri)
-    with first_open(store):
-        if store is not None:
-            reroot_artifacts(store)
-        mlflow.set_tracking_uri(uri)
-        if store is not None and mlflow.get_experiment_by_name(experiment) is None:
-            folder = (artifacts or store.parent / "artifacts").resolve()
-            tags = {ARTIFACTS_BESIDE: "beside the store"} if folder == store.resolve().parent / "artifacts" else {}
-            mlflow.create_experiment(experiment, artifact_location=folder.as_uri(), tags=tags)
-        found = mlflow.set_experiment(experiment)
-    # MLflow's UI opens an experiment so tagged as model training (runs, charts), not GenAI (traces); the
-    # UI of MLflow 3.17 reads the mode from the page's address instead (run_page_url)
-    if EXPERIMENT_KIND not in found.tags:
-        mlflow.MlflowClient().set_experiment_tag(found.experiment_id, EXPERIMENT_KIND, "custom_model_development")
-
-
-@contextmanager
-def first_open(store: Path | None):
-    """Held while a process opens a sqlite store (None: any other store, nothing held): MLflow makes its
-    tables on first use, and runs sharing a new file that open it at once fail in its migrations
-    (measured: of three runs started together, at most one came up), as two would both create the
-    experiment. A lock on the store's folder, so no lock file is left beside it."""
-    if store is None:
-        yield
-        return
-    store.parent.mkdir(parents=True, exist_ok=True)
-    folder = os.open(store.parent, os.O_RDONLY)
-    try:
-        fcntl.flock(folder, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(folder)  # releases the lock
 
 
 def package_version(*names: str) -> str:
@@ -361,92 +302,6 @@ def progress_line(metrics: dict[str, float], step: int, max_steps: int, s_per_st
         f"pass {value('rollout/pass_rate', '.3f')}", f"loss {value('learner/loss', '.4g')}",
         f"lag {value('offpolicy/lag_mean', '.2f')}/{value('offpolicy/lag_max', '.0f')}",
         f"gen {tok_s} tok/s", f"{s_step} s/step"])
-
-
-def log_final_logs(run_dir: Path) -> None:
-    """The launcher's last word: the process logs once every process has exited (the learner
-    logged them while it was still writing its own), into the run its summary names."""
-    from mlflow.tracking import MlflowClient
-
-    summary, logs = run_dir / "summary.json", run_dir / "logs"
-    if not (summary.is_file() and logs.is_dir()):
-        return
-    s = json.loads(summary.read_text())
-    try:
-        MlflowClient(open_run_store(run_dir, s["mlflow_uri"])).log_artifacts(s["mlflow_run_id"], str(logs), "logs")
-    except Exception as err:  # the run is over; its logs are still in the run directory
-        log.warning("could not log %s to MLflow run %s: %s", logs, s.get("mlflow_run_id"), err)
-
-
-def open_run_store(run_dir: Path, shown: str) -> str:
-    """`run_tracking_uri`, its sqlite store re-rooted where the run folder was moved or copied:
-    what a reader of a finished run opens, so its artifacts are found where the folder is now."""
-    uri, own = run_tracking_uri(run_dir, shown), run_dir / "mlflow.db"
-    store = sqlite_file(uri)
-    if (not uri or (store is not None and not store.is_file())) and own.is_file():
-        uri, store = f"sqlite:///{own.resolve()}", own  # the summary names the store where the folder was
-    if store is not None:
-        reroot_artifacts(store)
-    return uri
-
-
-def mlflow_ui_lines(shown: str, run_dir: Path) -> list[str]:
-    """The summary's ready-to-paste way to see the run: for a sqlite store, the `mlflow ui` command
-    (the installed one, by full path) and, when the store is the run's own, how runs share one
-    store to be compared side by side; for a tracking server, its address. Then the run's page,
-    opened as model training, once summary.json names the run."""
-    store = sqlite_file(shown)
-    scheme = urlparse(shown).scheme
-    if store is None and scheme in ("http", "https", "databricks"):
-        server = [f"mlflow ui: {shown} (the tracking server)"]
-        return server if scheme == "databricks" else [*server, *_run_page_line(shown, run_dir)]
-    if store is None:
-        return [f"mlflow ui: {_mlflow_command()} ui --backend-store-uri {shlex.quote(shown)}",
-                *_run_page_line(MLFLOW_UI_ADDRESS, run_dir)]
-    lines = [f"mlflow ui: {_mlflow_command()} ui --backend-store-uri {shlex.quote(f'sqlite:///{store.resolve()}')}",
-             *_run_page_line(MLFLOW_UI_ADDRESS, run_dir)]
-    if store.resolve().parent == run_dir.resolve():
-        shared = run_dir.resolve().parent / "mlflow.db"
-        lines.append(f"to compare runs in one UI, give them one store: tracking.uri=sqlite:///{shared}")
-    return lines
-
-
-MLFLOW_UI_ADDRESS = "http://127.0.0.1:5000"  # where `mlflow ui` serves unless told --host or --port
-MODEL_TRAINING = "workflowType=machine_learning"  # the UI's model-training mode; GenAI is its default
-
-
-def run_page_url(server: str, experiment_id: str, run_id: str) -> str:
-    """The run's page in the MLflow UI at `server` (without credentials), in model-training mode: MLflow
-    3.17's UI takes the mode from this parameter, else from the browser's last choice (at first GenAI),
-    and not from the experiment's mlflow.experimentKind tag."""
-    parts = urlparse(server)
-    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname  # an IPv6 address
-    base = f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}{parts.path.rstrip('/')}"
-    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?{MODEL_TRAINING}"
-
-
-def _run_page_line(server: str, run_dir: Path) -> list[str]:
-    summary = run_dir / "summary.json"
-    found = json.loads(summary.read_text()) if summary.is_file() else {}
-    if not {"mlflow_run_id", "mlflow_experiment_id"} <= found.keys():
-        return []  # a run from before the summary named its experiment
-    page = run_page_url(server, found["mlflow_experiment_id"], found["mlflow_run_id"])
-    return [f"the run, as model training: {page}"]
-
-
-def _mlflow_command() -> str:
-    """The `mlflow` beside this Python (a virtual environment's), else the one on PATH."""
-    beside = Path(sys.executable).parent / "mlflow"
-    return shlex.quote(str(beside)) if beside.is_file() else "mlflow"
-
-
-def run_tracking_uri(run_dir: Path, shown: str) -> str:
-    """The URI, credentials included, that the run's config resolves to (summary.json shows it
-    redacted); `shown` where the run directory has no config."""
-    config = run_dir / "config.yaml"
-    if not config.is_file():
-        return shown
-    return tracking_uri(load_config(config).tracking, run_dir)
 
 
 def _dataset_source(task, path: str, context: str):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import ALPHABET, CASES, TINY, gpu_check_report, learner_config, run_step
-from tidal.reachable import free_port
+from tidal.ops.reachable import free_port
 from tidal.tiny import build_tiny_model
 
 SCRIPT = Path(__file__).parents[1] / "integration" / "multirank_step.py"

@@ -78,7 +78,7 @@ def artifact_paths(uri: str, run_id: str, path: str = "") -> set[str]:
 def test_artifacts_of_a_moved_run_folder_are_read_where_it_is_now(written, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from tidal.learner.rank0.tracking import open_run_store
+    from tidal.mlflow_store import open_run_store
 
     root, ids = written
     moved = Path(shutil.move(root / "moved", tmp_path / "after"))
@@ -91,7 +91,7 @@ def test_artifacts_of_a_moved_run_folder_are_read_where_it_is_now(written, tmp_p
 
 
 def test_final_logs_of_a_moved_run_go_into_its_folder_not_the_old_one(written, tmp_path):
-    from tidal.learner.rank0.tracking import log_final_logs
+    from tidal.mlflow_store import log_final_logs
 
     root, ids = written
     moved = Path(shutil.move(root / "final_logs", tmp_path / "after"))
@@ -137,8 +137,7 @@ def test_tidal_fit_and_the_bench_read_a_moved_store(written, tmp_path, monkeypat
 def test_a_store_written_before_re_rooting_is_re_rooted_once_its_old_folder_is_gone(written, tmp_path):
     """An older run folder's experiment has no tidal tag; it is re-rooted when moved (the old folder
     is gone and the one beside the store is there)."""
-    from tidal.learner.rank0.tracking import open_run_store
-    from tidal.mlflow_store import ARTIFACTS_BESIDE
+    from tidal.mlflow_store import ARTIFACTS_BESIDE, open_run_store
 
     root, ids = written
     with sqlite3.connect(root / "legacy" / "mlflow.db") as db:
@@ -193,7 +192,7 @@ def test_a_shared_store_keeps_artifacts_beside_it_and_moves_with_its_folder(writ
 
 
 def test_the_summary_shows_a_ready_to_paste_mlflow_ui_line(tmp_path):
-    from tidal.learner.rank0.tracking import mlflow_ui_lines
+    from tidal.mlflow_store import mlflow_ui_lines
 
     run_dir = tmp_path / "runs" / "demo"
     own = mlflow_ui_lines(f"sqlite:///{run_dir / 'mlflow.db'}", run_dir)
@@ -211,7 +210,7 @@ def test_a_new_store_is_opened_by_one_run_at_a_time(tmp_path):
     then; of three runs doing it at once, at most one came up): a second opener waits until the first is done."""
     import threading
 
-    from tidal.learner.rank0.tracking import first_open
+    from tidal.mlflow_store import first_open
 
     store, entered = tmp_path / "runs" / "mlflow.db", threading.Event()
 

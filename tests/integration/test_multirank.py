@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import CASES, learner_config, run_step
-from tidal.reachable import free_port
+from tidal.ops.reachable import free_port
 
 SCRIPT = Path(__file__).with_name("multirank_step.py")
 

@@ -317,7 +317,7 @@ def test_the_embedded_redis_server_has_a_password_of_its_own(tmp_path, monkeypat
     processes through the environment only (never config.yaml, never a command line); its files are in a
     folder no other user can enter."""
     from tidal.config import load_config
-    from tidal.launcher import start_redis, stop_children
+    from tidal.ops.launcher import start_redis, stop_children
 
     require_redis_server()
     monkeypatch.delenv("TIDAL_REDIS_PASSWORD", raising=False)

@@ -12,7 +12,7 @@ from tidal.broker.schema import RolloutGroup, int32s
 from tidal.config import TrackingConfig
 from tidal.learner.every_rank.trainer import TokenSample
 from tidal.learner.rank0.diagnostics import Diagnostics
-from tidal.reachable import free_port
+from tidal.ops.reachable import free_port
 
 FIGURES = {"pass_rate.png", "token_lag.png", "logprob_mismatch.png", "rewards_lengths.png"}
 
@@ -108,7 +108,7 @@ def test_tracking_honours_the_environment_when_the_config_is_empty(tmp_path, mon
 
 
 def logged_run(cfg) -> int:
-    """A run's MLflow side without engines (what tidal.launcher.launch leaves in the store): the
+    """A run's MLflow side without engines (what tidal.ops.launcher.launch leaves in the store): the
     real Tracker logs the config and a ScaleRL-shaped eval curve that rises more slowly with lag per
     FLOP, but whose steps take less time (1 / (1 + lag / 4) s after 10 s of start-up); one whose lr
     times (lag + 1) passes 0.02 comes apart at its last evaluations."""
@@ -135,10 +135,10 @@ def logged_run(cfg) -> int:
 def test_a_sweep_is_one_parent_run_with_a_child_per_point_and_the_fit(tmp_path, monkeypatch, capsys):
     from mlflow.tracking import MlflowClient
 
-    import tidal.launcher
-    from tidal.cli import main
+    import tidal.ops.launcher
+    from tidal.ops.cli import main
 
-    monkeypatch.setattr(tidal.launcher, "launch", logged_run)
+    monkeypatch.setattr(tidal.ops.launcher, "launch", logged_run)
     out = tmp_path / "sweep"
     assert main(["sweep", "tiny", "staleness.max_lag=0,4", "tracking.system_metrics_interval_s=0",
                  "--out", str(out), "--target", "0.5"]) == 0
@@ -175,10 +175,10 @@ def test_a_sweep_is_one_parent_run_with_a_child_per_point_and_the_fit(tmp_path, 
 def test_a_lag_by_lr_sweep_reports_each_lags_largest_stable_lr(tmp_path, monkeypatch, capsys):
     from mlflow.tracking import MlflowClient
 
-    import tidal.launcher
-    from tidal.cli import main
+    import tidal.ops.launcher
+    from tidal.ops.cli import main
 
-    monkeypatch.setattr(tidal.launcher, "launch", logged_run)
+    monkeypatch.setattr(tidal.ops.launcher, "launch", logged_run)
     out = tmp_path / "sweep"
     assert main(["sweep", "tiny", "staleness.max_lag=0,4", "learner.optim.lr=1e-3,1e-2",
                  "tracking.system_metrics_interval_s=0", "--out", str(out)]) == 0
@@ -281,7 +281,8 @@ def test_the_launchers_last_word_finds_the_store_from_the_runs_config_not_the_re
     from mlflow.tracking import MlflowClient
 
     from tidal.config import RunConfig, to_yaml
-    from tidal.learner.rank0.tracking import Tracker, log_final_logs
+    from tidal.learner.rank0.tracking import Tracker
+    from tidal.mlflow_store import log_final_logs
 
     uri = f"sqlite:///{tmp_path}/store.db"
     cfg = RunConfig()
@@ -320,10 +321,10 @@ def probed_run(cfg) -> int:
 
 
 def test_plan_batch_probes_each_batch_and_times_the_target_from_an_earlier_run(tmp_path, monkeypatch, capsys):
-    import tidal.launcher
-    from tidal.cli import main
+    import tidal.ops.launcher
     from tidal.config import load_config
     from tidal.learner.rank0.tracking import Tracker
+    from tidal.ops.cli import main
 
     # an earlier run at 16 groups, evaluated every 5 steps, first at 0.7 at step 20: about 17.5 steps
     cfg = load_config(["tiny"], ["learner.groups_per_step=16", "eval.every=5", "tracking.system_metrics_interval_s=0",
@@ -334,7 +335,7 @@ def test_plan_batch_probes_each_batch_and_times_the_target_from_an_earlier_run(t
     for step, rate in ((0, 0.36), (5, 0.5), (10, 0.6), (15, 0.65), (20, 0.72), (25, 0.75)):
         tracker.log_metrics({"eval/pass_rate": rate}, step=step)
     tracker.finish({})
-    monkeypatch.setattr(tidal.launcher, "launch", probed_run)
+    monkeypatch.setattr(tidal.ops.launcher, "launch", probed_run)
     assert main(["plan-batch", "tiny", "tracking.system_metrics_interval_s=0", "--batch-sizes", "8,16",
                  "--eval-every-groups", "80", "--target", "0.7", "--tracking-uri", tracker.uri,
                  "--runs", tracker.run_id, "--probe-dir", str(tmp_path / "probes"),
@@ -411,8 +412,9 @@ def test_a_run_on_a_tracking_server_is_checked_named_and_linked_as_model_trainin
     from mlflow.tracking import MlflowClient
 
     from tidal.config import load_config
-    from tidal.learner.rank0.tracking import Tracker, mlflow_ui_lines
-    from tidal.reachable import check_reachable
+    from tidal.learner.rank0.tracking import Tracker
+    from tidal.mlflow_store import mlflow_ui_lines
+    from tidal.ops.reachable import check_reachable
 
     cfg = load_config(["tiny"], ["task.name=count", "tracking.system_metrics_interval_s=0",
                                  f"tracking.uri={mlflow_server}", "tracking.experiment=team"])

@@ -4,7 +4,7 @@ directory behind."""
 import pytest
 
 from conftest import ROOT
-from tidal.cli import main
+from tidal.ops.cli import main
 
 
 def tidal_run(tmp_path, capsys, config, *overrides) -> str:
@@ -49,7 +49,7 @@ def test_tidal_run_refuses_curve_off(tmp_path, capsys):
 
 def tidal_analysis(capsys, *args) -> str:
     """`tidal fit|sweep ARGS` fails as one line naming what is wrong, exit 2."""
-    from tidal.cli import main
+    from tidal.ops.cli import main
 
     assert main(list(args)) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -88,9 +88,9 @@ def test_fit_on_a_run_the_store_lacks_names_it_and_the_runs_it_holds(tmp_path, c
     assert line == ("tidal fit: run 'tiny-20261205' in http://mlflow:5000: Run with id=tiny-20261205 not found; "
                     "it holds: 3dc6dba4 (tiny-20261205)")
     # plan-batch reads its runs before minutes of probing, and says the same in one line
-    import tidal.plan_batch
+    import tidal.ops.plan_batch
 
-    monkeypatch.setattr(tidal.plan_batch, "probe", lambda *a: pytest.fail("probed before reading the runs"))
+    monkeypatch.setattr(tidal.ops.plan_batch, "probe", lambda *a: pytest.fail("probed before reading the runs"))
     line = tidal_analysis(capsys, "plan-batch", "tiny", "--runs", "tiny-20261205", "--tracking-uri",
                           "http://mlflow:5000")
     assert line == ("tidal plan-batch: run 'tiny-20261205' in http://mlflow:5000: Run with id=tiny-20261205 not "
@@ -104,10 +104,10 @@ def test_fit_on_a_run_the_store_lacks_names_it_and_the_runs_it_holds(tmp_path, c
     (["--eval-every-groups", "0"], "--eval-every-groups 0: a number of prompt groups, >= 1"),
 ])
 def test_plan_batch_flags_are_checked_before_measuring(capsys, monkeypatch, args, says):
-    import tidal.plan_batch
+    import tidal.ops.plan_batch
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setattr(tidal.plan_batch, "probe", lambda *a: pytest.fail("probed before checking the flags"))
+    monkeypatch.setattr(tidal.ops.plan_batch, "probe", lambda *a: pytest.fail("probed before checking the flags"))
     assert tidal_analysis(capsys, "plan-batch", "tiny", *args).startswith(f"tidal plan-batch: {says}")
 
 
@@ -130,9 +130,9 @@ def test_fit_without_input_says_what_it_needs_once(capsys, monkeypatch):
 
 def test_a_sweep_checks_every_point_of_its_grid_before_it_runs_any(tmp_path, capsys, monkeypatch):
     """A bad value at the grid's last point used to surface only after the runs before it."""
-    import tidal.launcher
+    import tidal.ops.launcher
 
-    monkeypatch.setattr(tidal.launcher, "launch", lambda cfg: pytest.fail(f"ran {cfg.run_dir} before the check"))
+    monkeypatch.setattr(tidal.ops.launcher, "launch", lambda cfg: pytest.fail(f"ran {cfg.run_dir} before the check"))
     out = tmp_path / "sweep"
     line = tidal_analysis(capsys, "sweep", "tiny", "learner.max_steps=1,x", "--out", str(out))
     assert line.startswith("tidal sweep: config key 'learner.max_steps': Value 'x'")
@@ -183,7 +183,7 @@ def test_reward_functions_that_cannot_be_used_are_one_line(tmp_path, capsys, ove
 def test_names_vllm_does_not_know_stop_at_preflight(override, says):
     """The actor found these out after every process had started."""
     from tidal.config import ConfigError, load_config
-    from tidal.preflight import preflight
+    from tidal.ops.preflight import preflight
 
     with pytest.raises(ConfigError) as err:
         preflight(load_config("configs/tiny.yaml", [override, "task.num_val=4"]))
@@ -199,7 +199,7 @@ def test_names_vllm_does_not_know_stop_at_preflight(override, says):
 def test_a_task_or_environment_option_it_does_not_take_stops_at_preflight(preset, override, says):
     """A misspelt option was silently ignored: the run went on without it."""
     from tidal.config import ConfigError, load_config
-    from tidal.preflight import preflight
+    from tidal.ops.preflight import preflight
 
     with pytest.raises(ConfigError) as err:
         preflight(load_config(f"configs/{preset}.yaml", [override]))
@@ -208,7 +208,7 @@ def test_a_task_or_environment_option_it_does_not_take_stops_at_preflight(preset
 
 def test_an_actor_started_alone_without_the_learners_ports_is_one_line(capsys):
     """It failed once its engine was up, minutes into a pod's start on a large model."""
-    from tidal.cli import main
+    from tidal.ops.cli import main
 
     assert main(["actor", "tiny", "broker.zmq.curve=off", "broker.zmq.control_port=5555"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()

@@ -257,7 +257,7 @@ def test_contents_a_resume_cannot_read_are_damage_not_a_crash(run, accelerator, 
 
 
 def test_resume_fresh_is_a_choice_of_the_command_line():
-    from tidal.cli import parse
+    from tidal.ops.cli import parse
 
     assert parse(["learner", "run.yaml", "--resume", "fresh"]).resume == "fresh"
     assert parse(["run", "run.yaml", "--resume"]).resume == "required"
@@ -372,7 +372,7 @@ def exportable(run, tmp_path):
 
 
 def test_export_refuses_a_folder_that_is_not_empty_unless_forced(exportable, tmp_path, capsys):
-    from tidal.cli import main
+    from tidal.ops.cli import main
 
     out = tmp_path / "mine"
     out.mkdir()

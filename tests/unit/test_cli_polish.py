@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import ALPHABET, ROOT, TINY
-from tidal.cli import CLOSED_PIPE_EXIT, main_to_a_pipe
+from tidal.ops.cli import CLOSED_PIPE_EXIT, main_to_a_pipe
 
 
 def tidal_into_a_closed_pipe(*args: str, unbuffered: bool, errors_too: bool = False) -> subprocess.CompletedProcess:
@@ -40,12 +40,12 @@ def test_an_error_line_into_a_reader_that_stopped_ends_quietly():
 
 def test_a_broken_pipe_that_is_not_the_output_is_still_raised(monkeypatch):
     """A socket whose peer went away is an error of the run, not a reader that stopped."""
-    import tidal.cli
+    import tidal.ops.cli
 
     def broken(argv):
         raise BrokenPipeError(32, "Broken pipe")
 
-    monkeypatch.setattr(tidal.cli, "main", broken)
+    monkeypatch.setattr(tidal.ops.cli, "main", broken)
     with pytest.raises(BrokenPipeError):
         main_to_a_pipe([])
 

@@ -93,7 +93,7 @@ def test_bad_yaml_key_names_the_key(tmp_path):
 
 
 def test_cli_reports_config_error_in_one_line(capsys):
-    from tidal.cli import main
+    from tidal.ops.cli import main
 
     assert main(["prepare", str(TINY), "eval.every=soon"]) == 2
     err = capsys.readouterr().err.strip()
@@ -153,7 +153,7 @@ def test_a_base_that_goes_round_is_one_line(tmp_path):
 
 
 def test_config_show_prints_what_loads_again(tmp_path, capsys):
-    from tidal.cli import main
+    from tidal.ops.cli import main
 
     assert main(["config", "show", "tiny-scalerl", "staleness.max_lag=3", "loo/tiny-loo-tis"]) == 0
     shown = tmp_path / "shown.yaml"
@@ -163,7 +163,7 @@ def test_config_show_prints_what_loads_again(tmp_path, capsys):
 
 
 def test_config_check_reads_the_task_and_starts_nothing(tmp_path, capsys):
-    from tidal.cli import main
+    from tidal.ops.cli import main
 
     assert main(["config", "check", "tiny", f"run_dir={tmp_path / 'run'}"]) == 0
     out = capsys.readouterr().out
@@ -175,7 +175,7 @@ def test_config_check_reads_the_task_and_starts_nothing(tmp_path, capsys):
 
 
 def test_config_explain_reads_the_schemas_help(capsys):
-    from tidal.cli import main
+    from tidal.ops.cli import main
 
     assert main(["config", "explain", "staleness.max_lag"]) == 0
     out = capsys.readouterr().out
@@ -207,7 +207,7 @@ def test_every_field_has_help():
 
 
 def test_version_and_flags_between_configs(capsys):
-    from tidal.cli import main, parse
+    from tidal.ops.cli import main, parse
 
     with pytest.raises(SystemExit) as code:
         main(["--version"])

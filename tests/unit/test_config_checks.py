@@ -215,7 +215,7 @@ def test_an_empty_value_for_a_number_still_names_the_key():
 
 
 def test_explain_lists_every_built_in_task_and_where_the_prompt_template_applies():
-    from tidal.preflight import TEMPLATED_TASKS
+    from tidal.ops.preflight import TEMPLATED_TASKS
     from tidal.tasks import BUILTIN
 
     name = explain("task.name")

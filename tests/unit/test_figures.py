@@ -15,8 +15,8 @@ from tidal import scaling
 from tidal.learner.every_rank.trainer import TokenSample
 from tidal.learner.rank0 import diagnostics as diagnostics_module
 from tidal.learner.rank0.diagnostics import Diagnostics
-from tidal.plan_batch import PlanRow, plot_plan
-from tidal.scaling_report import _labels
+from tidal.ops.plan_batch import PlanRow, plot_plan
+from tidal.ops.scaling_report import _labels
 
 matplotlib.use("Agg")
 RUN = "arith-lr3e-6-20261205-120000"  # a run folder's name, as runs/<name>-<time> makes it

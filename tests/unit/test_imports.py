@@ -9,6 +9,10 @@ package (function-level ones too), so a layering mistake fails here rather than 
     tidal.config                       nothing of tidal (the weight channel reads its folder rule from it)
     tidal.files                        nothing of tidal (file helpers for anyone)
     tidal.logs                         nothing of tidal (sparse warnings for anyone)
+    tidal.run_files                    nothing of tidal (the run folder's shared file names)
+    tidal.ops                          the roof (cli, launcher, sweep, plans): imported by no one but
+                                       `python -m tidal`; reaches the roles only through their public
+                                       entry points (ROOF_REACHES)
 """
 import ast
 from pathlib import Path
@@ -16,7 +20,7 @@ from pathlib import Path
 from conftest import ROOT
 
 PACKAGES = {"actor": "actor", "learner": "learner", "broker": "broker", "kernels": "kernels", "tidal": None}
-SHARED = {"config", "tasks", "health", "files", "logs"}
+SHARED = {"config", "tasks", "health", "files", "logs", "run_files"}
 ALLOWED = {
     "kernels": set(),
     "broker": {"config", "files", "logs"},
@@ -26,7 +30,8 @@ ALLOWED = {
     "tasks": {"config", "logs"},
     "files": set(),
     "logs": set(),
-    "mlflow_store": set(),
+    "mlflow_store": {"config"},
+    "run_files": set(),
     "scaling": {"config", "mlflow_store"},
 }
 
@@ -83,6 +88,27 @@ def test_what_every_rank_runs_imports_nothing_of_what_rank_0_alone_runs():
     assert every_rank
     bad = [f"{p.relative_to(ROOT)} imports tidal.{t}" for p in every_rank for t in sorted(imports_of(p))
            if t.startswith("learner.rank0")]
+    assert bad == []
+
+
+# what the roof may import of each role: its entry, the learner's assembly and tools, the weight channel's
+# public names (the wire and the rest of the broker are shared by everyone)
+ROOF_REACHES = {"learner": ("learner.main", "learner.build", "learner.tools"), "actor": ("actor.main",),
+                "broker.weights": ("broker.weights",)}
+
+
+def test_the_roof_is_imported_by_no_one_and_reaches_roles_only_through_their_entry_points():
+    bad = []
+    for folder in PACKAGES:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            in_roof = path.is_relative_to(ROOT / "tidal" / "ops")
+            for target in sorted(imports_of(path)):
+                if target.startswith("ops") and not in_roof and path != ROOT / "tidal" / "__main__.py":
+                    bad.append(f"{path.relative_to(ROOT)} imports tidal.{target}")
+                for role, public in ROOF_REACHES.items():
+                    if in_roof and (target + ".").startswith(role + ".") and not any(
+                            target == p or target.startswith(p + ".") for p in public):
+                        bad.append(f"{path.relative_to(ROOT)} imports tidal.{target}")
     assert bad == []
 
 

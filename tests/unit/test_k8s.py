@@ -17,10 +17,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tidal.cli import _split, parse
 from tidal.config import load_config
-from tidal.memory import Cluster, GiB, MiB, ModelShape, actor_host_terms, learner_host_terms, payload_bytes, plan
 from tidal.models import HUB_ID
+from tidal.ops.cli import _split, parse
+from tidal.ops.memory import Cluster, GiB, MiB, ModelShape, actor_host_terms, learner_host_terms, payload_bytes, plan
 from tidal.tiny import cached_model_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -246,7 +246,7 @@ def test_scaling_actors_changes_only_the_replica_count(tree, rendered):
 
 
 def cli_subparser(name: str) -> argparse.ArgumentParser | None:
-    from tidal.cli import _parser
+    from tidal.ops.cli import _parser
 
     sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
     return sub.choices.get(name)
@@ -516,7 +516,7 @@ def test_keda_autoscaling_stays_outside_the_validated_overlays(tree):
     assert trigger["metadata"]["consumerGroup"] == "actors" and "lagCount" in trigger["metadata"]
 
 
-# ---- memory: each GPU overlay holds what the plan of its model needs (tidal/memory.py, docs/gpu.md) ------
+# ---- memory: each GPU overlay holds what the plan of its model needs (tidal/ops/memory.py, docs/gpu.md) ------
 
 GPU_OVERLAYS = ("gpu", "gpu-multinode")
 for_each_gpu_overlay = pytest.mark.parametrize("overlay", GPU_OVERLAYS, ids=[f"overlays/{o}" for o in GPU_OVERLAYS])

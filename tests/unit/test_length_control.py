@@ -204,7 +204,7 @@ def test_length_control_defaults_off_and_valid_settings_load():
 def test_an_interruption_text_too_long_for_the_budget_stops_at_preflight(tmp_path):
     """Its token count needs the tokenizer: the learner used to find out after every process had started."""
     from conftest import ALPHABET, TINY
-    from tidal.preflight import preflight
+    from tidal.ops.preflight import preflight
     from tidal.tiny import build_tiny_model, save_model
 
     save_model(*build_tiny_model(TINY, ALPHABET, seed=0), tmp_path / "model")

@@ -94,7 +94,7 @@ def test_targets_the_model_lacks_and_the_head_are_refused_by_name(accelerator):
 
 
 def test_config_check_refuses_targets_the_model_lacks_naming_the_ones_it_has(tmp_path, capsys):
-    from tidal.cli import main
+    from tidal.ops.cli import main
 
     model, tokenizer = build_tiny_model(TINY, ALPHABET, seed=0)
     save_model(model, tokenizer, tmp_path / "model")
@@ -307,7 +307,7 @@ def test_tidal_export_merge_writes_a_model_with_the_peft_models_logits(lora_run,
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tidal.cli import main
+    from tidal.ops.cli import main
 
     root, *_ = lora_run
     assert main(["export", str(root / "run"), "--merge", "--out", str(root / "merged")]) == 0

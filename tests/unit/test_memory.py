@@ -1,4 +1,4 @@
-"""The memory plan (tidal/memory.py) on real models' shapes, from the config.json files in
+"""The memory plan (tidal/ops/memory.py) on real models' shapes, from the config.json files in
 bench/models: exact parameter counts, each term's bytes, and refusals that name the budget, the
 largest term and the keys that change it. Meta-device models only: no weights, no GPU."""
 from types import SimpleNamespace
@@ -6,10 +6,10 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import ROOT
-from tidal import memory
-from tidal.cli import main
 from tidal.config import ConfigError, load_config
-from tidal.memory import (
+from tidal.ops import memory
+from tidal.ops.cli import main
+from tidal.ops.memory import (
     Cluster,
     GiB,
     MiB,
@@ -22,7 +22,7 @@ from tidal.memory import (
     plan,
     shard_count,
 )
-from tidal.placement import PlacementError
+from tidal.ops.placement import PlacementError
 
 MODELS = ROOT / "bench" / "models"
 PUBLISHED_B = {"Qwen2.5-1.5B": 1.54, "Qwen2.5-7B": 7.62, "Qwen2.5-14B": 14.8, "Qwen2.5-32B": 32.8,
@@ -79,6 +79,23 @@ def test_an_moe_counts_the_experts_a_token_is_routed_to(shapes):
     assert moe.mlp_width == 8 * 768 + round(128 / 3)
 
 
+def test_the_logprob_kernels_working_set_is_the_kernels_own_statement():
+    from tidal.kernels import working_set_bytes
+    from tidal.kernels.chunked import DEFAULT_TOKEN_CHUNK, DEFAULT_VOCAB_CHUNK
+
+    t, d, v = 8192, 3584, 152_064
+    # Triton in bf16: the fp32 [V, D] accumulator only while the head is trained (not under LoRA)
+    assert working_set_bytes("triton", t, d, v, 2) == t * d * 2 + v * d * 4
+    assert working_set_bytes("triton", t, d, v, 2, weight_grad=False) == t * d * 6
+    assert working_set_bytes("triton", t, d, v, 4) == t * d * 8  # fp32 weights accumulate in place
+    # the chunked backend: its own tiles, never [T, V]; the naive one materializes [T, V] several times
+    tiles = DEFAULT_TOKEN_CHUNK * DEFAULT_VOCAB_CHUNK
+    assert 2 * tiles * 4 < working_set_bytes("torch", t, d, v, 4) < t * v * 4
+    assert working_set_bytes("naive", t, d, v, 4) >= 5 * t * v * 4
+    with pytest.raises(ValueError, match="auto"):
+        working_set_bytes("auto", t, d, v, 2)
+
+
 def test_activations_per_token_and_layer_and_with_checkpointing(shapes):
     seven = shapes["Qwen2.5-7B"]
     compute = 3 * 3584 + (3 * 28 + 3 * 4) * 128 + 4 * 18944  # hidden copies, attention, MLP
@@ -90,7 +107,9 @@ def test_activations_per_token_and_layer_and_with_checkpointing(shapes):
     assert full["activations (28 layers, no checkpointing)"] == 28 * 8192 * 254_976
     assert kept["layer inputs kept (28 layers, checkpointing)"] == 28 * 8192 * 3584 * 2
     assert kept["one layer's activations, recomputed"] == 8192 * 254_976
-    assert kept["logprob kernel (4096 vocabulary rows, fp32 hidden states)"] == 8192 * 4096 * 4 + 2 * 8192 * 3584 * 4
+    # bf16 on a GPU runs the Triton kernels: beside the bf16 dhidden, the trained head's weight gradient is
+    # accumulated in fp32 over the whole [V, D] (2.2 GB for this vocabulary)
+    assert kept["logprob kernel (triton backend's working set)"] == 8192 * 3584 * 2 + 152_064 * 3584 * 4
 
 
 def test_a_sharded_32b_learner_fits_on_8_x_80_gib_and_an_unsharded_one_is_refused(shapes):

@@ -7,9 +7,9 @@ import shutil
 import pytest
 
 from conftest import ALPHABET, ROOT, TINY
-from tidal.cli import main
 from tidal.config import ModelConfig, TaskConfig
 from tidal.models import resolve_model_path
+from tidal.ops.cli import main
 from tidal.tiny import build_tiny_model, save_model
 
 REPO = "tidal-test/tiny-qwen2"

@@ -6,9 +6,9 @@ import pytest
 
 from conftest import ROOT
 from tidal.actor.engine import engine_args
-from tidal.cli import main
 from tidal.config import ConfigError, load_config
-from tidal.placement import PlacementError, Slot, place
+from tidal.ops.cli import main
+from tidal.ops.placement import PlacementError, Slot, place
 
 
 def cfg(*overrides):
@@ -88,8 +88,8 @@ def test_colocated_actors_start_once_the_learner_is_ready_and_a_learner_gone_fir
     import subprocess
     import threading
 
-    from tidal import launcher
     from tidal.config import resolve
+    from tidal.ops import launcher
 
     c = resolve(cfg("actor.replicas=2", "actor.colocate=true", "weights.transport=tcp", f"run_dir={tmp_path}"))
     started = []

@@ -1,8 +1,8 @@
 """Batch-size planner arithmetic and the sweep grid, without engines."""
 import pytest
 
-from tidal.plan_batch import Probe, RunEvidence, at_batch, eval_every, plan, print_plan
-from tidal.sweep import split_grid
+from tidal.ops.plan_batch import Probe, RunEvidence, at_batch, eval_every, plan, print_plan
+from tidal.ops.sweep import split_grid
 
 
 def _probe(batch: int, step_s: float, eval_s: float = 0.0) -> Probe:
@@ -40,7 +40,7 @@ def test_steps_round_up_to_the_evaluation_that_sees_the_target_and_the_evaluatio
 
 
 def test_an_evaluation_is_felt_max_lag_plus_two_steps_after_it():
-    from tidal.plan_batch import felt_evals
+    from tidal.ops.plan_batch import felt_evals
 
     assert felt_evals(5, 15, max_lag=2) == 2  # at 5 and 10, felt at 9 and 14; the one at 15 sees the target
     assert felt_evals(2, 8, max_lag=2) == 2  # at 2 and 4, felt at 6 and 8; the one at 6 only after step 8
@@ -72,7 +72,7 @@ def test_sweep_grid_splits_axes_from_fixed_overrides():
 
 
 def test_each_grid_point_is_its_own_run_folder_and_config(tmp_path):
-    from tidal.sweep import grid_points
+    from tidal.ops.sweep import grid_points
 
     points = grid_points(["tiny"], ["staleness.max_lag=0,2", "learner.max_steps=3"], tmp_path)
     assert [p.label for p in points] == ["staleness.max_lag=0", "staleness.max_lag=2"]
@@ -82,11 +82,11 @@ def test_each_grid_point_is_its_own_run_folder_and_config(tmp_path):
 
 
 def test_a_run_of_the_grid_that_fails_stops_the_sweep_naming_its_logs(tmp_path, monkeypatch):
-    import tidal.launcher
-    from tidal.sweep import SweepRunFailed, grid_points, run_grid
+    import tidal.ops.launcher
+    from tidal.ops.sweep import SweepRunFailed, grid_points, run_grid
 
     launched = []
-    monkeypatch.setattr(tidal.launcher, "launch", lambda cfg: launched.append(cfg.staleness.max_lag) or 1)
+    monkeypatch.setattr(tidal.ops.launcher, "launch", lambda cfg: launched.append(cfg.staleness.max_lag) or 1)
     points = grid_points(["tiny"], ["staleness.max_lag=0,2"], tmp_path)
     with pytest.raises(SweepRunFailed, match=f"the run staleness.max_lag=0 failed; its logs: {tmp_path}/"):
         run_grid(["tiny"], points, tmp_path, "sqlite:///unused.db", "sweep", "parent")
@@ -97,7 +97,7 @@ def test_the_reach_table_names_the_run_predicted_to_reach_the_target_soonest():
     import numpy as np
 
     from tidal import scaling
-    from tidal.scaling_report import Window, reach_table
+    from tidal.ops.scaling_report import Window, reach_table
 
     seconds = np.linspace(0, 100, 21)
     curves = {"k=0": scaling.sigmoid_curve(seconds, A=0.8, B=2.0, C_mid=40.0, R0=0.3),
@@ -117,7 +117,7 @@ def test_a_sweeps_seeds_are_fitted_as_one_curve_and_measured_by_their_median():
     import numpy as np
 
     from tidal import scaling
-    from tidal.scaling_report import Window, pooled, reach_table
+    from tidal.ops.scaling_report import Window, pooled, reach_table
 
     seconds = np.linspace(0, 100, 21)
     runs = {f"k=2,seed={s}": (seconds, scaling.sigmoid_curve(seconds, A=0.8, B=2.0, C_mid=c, R0=0.3))
@@ -129,7 +129,7 @@ def test_a_sweeps_seeds_are_fitted_as_one_curve_and_measured_by_their_median():
 
 
 def test_overlapping_intervals_make_the_verdict_inconclusive_and_say_what_to_do():
-    from tidal.scaling_report import verdict
+    from tidal.ops.scaling_report import verdict
 
     reach = {"k=0": (40.0, 30.0, 55.0), "k=2": (35.0, 28.0, 45.0), "k=8": (60.0, 50.0, 70.0)}
     lines = verdict(reach, 0.6, num_seeds=1)
@@ -151,7 +151,7 @@ def test_the_wall_time_figure_draws_the_target_and_says_seeds_pooled_only_for_se
     import numpy as np
 
     from tidal import scaling
-    from tidal.scaling_report import Window, reach_table
+    from tidal.ops.scaling_report import Window, reach_table
 
     drawn = []
     monkeypatch.setattr(scaling, "plot_fits", lambda *args, **kwargs: drawn.append(kwargs))
@@ -168,7 +168,7 @@ def test_the_wall_time_figure_draws_the_target_and_says_seeds_pooled_only_for_se
 def test_a_lag_by_lr_grid_finds_each_lags_largest_stable_lr_and_reads_the_law(tmp_path):
     import numpy as np
 
-    from tidal.sweep import LAG, LR, largest_stable_lr, stability, stability_report, stability_verdict
+    from tidal.ops.sweep import LAG, LR, largest_stable_lr, stability, stability_report, stability_verdict
 
     points, axes = {}, {}
     for lag in (0, 2, 8):
@@ -192,7 +192,7 @@ def test_a_lag_by_lr_grid_finds_each_lags_largest_stable_lr_and_reads_the_law(tm
 
 
 def test_a_sweep_with_seeds_runs_each_point_once_per_seed(tmp_path):
-    from tidal.sweep import grid_points
+    from tidal.ops.sweep import grid_points
 
     points = grid_points(["tiny"], ["staleness.max_lag=0,2", "learner.max_steps=3"], tmp_path, seeds=2)
     assert [p.label for p in points] == ["staleness.max_lag=0,seed=0", "staleness.max_lag=0,seed=1",

@@ -14,8 +14,8 @@ import pytest
 from tqdm import tqdm
 
 from tidal.actor.engine import PER_UPDATE_LOGGERS, quiet_logging_config, user_configures_logging
-from tidal.launcher import BAR_FORMAT, MIN_MEASURED_STEPS, StepEta, eta_text, print_summary, show_step
 from tidal.learner.rank0.tracking import ProgressLog, progress_line, waiting_line
+from tidal.ops.launcher import BAR_FORMAT, MIN_MEASURED_STEPS, StepEta, eta_text, print_summary, show_step
 
 STEP = {"rollout/reward": 0.4123, "rollout/pass_rate": 0.375, "learner/loss": -0.01234, "offpolicy/lag_mean": 0.4,
         "offpolicy/lag_max": 1.0}

@@ -1,4 +1,4 @@
-"""What a run binds and reaches, checked before any process starts (tidal.reachable): a fixed port in
+"""What a run binds and reaches, checked before any process starts (tidal.ops.reachable): a fixed port in
 use, or a tracking server that does not answer, is one line naming the key and the value, at once.
 Real sockets on loopback, and a real HTTP server on a thread for the answering case."""
 import socket
@@ -8,9 +8,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from conftest import ROOT
-from tidal.cli import main
 from tidal.config import ConfigError, load_config
-from tidal.reachable import check_reachable
+from tidal.ops.cli import main
+from tidal.ops.reachable import check_reachable
 
 TINY = ROOT / "configs/tiny.yaml"
 
@@ -177,7 +177,7 @@ def test_a_sweep_stops_on_a_tracking_server_that_is_down_in_one_line(tmp_path, c
 def test_a_free_port_for_a_child_lies_below_the_kernels_ephemeral_range():
     """Connections and bind(0) take ports from that range: one chosen there was taken between the
     launcher's choice and the learner's bind."""
-    from tidal.reachable import _ephemeral_low, free_port
+    from tidal.ops.reachable import _ephemeral_low, free_port
 
     ports = {free_port() for _ in range(8)}
     assert all(20000 <= p < _ephemeral_low() for p in ports), ports

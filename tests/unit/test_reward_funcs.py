@@ -347,7 +347,7 @@ def test_each_function_gets_a_mean_and_std_per_step():
 # ---- config check -------------------------------------------------------------------------
 
 def check(tmp_path, capsys, funcs, *more):
-    from tidal.cli import main
+    from tidal.ops.cli import main
     from tidal.tiny import build_tiny_model, save_model
 
     if not (tmp_path / "model").exists():
@@ -489,7 +489,7 @@ def test_a_two_function_weighted_reward_reaches_the_learners_metrics(tmp_path, u
 
 def test_a_reward_raising_during_a_run_is_named_with_its_line_in_the_runs_last_lines(tmp_path, user_rewards,
                                                                                       capsys):
-    from tidal.launcher import print_summary
+    from tidal.ops.launcher import print_summary
 
     run_dir = run_pipeline(tmp_path, "my_rewards:picky", "1.0")
     summary = json.loads((run_dir / "summary.json").read_text())

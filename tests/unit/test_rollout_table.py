@@ -9,10 +9,11 @@ import pytest
 from conftest import sample
 from tidal.broker.schema import RolloutGroup, int32s
 from tidal.config import AdvantageNorm, LearnerConfig
-from tidal.launcher import RolloutFollower
 from tidal.learner.rank0.admission import StepBatch
-from tidal.learner.rank0.diagnostics import PRINT_SAMPLES_ENV, ROLLOUTS_FILE, Diagnostics, rollout_text
+from tidal.learner.rank0.diagnostics import PRINT_SAMPLES_ENV, Diagnostics
 from tidal.learner.rank0.loop import Learner
+from tidal.ops.launcher import RolloutFollower
+from tidal.run_files import ROLLOUTS_FILE, rollout_text
 
 COLUMNS = ["step", "prompt", "completion", "reward", "task_reward", "advantage", "versions", "lag",
            "finish_reason", "tokens", "actor", "group_id"]

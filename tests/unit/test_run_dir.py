@@ -3,7 +3,7 @@ refused in one line, by `tidal run` and by `tidal learner` alike."""
 import subprocess
 import sys
 
-from tidal.launcher import check_run_dir, overwrite_run_dir
+from tidal.ops.launcher import check_run_dir, overwrite_run_dir
 
 
 def test_a_new_or_empty_folder_takes_a_run(tmp_path):

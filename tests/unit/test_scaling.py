@@ -281,7 +281,7 @@ def test_a_window_that_ends_near_the_midpoint_says_so_and_its_interval_shows_it(
 
 
 def test_tidal_fit_prints_the_interval_of_its_prediction_and_the_note(tmp_path, capsys):
-    from tidal.cli import main
+    from tidal.ops.cli import main
 
     clean, noisy = noisy_curve(2)
     path = tmp_path / "curve.csv"
@@ -297,8 +297,8 @@ def test_tidal_fit_prints_the_interval_of_its_prediction_and_the_note(tmp_path, 
 
 
 def test_the_fit_window_skips_the_early_transient_and_holds_out_the_rest(tmp_path, capsys):
-    from tidal.cli import main
-    from tidal.scaling_report import Window, fit_points
+    from tidal.ops.cli import main
+    from tidal.ops.scaling_report import Window, fit_points
 
     clean, noisy = noisy_curve(3)
     compute = np.concatenate([[0.0], COMPUTE])
@@ -350,8 +350,8 @@ def test_the_transient_rule_leaves_out_a_jump_the_sigmoid_cannot_follow_and_keep
 
 
 def test_skip_auto_fits_each_curve_after_its_own_transient(tmp_path, capsys):
-    from tidal.cli import main
-    from tidal.scaling_report import AUTO, Window, fit_points
+    from tidal.ops.cli import main
+    from tidal.ops.scaling_report import AUTO, Window, fit_points
 
     compute = np.linspace(0, 200, 41)
     slow = scaling.sigmoid_curve(compute, A=0.95, B=1.5, C_mid=60.0, R0=0.7)
@@ -367,7 +367,7 @@ def test_skip_auto_fits_each_curve_after_its_own_transient(tmp_path, capsys):
 
 
 def test_a_run_that_came_apart_is_left_out_of_a_sweeps_fits_with_its_reason():
-    from tidal.scaling_report import Window, fit_points
+    from tidal.ops.scaling_report import Window, fit_points
 
     clean, noisy = noisy_curve(8)
     compute = np.concatenate([[0.0], COMPUTE])
@@ -385,8 +385,8 @@ def test_skip_auto_intervals_hold_the_truth_on_curves_without_a_transient():
     """`tidal fit`'s defaults on 20 curves with no transient (the set the issue measured: the rule's skip
     alone held A's truth on 16, keeping every point on 19). The rule still skips on most of them, by
     chance; the interval pays for that by spanning the fit on every point too."""
-    from tidal.cli import parse
-    from tidal.scaling_report import Window, fit_points
+    from tidal.ops.cli import parse
+    from tidal.ops.scaling_report import Window, fit_points
 
     args = parse(["fit", "--csv", "curve.csv"])
     window = Window(args.fit_fraction, args.skip_fraction)
@@ -421,7 +421,7 @@ def test_skip_auto_predicts_a_run_with_a_transient_from_its_first_half():
     """bench/predict_own.py's check on synthetic runs with a format-learning jump: fitted on the first half,
     the mean of the last three evaluations. Leaving the jump out predicts it better than keeping it (mean
     error 0.016 against 0.024 over these 20), and the widened interval holds the measurement as often."""
-    from tidal.scaling_report import AUTO, Window, fit_points
+    from tidal.ops.scaling_report import AUTO, Window, fit_points
 
     rng = np.random.default_rng(0)
     errors, inside = {AUTO: [], None: []}, {AUTO: 0, None: 0}

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from conftest import ALPHABET, ROOT, TINY, TINY_CHAT_TEMPLATE
-from tidal.cli import main
 from tidal.config import ConfigError, TaskConfig
+from tidal.ops.cli import main
 from tidal.tasks import Prompt, PromptEncoder, encode_prompt, get_reward, get_task, installed_tasks
 from tidal.tasks.data import load_rows
 from tidal.tiny import build_tiny_model

@@ -166,7 +166,7 @@ def test_an_actor_that_dies_or_stalls_mid_transfer_holds_up_neither_the_learner_
 def test_weights_staged_by_a_dead_actor_are_swept_and_a_live_ones_kept():
     import subprocess
 
-    from tidal.launcher import sweep_orphan_shm
+    from tidal.ops.launcher import sweep_orphan_shm
 
     gone = subprocess.Popen(["true"])
     gone.wait()  # its pid now names no process

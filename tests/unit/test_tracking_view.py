@@ -6,7 +6,8 @@ import pytest
 
 from conftest import ROOT
 from tidal.config import load_config
-from tidal.learner.rank0.tracking import mlflow_ui_lines, run_name, run_page_url
+from tidal.learner.rank0.tracking import run_name
+from tidal.mlflow_store import mlflow_ui_lines, run_page_url
 
 
 @pytest.mark.parametrize("config, overrides, name", [

@@ -18,7 +18,7 @@ from tidal.broker.schema import Heartbeat, WireCodec, WorkRequest
 from tidal.broker.zmq_keys import check_actor_id, generate, secure_client
 from tidal.broker.zmq_transport import ZmqActorTransport, ZmqLearnerTransport
 from tidal.config import ActorConfig, BrokerConfig, ConfigError, RunConfig, ZmqConfig, curve_on, load_config
-from tidal.launcher import with_run_keys
+from tidal.ops.launcher import with_run_keys
 
 
 def mode(path) -> int:
@@ -72,7 +72,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="making a folder of an
 def test_a_keys_folder_another_user_made_first_is_refused_and_nothing_is_written(tmp_path, capsys):
     """`nobody` made shared/actors (0777) first: tightening its mode left it theirs, and a key they added
     there was granted work. Now `tidal keys` and `tidal run` refuse the folder, naming its owner."""
-    from tidal.cli import main
+    from tidal.ops.cli import main
 
     (tmp_path / "shared" / "actors").mkdir(parents=True)
     for folder in (tmp_path / "shared", tmp_path / "shared" / "actors"):
@@ -148,7 +148,7 @@ def test_a_learner_with_curve_on_and_no_keys_folder_names_the_key():
 
 @pytest.mark.parametrize("role", ["learner", "actor"])
 def test_a_role_started_alone_with_curve_on_and_no_keys_is_one_line_naming_the_key(role, capsys):
-    from tidal.cli import main
+    from tidal.ops.cli import main
 
     assert main([role, "configs/tiny.yaml", "broker.zmq.curve=on"]) == 2
     err = capsys.readouterr().err

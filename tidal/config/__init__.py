@@ -10,7 +10,7 @@ whole tree. The schema documents and checks itself:
     run        RunConfig.check()             every section's, then CROSS_SECTION_RULES
 
 Every mistake fails at load with one line naming the key (load_config); what needs the model or
-the task's data read fails at preflight, before any process starts (tidal/preflight.py).
+the task's data read fails at preflight, before any process starts (tidal/ops/preflight.py).
 
 One module per part of the tree; each imports only those above it in this list:
 

@@ -64,7 +64,7 @@ class ZmqConfig(Section):
 
     def check(self) -> None:
         # keys_dir is not required here: `tidal run` makes keys of its own, and a role started alone with CURVE on
-        # and no keys fails before it builds anything (tidal.cli), naming broker.zmq.keys_dir
+        # and no keys fails before it builds anything (tidal.ops.cli), naming broker.zmq.keys_dir
         for key in ("rollout_hwm", "control_hwm"):  # a CURVE socket with a mark of 1 receives nothing
             _require(getattr(self, key) >= 2, f"broker.zmq.{key}", getattr(self, key),
                      "must be >= 2 (0 would mean no bound; with CURVE on, 1 lets no message through)")

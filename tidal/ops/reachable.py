@@ -79,7 +79,7 @@ def bound_ports(cfg: RunConfig) -> list[BoundPort]:
         z = cfg.broker.zmq
         found += [BoundPort(f"broker.zmq.{name}_port", getattr(z, f"{name}_port"), "broker.zmq.host", z.host)
                   for name in ("control", "rollout", "weights")]
-    elif cfg.broker.redis.embedded:  # started by tidal run on loopback (tidal.launcher.start_redis)
+    elif cfg.broker.redis.embedded:  # started by tidal run on loopback (tidal.ops.launcher.start_redis)
         found.append(BoundPort("broker.redis.embedded_port", cfg.broker.redis.embedded_port, "", "127.0.0.1"))
     if cfg.weights.transport != WeightTransport.file:
         found.append(BoundPort("weights.tcp_port", cfg.weights.tcp_port, "weights.tcp_host", cfg.weights.tcp_host))
@@ -154,7 +154,7 @@ def port_error(bound: BoundPort, err: OSError, holders: dict[int, str]) -> str:
 def check_store(cfg: RunConfig, timeout_s: float = STORE_TIMEOUT_S) -> str:
     """The run's MLflow store (tracking.uri, else $MLFLOW_TRACKING_URI, else a sqlite file in run_dir):
     a server answers, a file can be written. The ConfigError names where the URI came from."""
-    from tidal.learner.rank0.tracking import tracking_uri
+    from tidal.mlflow_store import tracking_uri
 
     run_dir = Path(cfg.run_dir) if cfg.run_dir else Path("runs") / cfg.name  # resolve() adds a time to the name
     uri = tracking_uri(cfg.tracking, run_dir)
@@ -175,7 +175,7 @@ def check_store(cfg: RunConfig, timeout_s: float = STORE_TIMEOUT_S) -> str:
 
 def store_folder(uri: str) -> Path | None:
     """The folder a file store writes: a sqlite file's, a file store's own; None for any other store."""
-    from tidal.learner.rank0.tracking import sqlite_file
+    from tidal.mlflow_store import sqlite_file
 
     scheme = urlsplit(uri).scheme.lower()
     if scheme == "sqlite":

@@ -74,7 +74,7 @@ def sweep_store(config: list[str], fixed: list[str], out: Path) -> tuple[str, st
 def run_grid(config: list[str], points: list[GridPoint], out: Path, uri: str, experiment: str,
              parent_run_id: str) -> dict[str, str]:
     """Runs every point of the grid as a child of the parent run; returns label -> MLflow run id."""
-    from tidal.launcher import launch
+    from tidal.ops.launcher import launch
 
     runs = {}
     for point in points:
@@ -94,8 +94,8 @@ def open_sweep_store(uri: str, experiment: str, out: Path):
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from tidal.learner.rank0.tracking import use_store
-    from tidal.reachable import STORE_TIMEOUT_S, check_server
+    from tidal.mlflow_store import use_store
+    from tidal.ops.reachable import STORE_TIMEOUT_S, check_server
     from tidal.scaling import one_line
 
     if uri.lower().startswith(("http://", "https://")):  # MLflow's client retries a dead server for minutes
@@ -111,7 +111,7 @@ def open_sweep_store(uri: str, experiment: str, out: Path):
 
 def sweep(config: list[str], overrides: list[str], out: Path | None, compute_metric: str, window=None,
           target: float | None = None, seeds: int = 1) -> int:
-    from tidal.scaling_report import Window, report
+    from tidal.ops.scaling_report import Window, report
 
     window = window or Window()
     out = out or Path(f"runs/sweep-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -124,7 +124,7 @@ def sweep(config: list[str], overrides: list[str], out: Path | None, compute_met
     client = open_sweep_store(uri, experiment, out)
     # created through the client, not made the active run: the runs of the grid start their own
     parent = client.create_run(client.get_experiment_by_name(experiment).experiment_id, run_name=out.name,
-                               tags={"tidal.sweep": "parent"}).info.run_id
+                               tags={"tidal.ops.sweep": "parent"}).info.run_id
     params = {"configs": " ".join(map(str, config)), "fixed": " ".join(fixed), "compute_metric": compute_metric,
               "seeds": seeds, **window.params(), **{f"grid.{k}": ",".join(v) for k, v in axes}}
     for key, value in params.items():

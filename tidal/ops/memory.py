@@ -25,15 +25,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tidal.broker.weights.tags import SCRATCH_BYTES as TAG_SCRATCH_BYTES
-from tidal.config import ConfigError, ModelConfig, RunConfig, TaskConfig, compute_dtype
+import torch
+
+from tidal.broker.weights import TAG_SCRATCH_BYTES
+from tidal.config import ConfigError, KernelBackend, ModelConfig, RunConfig, TaskConfig, compute_dtype
+from tidal.kernels import auto_backend, working_set_bytes
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def itemsize(dtype: str) -> int:
+    """The bytes of one element of a dtype named in the config (float32, bfloat16, ...), as torch has it."""
+    return getattr(torch, str(dtype)).itemsize
 CUDA_CONTEXT_BYTES = 2 * GiB  # one process's CUDA context, cuBLAS workspaces and NCCL's own buffers
 FRAGMENTATION = 0.10  # the caching allocator's slack over what the learner's tensors take
-LOGPROB_VOCAB_CHUNK = 4096  # vocabulary rows of the LM head the logprob kernel holds logits for at once
 HOST_PROCESS_BYTES = 4 * GiB  # resident memory of one process with torch and CUDA loaded
 CUDA_GRAPH_BYTES = 1 * GiB  # vLLM's captured CUDA graphs (actor.enforce_eager false)
 ENGINE_BATCHED_TOKENS = 8192  # vLLM's max_num_batched_tokens where engine_kwargs leaves it unset
@@ -301,7 +307,7 @@ def frozen_base_bytes(cfg: RunConfig, shape: ModelShape) -> int:
     if not cfg.learner.lora.enabled:
         return 0
     head = (shape.head_params or shape.embed_params) if cfg.model.head == "fp32" else 0
-    return ((shape.num_params - head) * ITEMSIZE[compute_dtype(cfg.learner)] + head * 4) // shard_count(cfg)
+    return ((shape.num_params - head) * itemsize(compute_dtype(cfg.learner)) + head * 4) // shard_count(cfg)
 
 
 LORA_KEYS = ("learner.lora.rank", "learner.lora.target_modules", "learner.lora.layers")
@@ -312,7 +318,7 @@ def state_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
     the ranks that shard them: of every parameter, or under learner.lora of the adapter's, beside the
     frozen base."""
     lc, n = cfg.learner, shard_count(cfg)
-    each = trained_params(cfg, shape) * ITEMSIZE[lc.param_dtype] // n
+    each = trained_params(cfg, shape) * itemsize(lc.param_dtype) // n
     part = f", 1/{n} a rank" if n > 1 else ""
     keys = (*STATE_KEYS, "learner.param_dtype")
     if not lc.lora.enabled:
@@ -330,13 +336,13 @@ def state_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
 def state_bytes(cfg: RunConfig, shape: ModelShape) -> int:
     """One rank's parameters, gradients and AdamW's two moments (learner.param_dtype), sharded or whole
     (under learner.lora: the adapter's, and the frozen base)."""
-    trained = 4 * trained_params(cfg, shape) * ITEMSIZE[cfg.learner.param_dtype] // shard_count(cfg)
+    trained = 4 * trained_params(cfg, shape) * itemsize(cfg.learner.param_dtype) // shard_count(cfg)
     return trained + frozen_base_bytes(cfg, shape)
 
 
 def adamw_bytes(cfg: RunConfig, shape: ModelShape) -> int:
     """One rank's AdamW moments (2 x learner.param_dtype of what it trains)."""
-    return 2 * trained_params(cfg, shape) * ITEMSIZE[cfg.learner.param_dtype] // shard_count(cfg)
+    return 2 * trained_params(cfg, shape) * itemsize(cfg.learner.param_dtype) // shard_count(cfg)
 
 
 def gathered_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
@@ -344,7 +350,7 @@ def gathered_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
     layer and the prefetched next (every layer, from forward to backward, without
     reshard_after_forward) with their unsharded gradients; the LM head, its own unit, in fp32 for
     model.head fp32; the embedding in the root unit, kept gathered through the step."""
-    fsdp, item = cfg.learner.fsdp, ITEMSIZE[compute_dtype(cfg.learner)]
+    fsdp, item = cfg.learner.fsdp, itemsize(compute_dtype(cfg.learner))
     held = 2 if fsdp.reshard_after_forward else shape.num_layers
     head_item = 4 if cfg.model.head == "fp32" else item
     head = shape.head_params or shape.embed_params
@@ -367,10 +373,10 @@ def unsharded_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
     lc, terms = cfg.learner, []
     compute = compute_dtype(lc)
     if compute != lc.param_dtype:  # under learner.lora, of the adapter alone: the base is held in `compute`
-        copies = (trained_params(cfg, shape) - (0 if lc.lora.enabled else shape.head_params)) * ITEMSIZE[compute]
+        copies = (trained_params(cfg, shape) - (0 if lc.lora.enabled else shape.head_params)) * itemsize(compute)
         terms.append(Term(f"autocast weight copies ({compute})", copies, ("learner.mixed_precision",)))
     if lc.num_ranks > 1:
-        terms.append(Term("DDP gradient buckets", trained_params(cfg, shape) * ITEMSIZE[lc.param_dtype],
+        terms.append(Term("DDP gradient buckets", trained_params(cfg, shape) * itemsize(lc.param_dtype),
                           ("learner.fsdp.enabled",)))
     return terms
 
@@ -396,10 +402,10 @@ def layer_activation_bytes(shape: ModelShape, itemsize: int) -> int:
 def activation_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
     """One micro-batch's activations: every layer's, or with activation checkpointing (FSDP only) each
     layer's input plus one layer's whole set while it is recomputed; and the logprob kernel's working
-    set: a chunk of logits (LOGPROB_VOCAB_CHUNK vocabulary rows, fp32) and the fp32 hidden states
-    with their gradient (the naive backend materializes the whole [tokens x vocab] logits and their gradient)."""
+    set as the kernels state it (tidal.kernels.working_set_bytes: tiles of logits, the fp32 gradients it
+    accumulates; with a trained half-precision LM head, Triton's fp32 [V, D] accumulator)."""
     lc, tokens = cfg.learner, cfg.learner.micro_batch_tokens
-    item = ITEMSIZE[compute_dtype(cfg.learner)]
+    item = itemsize(compute_dtype(cfg.learner))
     one_layer = tokens * layer_activation_bytes(shape, item)
     if lc.fsdp.enabled and lc.fsdp.activation_checkpointing:
         keys = ("learner.micro_batch_tokens",)
@@ -411,10 +417,10 @@ def activation_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
                 else "learner.fsdp.enabled")
         terms = [Term(f"activations ({shape.num_layers} layers, no checkpointing)", shape.num_layers * one_layer,
                       keys)]
-    columns = shape.vocab_size if lc.kernel_backend == "naive" else LOGPROB_VOCAB_CHUNK
-    logits = tokens * columns * 4 * (2 if lc.kernel_backend == "naive" else 1)
-    terms.append(Term(f"logprob kernel ({columns} vocabulary rows, fp32 hidden states)",
-                      logits + 2 * tokens * shape.hidden_size * 4,
+    backend = lc.kernel_backend if lc.kernel_backend != KernelBackend.auto else auto_backend(True, item < 4)
+    held = working_set_bytes(backend, tokens, shape.hidden_size, shape.vocab_size, item,
+                             weight_grad=not lc.lora.enabled)
+    terms.append(Term(f"logprob kernel ({backend} backend's working set)", held,
                       ("learner.micro_batch_tokens", "learner.kernel_backend")))
     return terms
 
@@ -429,7 +435,7 @@ def _shown(value) -> str:
 def transfer_buffer_bytes(cfg: RunConfig, shape: ModelShape) -> int:
     """One side's packed nccl chunks in flight: 2 streams, each a bucket plus the largest tensor
     (a tensor is never split across buckets)."""
-    largest = shape.largest_tensor_params * ITEMSIZE[cfg.model.dtype]
+    largest = shape.largest_tensor_params * itemsize(cfg.model.dtype)
     return 2 * (cfg.weights.bucket_mib * MiB + largest)
 
 
@@ -444,7 +450,7 @@ def learner_gpu_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
         terms.append(Term(f"nccl send buffers ({sends} sends x 2 chunks)", sends * transfer_buffer_bytes(cfg, shape),
                           ("weights.bucket_mib", "weights.max_sends", "weights.transport")))
         # a version's tags are computed beside the tensors as they are packed, each cast to the wire's dtype first
-        largest = shape.largest_tensor_params * ITEMSIZE[cfg.model.dtype]
+        largest = shape.largest_tensor_params * itemsize(cfg.model.dtype)
         terms.append(Term("nccl tensor tags (the largest tensor cast, and scratch)", largest + TAG_SCRATCH_BYTES,
                           ("weights.transport",)))
     return terms
@@ -484,7 +490,7 @@ def kv_bytes_per_token(cfg: RunConfig, shape: ModelShape) -> int:
     """One token's KV cache on one tensor-parallel rank: keys and values of every layer (kv heads
     split over the ranks, repeated where there are fewer than ranks)."""
     vc = cfg.actor.vllm
-    item = 1 if str(vc.engine_kwargs.get("kv_cache_dtype", "auto")).startswith("fp8") else ITEMSIZE[cfg.model.dtype]
+    item = 1 if str(vc.engine_kwargs.get("kv_cache_dtype", "auto")).startswith("fp8") else itemsize(cfg.model.dtype)
     heads = math.ceil(shape.num_kv_heads / vc.tensor_parallel_size)
     return 2 * shape.num_layers * heads * shape.head_dim * item
 
@@ -494,7 +500,7 @@ def engine_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
     one max_model_len sequence's KV cache (the engine refuses to start without it), one forward over
     max_num_batched_tokens (hidden states, q/k/v and the MLP width; nothing kept between layers), the
     sampler's fp32 logits (and logprobs) over actor.max_inflight sequences, and CUDA graphs."""
-    ac, vc, item = cfg.actor, cfg.actor.vllm, ITEMSIZE[cfg.model.dtype]
+    ac, vc, item = cfg.actor, cfg.actor.vllm, itemsize(cfg.model.dtype)
     tp, s = vc.tensor_parallel_size, shape
     max_len = vc.max_model_len or s.max_position_embeddings
     tokens = vc.engine_kwargs.get("max_num_batched_tokens") or ENGINE_BATCHED_TOKENS
@@ -524,7 +530,7 @@ def lora_slot_term(cfg: RunConfig, shape: ModelShape) -> Term:
     every = replace(cfg.learner.lora, rank=rank, target_modules=tuple(shape.layer_linears), layers=())
     tp = cfg.actor.vllm.tensor_parallel_size
     return Term(f"LoRA slot (max_lora_rank {rank}, every linear layer)",
-                every.num_params(list(shape.linears)) * ITEMSIZE[cfg.model.dtype] // tp,
+                every.num_params(list(shape.linears)) * itemsize(cfg.model.dtype) // tp,
                 ("learner.lora.rank", "model.dtype"))
 
 
@@ -559,7 +565,7 @@ def payload_bytes(cfg: RunConfig, shape: ModelShape) -> int:
     """One weight version as it travels: every tensor (a tied head under both names) in model.dtype;
     under learner.lora the adapter's alone."""
     params = adapter_params(cfg, shape) if cfg.learner.lora.enabled else shape.payload_params
-    return params * ITEMSIZE[cfg.model.dtype]
+    return params * itemsize(cfg.model.dtype)
 
 
 def in_shm(directory: str) -> bool:
@@ -681,7 +687,7 @@ def host_memory_bytes() -> int:
 
 def visible_gpu_bytes() -> int | None:
     """The memory of the first GPU this process sees, None without one."""
-    from tidal.placement import visible_gpus
+    from tidal.ops.placement import visible_gpus
 
     if not visible_gpus():
         return None
@@ -703,7 +709,7 @@ def check_lines(cfg: RunConfig, gpu_gib: float | None = None, gpus_per_node: int
         return [f"memory plan: skipped, model.path = {cfg.model.path or '(the tiny model)'!r} has no config.json on "
                 "this machine and nothing is downloaded (give --model-config PATH)"]
     if gpus_per_node is None:
-        from tidal.placement import visible_gpus
+        from tidal.ops.placement import visible_gpus
 
         gpus_per_node = len(visible_gpus()) or 8
     host = int(host_gib * GiB) if host_gib else host_memory_bytes()
@@ -715,7 +721,7 @@ def check_lines(cfg: RunConfig, gpu_gib: float | None = None, gpus_per_node: int
 def check_gpus(cfg: RunConfig, gpus: list[str]) -> Plan | None:
     """`tidal run`'s memory check on this machine's GPUs, before anything starts: raises
     PlacementError (one line) when the plan does not fit; None without GPUs or a local config.json."""
-    from tidal.placement import PlacementError
+    from tidal.ops.placement import PlacementError
 
     source = find_model_config(cfg.model, cfg.task) if gpus else None
     if source is None:

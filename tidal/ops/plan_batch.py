@@ -90,7 +90,7 @@ def probe(config: list[str], overrides: list[str], batch: int, folder: Path) -> 
     """Run the config at `batch` for probe_steps() steps, evaluating every PROBE_EVAL_EVERY (its own MLflow
     file in `folder`, no checkpoints), and read its step times back. A probe that fails is a
     RuntimeError naming its logs."""
-    from tidal.launcher import launch
+    from tidal.ops.launcher import launch
 
     base = load_config(config, overrides)
     run_dir = folder / f"probe-b{batch}"

@@ -31,11 +31,12 @@ from pathlib import Path
 from tidal.broker.zmq_keys import ForeignKeys, generate, run_keys
 from tidal.config import BrokerType, RunConfig, resolve, write_config
 from tidal.files import run_marks, used_run_dir
-from tidal.learner.rank0.tracking import log_final_logs, mlflow_ui_lines
-from tidal.memory import check_gpus
-from tidal.placement import Placement, PlacementError, Slot, place, visible_gpus
-from tidal.preflight import preflight
-from tidal.reachable import check_reachable, free_port
+from tidal.mlflow_store import log_final_logs, mlflow_ui_lines
+from tidal.ops.memory import check_gpus
+from tidal.ops.placement import Placement, PlacementError, Slot, place, visible_gpus
+from tidal.ops.preflight import preflight
+from tidal.ops.reachable import check_reachable, free_port
+from tidal.run_files import NOTICES_FILE, ROLLOUTS_FILE, rollout_text
 
 
 @dataclass
@@ -290,7 +291,7 @@ def sweep_orphan_shm() -> None:
     """Remove vLLM shared-memory segments (/dev/shm/psm_*) that no live process maps, and weights
     staged by actors that are gone: a killed engine or actor never ran its cleanup, and each
     segment or file holds on to its memory until removed."""
-    from tidal.broker.weights.tcp import orphaned_staging
+    from tidal.broker.weights import orphaned_staging  # torch with it: only when a run starts
 
     for path in orphaned_staging():
         path.unlink(missing_ok=True)
@@ -364,8 +365,6 @@ class NoticeFollower:
     drifts) on the console as they are written, each once; a resumed run's earlier ones are not shown again."""
 
     def __init__(self, run_dir: Path, write: Callable[[str], None]):
-        from tidal.learner.rank0.notices import NOTICES_FILE
-
         self.path, self.write = run_dir / NOTICES_FILE, write
         self.offset = self.path.stat().st_size if self.path.exists() else 0  # a resumed run's were shown
 
@@ -387,14 +386,10 @@ class RolloutFollower:
     A resumed run's file starts with the tables already shown: those are skipped."""
 
     def __init__(self, run_dir: Path, rows: int, write: Callable[[str], None]):
-        from tidal.learner.rank0.diagnostics import ROLLOUTS_FILE
-
         self.path, self.rows, self.write = run_dir / ROLLOUTS_FILE, rows, write
         self.offset = self.path.stat().st_size if self.path.exists() else 0
 
     def advance(self) -> None:
-        from tidal.learner.rank0.diagnostics import rollout_text
-
         if not self.path.exists():
             return
         with open(self.path) as f:

@@ -55,7 +55,7 @@ def check_lora_targets(cfg: RunConfig, model_path) -> None:
         return
     from pathlib import Path
 
-    from tidal.memory import ModelShape
+    from tidal.ops.memory import ModelShape
 
     shape = ModelShape.from_config(Path(model_path))
     cfg.learner.lora.check_model(shape.layer_linears, shape.num_layers)

@@ -255,7 +255,7 @@ def _role(cfg, args) -> int:
     if args.command == "actor":
         _check_actor_ports(cfg)
     if args.command == "run":
-        from tidal.launcher import launch
+        from tidal.ops.launcher import launch
 
         return launch(cfg, resume=args.resume, print_samples=args.print_samples, overwrite=args.overwrite)
     if args.command == "learner":
@@ -313,9 +313,9 @@ def _config(cfg, args) -> int:
 
         print(to_yaml(redacted_config(cfg)), end="")  # credentials in URIs shown as ***
         return 0
-    from tidal.memory import check_lines
-    from tidal.preflight import preflight
-    from tidal.reachable import check_reachable
+    from tidal.ops.memory import check_lines
+    from tidal.ops.preflight import preflight
+    from tidal.ops.reachable import check_reachable
 
     if args.model_config and not os.path.exists(args.model_config):
         raise ConfigError(f"--model-config {args.model_config}: no such file or folder (the model's config.json, "
@@ -391,11 +391,11 @@ def _analysis(args) -> int:
     import os
     from pathlib import Path
 
+    from tidal.ops.sweep import SweepRunFailed, sweep
     from tidal.scaling import ScalingFitError
-    from tidal.sweep import SweepRunFailed, sweep
 
     try:
-        from tidal.scaling_report import Window, fit_csv, report
+        from tidal.ops.scaling_report import Window, fit_csv, report
 
         window = Window(args.fit_fraction, args.skip_fraction)
         if args.command == "sweep":
@@ -435,7 +435,7 @@ def _plan_batch(cfg, args) -> int:
     import tempfile
     from pathlib import Path
 
-    from tidal.plan_batch import default_eval_groups, plan, plot_plan, print_plan, probe, run_evidence
+    from tidal.ops.plan_batch import default_eval_groups, plan, plot_plan, print_plan, probe, run_evidence
     from tidal.scaling import ScalingFitError
 
     try:
