@@ -17,21 +17,31 @@ completion the learner trains on is exactly those tokens, the injected ones mask
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
 
 from tidal.actor.engine import Completion
-from tidal.actor.length_control import Transcript, generate
+from tidal.actor.length_control import generate
+from tidal.actor.sample import Transcript, to_sample
 from tidal.actor.tools import ToolCallParser, ToolRunner
-from tidal.broker.schema import Episode, PromptGroup
+from tidal.broker.schema import Episode, PromptGroup, SampleArrays, SamplingParams
 from tidal.config import EnvConfig, TaskConfig
-from tidal.tasks import get_environment
-from tidal.tasks.data import bad_messages
-from tidal.tasks.env import ChatRenderer, Env, Message, Turn, is_async, tool_schemas
-from tidal.tasks.rewards import PROMPT_TEXT, Rewarded, RewardFailed
-from tidal.tasks.user_code import failure
+from tidal.tasks import (
+    ChatRenderer,
+    Env,
+    Message,
+    Reply,
+    RewardFailed,
+    Turn,
+    bad_messages,
+    failure,
+    get_environment,
+    is_async,
+    tool_schemas,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +50,31 @@ class EnvFailed(Exception):
     """The environment raised, timed out or answered with something that is not a Turn."""
 
 
+def checked_components(env: str, components) -> dict[str, float]:
+    """A Turn's named reward parts as the wire carries them: names to finite numbers."""
+    if not isinstance(components, dict):
+        raise EnvFailed(f"{env}.step's components: not a dict of names to numbers")
+    try:
+        checked = {str(name): float(value) for name, value in components.items()}
+    except (TypeError, ValueError) as err:
+        raise EnvFailed(f"{env}.step's components: {err}") from None
+    bad = [name for name, value in checked.items() if not math.isfinite(value)]
+    if bad:
+        raise EnvFailed(f"{env}.step's component {bad[0]!r} is not finite ({checked[bad[0]]})")
+    return checked
+
+
 @dataclass
 class EpisodeResult:
     completion: Completion
     reward: float
     episode: Episode | None  # None for a single-turn task's episode that went as expected
     messages: list[Message] = field(default_factory=list)  # the conversation after the prompt, for tables
-    components: dict[str, float] = field(default_factory=dict)  # task.reward_funcs: each function's value
+    components: dict[str, float] = field(default_factory=dict)  # the reward's named parts (task.reward_funcs)
+
+    def sample(self, params: SamplingParams) -> SampleArrays:
+        """The wire sample (the overlong penalty added when the group asks for one)."""
+        return to_sample(self.completion, self.reward, params, self.episode, self.components)
 
 
 @dataclass
@@ -119,22 +147,21 @@ class Episodes:
         """The group's n episodes: their first turns sampled together, then each on its own."""
         first = await generate(engine, group)  # with forced interruptions when the group asks
         prompt = group.prompt_tokens.numpy("i4", "prompt_tokens").tolist()
-        payload = group.payload
-        if isinstance(self.env, Rewarded):  # reward functions see the prompt as the model read it
-            payload = {**payload, PROMPT_TEXT: self.tokenizer.decode(prompt)}
-        return list(await asyncio.gather(*(self.episode(engine, group, prompt, i, turn, payload)
+        prompt_text = functools.cache(lambda: self.tokenizer.decode(prompt))  # once a group, if a step asks
+        return list(await asyncio.gather(*(self.episode(engine, group, prompt, i, turn, prompt_text)
                                            for i, turn in enumerate(first))))
 
     async def episode(self, engine, group: PromptGroup, prompt: list[int], index: int,
-                      turn: Completion, payload: dict[str, str]) -> EpisodeResult:
+                      turn: Completion, prompt_text) -> EpisodeResult:
         transcript, counts, messages, components = Transcript().add_sampled(turn), Counts(), [], {}
         reward, finish, state, started = 0.0, turn.finish_reason, None, False
         try:
-            state = await self.begin(counts, payload)
+            state = await self.begin(counts, group.payload)
             started = True
             while True:
                 messages.append({"role": "assistant", "content": turn.text})
-                answer, done, gained = await self.respond(counts, state, turn, components)
+                reply = Reply(turn.text, turn.tokens.tolist(), prompt_text)
+                answer, done, gained = await self.respond(counts, state, turn, reply, components)
                 messages.extend(answer)
                 reward += gained
                 if done or counts.turns >= self.max_turns or turn.finish_reason == "length":
@@ -158,14 +185,10 @@ class Episodes:
         stats = Episode(**asdict(counts)) if self.multi_turn or counts.env_error else None
         return EpisodeResult(transcript.completion(finish), reward, stats, messages, components)
 
-    async def respond(self, counts: Counts, state, turn: Completion,
+    async def respond(self, counts: Counts, state, turn: Completion, reply: Reply,
                       components: dict[str, float]) -> tuple[list[Message], bool, float]:
-        """What answers the model's turn: its tool calls' outputs, the reward functions' scores (filling
-        `components`), or the environment's step."""
-        if isinstance(self.env, Rewarded):
-            total, values = await self.call_env(counts, self.env.score, state, turn.text, turn.tokens.tolist())
-            components.update(values)
-            return [], True, total
+        """What answers the model's turn: its tool calls' outputs, or the environment's step (its reward's
+        named parts added to `components`)."""
         if self.parser is not None and turn.finish_reason != "length":
             calls, garbled = self.parser.parse(turn.text)
             if calls or garbled:
@@ -179,7 +202,7 @@ class Episodes:
                 counts.tool_errors += sum(o.status == "error" for o in outcomes) + garbled
                 counts.tool_timeouts += sum(o.status == "timeout" for o in outcomes)
                 return answer, False, 0.0
-        result = await self.call_env(counts, self.env.step, state, turn.text)
+        result = await self.call_env(counts, self.env.step, state, reply)
         if not isinstance(result, Turn):
             raise EnvFailed(f"{type(self.env).__name__}.step returned {type(result).__name__}, not a Turn")
         messages = result.messages or []
@@ -189,6 +212,7 @@ class Episodes:
         gained = 0.0 if result.reward is None else float(result.reward)
         if not math.isfinite(gained):
             raise EnvFailed(f"{type(self.env).__name__}.step gave a non-finite reward {result.reward}")
+        components.update(checked_components(type(self.env).__name__, result.components))
         return list(messages), result.done, gained
 
     def render(self, answer: list[Message], turn: Completion) -> list[int]:

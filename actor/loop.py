@@ -19,7 +19,6 @@ import time
 from collections import Counter
 
 from tidal.actor.episode import Episodes
-from tidal.actor.length_control import to_sample
 from tidal.broker.base import ActorTransport
 from tidal.broker.schema import Heartbeat, PromptGroup, RolloutGroup, Shutdown, WeightUpdate
 from tidal.broker.weights import EngineStuck, WeightReceiver
@@ -117,10 +116,8 @@ class Actor:
         # environments and rewards run off the event loop: a slow one never stalls heartbeats, claims and swaps
         episodes = await self.episodes.run(self.engine, group)
         completions = [e.completion for e in episodes]
-        # the overlong penalty (when the group asks) is added here; Sample.raw_reward keeps the task's own reward
-        samples = [to_sample(e.completion, e.reward, group.sampling, e.episode) for e in episodes]
-        for sample, e in zip(samples, episodes):
-            sample.sample.reward_components = e.components  # task.reward_funcs: each function's value
+        # the overlong penalty (when the group asks) is added there; Sample.raw_reward keeps the task's own reward
+        samples = [e.sample(group.sampling) for e in episodes]
         await self.transport.send_rollout(RolloutGroup.pack(
             samples, group_id=group.group_id, prompt_id=group.prompt_id, actor_id=self.cfg.id,
             prompt_tokens=group.prompt_tokens, eval_version=group.eval_version,

@@ -13,8 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tidal.config import EnvConfig
-from tidal.tasks.env import Message, is_async
-from tidal.tasks.user_code import one_line, raised_by
+from tidal.tasks import Message, is_async, one_line, raised_by
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ import pytest
 
 from conftest import ROOT, DyingWeightServer, engine_on_a_thread, learner_logprobs, on_engine, perturbed, step_batch
 from tidal.actor.episode import Episodes
-from tidal.actor.length_control import generate, to_sample
+from tidal.actor.length_control import generate
+from tidal.actor.sample import to_sample
 from tidal.broker.schema import InterruptParams, PromptGroup, RolloutGroup, SamplingParams, int32s
 from tidal.config import EnvConfig, load_config, resolve
 from tidal.tasks import Env, Turn

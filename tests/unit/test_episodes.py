@@ -10,7 +10,7 @@ import pytest
 
 from tidal.actor.engine import Completion
 from tidal.actor.episode import Episodes
-from tidal.actor.length_control import to_sample
+from tidal.actor.sample import to_sample
 from tidal.broker.schema import PromptGroup, RolloutGroup, SamplingParams, WireCodec, int32s
 from tidal.config import EnvConfig
 from tidal.tasks import ChatRenderer, Env, Prompt, PromptEncoder, SingleTurn, Turn, tool_schemas
@@ -193,6 +193,35 @@ def test_single_turn_tasks_are_the_one_turn_case(tokenizer):
     results = run(episodes, engine, group(prompt, n=3, answer="42"))
     assert [r.reward for r in results] == [1.0] * 3 and all(r.episode is None for r in results)
     assert len(engine.prompts) == 1  # the group's samples in one request, as before episodes
+
+
+class Graded(Env):
+    """An environment that names its reward's parts, as task.reward_funcs do; and one whose parts are broken."""
+
+    max_turns = 1
+
+    def __init__(self, parts):
+        super().__init__()
+        self.parts = parts
+
+    def step(self, state, reply):
+        self.reply = (str(reply), list(reply.token_ids), reply.prompt)
+        return Turn(done=True, reward=1.5, components=self.parts)
+
+
+def test_any_environment_can_name_its_rewards_parts_and_they_reach_the_sample(tokenizer):
+    prompt = tokenizer("12+30=", add_special_tokens=False)["input_ids"]
+    env, engine = Graded({"exact": 1.0, "format": 0.5}), ScriptedTurns(tokenizer, ["42"])
+    [result] = run(Episodes(env, EnvConfig(), tokenizer, chat_template=False), engine, group(prompt))
+    # a reply is the turn's text, with the token ids it was sampled as and the prompt as the model read it
+    assert env.reply == ("42", [*engine.encode("42"), tokenizer.eos_token_id], "12+30=")
+    assert result.reward == 1.5 and result.components == {"exact": 1.0, "format": 0.5}
+    assert result.sample(SamplingParams(max_tokens=256)).sample.reward_components == {"exact": 1.0, "format": 0.5}
+    for broken, why in (([1.0], "not a dict"), ({"exact": "high"}, "could not convert"),
+                        ({"exact": float("nan")}, "'exact' is not finite")):
+        episodes = Episodes(Graded(broken), EnvConfig(), tokenizer, chat_template=False)
+        [result] = run(episodes, ScriptedTurns(tokenizer, ["42"]), group(prompt))
+        assert result.reward == 0.0 and why in result.episode.env_error and result.components == {}
 
 
 def test_failing_tools_are_answered_and_counted(tokenizer, caplog):

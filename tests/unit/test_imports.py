@@ -83,6 +83,13 @@ def test_every_import_respects_the_layers():
     assert violations() == []
 
 
+def test_the_actor_reaches_tasks_through_the_package_alone():
+    """Environments, turns, messages and failures come from `tidal.tasks`; no task module's internals."""
+    bad = [f"{p.relative_to(ROOT)} imports tidal.{t}" for p in sorted((ROOT / "actor").rglob("*.py"))
+           for t in sorted(imports_of(p)) if t.startswith("tasks.")]
+    assert bad == []
+
+
 def test_what_every_rank_runs_imports_nothing_of_what_rank_0_alone_runs():
     every_rank = sorted((ROOT / "learner" / "every_rank").rglob("*.py"))
     assert every_rank

@@ -7,15 +7,8 @@ import numpy as np
 import pytest
 
 from tidal.actor.engine import Completion
-from tidal.actor.length_control import (
-    Transcript,
-    answer_prompt,
-    generate,
-    overlong_penalty,
-    splice,
-    think_budgets,
-    to_sample,
-)
+from tidal.actor.length_control import answer_prompt, generate, splice, think_budgets
+from tidal.actor.sample import Transcript, overlong_penalty, to_sample
 from tidal.broker.schema import InterruptParams, PromptGroup, RolloutGroup, SamplingParams, WireCodec, int32s
 from tidal.config import Aggregation, ConfigError, load_config
 from tidal.learner.every_rank.batch import aggregation_weights, build_rows

@@ -26,11 +26,15 @@ from importlib.metadata import entry_points
 from types import ModuleType
 
 from tidal.config import ConfigError, TaskConfig
-from tidal.tasks.env import ChatRenderer, Env, Message, SingleTurn, Turn, tool_schemas
-from tidal.tasks.user_code import import_module
+from tidal.tasks.env import ChatRenderer, Env, Message, Reply, SingleTurn, Turn, bad_messages, is_async, tool_schemas
+from tidal.tasks.rewards import RewardFailed
+from tidal.tasks.user_code import failure, import_module, one_line, raised_by
 
-__all__ = ["ChatRenderer", "Env", "Message", "Prompt", "PromptEncoder", "SingleTurn", "Split", "Turn",
-           "encode_prompt", "get_environment", "get_reward", "get_task", "installed_tasks", "tool_schemas"]
+# what the actor needs of tasks (it imports nothing else of them): environments, their turns, chat messages
+# and how user code that failed is named
+__all__ = ["ChatRenderer", "Env", "Message", "Prompt", "PromptEncoder", "Reply", "RewardFailed", "SingleTurn", "Split",
+           "Turn", "bad_messages", "encode_prompt", "failure", "get_environment", "get_reward", "get_task",
+           "installed_tasks", "is_async", "one_line", "raised_by", "tool_schemas"]
 
 BUILTIN = {"arithmetic": "tidal.tasks.arithmetic", "chain": "tidal.tasks.chain", "count": "tidal.tasks.count",
            "math": "tidal.tasks.math", "rows": "tidal.tasks.data", "skyrl": "tidal.tasks.skyrl"}

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from tidal.config import ConfigError, TaskConfig
 from tidal.tasks import Prompt, Split
+from tidal.tasks.env import bad_messages
 
 OPTIONS: dict[str, str] = {}  # task.kwargs: this task takes none
 
@@ -126,16 +127,6 @@ def _bad_string(value, field: str, key: str) -> str | None:
                 f"(config key {key}; quote numbers in the file)")
     if not value.strip():
         return f"{field!r} is empty (config key {key})"
-    return None
-
-
-def bad_messages(messages: list) -> str | None:
-    """Chat messages: a non-empty list of {"role": str, "content": str}."""
-    if not messages:
-        return "holds no chat messages"
-    for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            return f"message {i} is not {{\"role\": str, \"content\": str}}: {repr(m)[:60]}"
     return None
 
 

@@ -4,13 +4,15 @@ subclass of `Env`, built with the task's config) instead of `reward`; a task wit
 is the one-turn case, `SingleTurn`, run by the same episode loop.
 
     start(payload) -> state                         once per episode (sample)
-    step(state, reply) -> Turn(messages, done, reward)   after every model turn without a tool call
+    step(state, reply) -> Turn(messages, done, reward, components)
+                                                    after every model turn without a tool call
     finish(state)                                   once the episode is over, however it ended (optional)
     tools() -> [callables]                          offered to the model; the actor runs its calls
 
 `start` and `step` may be `async`; plain functions run on a worker thread, so a slow one never
-stalls the actor. The model's turns reach the environment as text (decoded for reading only: the
-tokens the model sampled are the ones trained on); what the environment answers is rendered by
+stalls the actor. The model's turns reach the environment as text, a `Reply` (a str that also holds
+the turn's token ids and the prompt as the model read it: decoded for reading only, the tokens the
+model sampled are the ones trained on); what the environment answers is rendered by
 `ChatRenderer` through the tokenizer's chat template and appended as tokens the model reads but is
 never trained on.
 """
@@ -34,6 +36,24 @@ class Turn:
     messages: list[Message] = field(default_factory=list)  # appended to the conversation (role user or tool)
     done: bool = False  # the episode is over: the model gets no further turn
     reward: float | None = None  # added to the episode's reward (most environments give one, with done)
+    # the reward's named parts (task.reward_funcs: each function's value), logged and shown by name
+    components: dict[str, float] = field(default_factory=dict)
+
+
+class Reply(str):
+    """A model turn as `Env.step` receives it: its text, with the token ids it was sampled as
+    (`token_ids`) and the prompt as the model read it (`prompt`, decoded on first use)."""
+
+    def __new__(cls, text: str, token_ids: Sequence[int] = (), prompt: Callable[[], str] | str = ""):
+        reply = super().__new__(cls, text)
+        reply.token_ids, reply._prompt = token_ids, prompt
+        return reply
+
+    @property
+    def prompt(self) -> str:
+        if callable(self._prompt):
+            self._prompt = self._prompt()
+        return self._prompt
 
 
 class Env:
@@ -149,3 +169,13 @@ class ChatRenderer:
                 closing = closing[len(stop_text):]
             text = closing + after[len(before):]
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def bad_messages(messages: list) -> str | None:
+    """Chat messages: a non-empty list of {"role": str, "content": str}."""
+    if not messages:
+        return "holds no chat messages"
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            return f"message {i} is not {{\"role\": str, \"content\": str}}: {repr(m)[:60]}"
+    return None

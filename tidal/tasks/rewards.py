@@ -41,12 +41,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from tidal.config import ConfigError, TaskConfig, redact_uri, reward_file
-from tidal.tasks.env import Env, is_async
+from tidal.tasks.env import Env, Reply, Turn, is_async
 from tidal.tasks.user_code import defined_at, import_file, import_module, one_line, where_raised
 
 ENTRY_POINTS = "tidal.rewards"
 JSON_COLUMNS = "_tidal_json_columns"  # payload key: the columns stored as JSON (a JSON list of names)
-PROMPT_TEXT = "_tidal_prompt_text"  # payload key the actor adds: the prompt as the model read it
+PROMPT_TEXT = "_tidal_prompt_text"  # payload key Rewarded adds: the prompt as the model read it
 RESERVED = ("prompt", "completion", "completion_ids")  # keyword arguments a column of that name cannot override
 MAX_COLUMNS = 62  # the wire's payload holds 64 keys: two are the reserved ones above
 MAX_VALUE_CHARS = 65_536  # a payload value's bound on the wire
@@ -278,14 +278,19 @@ def as_reward(name: str, value: Any) -> float | None:
 
 
 class Rewarded(Env):
-    """task.reward_funcs as a one-turn environment: the episode loop calls `score` with the completion's
-    text and token ids (instead of `step`)."""
+    """task.reward_funcs as a one-turn environment: its step scores the reply with every function (given
+    the prompt as the model read it, the reply's text and token ids) and is done, the weighted sum its
+    reward and each function's value a component."""
 
     max_turns = 1
 
     def __init__(self, cfg: TaskConfig, funcs: Sequence[RewardFunc] | None = None):
         super().__init__(cfg)
         self.funcs = list(funcs if funcs is not None else load_reward_funcs(cfg))
+
+    async def step(self, state: dict[str, str], reply: Reply) -> Turn:
+        total, values = await self.score({**state, PROMPT_TEXT: reply.prompt}, str(reply), reply.token_ids)
+        return Turn(done=True, reward=total, components=values)
 
     async def score(self, state: dict[str, str], completion: str,
                     completion_ids: Sequence[int]) -> tuple[float, dict[str, float]]:
