@@ -85,6 +85,50 @@ class ActorJoin:
     announced: int
 
 
+class ActorTable:
+    """The live actors as their heartbeats describe them, one table for every learner transport: a
+    heartbeat introduces an id or keeps it alive (a new id beyond `max_actors` is refused and counted
+    in `refused`), a hello is logged (HelloLog) and kept as the id's newest join, and an id silent for
+    `actor_timeout_s` is gone. Not thread-safe: the owning transport serializes every call."""
+
+    def __init__(self, actor_timeout_s: float, max_actors: int, refused: collections.Counter[str]):
+        self.actor_timeout_s, self.max_actors, self.refused = actor_timeout_s, max_actors, refused
+        self.live: dict[str, ActorInfo] = {}
+        self.joins: dict[str, ActorJoin] = {}  # the newest hello of each id since take_joins, in arrival order
+        self.hellos = HelloLog(max_actors)
+        self.announced_version = 0  # the newest weight version announced, for the join record
+
+    def on_heartbeat(self, beat: Heartbeat, now: float | None = None) -> bool:
+        """Track the sender; False when refused (a new id while `max_actors` are live)."""
+        if beat.actor_id not in self.live and len(self.live) >= self.max_actors:
+            self.refused["too_many_actors"] += 1
+            return False
+        if beat.hello:
+            self.hellos.hello(beat, self.announced_version)
+            self.joins.pop(beat.actor_id, None)  # the newest one, moved to the end: bounded by the live ids
+            self.joins[beat.actor_id] = ActorJoin(beat.actor_id, beat.version, self.announced_version)
+        self.live[beat.actor_id] = actor_info(beat, self.live.get(beat.actor_id), now)
+        return True
+
+    def seen(self, actor_id: str) -> None:
+        """Another sign of life than a heartbeat (a work request)."""
+        if actor_id in self.live:
+            self.live[actor_id].last_seen = time.monotonic()
+
+    def forget_silent(self, now: float | None = None) -> list[tuple[str, float]]:
+        """The ids silent longer than actor_timeout_s, each with how long, taken out of the table."""
+        now = time.monotonic() if now is None else now
+        gone = [(actor_id, now - info.last_seen) for actor_id, info in self.live.items()
+                if now - info.last_seen > self.actor_timeout_s]
+        for actor_id, _ in gone:
+            del self.live[actor_id]
+        return gone
+
+    def take_joins(self) -> list[ActorJoin]:
+        joins, self.joins = self.joins, {}
+        return list(joins.values())
+
+
 def common_metrics(actors: list[ActorInfo], rejected: dict[str, int]) -> dict[str, float]:
     """What every learner transport reports: the slowest recent weight swap and rejected frames."""
     out = {"broker/rejected_frames": float(sum(rejected.values()))}

@@ -20,7 +20,7 @@ import logging
 import math
 import time
 
-from tidal.broker.base import ActorInfo, ActorJoin, HelloLog, actor_info, common_metrics
+from tidal.broker.base import ActorInfo, ActorJoin, ActorTable, common_metrics
 from tidal.broker.schema import Heartbeat, PromptGroup
 from tidal.logs import SparseLog
 
@@ -31,7 +31,6 @@ class GrantTable:
     def __init__(self, actor_timeout_s: float, max_actors: int = 1024, grant_timeout_s: float = 0.0,
                  clock=time.monotonic):
         self.actor_timeout_s = actor_timeout_s
-        self.max_actors = max_actors
         self.grant_timeout_s = grant_timeout_s  # 0: a live actor keeps its grants until it returns them
         self.clock = clock
         self.pending: collections.deque[PromptGroup] = collections.deque()
@@ -39,16 +38,17 @@ class GrantTable:
         self.granted: dict[str, tuple[str, PromptGroup, float]] = {}
         self.held: collections.Counter[str] = collections.Counter()  # actor id -> groups it holds in `granted`
         self.holders: dict[str, set[str]] = {}  # group id -> every actor it was granted to, until returned
-        self.actors: dict[str, ActorInfo] = {}
-        self.joins: dict[str, ActorJoin] = {}  # the newest hello of each id since take_joins, in arrival order
-        self.hellos = HelloLog(max_actors)
-        self.announced_version = 0  # the newest weight version announced, for the join record
+        self.refused: collections.Counter[str] = collections.Counter()  # messages refused, by reason
+        self.table = ActorTable(actor_timeout_s, max_actors, self.refused)
         self.num_granted = 0
         self.num_redispatched = 0
         self.num_overdue = 0  # grants taken back from a live actor after grant_timeout_s
         self.num_share_capped = 0  # requests cut to the asker's fair share
         self._overdue_log = SparseLog(log)
-        self.refused: collections.Counter[str] = collections.Counter()  # messages refused, by reason
+
+    @property
+    def actors(self) -> dict[str, ActorInfo]:
+        return self.table.live
 
     def submit(self, groups: list[PromptGroup]) -> None:
         self.pending.extend(groups)
@@ -88,31 +88,23 @@ class GrantTable:
         return None
 
     def on_heartbeat(self, beat: Heartbeat) -> bool:
-        """A heartbeat (the first one, or a hello, introduces an actor); False when refused."""
-        if beat.actor_id not in self.actors and len(self.actors) >= self.max_actors:
-            self.refused["too_many_actors"] += 1
+        """A heartbeat (the first one, or a hello, introduces an actor); False when refused. A hello
+        from an id that holds groups: it restarted, and they go back."""
+        if not self.table.on_heartbeat(beat):
             return False
         if beat.hello:
-            self.hellos.hello(beat, self.announced_version)
-            self.joins.pop(beat.actor_id, None)  # the newest one, moved to the end: bounded by the live ids
-            self.joins[beat.actor_id] = ActorJoin(beat.actor_id, beat.version, self.announced_version)
             self._requeue(beat.actor_id, "said hello again (restarted)")
-        self.actors[beat.actor_id] = actor_info(beat, self.actors.get(beat.actor_id))
         return True
 
     def seen(self, actor_id: str) -> None:
         """A work request is a sign of life too."""
-        if actor_id in self.actors:
-            self.actors[actor_id].last_seen = time.monotonic()
+        self.table.seen(actor_id)
 
     def expire(self) -> None:
         """Actors silent too long are gone, and the groups they held go back; so do groups granted
         grant_timeout_s ago to an actor still alive (its holder may yet deliver first)."""
-        now = time.monotonic()
-        for actor_id, info in list(self.actors.items()):
-            if now - info.last_seen > self.actor_timeout_s:
-                del self.actors[actor_id]
-                self._requeue(actor_id, f"silent for {now - info.last_seen:.1f} s")
+        for actor_id, silent_s in self.table.forget_silent():
+            self._requeue(actor_id, f"silent for {silent_s:.1f} s")
         if self.grant_timeout_s > 0:
             self._take_back_overdue(self.clock() - self.grant_timeout_s)
 
@@ -139,8 +131,7 @@ class GrantTable:
         return grant[1]
 
     def take_joins(self) -> list[ActorJoin]:
-        joins, self.joins = self.joins, {}
-        return list(joins.values())
+        return self.table.take_joins()
 
     def _requeue(self, actor_id: str, why: str) -> None:
         """Queue an actor's unreturned groups again, at the front (they are the oldest)."""

@@ -123,7 +123,7 @@ class InprocLearnerTransport(LearnerTransport):
     def publish_weights(self, update: WeightUpdate) -> None:
         self._announce(update)
         with self.broker.lock:
-            self.broker.grants.announced_version = update.version
+            self.broker.grants.table.announced_version = update.version
 
     def shutdown_actors(self, reason: str) -> None:
         self._announce(Shutdown(reason=reason))

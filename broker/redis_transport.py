@@ -45,10 +45,9 @@ from redis.exceptions import OutOfMemoryError, ResponseError
 from tidal.broker.base import (
     ActorInfo,
     ActorJoin,
+    ActorTable,
     ActorTransport,
-    HelloLog,
     LearnerTransport,
-    actor_info,
     common_metrics,
 )
 from tidal.broker.schema import Heartbeat, PromptGroup, RolloutGroup, Shutdown, WeightUpdate, WireCodec, WireError
@@ -368,10 +367,7 @@ class RedisLearnerTransport(LearnerTransport):
         self._beats_lock = threading.RLock()
         self._last_heartbeat_poll = 0.0
         self._heartbeat_cursor = b"0"
-        self._actors: dict[str, ActorInfo] = {}
-        self.hellos = HelloLog(self.max_actors)
-        self._joins: list[ActorJoin] = []
-        self._latest_version = 0
+        self.table = ActorTable(self.actor_timeout_s, self.max_actors, self.codec.rejected)
 
     def _ensure_groups(self) -> None:
         """Created only when missing: XGROUP CREATE is refused by a full Redis even when the group exists."""
@@ -459,7 +455,8 @@ class RedisLearnerTransport(LearnerTransport):
                      len(earlier))
 
     def publish_weights(self, update: WeightUpdate) -> None:
-        self._latest_version = update.version
+        with self._beats_lock:
+            self.table.announced_version = update.version
         self.link.call(self.r.xadd, self.keys.weights, {"m": self.codec.encode(update)},
                        maxlen=WEIGHTS_KEPT, approximate=False)
 
@@ -632,7 +629,7 @@ class RedisLearnerTransport(LearnerTransport):
             for entry_id, fields in entries:
                 self._heartbeat_cursor = entry_id
                 try:
-                    self._on_heartbeat(self.codec.decode(fields.get(b"m", b""), expect=Heartbeat), now)
+                    self.table.on_heartbeat(self.codec.decode(fields.get(b"m", b""), expect=Heartbeat), now)
                 except WireError as err:
                     bad.append((entry_id, err))
             if bad:  # one line per poll: a flood of bad entries must not become a flood of log lines
@@ -641,35 +638,20 @@ class RedisLearnerTransport(LearnerTransport):
                 self._trim_heartbeats()
             self._forget_silent(now)
 
-    def _on_heartbeat(self, beat: Heartbeat, now: float) -> None:
-        """Track a live actor; a new id beyond broker.max_actors is refused and counted (heartbeats from ever
-        new ids must not grow the table without bound)."""
-        if beat.actor_id not in self._actors and len(self._actors) >= self.max_actors:
-            self.codec.rejected["too_many_actors"] += 1
-            return
-        if beat.hello:
-            if len(self._joins) < self.max_actors:
-                self._joins.append(ActorJoin(beat.actor_id, beat.version, self._latest_version))
-            self.hellos.hello(beat, self._latest_version)
-        self._actors[beat.actor_id] = actor_info(beat, self._actors.get(beat.actor_id), now)
-
     def _forget_silent(self, now: float) -> None:
-        for actor_id, info in list(self._actors.items()):
-            if now - info.last_seen > self.actor_timeout_s:
-                log.warning("actor %s silent for %.1f s; its prompts go to others after %d ms idle",
-                            actor_id, now - info.last_seen, self.cfg.claim_idle_ms)
-                del self._actors[actor_id]
+        for actor_id, silent_s in self.table.forget_silent(now):
+            log.warning("actor %s silent for %.1f s; its prompts go to others after %d ms idle",
+                        actor_id, silent_s, self.cfg.claim_idle_ms)
 
     def actors(self) -> dict[str, ActorInfo]:
         self._poll_heartbeats()
         with self._beats_lock:
-            return dict(self._actors)
+            return dict(self.table.live)
 
     def take_joins(self) -> list[ActorJoin]:
         self._poll_heartbeats()
         with self._beats_lock:
-            joins, self._joins = self._joins, []
-        return joins
+            return self.table.take_joins()
 
     def take_dead_letters(self) -> list[str]:
         for entry, group_id, times in self.receipts.overdelivered():
@@ -698,7 +680,9 @@ class RedisLearnerTransport(LearnerTransport):
                     out[f"broker/{name}_pending"] = float(g["pending"])  # delivered, not acknowledged
                     out[f"broker/{name}_lag"] = float(g.get("lag") or 0)  # not delivered yet
         out["broker/pending_prompt_groups"] = out.get("broker/prompt_lag", 0.0)
-        return out | common_metrics(list(self._actors.values()), self.codec.rejected)
+        with self._beats_lock:
+            live = list(self.table.live.values())
+        return out | common_metrics(live, self.codec.rejected)
 
     def close(self) -> None:
         self.r.close()

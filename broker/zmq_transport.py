@@ -372,7 +372,7 @@ class ZmqLearnerTransport(LearnerTransport):
     def publish_weights(self, update: WeightUpdate) -> None:
         self._announce(update)
         with self._lock:
-            self._grants.announced_version = update.version
+            self._grants.table.announced_version = update.version
 
     def shutdown_actors(self, reason: str) -> None:
         self._announce(Shutdown(reason=reason))
