@@ -24,6 +24,7 @@ import zmq
 
 from conftest import RedisServer, child_pids, require_redis_server, wait_until_group_is_gone
 from tidal.broker.zmq_keys import secure_client
+from tidal.learner.tools.ledger_check import check_ledger
 
 ROOT = Path(__file__).parents[2]
 TINY = str(ROOT / "configs/tiny.yaml")
@@ -99,24 +100,13 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def reconcile(run_dir: Path) -> dict:
-    """Every released training group is accounted for exactly once; returns the tallies."""
-    events = ledger(run_dir)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    released = [i for e in events if e["event"] == "released" for i in e["ids"]]
-    trained = [i for e in events if e["event"] == "trained" for i in e["ids"]]
-    discarded = [e["id"] for e in events if e["event"] == "discarded"]
-    dead = {e["id"] for e in events if e["event"] == "dead_letter"}
-    outstanding = set(summary["outstanding_groups"])
-    assert len(released) == len(set(released)), "a group id was released twice"
-    assert len(trained) == len(set(trained)), [i for i, c in Counter(trained).items() if c > 1]
-    assert not set(trained) & set(discarded)
-    for group_id in released:
-        fates = [group_id in set(trained), group_id in set(discarded), group_id in dead, group_id in outstanding]
-        assert sum(fates) == 1, f"{group_id}: trained/discarded/dead/outstanding = {fates}"
-    # copies of groups released before a learner restart are trained too, and counted as unknown
-    assert len((set(trained) | set(discarded)) - set(released)) <= summary["groups"].get("unknown", 0)
-    return {"released": len(released), "trained": len(trained), "discarded": len(discarded), "dead": len(dead),
-            "outstanding": len(outstanding), "duplicates": summary["groups"].get("duplicates", 0)}
+    """Every released training group is accounted for exactly once (`tidal ledger check`); returns the tallies."""
+    check = subprocess.run([sys.executable, "-m", "tidal", "ledger", "check", str(run_dir)], cwd=ROOT,
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    result = check_ledger(run_dir)
+    assert result.finished, "\n".join(result.lines())
+    return result.tallies()
 
 
 def kill_an_actor(run_dir: Path, proc: subprocess.Popen) -> tuple[str, float]:

@@ -114,6 +114,9 @@ def _tool_parsers(sub) -> None:
     keys = sub.add_parser("keys", help="make CURVE keys for the ZeroMQ transport (broker.zmq.keys_dir)")
     keys.add_argument("dir", help="the keys folder (existing keys are kept)")
     keys.add_argument("--actors", required=True, help="actor ids, comma-separated, e.g. actor-0,actor-1")
+    ledger = sub.add_parser("ledger", help="check a run's ledger: every released prompt group met exactly one fate")
+    ledger.add_argument("action", choices=["check"])
+    ledger.add_argument("run_dir", help="the run's folder (runs/<name>-<time>)")
     health = sub.add_parser("health", help="exit 0 if FILE was touched within --max-age-s (liveness probes)")
     health.add_argument("file")
     health.add_argument("--max-age-s", type=float, default=120.0)
@@ -180,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     simple = {"health": lambda: _health(args.file, args.max_age_s), "export": lambda: _export(args),
               "presets": _presets, "keys": lambda: _keys(args.dir, args.actors), "fit": lambda: _analysis(args),
-              "sweep": lambda: _analysis(args)}
+              "sweep": lambda: _analysis(args), "ledger": lambda: _ledger(args.run_dir)}
     if args.command in simple:
         return simple[args.command]()
     try:
@@ -194,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as err:  # e.g. a preset whose model.path is still empty
         print(f"tidal {args.command}: {err}", file=sys.stderr)
         return 2
+
+
+def _ledger(run_dir: str) -> int:
+    from tidal.learner.tools.ledger_check import main as check
+
+    return check(run_dir)
 
 
 def entry() -> None:
