@@ -288,6 +288,117 @@ def _dup(fd: int) -> socket.socket | None:
         return None
 
 
+class _Waker:
+    """A pipe other threads write to wake the I/O thread's poll. A wake-up written and not yet taken is not
+    written again (a write is a syscall and a GIL round trip); the I/O thread clears the flag after it drains
+    the pipe and before it serves anything, so a caller that finds it set is served by that turn, and one
+    that writes after the drain wakes the next."""
+
+    def __init__(self):
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.write_fd, False)
+        os.set_blocking(self.read_fd, False)
+        self.pending = False
+
+    def wake(self) -> None:
+        if self.pending:
+            return
+        self.pending = True
+        try:
+            os.write(self.write_fd, b"\0")
+        except (BlockingIOError, OSError):  # full: a wake-up is pending anyway; closed: nothing to wake
+            pass
+
+    def taken(self) -> None:
+        """The I/O thread's poll saw the pipe readable: drain it, then clear the flag (cleared first, a write
+        in between would be lost)."""
+        os.read(self.read_fd, 4096)
+        self.pending = False
+
+    @property
+    def closed(self) -> bool:
+        return self.write_fd < 0
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self.write_fd):
+            os.close(fd)
+        self.read_fd = self.write_fd = -1
+
+
+class _ControlSide:
+    """The control socket as the I/O thread serves it: heartbeats and hellos into the live-actor table, work
+    requests parked until prompts come (a long poll) and granted in arrival order, a rate per actor; what
+    does not belong is refused and counted. The grant table is touched under the transport's lock."""
+
+    def __init__(self, grants: GrantTable, lock: threading.Lock, codec: WireCodec, refuse, sparse: SparseLog):
+        self.grants, self.lock, self.codec, self.refuse, self.sparse = grants, lock, codec, refuse, sparse
+        self.rate = _RateLimit(CONTROL_RATE)
+        self.authenticated = False  # CURVE is on: each connection's key names its actor
+        # requests waiting for prompts, by connection, in arrival order: the newest of each (an actor has one open)
+        self.parked: dict[bytes, tuple[WorkRequest, float]] = {}
+        # a parked request found no prompts at its last try: new ones must wake the I/O thread. Set and
+        # read under the lock, in the same section as that try and as the submission, so a submitter that
+        # reads False either comes before a try (which then sees its prompts) or after one that got some
+        self.starving = False
+
+    def drain(self, router: zmq.Socket) -> None:
+        while router.get(zmq.EVENTS) & zmq.POLLIN:  # asked, not tried: a miss would raise (and build) an error
+            frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+            if len(frames) != 2:  # not [identity, frame]: a foreign peer
+                self.refuse("malformed", "a control message with an unexpected number of frames")
+                continue
+            identity, frame = frames
+            # one budget per actor, however many connections it opens: its key's, else the id it claims
+            sender = frame.get("User-Id").encode() if self.authenticated else claimed_actor(identity.bytes)
+            if not self.rate.allow(sender):
+                self.refuse("rate_limited", f"control messages from {identity.bytes[:40]!r}")
+                continue
+            try:
+                msg = self.codec.decode(frame.buffer, expect=(Heartbeat, WorkRequest))
+            except WireError as err:
+                self.sparse.warning(f"control frames rejected ({err.reason})",
+                                    "rejected a frame on the control socket from %r: %s", identity.bytes[:40], err)
+                continue
+            wrong_key = self.authenticated and frame.get("User-Id") != msg.actor_id
+            if msg.actor_id.encode() != claimed_actor(identity.bytes) or wrong_key:
+                self.refuse("impersonation", f"{type(msg).__name__} claims {msg.actor_id!r} from connection "
+                            f"{identity.bytes[:40]!r}")
+                continue
+            self.on_control(identity.bytes, msg)
+
+    def on_control(self, identity: bytes, msg: Heartbeat | WorkRequest) -> None:
+        with self.lock:
+            if isinstance(msg, Heartbeat):
+                self.grants.on_heartbeat(msg)
+                return
+            live = msg.actor_id in self.grants.actors
+            self.grants.seen(msg.actor_id)
+        # an id that never introduced itself with a heartbeat gets an empty grant at once
+        self.parked.pop(identity, None)
+        self.parked[identity] = (msg, time.monotonic() + (LONG_POLL_S if live else 0.0))
+        if not live:
+            self.refuse("unknown_actor", f"work request from {msg.actor_id!r}, which sent no heartbeat")
+
+    def serve_parked(self, router: zmq.Socket, encode) -> None:
+        """Grant parked requests in arrival order; answer empty ones whose long poll ran out."""
+        with self.lock:
+            self.starving = False
+        if not self.parked:
+            return
+        now = time.monotonic()
+        still_parked = {}
+        for identity, (request, deadline) in self.parked.items():
+            with self.lock:
+                groups = self.grants.take(request.actor_id, request.max_samples)
+                waits = not groups and now < deadline
+                self.starving |= waits
+            if waits:
+                still_parked[identity] = (request, deadline)
+            else:
+                router.send_multipart([identity, encode(WorkGrant(groups=groups))])
+        self.parked = still_parked
+
+
 class ZmqLearnerTransport(LearnerTransport):
     """Control and weight sockets on one I/O thread; the rollout socket is read by the one thread that
     calls recv_rollout (the training loop). The other public methods are thread-safe."""
@@ -297,22 +408,16 @@ class ZmqLearnerTransport(LearnerTransport):
     def __init__(self, cfg: BrokerConfig, codec: WireCodec):
         self._cfg, self._zmq = cfg, cfg.zmq
         self._codec = codec
-        self._control_codec = WireCodec(cfg.max_control_bytes)
-        self._control_codec.rejected = codec.rejected  # one count of rejected frames
+        control_codec = WireCodec(cfg.max_control_bytes)
+        control_codec.rejected = codec.rejected  # one count of rejected frames
         self._grants = GrantTable(cfg.actor_timeout_s, cfg.max_actors, cfg.grant_timeout_s)
         self._sparse = SparseLog(log)  # what peers send that is refused: a line at the 1st, 10th, 100th ...
         self._cap = checked_cap(cfg, open_file_limit())  # before any socket: a cap the process cannot hold is refused
-        self._rate = _RateLimit(CONTROL_RATE)
-        # requests waiting for prompts, by connection, in arrival order: the newest of each (an actor has one open)
-        self._parked: dict[bytes, tuple[WorkRequest, float]] = {}
-        # a parked request found no prompts at its last try: new ones must wake the I/O thread. Set and
-        # read under the lock, in the same section as that try and as the submission, so a submitter that
-        # reads False either comes before a try (which then sees its prompts) or after one that got some
-        self._starving = False
+        self._lock = threading.Lock()
+        self._control = _ControlSide(self._grants, self._lock, control_codec, self._refuse, self._sparse)
         self._expire_at = 0.0  # when the I/O thread next looks for silent actors
         self._announcement: bytes | None = None  # the newest WeightUpdate or Shutdown, encoded
         self._announce_at = 0.0  # when the I/O thread sends it next
-        self._lock = threading.Lock()
         self._closed = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -322,13 +427,7 @@ class ZmqLearnerTransport(LearnerTransport):
         self._recv_timeout_ms = -1  # the PULL socket's RCVTIMEO, as the training thread last set it
         self._authenticated = False  # CURVE is on: each connection's key names its actor
         self._conns: list[_Connections] = []  # each bound socket's connections, kept by the I/O thread
-        self._waker_r, self._waker_w = os.pipe()  # other threads wake the I/O thread's poll through it
-        # a wake-up is written and not yet taken: the next is not written (a write is a syscall and a GIL
-        # round trip). The I/O thread clears it after it drains the pipe and before it serves anything, so a
-        # submission that finds it set is served by that turn, and one that writes after the drain wakes the next
-        self._wake_pending = False
-        os.set_blocking(self._waker_w, False)
-        os.set_blocking(self._waker_r, False)
+        self._waker = _Waker()  # other threads wake the I/O thread's poll through it
         self._thread = threading.Thread(target=self._run, name="zmq-learner-io", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -342,9 +441,9 @@ class ZmqLearnerTransport(LearnerTransport):
     def submit_prompts(self, groups: list[PromptGroup]) -> None:
         with self._lock:
             self._grants.submit(groups)
-            starving = self._starving
+            starving = self._control.starving
         if starving:  # a parked request found the queue empty: these may be what it waits for
-            self._wake()
+            self._waker.wake()
 
     def recv_rollout(self, timeout_s: float) -> RolloutGroup | None:
         """Read by the calling thread itself, as the Redis transport reads: no rollout waits on the I/O
@@ -381,7 +480,7 @@ class ZmqLearnerTransport(LearnerTransport):
         frame = self._codec.encode(msg)
         with self._lock:
             self._announcement, self._announce_at = frame, 0.0  # sent at the I/O thread's next turn
-        self._wake()
+        self._waker.wake()
 
     def actors(self) -> dict[str, ActorInfo]:
         with self._lock:
@@ -400,24 +499,13 @@ class ZmqLearnerTransport(LearnerTransport):
         return {conns.name: conns.admitted() for conns in self._conns}
 
     def close(self) -> None:
-        if self._waker_w < 0:  # closed already: a second close (a finally after an explicit one) does nothing
+        if self._waker.closed:  # closed already: a second close (a finally after an explicit one) does nothing
             return
         self._closed.set()
-        self._wake()
+        self._waker.wake()
         self._thread.join(timeout=5)
         self._ctx.destroy(linger=0)  # here, not in the I/O thread: the training thread may be reading the PULL socket
-        for fd in (self._waker_r, self._waker_w):
-            os.close(fd)
-        self._waker_r = self._waker_w = -1
-
-    def _wake(self) -> None:
-        if self._wake_pending:
-            return
-        self._wake_pending = True
-        try:
-            os.write(self._waker_w, b"\0")
-        except (BlockingIOError, OSError):  # full: a wake-up is pending anyway; closed: nothing to wake
-            pass
+        self._waker.close()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -446,6 +534,7 @@ class ZmqLearnerTransport(LearnerTransport):
                           "rollout": _bind(pull, self._zmq.host, self._zmq.rollout_port),
                           "weights": _bind(pub, self._zmq.host, self._zmq.weights_port)}
             self._pull, self._authenticated = pull, keys is not None
+            self._control.authenticated = self._authenticated
             log.info("zmq learner: at most %d connections a socket, holding at most %.1f GiB for their peers "
                      "(broker.zmq.max_connections; see buffer_bound_bytes)", cap,
                      buffer_bound_bytes(self._cfg, cap) / 2**30)
@@ -481,7 +570,7 @@ class ZmqLearnerTransport(LearnerTransport):
     def _loop(self, router: zmq.Socket, pub: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
-        poller.register(self._waker_r, zmq.POLLIN)
+        poller.register(self._waker.read_fd, zmq.POLLIN)
         monitors = {conns.monitor for conns in self._conns}
         for monitor in monitors:
             poller.register(monitor, zmq.POLLIN)
@@ -489,13 +578,12 @@ class ZmqLearnerTransport(LearnerTransport):
             events = dict(poller.poll(timeout=POLL_MS))
             if monitors & events.keys():  # first: a connection beyond the cap is shut down before its handshake ends
                 self._watch_connections()
-            if self._waker_r in events:
-                os.read(self._waker_r, 4096)
-                self._wake_pending = False  # after the drain: cleared first, a write in between would be lost
+            if self._waker.read_fd in events:
+                self._waker.taken()
             if router in events:
-                self._drain_control(router)
+                self._control.drain(router)
             self._repeat_announcement(pub)
-            self._serve_parked(router)
+            self._control.serve_parked(router, self._codec.encode)
             if (now := time.monotonic()) >= self._expire_at:
                 self._expire_at = now + POLL_MS / 1000
                 with self._lock:
@@ -533,44 +621,6 @@ class ZmqLearnerTransport(LearnerTransport):
             return None
         return group
 
-    def _drain_control(self, router: zmq.Socket) -> None:
-        while router.get(zmq.EVENTS) & zmq.POLLIN:  # asked, not tried: a miss would raise (and build) an error
-            frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
-            if len(frames) != 2:  # not [identity, frame]: a foreign peer
-                self._refuse("malformed", "a control message with an unexpected number of frames")
-                continue
-            identity, frame = frames
-            # one budget per actor, however many connections it opens: its key's, else the id it claims
-            sender = frame.get("User-Id").encode() if self._authenticated else claimed_actor(identity.bytes)
-            if not self._rate.allow(sender):
-                self._refuse("rate_limited", f"control messages from {identity.bytes[:40]!r}")
-                continue
-            try:
-                msg = self._control_codec.decode(frame.buffer, expect=(Heartbeat, WorkRequest))
-            except WireError as err:
-                self._sparse.warning(f"control frames rejected ({err.reason})",
-                                     "rejected a frame on the control socket from %r: %s", identity.bytes[:40], err)
-                continue
-            wrong_key = self._authenticated and frame.get("User-Id") != msg.actor_id
-            if msg.actor_id.encode() != claimed_actor(identity.bytes) or wrong_key:
-                self._refuse("impersonation", f"{type(msg).__name__} claims {msg.actor_id!r} from connection "
-                             f"{identity.bytes[:40]!r}")
-                continue
-            self._on_control(identity.bytes, msg)
-
-    def _on_control(self, identity: bytes, msg: Heartbeat | WorkRequest) -> None:
-        with self._lock:
-            if isinstance(msg, Heartbeat):
-                self._grants.on_heartbeat(msg)
-                return
-            live = msg.actor_id in self._grants.actors
-            self._grants.seen(msg.actor_id)
-        # an id that never introduced itself with a heartbeat gets an empty grant at once
-        self._parked.pop(identity, None)
-        self._parked[identity] = (msg, time.monotonic() + (LONG_POLL_S if live else 0.0))
-        if not live:
-            self._refuse("unknown_actor", f"work request from {msg.actor_id!r}, which sent no heartbeat")
-
     def _refuse(self, reason: str, what: str) -> None:
         """Counted exactly (broker/rejected/<reason>); logged at the 1st, 10th, 100th ... of each reason."""
         with self._lock:
@@ -578,25 +628,6 @@ class ZmqLearnerTransport(LearnerTransport):
             count = self._grants.refused[reason]
         if power_of_ten(count):
             log.warning("refused %s: %s (#%d)", what, reason, count)
-
-    def _serve_parked(self, router: zmq.Socket) -> None:
-        """Grant parked requests in arrival order; answer empty ones whose long poll ran out."""
-        with self._lock:
-            self._starving = False
-        if not self._parked:
-            return
-        now = time.monotonic()
-        still_parked = {}
-        for identity, (request, deadline) in self._parked.items():
-            with self._lock:
-                groups = self._grants.take(request.actor_id, request.max_samples)
-                waits = not groups and now < deadline
-                self._starving |= waits
-            if waits:
-                still_parked[identity] = (request, deadline)
-            else:
-                router.send_multipart([identity, self._codec.encode(WorkGrant(groups=groups))])
-        self._parked = still_parked
 
 
 class ZmqActorTransport(ActorTransport):

@@ -135,7 +135,7 @@ def test_prompts_submitted_while_a_request_waits_wake_the_learner_to_grant_them(
         granted = []
         for i in range(2):  # once with the queue empty from the start, once emptied by the first grant
             asking = asyncio.ensure_future(t.request_work(4, timeout_s=10))
-            while not side._parked:  # the request is parked, and found nothing to take
+            while not side._control.parked:  # the request is parked, and found nothing to take
                 await asyncio.sleep(0.01)
             side.submit_prompts([prompt(i)])
             granted.append([g.group_id for g in await asking])
@@ -370,7 +370,7 @@ def test_a_work_request_the_learner_lost_is_asked_again(monkeypatch):
 
 def test_a_flood_of_control_messages_is_refused_but_an_actor_asking_at_its_pace_never_is(monkeypatch, learner_side):
     monkeypatch.setattr("tidal.broker.zmq_transport.REQUEST_EVERY_S", 2 / 10)
-    learner_side._rate.rate = 10.0  # bursts of 20
+    learner_side._control.rate.rate = 10.0  # bursts of 20
     learner_side.submit_prompts([prompt(i, n=1) for i in range(24)])
 
     async def ask_as_fast_as_it_can():

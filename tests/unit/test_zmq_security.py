@@ -265,7 +265,7 @@ def test_heartbeats_keep_one_engine_copy_and_a_bounded_outstanding_list():
 
 def test_many_connections_of_one_actor_share_one_rate_budget_and_one_parked_request_each():
     side = ZmqLearnerTransport(BrokerConfig(), WireCodec(1 << 20))
-    side._rate.rate = 5.0  # bursts of 10, for the one id all these connections claim
+    side._control.rate.rate = 5.0  # bursts of 10, for the one id all these connections claim
     codec, ctx = WireCodec(1 << 20), zmq.Context()
     try:
         conns = []
