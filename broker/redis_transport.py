@@ -331,6 +331,157 @@ class PromptReceipts:
         return [(entry, by_entry.get(entry, ""), times) for entry, times in over]
 
 
+def ensure_groups(r, link: Reconnect, keys: StreamKeys) -> None:
+    """The consumer groups of the prompt and rollout streams, created only when missing: XGROUP CREATE is
+    refused by a full Redis even when the group exists."""
+    for key, group in ((keys.prompts, ACTORS), (keys.rollouts, LEARNER)):
+        if has_group(r, link, key, group):
+            continue
+        try:
+            link.call(r.xgroup_create, key, group, id="0", mkstream=True)
+        except ResponseError as err:
+            if "BUSYGROUP" not in str(err):
+                raise
+
+
+def has_group(r, link: Reconnect, key: str, group: str) -> bool:
+    try:
+        groups = link.call(r.xinfo_groups, key)
+    except ResponseError as err:
+        if "no such key" in str(err):
+            return False
+        raise
+    return any(g["name"].decode() == group for g in groups)
+
+
+def trim_consumed(r, link: Reconnect, key: str, group: str) -> None:
+    """Drop a stream's entries before the oldest one still pending, and never past the read position."""
+    try:
+        groups = {g["name"].decode(): g for g in link.call(r.xinfo_groups, key)}
+    except ResponseError as err:
+        if "no such key" in str(err):  # Redis lost its data; the next read creates the group again
+            return
+        raise
+    if group not in groups:
+        return
+    pending = link.call(r.xpending, key, group)
+    floor = pending["min"] if pending["pending"] else groups[group]["last-delivered-id"]
+    if floor and floor not in (b"0-0", "0-0"):
+        link.call(r.xtrim, key, minid=floor)
+
+
+class Heartbeats:
+    """The heartbeat stream as the learner reads it into the live-actor table: at most every HEARTBEAT_POLL_S
+    (each step asks several times) unless forced (Redis is full), then trimmed away. Locked: `relieve` may
+    read it on another thread."""
+
+    def __init__(self, r, link: Reconnect, keys: StreamKeys, codec: WireCodec, table: ActorTable,
+                 claim_idle_ms: int):
+        self.r, self.link, self.keys, self.codec, self.table = r, link, keys, codec, table
+        self.claim_idle_ms = claim_idle_ms
+        self.lock = threading.RLock()
+        self.cursor: bytes = b"0"
+        self.polled_at = 0.0
+
+    def start_after_the_newest(self) -> None:
+        """Hellos from before a (re)start are history, and so is their memory: a Redis restarted full comes
+        up with room."""
+        last = self.link.call(self.r.xrevrange, self.keys.heartbeats, "+", "-", count=1)
+        self.cursor = last[0][0] if last else b"0"
+        self.trim()
+
+    def trim(self) -> None:
+        """Heartbeats before the newest one read are history: actors may append without MAXLEN."""
+        if self.cursor not in (b"0", "0"):
+            self.link.call(self.r.xtrim, self.keys.heartbeats, minid=self.cursor, approximate=False)
+
+    def poll(self, force: bool = False) -> None:
+        with self.lock:
+            if not force and time.monotonic() - self.polled_at < HEARTBEAT_POLL_S:
+                return
+            self.polled_at = time.monotonic()
+            reply = self.link.call(self.r.xread, {self.keys.heartbeats: self.cursor}, count=HEARTBEATS_KEPT)
+            now = time.monotonic()
+            entries = reply[0][1] if reply else []
+            bad = []
+            for entry_id, fields in entries:
+                self.cursor = entry_id
+                try:
+                    self.table.on_heartbeat(self.codec.decode(fields.get(b"m", b""), expect=Heartbeat), now)
+                except WireError as err:
+                    bad.append((entry_id, err))
+            if bad:  # one line per poll: a flood of bad entries must not become a flood of log lines
+                log.warning("rejected %d heartbeat entries, the last %s: %s", len(bad), bad[-1][0].decode(), bad[-1][1])
+            if entries:
+                self.trim()
+            for actor_id, silent_s in self.table.forget_silent(now):
+                log.warning("actor %s silent for %.1f s; its prompts go to others after %d ms idle",
+                            actor_id, silent_s, self.claim_idle_ms)
+
+    def actors(self) -> dict[str, ActorInfo]:
+        self.poll()
+        with self.lock:
+            return dict(self.table.live)
+
+    def take_joins(self) -> list[ActorJoin]:
+        self.poll()
+        with self.lock:
+            return self.table.take_joins()
+
+    def announced(self, version: int) -> None:
+        with self.lock:
+            self.table.announced_version = version
+
+
+class DeadLetters:
+    """Entries the learner gives up on, moved to the dead-letter stream with a bounded record of each: a
+    rollout that cannot be read, a prompt delivered more than broker.redis.max_deliveries times."""
+
+    def __init__(self, r, link: Reconnect, keys: StreamKeys):
+        self.r, self.link, self.keys = r, link, keys
+        self.cursor = b"0"
+        self.num_dead_lettered = 0
+        self.num_unrecorded = 0  # dead letters a full Redis had no room to record
+        self.unrecorded: list[str] = []  # their group ids, for the next take
+
+    def move(self, key: str, group: str, entry_id: bytes, frame: bytes, stream: str, reason: str,
+             group_id: str, deliveries: int) -> None:
+        """Entry out first (acknowledged and deleted: frees memory even when Redis is full), then its
+        bounded record. A full Redis gets no record (waiting for room would stop the reads that free
+        it): the group id is reported from memory and the loss counted."""
+        def remove():
+            pipe = self.r.pipeline(transaction=False)
+            pipe.xack(key, group, entry_id)
+            pipe.xdel(key, entry_id)
+            pipe.execute()
+
+        def record():
+            try:
+                return self.r.xadd(self.keys.dead, dead_letter_fields(frame, stream, reason, group_id, deliveries),
+                                   maxlen=DEAD_KEPT, approximate=True)
+            except ResponseError as err:
+                if not is_oom(err):
+                    raise
+                return None
+        self.link.call(remove)
+        if self.link.call(record) is None:
+            self.num_unrecorded += 1
+            self.num_dead_lettered += 1
+            if group_id:
+                self.unrecorded.append(group_id)
+
+    def take(self) -> list[str]:
+        """The group ids dead-lettered since the last take, by anyone (the stream), or unrecorded here."""
+        reply = self.link.call(self.r.xread, {self.keys.dead: self.cursor}, count=1000)
+        ids, self.unrecorded = self.unrecorded, []
+        for entry_id, fields in (reply[0][1] if reply else []):
+            self.cursor = entry_id
+            self.num_dead_lettered += 1
+            if fields.get(b"group_id"):
+                ids.append(fields[b"group_id"].decode())
+        return ids
+
+
 class RedisLearnerTransport(LearnerTransport):
     def __init__(self, cfg: RedisConfig, codec: WireCodec, run: str, actor_timeout_s: float, fresh: bool,
                  max_actors: int = 1024):
@@ -339,16 +490,16 @@ class RedisLearnerTransport(LearnerTransport):
         self.keys = StreamKeys(cfg.prefix, run)
         self.link = Reconnect(cfg, relieve=self.relieve)
         self.r = redis.Redis.from_url(cfg.url, **client_kwargs(cfg, cfg.block_ms))
-        self.actor_timeout_s = actor_timeout_s
-        self.max_actors = max_actors  # live actor ids tracked; heartbeats of further new ids are refused, counted
         self.ports: dict[str, int] = {}
-        self._init_actor_table()
+        # before the first Redis call, since a full Redis reads them (`relieve`); beyond max_actors live ids,
+        # heartbeats of further new ids are refused and counted
+        self.beats = Heartbeats(self.r, self.link, self.keys, codec,
+                                ActorTable(actor_timeout_s, max_actors, codec.rejected), cfg.claim_idle_ms)
+        self.dead = DeadLetters(self.r, self.link, self.keys)
         if fresh:  # a new run under this name: leftovers of an earlier one must not be consumed
             self.link.call(self.r.delete, *self.keys.all())
-        last = self.link.call(self.r.xrevrange, self.keys.heartbeats, "+", "-", count=1)
-        self._heartbeat_cursor = last[0][0] if last else b"0"  # hellos from before a restart are history
-        self._trim_heartbeats()  # and so is their memory: a Redis restarted full comes up with room
-        self._ensure_groups()
+        self.beats.start_after_the_newest()
+        ensure_groups(self.r, self.link, self.keys)
         self.receipts = PromptReceipts(self.r, self.link, self.keys, cfg.max_deliveries)
         if not fresh:
             self.receipts.index()
@@ -357,37 +508,6 @@ class RedisLearnerTransport(LearnerTransport):
         self._to_ack: list[tuple[bytes, bytes]] = []  # (rollout entry, prompt entry) handed out, not committed
         self._last_entry: dict[str, bytes] = {}  # group id -> its entry, for leave_pending
         self._pending_cursor: bytes | None = b"0"  # re-read our own pending entries first
-        self._dead_cursor = b"0"
-        self.num_dead_lettered = 0
-        self.num_dead_unrecorded = 0  # dead letters a full Redis had no room to record
-        self._dead_unrecorded: list[str] = []  # their group ids, for the next take_dead_letters
-
-    def _init_actor_table(self) -> None:
-        """What heartbeats fill; before the first Redis call, since a full Redis reads them (`relieve`)."""
-        self._beats_lock = threading.RLock()
-        self._last_heartbeat_poll = 0.0
-        self._heartbeat_cursor = b"0"
-        self.table = ActorTable(self.actor_timeout_s, self.max_actors, self.codec.rejected)
-
-    def _ensure_groups(self) -> None:
-        """Created only when missing: XGROUP CREATE is refused by a full Redis even when the group exists."""
-        for key, group in ((self.keys.prompts, ACTORS), (self.keys.rollouts, LEARNER)):
-            if self._has_group(key, group):
-                continue
-            try:
-                self.link.call(self.r.xgroup_create, key, group, id="0", mkstream=True)
-            except ResponseError as err:
-                if "BUSYGROUP" not in str(err):
-                    raise
-
-    def _has_group(self, key: str, group: str) -> bool:
-        try:
-            groups = self.link.call(self.r.xinfo_groups, key)
-        except ResponseError as err:
-            if "no such key" in str(err):
-                return False
-            raise
-        return any(g["name"].decode() == group for g in groups)
 
     # ---- memory ----------------------------------------------------------------------------------
 
@@ -395,15 +515,10 @@ class RedisLearnerTransport(LearnerTransport):
         """Redis is full: free what the learner may without losing work. Heartbeats (read first, hellos
         included), all but DEAD_KEPT_FULL dead letters, and consumed prompts and rollouts. Unread rollouts
         stay: the training thread reads them and deletes the refused ones."""
-        self._poll_heartbeats(force=True)  # read what is there (hellos included), then trim it
+        self.beats.poll(force=True)  # read what is there (hellos included), then trim it
         self.link.call(self.r.xtrim, self.keys.dead, maxlen=DEAD_KEPT_FULL, approximate=False)
-        self._trim(self.keys.prompts, ACTORS)
-        self._trim(self.keys.rollouts, LEARNER)
-
-    def _trim_heartbeats(self) -> None:
-        """Heartbeats before the newest one read are history: actors may append without MAXLEN."""
-        if self._heartbeat_cursor not in (b"0", "0"):
-            self.link.call(self.r.xtrim, self.keys.heartbeats, minid=self._heartbeat_cursor, approximate=False)
+        trim_consumed(self.r, self.link, self.keys.prompts, ACTORS)
+        trim_consumed(self.r, self.link, self.keys.rollouts, LEARNER)
 
     # ---- prompts and weights out -------------------------------------------------------------
 
@@ -455,8 +570,7 @@ class RedisLearnerTransport(LearnerTransport):
                      len(earlier))
 
     def publish_weights(self, update: WeightUpdate) -> None:
-        with self._beats_lock:
-            self.table.announced_version = update.version
+        self.beats.announced(update.version)
         self.link.call(self.r.xadd, self.keys.weights, {"m": self.codec.encode(update)},
                        maxlen=WEIGHTS_KEPT, approximate=False)
 
@@ -492,7 +606,7 @@ class RedisLearnerTransport(LearnerTransport):
             if not is_nogroup(err):
                 raise
             log.warning("rollout consumer group missing (Redis lost its data?); creating it again")
-            self._ensure_groups()
+            ensure_groups(self.r, self.link, self.keys)
             return
         entries = reply[0][1] if reply else []
         if cursor is not None:
@@ -557,34 +671,8 @@ class RedisLearnerTransport(LearnerTransport):
             return None
 
     def _dead_letter(self, entry_id: bytes, frame: bytes, reason: str, deliveries: int = 0) -> None:
-        self._move_dead(self.keys.rollouts, LEARNER, entry_id, frame, "rollouts", reason, peek_group_id(frame),
-                        deliveries)
-
-    def _move_dead(self, key: str, group: str, entry_id: bytes, frame: bytes, stream: str, reason: str,
-                   group_id: str, deliveries: int) -> None:
-        """Entry out first (acknowledged and deleted: frees memory even when Redis is full), then its
-        bounded record. A full Redis gets no record (waiting for room would stop the reads that free
-        it): the group id is reported from memory and the loss counted."""
-        def remove():
-            pipe = self.r.pipeline(transaction=False)
-            pipe.xack(key, group, entry_id)
-            pipe.xdel(key, entry_id)
-            pipe.execute()
-
-        def record():
-            try:
-                return self.r.xadd(self.keys.dead, dead_letter_fields(frame, stream, reason, group_id, deliveries),
-                                   maxlen=DEAD_KEPT, approximate=True)
-            except ResponseError as err:
-                if not is_oom(err):
-                    raise
-                return None
-        self.link.call(remove)
-        if self.link.call(record) is None:
-            self.num_dead_unrecorded += 1
-            self.num_dead_lettered += 1
-            if group_id:
-                self._dead_unrecorded.append(group_id)
+        self.dead.move(self.keys.rollouts, LEARNER, entry_id, frame, "rollouts", reason, peek_group_id(frame),
+                       deliveries)
 
     def commit(self) -> None:
         pairs, self._to_ack = self._to_ack, []
@@ -594,94 +682,38 @@ class RedisLearnerTransport(LearnerTransport):
             self.link.call(self.r.xack, self.keys.rollouts, LEARNER, *acks[i:i + 1000])
         self._seen.difference_update(acks)  # acknowledged entries never come back: forget them
         self.receipts.acknowledge([prompt for _, prompt in pairs])
-        self._trim(self.keys.prompts, ACTORS)
-        self._trim(self.keys.rollouts, LEARNER)
-
-    def _trim(self, key: str, group: str) -> None:
-        """Drop entries before the oldest one still pending, and never past the read position."""
-        try:
-            groups = {g["name"].decode(): g for g in self.link.call(self.r.xinfo_groups, key)}
-        except ResponseError as err:
-            if "no such key" in str(err):  # Redis lost its data; the next read creates the group again
-                return
-            raise
-        if group not in groups:
-            return
-        pending = self.link.call(self.r.xpending, key, group)
-        floor = pending["min"] if pending["pending"] else groups[group]["last-delivered-id"]
-        if floor and floor not in (b"0-0", "0-0"):
-            self.link.call(self.r.xtrim, key, minid=floor)
+        trim_consumed(self.r, self.link, self.keys.prompts, ACTORS)
+        trim_consumed(self.r, self.link, self.keys.rollouts, LEARNER)
 
     # ---- actors, dead letters, metrics -------------------------------------------------------
 
-    def _poll_heartbeats(self, force: bool = False) -> None:
-        """Read new heartbeats, then trim them away; at most every HEARTBEAT_POLL_S (each step asks
-        several times) unless forced (Redis is full). Locked: `relieve` may run on another thread."""
-        with self._beats_lock:
-            if not force and time.monotonic() - self._last_heartbeat_poll < HEARTBEAT_POLL_S:
-                return
-            self._last_heartbeat_poll = time.monotonic()
-            reply = self.link.call(self.r.xread, {self.keys.heartbeats: self._heartbeat_cursor},
-                                   count=HEARTBEATS_KEPT)
-            now = time.monotonic()
-            entries = reply[0][1] if reply else []
-            bad = []
-            for entry_id, fields in entries:
-                self._heartbeat_cursor = entry_id
-                try:
-                    self.table.on_heartbeat(self.codec.decode(fields.get(b"m", b""), expect=Heartbeat), now)
-                except WireError as err:
-                    bad.append((entry_id, err))
-            if bad:  # one line per poll: a flood of bad entries must not become a flood of log lines
-                log.warning("rejected %d heartbeat entries, the last %s: %s", len(bad), bad[-1][0].decode(), bad[-1][1])
-            if entries:
-                self._trim_heartbeats()
-            self._forget_silent(now)
-
-    def _forget_silent(self, now: float) -> None:
-        for actor_id, silent_s in self.table.forget_silent(now):
-            log.warning("actor %s silent for %.1f s; its prompts go to others after %d ms idle",
-                        actor_id, silent_s, self.cfg.claim_idle_ms)
-
     def actors(self) -> dict[str, ActorInfo]:
-        self._poll_heartbeats()
-        with self._beats_lock:
-            return dict(self.table.live)
+        return self.beats.actors()
 
     def take_joins(self) -> list[ActorJoin]:
-        self._poll_heartbeats()
-        with self._beats_lock:
-            return self.table.take_joins()
+        return self.beats.take_joins()
 
     def take_dead_letters(self) -> list[str]:
         for entry, group_id, times in self.receipts.overdelivered():
             log.warning("prompt group %s delivered %d times (> broker.redis.max_deliveries %d): dead-lettered",
                         group_id or entry.decode(), times, self.cfg.max_deliveries)
             frame = self.link.call(self.r.xrange, self.keys.prompts, entry, entry)
-            self._move_dead(self.keys.prompts, ACTORS, entry, frame[0][1].get(b"m", b"") if frame else b"",
-                            "prompts", "max_deliveries", group_id, times)
+            self.dead.move(self.keys.prompts, ACTORS, entry, frame[0][1].get(b"m", b"") if frame else b"",
+                           "prompts", "max_deliveries", group_id, times)
             self.receipts.acknowledge([entry])
-        reply = self.link.call(self.r.xread, {self.keys.dead: self._dead_cursor}, count=1000)
-        ids, self._dead_unrecorded = self._dead_unrecorded, []
-        for entry_id, fields in (reply[0][1] if reply else []):
-            self._dead_cursor = entry_id
-            self.num_dead_lettered += 1
-            if fields.get(b"group_id"):
-                ids.append(fields[b"group_id"].decode())
-        return ids
+        return self.dead.take()
 
     def metrics(self) -> dict[str, float]:
-        out = {"broker/live_actors": float(len(self.actors())), "broker/dead_lettered": float(self.num_dead_lettered),
+        live = list(self.actors().values())
+        out = {"broker/live_actors": float(len(live)), "broker/dead_lettered": float(self.dead.num_dead_lettered),
                "broker/reconnects": float(self.link.reconnects), "broker/redis_oom_waits": float(self.link.oom_waits),
-               "broker/dead_unrecorded": float(self.num_dead_unrecorded)}
+               "broker/dead_unrecorded": float(self.dead.num_unrecorded)}
         for key, group, name in ((self.keys.prompts, ACTORS, "prompt"), (self.keys.rollouts, LEARNER, "rollout")):
             for g in self.link.call(self.r.xinfo_groups, key):
                 if g["name"].decode() == group:
                     out[f"broker/{name}_pending"] = float(g["pending"])  # delivered, not acknowledged
                     out[f"broker/{name}_lag"] = float(g.get("lag") or 0)  # not delivered yet
         out["broker/pending_prompt_groups"] = out.get("broker/prompt_lag", 0.0)
-        with self._beats_lock:
-            live = list(self.table.live.values())
         return out | common_metrics(live, self.codec.rejected)
 
     def close(self) -> None:
