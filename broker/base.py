@@ -142,6 +142,9 @@ class LearnerTransport(abc.ABC):
     """Learner side: prompt queue out, rollout stream in, weight announcements out."""
 
     shutdown_flush_s = 0.0  # how long the shutdown announcement needs before the transport may close
+    # the ports it listens on, by name ({} when actors reach a server of their own, Redis, or the same process):
+    # the learner writes them to run_dir/endpoints.json for actors started on ports chosen at bind time
+    ports: dict[str, int]
 
     @abc.abstractmethod
     def submit_prompts(self, groups: list[PromptGroup]) -> None:
