@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from tidal.broker.weights import file, gloo, nccl, tcp
 from tidal.broker.weights.base import EngineStuck, Transport, WeightPublisher, WeightReceiver
+from tidal.broker.weights.staging import orphaned_staging
 from tidal.broker.weights.tags import SCRATCH_BYTES as TAG_SCRATCH_BYTES
-from tidal.broker.weights.tcp import orphaned_staging
 from tidal.config import WeightsConfig, default_weights_dir
 
 TRANSPORTS: dict[str, Transport] = {t.name: t for t in (file.TRANSPORT, tcp.TRANSPORT, gloo.TRANSPORT,

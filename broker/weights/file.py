@@ -33,7 +33,7 @@ from tidal.broker.weights.base import (
     split_buckets,
     update_info,
 )
-from tidal.broker.weights.tcp import Staging, load_payload, map_staged
+from tidal.broker.weights.staging import Staging, load_payload, map_staged
 from tidal.config import WeightsConfig
 
 NAME = "file"

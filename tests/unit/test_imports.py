@@ -119,6 +119,16 @@ def test_the_roof_is_imported_by_no_one_and_reaches_roles_only_through_their_ent
     assert bad == []
 
 
+CHANNELS = ("file", "tcp", "gloo", "nccl")  # the weight channels; what they share lives beside them
+
+
+def test_no_weight_channel_imports_another():
+    bad = [f"broker/weights/{c}.py imports tidal.{t}" for c in CHANNELS
+           for t in sorted(imports_of(ROOT / "broker" / "weights" / f"{c}.py"))
+           if t.startswith("broker.weights.") and t.split(".")[2] in set(CHANNELS) - {c}]
+    assert bad == []
+
+
 def test_the_check_sees_a_violation_inside_a_function(tmp_path):
     for folder in PACKAGES:
         (tmp_path / folder).mkdir()

@@ -11,7 +11,7 @@ import torch
 
 from conftest import DyingWeightServer, ScriptedEngine, served_weights, weights_config
 from tidal.actor.loop import Actor
-from tidal.broker.weights import build_receiver, payload, server, tcp
+from tidal.broker.weights import build_receiver, payload, server, staging, tcp
 from tidal.config import ActorConfig, WeightsConfig
 
 
@@ -25,7 +25,7 @@ def served():
 
 
 def staged_files() -> set:
-    return set(tcp.staging_dir().glob(f"tidal-weights-{os.getpid()}-*"))
+    return set(staging.staging_dir().glob(f"tidal-weights-{os.getpid()}-*"))
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
@@ -45,14 +45,14 @@ def test_later_versions_reuse_the_staging_map_and_a_failed_fetch_spoils_none(ser
     publisher, update, state, tokenizer = served
     engine, receiver = ScriptedEngine(tokenizer), build_receiver(config())
     asyncio.run(receiver.apply(update, engine))
-    mapped = tcp._worker_map[1]
+    mapped = staging._worker_map[1]
     assert staged_files() == set()
     moved = {k: v + 1 for k, v in state.items()}
     dying = DyingWeightServer(publisher.server.versions[3].view, update.buckets, cut_at=2, sent=1000)
     with pytest.raises(ConnectionError, match="connection closed after 1000 of 4096 bytes"):
         asyncio.run(receiver.apply(msgspec.structs.replace(update, version=4, location=dying.location), engine))
     asyncio.run(receiver.apply(publisher.publish(moved, version=5), engine))
-    assert engine.swaps == [3, 5] and tcp._worker_map[1] is mapped
+    assert engine.swaps == [3, 5] and staging._worker_map[1] is mapped
     assert all(torch.equal(engine.loaded[k], v) for k, v in moved.items())
 
 
@@ -170,12 +170,12 @@ def test_weights_staged_by_a_dead_actor_are_swept_and_a_live_ones_kept():
 
     gone = subprocess.Popen(["true"])
     gone.wait()  # its pid now names no process
-    dead = tcp.staging_dir() / f"{tcp.STAGED_PREFIX}{gone.pid}-0123abcd.bin"
-    live = tcp.staging_dir() / f"{tcp.STAGED_PREFIX}{os.getpid()}-0123abcd.bin"
+    dead = staging.staging_dir() / f"{staging.STAGED_PREFIX}{gone.pid}-0123abcd.bin"
+    live = staging.staging_dir() / f"{staging.STAGED_PREFIX}{os.getpid()}-0123abcd.bin"
     for path in (dead, live):
         path.write_bytes(b"weights")
     try:
-        orphans = tcp.orphaned_staging()
+        orphans = staging.orphaned_staging()
         assert dead in orphans and live not in orphans
         sweep_orphan_shm()
         assert not dead.exists() and live.exists()

@@ -104,7 +104,7 @@ def test_a_model_with_its_weights_in_place_takes_an_update_by_copies_and_a_short
 
 def test_copies_from_one_payload_layout_are_recorded_once_and_replayed_exactly():
     from tidal.broker.weights import base
-    from tidal.broker.weights.tcp import pack, tensors_of
+    from tidal.broker.weights.payload import pack, tensors_of
 
     def load(model, state) -> str:
         payload, manifest = pack(state)
