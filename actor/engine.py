@@ -146,7 +146,7 @@ class Engine:
         then on every request carries it."""
         from vllm.lora.request import LoRARequest
 
-        from tidal.broker.weights.adapter import ADAPTER_ID, ADAPTER_NAME
+        from tidal.actor.adapter import ADAPTER_ID, ADAPTER_NAME
 
         await self._llm.collective_rpc("tidal_install_adapter")
         # the path is never read: the adapter is registered before any request names it, and stays so
@@ -230,7 +230,7 @@ class Engine:
 def engine_args(cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int | None = None,
                 adapter_rank: int = 0) -> dict:
     """AsyncEngineArgs for an actor: what tidal's correctness needs, then the user's engine settings."""
-    from tidal.broker.weights.vllm_engine import VLLM_BACKEND
+    from tidal.actor.weight_engine import VLLM_BACKEND
 
     vllm = cfg.vllm
     return {

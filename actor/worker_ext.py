@@ -1,13 +1,13 @@
 """Runs inside vLLM's processes: the plugin vLLM loads in each of them, and what the actor asks its
 workers directly. Weight updates themselves enter through vLLM's weight-transfer API, with the engine
-the plugin registers (tidal.broker.weights.vllm_engine).
+the plugin registers (tidal.actor.weight_engine).
 """
 from __future__ import annotations
 
 import logging
 import os
 
-from tidal.broker.weights.base import RELOAD_LOGGER, quiet_harmless_reload_warnings, weight_layout
+from tidal.broker.weights import RELOAD_LOGGER, quiet_harmless_reload_warnings, weight_layout
 
 __all__ = ["CPU_LINEAR_ENV", "RELOAD_LOGGER", "TidalWorker", "quiet_harmless_reload_warnings", "vllm_plugin"]
 
@@ -19,9 +19,9 @@ def vllm_plugin() -> None:
     """The `vllm.general_plugins` entry point: vLLM calls it in each of its processes before it
     builds the model. Registers tidal's weight-transfer engine (every weight channel's), and keeps
     the CPU backend's linear weights in their plain layout where the actor asked for it."""
-    from tidal.broker.weights import vllm_engine
+    from tidal.actor import weight_engine
 
-    vllm_engine.register_vllm_engine()
+    weight_engine.register_vllm_engine()
     if os.environ.get(CPU_LINEAR_ENV) == "plain":
         import vllm._custom_ops as ops
 
@@ -45,7 +45,7 @@ class TidalWorker:
     def tidal_install_adapter(self) -> int:
         """Serving a LoRA adapter: the newest version received whole (zeros before the first) into the
         LoRA manager under the one id every request carries; the version installed (-1: zeros)."""
-        from tidal.broker.weights.vllm_engine import install_adapter
+        from tidal.actor.weight_engine import install_adapter
 
         return install_adapter(self)
 

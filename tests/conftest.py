@@ -341,7 +341,7 @@ class ScriptedEngine:
         self.weight_transport = ""  # the weight channel the worker is set up for
         self.adapter = adapter  # the updates are a LoRA adapter's, kept in the worker's stash
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="scripted-worker", initializer=worker_setup)
-        from tidal.broker.weights.vllm_engine import build_engine
+        from tidal.actor.weight_engine import build_engine
 
         self.worker = build_engine(self, None, device, vllm_config)  # as in a vLLM worker, on its `device`
 

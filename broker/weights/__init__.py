@@ -2,7 +2,7 @@
 
     learner   WeightPublisher.publish(tensors, version) ──► WeightUpdate, announced by the broker
     actor     WeightReceiver.apply(update, engine)      ──► engine: pause(keep) → vLLM's weight-transfer API → resume
-    worker    tidal's weight-transfer engine (vllm_engine.py), inside each vLLM worker process
+    worker    tidal's weight-transfer engine (actor/weight_engine.py), inside each vLLM worker process
 
 One module per channel holds its sides, registered here by name (`weights.transport`): `file`, a
 safetensors file per version in a folder both sides can read; `tcp`, each actor pulls every version
@@ -18,7 +18,18 @@ network channels the learner's token, without which its weight port answers noth
 from __future__ import annotations
 
 from tidal.broker.weights import file, gloo, nccl, tcp
-from tidal.broker.weights.base import EngineStuck, Transport, WeightPublisher, WeightReceiver
+from tidal.broker.weights.base import (
+    RELOAD_LOGGER,
+    EngineStuck,
+    InitInfo,
+    Transport,
+    UpdateInfo,
+    WeightPublisher,
+    WeightReceiver,
+    quiet_harmless_reload_warnings,
+    weight_layout,
+)
+from tidal.broker.weights.payload import without_aliases
 from tidal.broker.weights.staging import orphaned_staging
 from tidal.broker.weights.tags import SCRATCH_BYTES as TAG_SCRATCH_BYTES
 from tidal.config import WeightsConfig, default_weights_dir
@@ -27,8 +38,10 @@ TRANSPORTS: dict[str, Transport] = {t.name: t for t in (file.TRANSPORT, tcp.TRAN
                                                           nccl.TRANSPORT)}
 default_dir = default_weights_dir  # where a run's weights live when weights.dir is empty (the config's rule)
 
-__all__ = ["TAG_SCRATCH_BYTES", "TRANSPORTS", "EngineStuck", "WeightPublisher", "WeightReceiver", "build_publisher",
-           "build_receiver", "default_dir", "orphaned_staging", "transport"]
+# the names code outside the weight channels uses: nothing else of theirs is imported from outside
+__all__ = ["RELOAD_LOGGER", "TAG_SCRATCH_BYTES", "TRANSPORTS", "EngineStuck", "InitInfo", "UpdateInfo",
+           "WeightPublisher", "WeightReceiver", "build_publisher", "build_receiver", "default_dir", "orphaned_staging",
+           "quiet_harmless_reload_warnings", "transport", "weight_layout", "without_aliases"]
 
 
 def transport(name: str) -> Transport:

@@ -43,7 +43,7 @@ class WeightReceiver(abc.ABC):
 
 class Transport(abc.ABC):
     """One weight channel: its two sides, and its part inside vLLM's workers (tidal's weight-transfer
-    engine, vllm_engine.py, asks the registry for it by the update's transport)."""
+    engine, actor/weight_engine.py, asks the registry for it by the update's transport)."""
 
     name: str
 

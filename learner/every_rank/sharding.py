@@ -87,7 +87,7 @@ def load_pretrained(module: torch.nn.Module, model_path: str, device: torch.devi
     rows: rank 0 loads it whole, in host memory, and sends each rank its shards."""
     import torch.distributed.checkpoint as dcp
 
-    from tidal.broker.weights.payload import without_aliases
+    from tidal.broker.weights import without_aliases
 
     buffers = {name: b for name, b in module.named_buffers() if b.device.type != "meta"}
     module.to_empty(device="cpu" if offload else device)  # FSDP's offload keeps the shards in host memory

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from tidal.broker.weights.payload import without_aliases
+from tidal.broker.weights import without_aliases
 from tidal.learner.every_rank.ranks import broadcast_tensors
 from tidal.learner.every_rank.sharding import PREFIX
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import ScriptedEngine, weights_config
+from tidal.actor.adapter import AdapterStash
 from tidal.broker.schema import AdapterSpec
 from tidal.broker.weights import build_publisher, build_receiver
-from tidal.broker.weights.adapter import AdapterStash
 
 SPEC = AdapterSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
 

@@ -122,6 +122,14 @@ def test_the_roof_is_imported_by_no_one_and_reaches_roles_only_through_their_ent
 CHANNELS = ("file", "tcp", "gloo", "nccl")  # the weight channels; what they share lives beside them
 
 
+def test_code_outside_the_weight_channels_uses_their_public_names_alone():
+    """`tidal.broker.weights` (its __all__) is the weight wing's one boundary for actor, learner and roof."""
+    bad = [f"{p.relative_to(ROOT)} imports tidal.{t}" for folder in ("actor", "learner", "tidal")
+           for p in sorted((ROOT / folder).rglob("*.py")) for t in sorted(imports_of(p))
+           if t.startswith("broker.weights.")]
+    assert bad == []
+
+
 def test_no_weight_channel_imports_another():
     bad = [f"broker/weights/{c}.py imports tidal.{t}" for c in CHANNELS
            for t in sorted(imports_of(ROOT / "broker" / "weights" / f"{c}.py"))

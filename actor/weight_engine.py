@@ -21,7 +21,7 @@ class WorkerEngine:
         self.config, self.vllm_config = config, vllm_config
         self.transport = ""
         self.member = None  # a collective channel's side of the group, while one is formed
-        self.stash = None  # serving a LoRA adapter: its versions as they arrive (adapter.AdapterStash)
+        self.stash = None  # serving a LoRA adapter: its versions as they arrive (tidal.actor.adapter.AdapterStash)
 
     @property
     def load_target(self):
@@ -44,9 +44,9 @@ class WorkerEngine:
             self.member = transport(init_info.transport).join(self, init_info)
 
     def adapter_stash(self):
-        """The adapter's versions as they arrive (adapter.AdapterStash), made once and kept across channels
+        """The adapter's versions as they arrive (tidal.actor.adapter.AdapterStash), made once and kept across channels
         and learners: its versions stay."""
-        from tidal.broker.weights.adapter import AdapterStash
+        from tidal.actor.adapter import AdapterStash
 
         if self.stash is None:
             self.stash = AdapterStash()
@@ -104,7 +104,7 @@ def install_adapter(worker) -> int:
 
 def build_engine(model, model_config, device=None, vllm_config=None) -> WorkerEngine:
     """The worker's side around a model outside vLLM (the scripted engines of the tests)."""
-    from tidal.broker.weights.base import InitInfo, UpdateInfo
+    from tidal.broker.weights import InitInfo, UpdateInfo
 
     engine = type("ScriptedWorkerEngine", (WorkerEngine,), {
         "parse_init_info": staticmethod(lambda info: InitInfo(**info)),
@@ -117,7 +117,7 @@ def build_engine(model, model_config, device=None, vllm_config=None) -> WorkerEn
 def _vllm_engine_class() -> type:
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-    from tidal.broker.weights.base import InitInfo, UpdateInfo
+    from tidal.broker.weights import InitInfo, UpdateInfo
 
     class TidalWeightTransferEngine(WorkerEngine, WeightTransferEngine):
         init_info_cls = InitInfo
