@@ -24,6 +24,11 @@ class WeightPublisher(abc.ABC):
         """Make the tensors available (a mapping, or (name, tensor) pairs described by `entries` as
         payload.pack takes them); returns the announcement for the broker to carry."""
 
+    def retain(self, version: int) -> None:
+        """The actors are told of `version` now: keep it available beyond `keep` until another is. While
+        an evaluation holds newer announcements back, the newest `keep` versions may all be newer than the
+        one announced, and an actor that still has to load it (one that was away) must find it."""
+
     def close(self) -> None:
         """Release what the channel holds for this run (files, sockets, groups)."""
 

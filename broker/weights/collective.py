@@ -287,6 +287,9 @@ class CollectivePublisher(WeightPublisher):
                             checksum="", incarnation=self.incarnation, buckets=buckets, token=self.server.token,
                             tag_key=key, tags=tagger.digests() if tagger else [])
 
+    def retain(self, version: int) -> None:
+        self.server.retain(version)
+
     def close(self) -> None:
         self.server.close()
 

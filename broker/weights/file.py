@@ -80,6 +80,7 @@ class FilePublisher(WeightPublisher):
         else:
             self.directory.mkdir(parents=True, exist_ok=True)
         self.keep = max(cfg.keep, 2)  # an actor may still be reading the previous file
+        self.retained: int | None = None  # the version the actors are told of, kept whatever `keep` says
 
     def publish(self, named_tensors, version: int, entries=None) -> WeightUpdate:
         import torch
@@ -98,9 +99,13 @@ class FilePublisher(WeightPublisher):
                             checksum="", incarnation=self.incarnation,
                             buckets=split_buckets(memoryview(data), self.bucket_bytes))
 
+    def retain(self, version: int) -> None:
+        self.retained = version
+
     def _prune(self, version: int) -> None:
         for old in self.directory.glob("weights-v*.safetensors"):
-            if int(old.stem.split("-v")[1]) <= version - self.keep:
+            number = int(old.stem.split("-v")[1])
+            if number <= version - self.keep and number != self.retained:
                 old.unlink(missing_ok=True)
 
     def close(self) -> None:

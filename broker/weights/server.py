@@ -81,6 +81,7 @@ class WeightServer:
         self.keep, self.timeout_s = keep, timeout_s
         self.token = new_token()
         self.versions: dict[int, Served] = {}
+        self.retained: int | None = None  # the version the actors are told of: served whatever `keep` says
         self.retired: list[Served] = []  # no longer served; reusable once no connection sends them
         self.lock = threading.Lock()
         self.connections: set[socket.socket] = set()
@@ -106,8 +107,18 @@ class WeightServer:
     def add(self, version: int, served: Served) -> None:
         with self.lock:
             self.versions[version] = served
-            for old in [v for v in self.versions if v <= version - self.keep]:
+            for old in [v for v in self.versions if v <= version - self.keep and v != self.retained]:
                 self.retired.append(self.versions.pop(old))
+
+    def retain(self, version: int) -> None:
+        """Keep serving `version`, the one the actors are told of, beyond `keep` (until another is); the
+        one retained before goes once `keep` newer ones are in."""
+        with self.lock:
+            previous, self.retained = self.retained, version
+            newest = max(self.versions, default=version)
+            if previous is not None and previous != version and previous in self.versions \
+                    and previous <= newest - self.keep:
+                self.retired.append(self.versions.pop(previous))
 
     def buffer_for(self, total: int, pin: bool = False):
         """A uint8 [total] host buffer for a new version: a retired version's, else a new one (`pin`:

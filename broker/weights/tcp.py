@@ -101,6 +101,9 @@ class TcpPublisher(WeightPublisher):
         return WeightUpdate(version=version, transport=NAME, location=self.location, manifest=manifest,
                             checksum="", incarnation=self.incarnation, buckets=buckets, token=self.server.token)
 
+    def retain(self, version: int) -> None:
+        self.server.retain(version)
+
     def close(self) -> None:
         self.server.close()
 

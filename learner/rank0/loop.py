@@ -87,7 +87,7 @@ class Learner:
         self.evaluator = Evaluator(self.coordinator, self.metrics_log, self.accounting, self.transport, parts.validator,
                                    parts.diagnostics, parts.admission.pass_threshold, parts.admission.pass_on)
         self.evals = self.evaluator.evals
-        self.held = HeldAnnouncements(self.evaluator, self.transport.publish_weights)
+        self.held = HeldAnnouncements(self.evaluator, self.announce_now)
         self.inbox = Inbox(self.transport, self.book.ledger, self.accounting, cfg.rollout_timeout_s, cfg.health_file,
                            on_dead_letter=self.on_dead_letter)
         self.resumed: dict | None = None  # the checkpoint state this learner continues from
@@ -144,6 +144,14 @@ class Learner:
         if self.parts.diagnostics is not None:
             self.parts.diagnostics.on_step(batch.groups, self.trainer.last_tokens)
             self.show_rollouts(batch)
+
+    def announce_now(self, update: WeightUpdate) -> None:
+        """Tell the actors of `update`, its version kept in the weight channel until another is told: the
+        channel's newest `keep` may all be newer while an evaluation holds announcements back, and an actor
+        that was away must still find the one it is told to load."""
+        if self.parts.publisher is not None:
+            self.parts.publisher.retain(update.version)
+        self.transport.publish_weights(update)
 
     def announce(self, update: WeightUpdate | None) -> None:
         if update is None:

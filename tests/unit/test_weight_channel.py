@@ -127,3 +127,27 @@ def test_copies_from_one_payload_layout_are_recorded_once_and_replayed_exactly()
     scaled = Scaling()
     assert [load(scaled, first.state_dict()), load(scaled, second.state_dict())] == ["copy", "copy"]
     assert torch.equal(scaled.a.weight, 2 * second.a.weight) and torch.equal(scaled.b.weight, second.b.weight)
+
+
+@pytest.mark.parametrize("transport", ["file", "tcp"])
+def test_the_version_the_actors_are_told_of_stays_whatever_keep_says(tmp_path, transport):
+    """An evaluation holds newer announcements back while the learner publishes on: the announced version
+    outlives `keep` (an actor that was away must still load it), and goes once another is announced."""
+    publisher = build_publisher(WeightsConfig(transport=transport, dir=str(tmp_path), keep=2), "inc", "run", "/unused")
+
+    def available() -> list[int]:
+        if transport == "file":
+            return sorted(int(p.stem.split("-v")[1]) for p in tmp_path.glob("weights-v*.safetensors"))
+        return sorted(publisher.server.versions)
+
+    try:
+        for version in range(1, 6):
+            publisher.publish({"w": torch.full((4,), float(version))}, version)
+            if version == 2:
+                publisher.retain(2)  # announced; 3, 4 and 5 are held back
+        assert available() == [2, 4, 5]
+        publisher.retain(5)
+        publisher.publish({"w": torch.zeros(4)}, 6)
+        assert available() == [5, 6]
+    finally:
+        publisher.close()
