@@ -60,7 +60,7 @@ def test_rejection_reasons_in_the_docs_are_the_codes():
     text = (DOCS / "metrics.md").read_text()
     listed = set(re.findall(r"`([a-z_]+)`", text.split("`broker/rejected/<reason>`")[1].split("\n")[0]))
     code = "\n".join(p.read_text() for p in (ROOT / "broker").rglob("*.py"))
-    raised = set(re.findall(r"""(?:WireError\(|_refuse\(|rejected\[)["']([a-z_]+)["']""", code))
+    raised = set(re.findall(r"""(?:WireError\(|refuse\(|rejected\[|refused\[)["']([a-z_]+)["']""", code))
     assert listed == raised
 
 
