@@ -12,6 +12,7 @@ full weights, so each token's recorded version stays right, and the engine holds
 many versions pass. An update that fails part-way leaves the previous adapter installed (its tensors
 are kept until a new version has arrived whole), so an adapter engine is never torn.
 """
+
 from __future__ import annotations
 
 import re
@@ -54,12 +55,16 @@ class AdapterStash:
     def begin(self, update) -> None:
         """A new version starts arriving: `update`, a WeightUpdate with its `adapter`."""
         if update.adapter is None:
-            raise ValueError(f"weights v{update.version} are a whole model, but this engine serves a LoRA adapter "
-                             "(learner.lora.rank > 0 when it started): its updates must be adapters")
+            raise ValueError(
+                f"weights v{update.version} are a whole model, but this engine serves a LoRA adapter "
+                "(learner.lora.rank > 0 when it started): its updates must be adapters"
+            )
         bad = [s.name for s in update.manifest if not PEFT_NAME.match(s.name)]
         if bad:
-            raise ValueError(f"weights v{update.version}: {len(bad)} tensors are not a LoRA adapter's "
-                             f"(base_model.model.<module>.lora_A|lora_B.weight), e.g. {bad[:3]}")
+            raise ValueError(
+                f"weights v{update.version}: {len(bad)} tensors are not a LoRA adapter's "
+                f"(base_model.model.<module>.lora_A|lora_B.weight), e.g. {bad[:3]}"
+            )
         self.spec, self.version = update.adapter, update.version
         self.expected, self.incoming = {s.name for s in update.manifest}, {}
 
@@ -67,8 +72,9 @@ class AdapterStash:
         """The version arrived whole: it is the one `install` installs from now on."""
         missing = self.expected - set(self.incoming)
         if missing:
-            raise ValueError(f"weights v{self.version}: {len(missing)} adapter tensors never arrived, e.g. "
-                             f"{sorted(missing)[:3]}")
+            raise ValueError(
+                f"weights v{self.version}: {len(missing)} adapter tensors never arrived, e.g. {sorted(missing)[:3]}"
+            )
         self.current, self.incoming = (self.spec, self.incoming, self.version), {}
 
     def install(self, worker_lora_manager) -> int:
@@ -85,8 +91,9 @@ class AdapterStash:
     def _zero(worker_lora_manager):
         """An adapter of zeros on every module vLLM gives one: the base model's own outputs."""
         rank = worker_lora_manager.lora_config.max_lora_rank
-        return worker_lora_manager._adapter_manager.create_dummy_lora(ADAPTER_ID, rank,
-                                                                      worker_lora_manager.embedding_modules)
+        return worker_lora_manager._adapter_manager.create_dummy_lora(
+            ADAPTER_ID, rank, worker_lora_manager.embedding_modules
+        )
 
     def _lora(self, worker_lora_manager):
         from vllm.lora.lora_model import LoRAModel
@@ -95,18 +102,27 @@ class AdapterStash:
         spec, tensors, _ = self.current
         manager = worker_lora_manager._adapter_manager
         check_modules(tensors, manager)
-        helper = PEFTHelper.from_dict({"r": spec.rank, "lora_alpha": spec.alpha,
-                                       "target_modules": list(spec.target_modules),
-                                       "vllm_max_position_embeddings": worker_lora_manager.max_position_embeddings})
+        helper = PEFTHelper.from_dict(
+            {
+                "r": spec.rank,
+                "lora_alpha": spec.alpha,
+                "target_modules": list(spec.target_modules),
+                "vllm_max_position_embeddings": worker_lora_manager.max_position_embeddings,
+            }
+        )
         helper.validate_legal(worker_lora_manager.lora_config)  # a rank above the engine's max_lora_rank, ...
         mapper = getattr(manager.model, "hf_to_vllm_mapper", None)
         # copies: vLLM folds alpha / r into B in place, and a version is installed again after any update
         return LoRAModel.from_lora_tensors(
-            ADAPTER_ID, {name: t.clone() for name, t in tensors.items()}, helper, device="cpu",
+            ADAPTER_ID,
+            {name: t.clone() for name, t in tensors.items()},
+            helper,
+            device="cpu",
             dtype=worker_lora_manager.lora_config.lora_dtype,
             model_vocab_size=worker_lora_manager.vocab_size,
             weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
-            skip_prefixes=getattr(manager.model, "lora_skip_prefixes", None))
+            skip_prefixes=getattr(manager.model, "lora_skip_prefixes", None),
+        )
 
 
 def check_modules(tensors: dict, manager) -> None:
@@ -116,5 +132,7 @@ def check_modules(tensors: dict, manager) -> None:
         expected.update(manager.packed_modules_mapping.get(module, [module]))
     unknown = sorted({m["module"].rsplit(".", 1)[-1] for name in tensors if (m := PEFT_NAME.match(name))} - expected)
     if unknown:
-        raise ValueError(f"the adapter has tensors for {unknown}, which this engine's model serves no LoRA on "
-                         f"(it does on: {sorted(expected)})")
+        raise ValueError(
+            f"the adapter has tensors for {unknown}, which this engine's model serves no LoRA on "
+            f"(it does on: {sorted(expected)})"
+        )

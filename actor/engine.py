@@ -5,6 +5,7 @@ vLLM's weight-update API has changed several times; this wrapper pins the calls 
 weight-transfer API (init_weight_transfer_engine, start/update/finish_weight_update) with an
 engine tidal registers, update_weight_version, per-output weight_versions spans).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -49,8 +50,9 @@ class Engine:
     `init_weight_transfer`, `weight_transport`, `num_workers`, `transfer_weights`, `sample`, `info` and
     `shutdown`: a scripted engine with those runs the loop in tests."""
 
-    def __init__(self, cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int | None = None,
-                 adapter_rank: int = 0):
+    def __init__(
+        self, cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int | None = None, adapter_rank: int = 0
+    ):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.kv_cache_gib))))
         if cfg.cpu_cores:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_cores
@@ -174,17 +176,23 @@ class Engine:
             return
         await core.pause_scheduler_async(mode="keep", clear_cache=True)
 
-    async def sample(self, prompt_tokens: list[int], n: int, params: SamplingParams,
-                     request_id: str, max_tokens: int | None = None) -> list[Completion]:
+    async def sample(
+        self, prompt_tokens: list[int], n: int, params: SamplingParams, request_id: str, max_tokens: int | None = None
+    ) -> list[Completion]:
         """n samples of one prompt; `max_tokens` overrides params.max_tokens (thinking budgets, answers)."""
         from vllm import SamplingParams as VllmSamplingParams
 
-        sp = VllmSamplingParams(n=n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                                max_tokens=params.max_tokens if max_tokens is None else max_tokens,
-                                stop_token_ids=list(params.stop_token_ids),
-                                logprobs=0,  # the sampled token's own logprob
-                                flat_logprobs=True,  # kept as one list of floats, not a dict per token
-                                detokenize=False)  # a finished sample is decoded once: completion_texts
+        sp = VllmSamplingParams(
+            n=n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            max_tokens=params.max_tokens if max_tokens is None else max_tokens,
+            stop_token_ids=list(params.stop_token_ids),
+            logprobs=0,  # the sampled token's own logprob
+            flat_logprobs=True,  # kept as one list of floats, not a dict per token
+            detokenize=False,
+        )  # a finished sample is decoded once: completion_texts
         if self.adapter_rank and self._lora is None:  # before any version: a zero adapter, the base model's outputs
             async with self._swap_lock:
                 if self._lora is None:
@@ -192,8 +200,9 @@ class Engine:
         # With n > 1 each streamed output carries only the samples that changed in that engine
         # step, so samples that finished early are absent from the last one: keep each by index.
         latest = {}
-        async for out in self._llm.generate({"prompt_token_ids": prompt_tokens}, sp, request_id=request_id,
-                                            lora_request=self._lora):
+        async for out in self._llm.generate(
+            {"prompt_token_ids": prompt_tokens}, sp, request_id=request_id, lora_request=self._lora
+        ):
             latest.update((c.index, c) for c in out.outputs)
         if len(latest) != n or not all(c.finished() for c in latest.values()):
             raise RuntimeError(f"request {request_id}: vLLM returned {len(latest)} finished samples, expected {n}")
@@ -215,8 +224,12 @@ class Engine:
     def info(self) -> dict[str, str]:
         import vllm
 
-        return {"vllm": vllm.__version__, "pid": str(os.getpid()),
-                "model": str(self._llm.model_config.model), "dtype": str(self._llm.model_config.dtype)}
+        return {
+            "vllm": vllm.__version__,
+            "pid": str(os.getpid()),
+            "model": str(self._llm.model_config.model),
+            "dtype": str(self._llm.model_config.dtype),
+        }
 
     def shutdown(self) -> None:
         llm, self._llm = self._llm, None
@@ -227,20 +240,25 @@ class Engine:
         gc.collect()
 
 
-def engine_args(cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int | None = None,
-                adapter_rank: int = 0) -> dict:
+def engine_args(
+    cfg: ActorConfig, model_path: str, dtype: str, max_num_seqs: int | None = None, adapter_rank: int = 0
+) -> dict:
     """AsyncEngineArgs for an actor: what tidal's correctness needs, then the user's engine settings."""
     from tidal.actor.weight_engine import VLLM_BACKEND
 
     vllm = cfg.vllm
     return {
-        "model": model_path, "dtype": dtype, "enforce_eager": cfg.enforce_eager, "seed": cfg.seed + cfg.index,
+        "model": model_path,
+        "dtype": dtype,
+        "enforce_eager": cfg.enforce_eager,
+        "seed": cfg.seed + cfg.index,
         "max_num_seqs": max_num_seqs or cfg.max_inflight,
         "logprobs_mode": "processed_logprobs",  # behavior logprobs after temperature
         "worker_extension_cls": "tidal.actor.worker_ext.TidalWorker",
         # a group's n samples share their prompt's cached keys and values; every weight update clears the cache
         "enable_prefix_caching": True,
-        "tensor_parallel_size": vllm.tensor_parallel_size, "gpu_memory_utilization": vllm.gpu_memory_utilization,
+        "tensor_parallel_size": vllm.tensor_parallel_size,
+        "gpu_memory_utilization": vllm.gpu_memory_utilization,
         **({"max_model_len": vllm.max_model_len} if vllm.max_model_len else {}),
         "weight_transfer_config": {"backend": VLLM_BACKEND},  # every weight channel enters through tidal's engine
         **(lora_args(adapter_rank) if adapter_rank else {}),
@@ -253,8 +271,7 @@ def lora_args(rank: int) -> dict:
     """vLLM's LoRA for an adapter of `rank`: one adapter, one slot (each version replaces it in place)."""
     from tidal.config import served_lora_rank
 
-    return {"enable_lora": True, "max_lora_rank": served_lora_rank(rank), "max_loras": 1,
-            "max_cpu_loras": 1}
+    return {"enable_lora": True, "max_lora_rank": served_lora_rank(rank), "max_loras": 1, "max_cpu_loras": 1}
 
 
 def head_overrides(dtype: str, chosen: dict | None) -> dict:
@@ -282,8 +299,11 @@ def quiet_logging_config(default: Mapping) -> dict:
 
 def user_configures_logging(engine_args: Mapping, environ: Mapping[str, str]) -> bool:
     """Whether the user set vLLM's logging (its environment, or engine_kwargs): then tidal leaves it as set."""
-    return (environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0" or bool(environ.get("VLLM_LOGGING_CONFIG_PATH"))
-            or any(engine_args.get(key) for key in ("logging_config", "log_config_file")))
+    return (
+        environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0"
+        or bool(environ.get("VLLM_LOGGING_CONFIG_PATH"))
+        or any(engine_args.get(key) for key in ("logging_config", "log_config_file"))
+    )
 
 
 @contextlib.contextmanager
@@ -305,8 +325,12 @@ def quiet_update_logs(args):
 
 
 IN_PROCESS_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
-_PARALLEL_KEYS = ("distributed_executor_backend", "tensor_parallel_size", "pipeline_parallel_size",
-                  "data_parallel_size")
+_PARALLEL_KEYS = (
+    "distributed_executor_backend",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+)
 
 
 def cpu_engine_env(cfg: ActorConfig) -> dict[str, str]:
@@ -322,8 +346,11 @@ def cpu_engine_env(cfg: ActorConfig) -> dict[str, str]:
     if not cfg.cpu_cores or any(chosen.get(k) not in (None, 1) for k in _PARALLEL_KEYS):
         return {}
     cores = parse_cores(cfg.cpu_cores)
-    return {"OMP_NUM_THREADS": str(len(cores)), "OMP_PLACES": ",".join(f"{{{c}}}" for c in cores),
-            "OMP_PROC_BIND": "close"}
+    return {
+        "OMP_NUM_THREADS": str(len(cores)),
+        "OMP_PLACES": ",".join(f"{{{c}}}" for c in cores),
+        "OMP_PROC_BIND": "close",
+    }
 
 
 @contextlib.contextmanager
@@ -384,7 +411,7 @@ def _cut(decode, context: list[int], head: str, tokens: list[int], text: str) ->
         tokens = tokens[:-1]
         text = decode([context + tokens])[0]
     # the context's own text changes only when a character's bytes span the prompt's end: decoded alone
-    return text[len(head):] if text.startswith(head) else decode([tokens])[0]
+    return text[len(head) :] if text.startswith(head) else decode([tokens])[0]
 
 
 def _text_tokens(c) -> list[int]:

@@ -14,6 +14,7 @@ tokens sampled and injected so far (prefix caching makes the repeated prefix che
 completion the learner trains on is exactly those tokens, the injected ones masked out
 (`injected_spans`). A single-turn task is an environment whose first step is done.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -114,6 +115,7 @@ class ThreadBatches:
                 except Exception as err:
                     outcome = (False, err)
                 loop.call_soon_threadsafe(self._settle, future, *outcome)
+
         loop.run_in_executor(None, work)
 
     @staticmethod
@@ -148,11 +150,15 @@ class Episodes:
         first = await generate(engine, group)  # with forced interruptions when the group asks
         prompt = group.prompt_tokens.numpy("i4", "prompt_tokens").tolist()
         prompt_text = functools.cache(lambda: self.tokenizer.decode(prompt))  # once a group, if a step asks
-        return list(await asyncio.gather(*(self.episode(engine, group, prompt, i, turn, prompt_text)
-                                           for i, turn in enumerate(first))))
+        return list(
+            await asyncio.gather(
+                *(self.episode(engine, group, prompt, i, turn, prompt_text) for i, turn in enumerate(first))
+            )
+        )
 
-    async def episode(self, engine, group: PromptGroup, prompt: list[int], index: int,
-                      turn: Completion, prompt_text) -> EpisodeResult:
+    async def episode(
+        self, engine, group: PromptGroup, prompt: list[int], index: int, turn: Completion, prompt_text
+    ) -> EpisodeResult:
         transcript, counts, messages, components = Transcript().add_sampled(turn), Counts(), [], {}
         reward, finish, state, started = 0.0, turn.finish_reason, None, False
         try:
@@ -172,8 +178,13 @@ class Episodes:
                     finish = "length"
                     break
                 transcript.add_injected(increment, self.tokenizer.decode(increment))
-                [turn] = await engine.sample(prompt + transcript.token_ids(), 1, group.sampling,
-                                             request_id=f"{group.group_id}-e{index}-t{counts.turns}", max_tokens=room)
+                [turn] = await engine.sample(
+                    prompt + transcript.token_ids(),
+                    1,
+                    group.sampling,
+                    request_id=f"{group.group_id}-e{index}-t{counts.turns}",
+                    max_tokens=room,
+                )
                 transcript.add_sampled(turn)
                 counts.turns += 1
                 finish = turn.finish_reason
@@ -185,8 +196,9 @@ class Episodes:
         stats = Episode(**asdict(counts)) if self.multi_turn or counts.env_error else None
         return EpisodeResult(transcript.completion(finish), reward, stats, messages, components)
 
-    async def respond(self, counts: Counts, state, turn: Completion, reply: Reply,
-                      components: dict[str, float]) -> tuple[list[Message], bool, float]:
+    async def respond(
+        self, counts: Counts, state, turn: Completion, reply: Reply, components: dict[str, float]
+    ) -> tuple[list[Message], bool, float]:
         """What answers the model's turn: its tool calls' outputs, or the environment's step (its reward's
         named parts added to `components`)."""
         if self.parser is not None and turn.finish_reason != "length":

@@ -14,6 +14,7 @@ behavior logprob 0.0. Both settings travel in each PromptGroup's SamplingParams,
 decides per group (eval groups have them off unless configured). Everything here except
 `generate` is a pure function.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -56,17 +57,28 @@ async def generate(engine, group: PromptGroup) -> list[Completion]:
     if interrupt is None:
         return await engine.sample(prompt, group.n, params, request_id=group.group_id)
     budgets = think_budgets(group.group_id, group.n, interrupt)
-    return list(await asyncio.gather(*(
-        _think_then_answer(engine, prompt, params, budget, f"{group.group_id}-s{i}")
-        for i, budget in enumerate(budgets))))
+    return list(
+        await asyncio.gather(
+            *(
+                _think_then_answer(engine, prompt, params, budget, f"{group.group_id}-s{i}")
+                for i, budget in enumerate(budgets)
+            )
+        )
+    )
 
 
-async def _think_then_answer(engine, prompt: list[int], params: SamplingParams, budget: int,
-                             request_id: str) -> Completion:
+async def _think_then_answer(
+    engine, prompt: list[int], params: SamplingParams, budget: int, request_id: str
+) -> Completion:
     interrupt = params.interrupt
     [thinking] = await engine.sample(prompt, 1, params, request_id=request_id, max_tokens=budget)
     if not needs_interruption(thinking):
         return thinking
-    [answer] = await engine.sample(answer_prompt(prompt, thinking, interrupt), 1, params,
-                                   request_id=f"{request_id}-answer", max_tokens=interrupt.answer_tokens)
+    [answer] = await engine.sample(
+        answer_prompt(prompt, thinking, interrupt),
+        1,
+        params,
+        request_id=f"{request_id}-answer",
+        max_tokens=interrupt.answer_tokens,
+    )
     return splice(thinking, interrupt, answer)

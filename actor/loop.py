@@ -11,6 +11,7 @@ weights: the first one (the current weights) is applied before the hello, later 
 requests are in flight, which continue under the new weights; every token's version is recorded
 in the rollout's version spans.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,8 +34,14 @@ CATCH_UP_TIMEOUT_S = 30.0  # how long a joining actor waits to hear the current 
 
 
 class Actor:
-    def __init__(self, cfg: ActorConfig, engine, transport: ActorTransport, receiver: WeightReceiver | None,
-                 episodes: Episodes | None = None):
+    def __init__(
+        self,
+        cfg: ActorConfig,
+        engine,
+        transport: ActorTransport,
+        receiver: WeightReceiver | None,
+        episodes: Episodes | None = None,
+    ):
         self.cfg = cfg
         self.engine = engine  # tidal.actor.engine.Engine, or anything with its methods
         self.transport = transport
@@ -64,8 +71,9 @@ class Actor:
         if self.stop.is_set():  # the run ended before this actor joined it
             return self.stop_reason
         await self.send_heartbeat(hello=True)
-        loops = [self.spawn(coro) for coro in (self.fill_slots(), self.apply_newest(), self.listen(),
-                                                self.heartbeats())]
+        loops = [
+            self.spawn(coro) for coro in (self.fill_slots(), self.apply_newest(), self.listen(), self.heartbeats())
+        ]
         stopper = self.spawn(self.stop.wait())
         done, _ = await asyncio.wait([*loops, stopper], return_when=asyncio.FIRST_COMPLETED)
         for task in list(self.tasks):
@@ -118,10 +126,18 @@ class Actor:
         completions = [e.completion for e in episodes]
         # the overlong penalty (when the group asks) is added there; Sample.raw_reward keeps the task's own reward
         samples = [e.sample(group.sampling) for e in episodes]
-        await self.transport.send_rollout(RolloutGroup.pack(
-            samples, group_id=group.group_id, prompt_id=group.prompt_id, actor_id=self.cfg.id,
-            prompt_tokens=group.prompt_tokens, eval_version=group.eval_version,
-            gen_seconds=time.perf_counter() - start, queue_seconds=start - queued))
+        await self.transport.send_rollout(
+            RolloutGroup.pack(
+                samples,
+                group_id=group.group_id,
+                prompt_id=group.prompt_id,
+                actor_id=self.cfg.id,
+                prompt_tokens=group.prompt_tokens,
+                eval_version=group.eval_version,
+                gen_seconds=time.perf_counter() - start,
+                queue_seconds=start - queued,
+            )
+        )
         self.stats["groups"] += 1
         injected = sum(end - begin for c in completions for begin, end in c.injected_spans)
         self.stats["tokens"] += sum(len(c.tokens) for c in completions) - injected  # generated, not injected
@@ -185,8 +201,12 @@ class Actor:
             raise  # no later update can load: stop, and be restarted
         except Exception as err:
             unreachable = isinstance(err, ConnectionError)
-            log.warning("could not load weights v%d (%s); %s", update.version, err,
-                        f"trying again in {self.retry_s:.0f} s" if self.torn() else "waiting for the next announcement")
+            log.warning(
+                "could not load weights v%d (%s); %s",
+                update.version,
+                err,
+                f"trying again in {self.retry_s:.0f} s" if self.torn() else "waiting for the next announcement",
+            )
             self.stats["weight_load_failures"] += 1
             self.stats["weight_load_failures_in_a_row"] += not unreachable
             if self.torn():
@@ -200,8 +220,12 @@ class Actor:
         self.stats["weight_updates"] += 1
         self.stats["weight_load_failures_in_a_row"] = 0
         self.last_swap_paused_s = paused_s
-        log.info("weights v%d loaded (engine paused %.3f s, %d samples in flight)",
-                 update.version, paused_s, self.inflight_samples)
+        log.info(
+            "weights v%d loaded (engine paused %.3f s, %d samples in flight)",
+            update.version,
+            paused_s,
+            self.inflight_samples,
+        )
         async with self.version_changed:
             self.version_changed.notify_all()
         return True
@@ -231,7 +255,14 @@ class Actor:
     async def send_heartbeat(self, hello: bool = False) -> None:
         if self._engine_info is None:
             self._engine_info = self.engine.info()
-        await self.transport.heartbeat(Heartbeat(
-            actor_id=self.cfg.id, version=self.engine.version, engine=self._engine_info,
-            outstanding=list(self.outstanding), num_generated_tokens=self.stats["tokens"],
-            weight_swap_paused_s=self.last_swap_paused_s, hello=hello))
+        await self.transport.heartbeat(
+            Heartbeat(
+                actor_id=self.cfg.id,
+                version=self.engine.version,
+                engine=self._engine_info,
+                outstanding=list(self.outstanding),
+                num_generated_tokens=self.stats["tokens"],
+                weight_swap_paused_s=self.last_swap_paused_s,
+                hello=hello,
+            )
+        )

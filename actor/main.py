@@ -1,4 +1,5 @@
 """`tidal actor CONFIG [key=value ...]`: one vLLM engine serving one learner."""
+
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +25,12 @@ async def serve(cfg: RunConfig) -> str:
     engine = Engine(cfg.actor, cfg.model.path, cfg.model.dtype, adapter_rank=cfg.learner.lora.rank)
     await engine.set_version(0)
     if cfg.learner.lora.enabled:
-        log.info("actor %s: engine up, serving a LoRA adapter of rank %d over its base; each weight update "
-                 "replaces the adapter", cfg.actor.id, cfg.learner.lora.rank)
+        log.info(
+            "actor %s: engine up, serving a LoRA adapter of rank %d over its base; each weight update "
+            "replaces the adapter",
+            cfg.actor.id,
+            cfg.learner.lora.rank,
+        )
     else:
         log.info("actor %s: engine up; weight updates enter it by %s", cfg.actor.id, await engine.weight_layout())
     # what start-up left (torch, vLLM, the tokenizer: ~600k objects) is kept out of the collector's full
@@ -51,8 +56,14 @@ async def serve(cfg: RunConfig) -> str:
         episodes.close()
         engine.shutdown()
         transport.close()
-    log.info("actor %s stopped: %s (%d groups, %d tokens, %d weight updates)", cfg.actor.id, reason,
-             actor.stats["groups"], actor.stats["tokens"], actor.stats["weight_updates"])
+    log.info(
+        "actor %s stopped: %s (%d groups, %d tokens, %d weight updates)",
+        cfg.actor.id,
+        reason,
+        actor.stats["groups"],
+        actor.stats["tokens"],
+        actor.stats["weight_updates"],
+    )
     return reason
 
 

@@ -1,5 +1,6 @@
 """One place builds a sample: the transcript of a completion (turns the model sampled, tokens the actor
 injected) and the wire sample made from it, its reward's named parts included."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -57,19 +58,36 @@ class Transcript:
         return np.concatenate(self.tokens).tolist()
 
     def completion(self, finish_reason: str) -> Completion:
-        return Completion(tokens=np.concatenate(self.tokens), logprobs=np.concatenate(self.logprobs),
-                          version_spans=list(self.spans), text="".join(self.texts), finish_reason=finish_reason,
-                          injected_spans=list(self.injected))
+        return Completion(
+            tokens=np.concatenate(self.tokens),
+            logprobs=np.concatenate(self.logprobs),
+            version_spans=list(self.spans),
+            text="".join(self.texts),
+            finish_reason=finish_reason,
+            injected_spans=list(self.injected),
+        )
 
 
-def to_sample(completion: Completion, raw_reward: float, params: SamplingParams, episode: Episode | None = None,
-              components: dict[str, float] | None = None) -> SampleArrays:
+def to_sample(
+    completion: Completion,
+    raw_reward: float,
+    params: SamplingParams,
+    episode: Episode | None = None,
+    components: dict[str, float] | None = None,
+) -> SampleArrays:
     """The wire sample: reward = task reward + overlong penalty (when the group asks for one); the reward's
     named parts (task.reward_funcs: each function's value) beside it."""
     penalty = overlong_penalty(len(completion.tokens), params.max_tokens, params.overlong_buffer_tokens)
-    arrays = SampleArrays.of(completion.tokens, completion.logprobs, version_spans=completion.version_spans,
-                             reward=raw_reward + penalty, finish_reason=completion.finish_reason,
-                             injected_spans=completion.injected_spans, raw_reward=raw_reward, episode=episode)
+    arrays = SampleArrays.of(
+        completion.tokens,
+        completion.logprobs,
+        version_spans=completion.version_spans,
+        reward=raw_reward + penalty,
+        finish_reason=completion.finish_reason,
+        injected_spans=completion.injected_spans,
+        raw_reward=raw_reward,
+        episode=episode,
+    )
     if components:
         arrays.sample.reward_components = components
     return arrays

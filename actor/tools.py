@@ -2,6 +2,7 @@
 time limit and an output limit, answered as tool messages. Nothing a tool does stops the actor:
 an unknown tool, bad arguments, an exception or a timeout becomes an error message the model reads.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,8 +38,10 @@ class ToolCallParser:
         try:
             parser_class = ToolParserManager.get_tool_parser(name)
         except KeyError:
-            raise ValueError(f"config key 'env.tool_parser' = {name!r}: vLLM has no such tool parser "
-                             f"({', '.join(sorted(ToolParserManager.list_registered()))})") from None
+            raise ValueError(
+                f"config key 'env.tool_parser' = {name!r}: vLLM has no such tool parser "
+                f"({', '.join(sorted(ToolParserManager.list_registered()))})"
+            ) from None
         self.parser = parser_class(tokenizer)
         self.request = ChatCompletionRequest(messages=[], model="tidal")  # the parsers read no field of it here
         # a call the model garbled is the model's mistake, answered below; vLLM would log each with a traceback
@@ -48,8 +51,10 @@ class ToolCallParser:
     def parse(self, reply: str) -> tuple[list[ToolCall], bool]:
         """The calls, and whether the turn began a call that could not be read."""
         info = self.parser.extract_tool_calls(reply, self.request)
-        calls = [ToolCall(c.id or f"call-{i}", c.function.name, c.function.arguments or "{}")
-                 for i, c in enumerate(info.tool_calls if info.tools_called else [])]
+        calls = [
+            ToolCall(c.id or f"call-{i}", c.function.name, c.function.arguments or "{}")
+            for i, c in enumerate(info.tool_calls if info.tools_called else [])
+        ]
         garbled = not calls and bool(self.start_marker) and self.start_marker in reply
         return calls, garbled
 
@@ -73,15 +78,19 @@ class ToolRunner:
         """Every call answered, in order; those beyond env.max_tool_calls with an error."""
         limit = self.cfg.max_tool_calls
         outcomes = await asyncio.gather(*(self.call(c) for c in calls[:limit]))
-        extra = [ToolOutcome(self.message(c, f"error: more than {limit} tool calls in one turn"), "error")
-                 for c in calls[limit:]]
+        extra = [
+            ToolOutcome(self.message(c, f"error: more than {limit} tool calls in one turn"), "error")
+            for c in calls[limit:]
+        ]
         return [*outcomes, *extra]
 
     async def call(self, call: ToolCall) -> ToolOutcome:
         tool = self.tools.get(call.name)
         if tool is None:
-            return ToolOutcome(self.message(call, f"error: no tool named {call.name!r} "
-                                                  f"(tools: {', '.join(self.tools) or 'none'})"), "error")
+            return ToolOutcome(
+                self.message(call, f"error: no tool named {call.name!r} (tools: {', '.join(self.tools) or 'none'})"),
+                "error",
+            )
         try:
             kwargs = json.loads(call.arguments)
         except json.JSONDecodeError as err:
@@ -93,8 +102,9 @@ class ToolRunner:
         try:
             output = await asyncio.wait_for(self.invoke(tool, kwargs), self.cfg.tool_timeout_s)
         except TimeoutError:
-            return ToolOutcome(self.message(call, f"error: {call.name} took longer than {self.cfg.tool_timeout_s:g} s"),
-                               "timeout")
+            return ToolOutcome(
+                self.message(call, f"error: {call.name} took longer than {self.cfg.tool_timeout_s:g} s"), "timeout"
+            )
         except Exception as err:  # the tool's own failure: the model reads it, as from any API
             self.note_failure(call.name, err)
             return ToolOutcome(self.message(call, f"error: {type(err).__name__}: {err}"), "error")
@@ -108,8 +118,14 @@ class ToolRunner:
         self.failures[kind] += 1
         times = self.failures[kind]
         if str(times).rstrip("0") == "1":
-            log.warning("tool %s raised %s (%d time%s so far)%s", name, one_line(err), times, "s" * (times > 1),
-                        f"\n{where}" if where else "")
+            log.warning(
+                "tool %s raised %s (%d time%s so far)%s",
+                name,
+                one_line(err),
+                times,
+                "s" * (times > 1),
+                f"\n{where}" if where else "",
+            )
 
     async def invoke(self, tool: Callable, kwargs: dict):
         if is_async(tool):
@@ -117,8 +133,12 @@ class ToolRunner:
         return await asyncio.get_running_loop().run_in_executor(self.pool, lambda: tool(**kwargs))
 
     def message(self, call: ToolCall, content: str) -> Message:
-        return {"role": "tool", "name": call.name, "tool_call_id": call.id,
-                "content": truncate(content, self.cfg.tool_output_chars)}
+        return {
+            "role": "tool",
+            "name": call.name,
+            "tool_call_id": call.id,
+            "content": truncate(content, self.cfg.tool_output_chars),
+        }
 
     def close(self) -> None:
         if self.pool is not None:

@@ -5,6 +5,7 @@ channel, and a collective channel's group) and `start_weight_update` / `update_w
 file and tcp load a whole version, checked first; gloo and nccl receive through the group formed
 at init (nccl with vLLM's own NCCL engine) and load each piece as it lands.
 """
+
 from __future__ import annotations
 
 import functools
@@ -75,8 +76,10 @@ class WorkerEngine:
         if self.stash is not None:
             self.stash.begin(update)
         elif update.adapter is not None:
-            raise ValueError(f"weights v{update.version} are a LoRA adapter, but this engine started without LoRA "
-                             "(learner.lora.rank was 0 for the actor): restart the actor with the run's config")
+            raise ValueError(
+                f"weights v{update.version} are a LoRA adapter, but this engine started without LoRA "
+                "(learner.lora.rank was 0 for the actor): restart the actor with the run's config"
+            )
         if self.member is not None and info.transport == self.transport:
             self.member.receive(update)
         else:
@@ -106,9 +109,14 @@ def build_engine(model, model_config, device=None, vllm_config=None) -> WorkerEn
     """The worker's side around a model outside vLLM (the scripted engines of the tests)."""
     from tidal.broker.weights import InitInfo, UpdateInfo
 
-    engine = type("ScriptedWorkerEngine", (WorkerEngine,), {
-        "parse_init_info": staticmethod(lambda info: InitInfo(**info)),
-        "parse_update_info": staticmethod(lambda info: UpdateInfo(**info))})()
+    engine = type(
+        "ScriptedWorkerEngine",
+        (WorkerEngine,),
+        {
+            "parse_init_info": staticmethod(lambda info: InitInfo(**info)),
+            "parse_update_info": staticmethod(lambda info: UpdateInfo(**info)),
+        },
+    )()
     engine.init_engine(model, model_config, device, vllm_config=vllm_config)
     return engine
 

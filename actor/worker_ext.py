@@ -2,6 +2,7 @@
 workers directly. Weight updates themselves enter through vLLM's weight-transfer API, with the engine
 the plugin registers (tidal.actor.weight_engine).
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,8 +31,10 @@ def vllm_plugin() -> None:
             # oneDNN; without it the layer computes torch's linear on the weight as loaded
             ops._supports_onednn = False
         else:
-            log.warning("actor.vllm.cpu_linear=plain: this vLLM has no oneDNN switch; linear layers stay packed "
-                        "and each weight update re-packs them")
+            log.warning(
+                "actor.vllm.cpu_linear=plain: this vLLM has no oneDNN switch; linear layers stay packed "
+                "and each weight update re-packs them"
+            )
 
 
 class TidalWorker:

@@ -29,6 +29,7 @@ A PNG per config draws the pass rate against wall time for every run, coloured b
     python bench/async.py --config configs/long.yaml --max-lag 0,4 --seeds 2
     python bench/async.py --config tiny --max-lag 0,2 --filter on,off --trl   # recipe and asynchrony, and TRL
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,9 @@ from runs import (
 PROFILE = ("timing/collect_s", "timing/train_step_s", "timing/weight_push_s", "timing/actor_weight_swap_paused_s")
 
 
-def run_grid(config: str, variants: list[tuple[int, bool]], seeds: int, every: int, extra: list[str],
-             folder: Path, trl: bool) -> list[dict]:
+def run_grid(
+    config: str, variants: list[tuple[int, bool]], seeds: int, every: int, extra: list[str], folder: Path, trl: bool
+) -> list[dict]:
     """Every (max_lag, filter) variant's runs of one config, a seed each, and TRL's per seed when asked:
     identity, metric history (its pass rates evaluated off the training path) and timings. Each run's
     result is kept in FOLDER/<run>.json as it ends, and a run whose file is there is not run again (a
@@ -70,23 +72,46 @@ def run_grid(config: str, variants: list[tuple[int, bool]], seeds: int, every: i
         if kept.exists():
             run = json.loads(kept.read_text())
         else:
-            overrides = [f"staleness.max_lag={lag}", f"learner.zero_variance_filter={keep_filter}",
-                         f"learner.seed={seed}", f"actor.seed={seed}", *extra]
-            run = trl_run(config, seed, every, extra) if lag is None else timed_tidal_run(
-                config, folder / name, every, overrides, PROFILE)
+            overrides = [
+                f"staleness.max_lag={lag}",
+                f"learner.zero_variance_filter={keep_filter}",
+                f"learner.seed={seed}",
+                f"actor.seed={seed}",
+                *extra,
+            ]
+            run = (
+                trl_run(config, seed, every, extra)
+                if lag is None
+                else timed_tidal_run(config, folder / name, every, overrides, PROFILE)
+            )
             kept.write_text(json.dumps(run))
-        run["history"] = {metric: {int(step): value for step, value in values.items()}
-                          for metric, values in run["history"].items()}
-        runs.append({"task": task, "system": "tidal" if lag is not None else "trl", "max_lag": lag,
-                     "filter": keep_filter, "seed": seed, **run})
+        run["history"] = {
+            metric: {int(step): value for step, value in values.items()} for metric, values in run["history"].items()
+        }
+        runs.append(
+            {
+                "task": task,
+                "system": "tidal" if lag is not None else "trl",
+                "max_lag": lag,
+                "filter": keep_filter,
+                "seed": seed,
+                **run,
+            }
+        )
     return runs
 
 
 def trl_run(config: str, seed: int, every: int, extra: list[str]) -> dict:
     """bench/trl_anchor.py in a process of its own (TRL's imports and threads stay out of this one); whole_s:
     from launch to exit less the evaluations made after training (a tidal run makes only the first and last)."""
-    cmd = [sys.executable, str(Path(__file__).with_name("trl_anchor.py")), config, f"--seed={seed}",
-           f"--eval-every={every}", *extra]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).with_name("trl_anchor.py")),
+        config,
+        f"--seed={seed}",
+        f"--eval-every={every}",
+        *extra,
+    ]
     launched = time.time()
     done = subprocess.run(cmd, capture_output=True, text=True)
     ended = time.time()
@@ -121,12 +146,20 @@ def summarize(runs: list[dict], target: float, also: list[float], rng: np.random
         by_variant.setdefault(variant(run), []).append(run)
     trl = by_variant.get("trl", [])
     lines = []
-    for name, group in sorted(by_variant.items(), key=lambda item: (item[0] != "trl", item[1][0]["max_lag"] or 0,
-                                                                    item[0])):
+    for name, group in sorted(
+        by_variant.items(), key=lambda item: (item[0] != "trl", item[1][0]["max_lag"] or 0, item[0])
+    ):
         base = [r for r in runs if r["max_lag"] == 0 and r["filter"] == group[0]["filter"] and r["system"] == "tidal"]
-        line = {"task": group[0]["task"], "variant": name, "system": group[0]["system"],
-                "max_lag": group[0]["max_lag"], "filter": group[0]["filter"], "target": round(target, 4),
-                "runs": len(group), "reached": len(_times(group, "time_to_target_s"))}
+        line = {
+            "task": group[0]["task"],
+            "variant": name,
+            "system": group[0]["system"],
+            "max_lag": group[0]["max_lag"],
+            "filter": group[0]["filter"],
+            "target": round(target, 4),
+            "runs": len(group),
+            "reached": len(_times(group, "time_to_target_s")),
+        }
         for key, label in [("time_to_target_s", ""), *((f"time_to_{rate}_s", f"_at_{rate}") for rate in also)]:
             line |= _time_summary(key, label, group, base, trl, rng)
         for key in ("time_per_step_s", "whole_s", "samples_generated", "samples_trained"):
@@ -136,8 +169,9 @@ def summarize(runs: list[dict], target: float, also: list[float], rng: np.random
                 line[f"{key}_over_trl"] = round(line[f"median_{key}"] / statistics.median(r[key] for r in trl), 3)
         line["median_final_pass_rate"] = round(statistics.median(r["final_pass_rate"] for r in group), 4)
         if base:
-            line["final_minus_k0"] = round(line["median_final_pass_rate"]
-                                           - statistics.median(r["final_pass_rate"] for r in base), 4)
+            line["final_minus_k0"] = round(
+                line["median_final_pass_rate"] - statistics.median(r["final_pass_rate"] for r in base), 4
+            )
         lines.append(line)
     return lines
 
@@ -146,8 +180,9 @@ def _times(group: list[dict], key: str) -> list[float]:
     return [r[key] for r in group if r[key] is not None]
 
 
-def _time_summary(key: str, label: str, group: list[dict], base: list[dict], trl: list[dict],
-                  rng: np.random.Generator) -> dict:
+def _time_summary(
+    key: str, label: str, group: list[dict], base: list[dict], trl: list[dict], rng: np.random.Generator
+) -> dict:
     """The group's median of `key` and how many times sooner than max_lag 0 and TRL it is, with
     intervals, under speedup_vs_<k0|trl><label>."""
     times = _times(group, key)
@@ -176,29 +211,48 @@ def plot(runs: list[dict], target: float, png: Path) -> None:
         steps = sorted(s for s in hist["eval/pass_rate"] if s in hist["compute/wall_s"])
         last_step = max([last_step, *steps])
         # one legend entry per variant (its seeds share a colour), saying how many runs it stands for
-        label = "TRL GRPOTrainer" if name == "trl" else f"max_lag {r['max_lag']}" + (
-            "" if r["filter"] else ", no zero-variance filter")
+        label = (
+            "TRL GRPOTrainer"
+            if name == "trl"
+            else f"max_lag {r['max_lag']}" + ("" if r["filter"] else ", no zero-variance filter")
+        )
         label = f"{label} ({seeds[name]} seed{'s' if seeds[name] > 1 else ''})" if r["seed"] == 0 else None
-        ax.plot([hist["compute/wall_s"][s] - start for s in steps], [hist["eval/pass_rate"][s] for s in steps],
-                color=colors[name], alpha=0.8, label=label)
-    finish_pass_rate_figure(fig, ax, target, f"{runs[0]['task']}: pass rate against wall time, steps 0-{last_step}",
-                            png)
+        ax.plot(
+            [hist["compute/wall_s"][s] - start for s in steps],
+            [hist["eval/pass_rate"][s] for s in steps],
+            color=colors[name],
+            alpha=0.8,
+            label=label,
+        )
+    finish_pass_rate_figure(
+        fig, ax, target, f"{runs[0]['task']}: pass rate against wall time, steps 0-{last_step}", png
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", action="append", help="preset or YAML file (repeatable; default tiny and long)")
     parser.add_argument("--max-lag", default="0,1,2,4,8")
-    parser.add_argument("--filter", default="on",
-                        help="learner.zero_variance_filter per run: on, off or on,off (the recipe beside asynchrony)")
-    parser.add_argument("--variants", help="instead of --max-lag x --filter, these variants only: k<max_lag> with the "
-                                           "filter, k<max_lag>-nofilter without (k0-nofilter,k2,k2-nofilter)")
+    parser.add_argument(
+        "--filter",
+        default="on",
+        help="learner.zero_variance_filter per run: on, off or on,off (the recipe beside asynchrony)",
+    )
+    parser.add_argument(
+        "--variants",
+        help="instead of --max-lag x --filter, these variants only: k<max_lag> with the "
+        "filter, k<max_lag>-nofilter without (k0-nofilter,k2,k2-nofilter)",
+    )
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--margin", type=float, default=0.05, help="target = median k=0 final pass rate - margin")
     parser.add_argument("--target", type=float, help="a fixed target pass rate instead")
     parser.add_argument("--also", default="0.6", help="fixed pass rates also timed, comma-separated (empty: none)")
-    parser.add_argument("--eval-every", type=int, default=10,
-                        help="evaluate the weights of every this many steps (the resolution of times to a pass rate)")
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=10,
+        help="evaluate the weights of every this many steps (the resolution of times to a pass rate)",
+    )
     parser.add_argument("--trl", action="store_true", help="also TRL's GRPOTrainer per seed (the in-process anchor)")
     parser.add_argument("--out", help="keep runs and plots here (default: a temporary folder; plots to .)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
@@ -206,8 +260,12 @@ def main() -> int:
     if args.variants:
         variants = [parse_variant(name) for name in args.variants.split(",")]
     else:
-        variants = list(itertools.product([int(k) for k in args.max_lag.split(",")],
-                                          [{"on": True, "off": False}[f] for f in args.filter.split(",")]))
+        variants = list(
+            itertools.product(
+                [int(k) for k in args.max_lag.split(",")],
+                [{"on": True, "off": False}[f] for f in args.filter.split(",")],
+            )
+        )
     also = [float(rate) for rate in args.also.split(",") if rate]
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -215,18 +273,41 @@ def main() -> int:
         for config in args.config or ["tiny", "long"]:
             runs = run_grid(config, variants, args.seeds, args.eval_every, args.overrides, folder, args.trl)
             base = [time_to_target(r["history"], 1.0)["final_pass_rate"] for r in runs if r["max_lag"] == 0]
-            target = args.target if args.target is not None else (
-                statistics.median(base) - args.margin if base else 0.6)
+            target = (
+                args.target if args.target is not None else (statistics.median(base) - args.margin if base else 0.6)
+            )
             fixed = [f"time_to_{rate}_s" for rate in also]
             for r in runs:
                 r.update(time_to_target(r["history"], target))
-                r.update({key: time_to_target(r["history"], rate)["time_to_target_s"]
-                          for key, rate in zip(fixed, also)})
+                r.update(
+                    {key: time_to_target(r["history"], rate)["time_to_target_s"] for key, rate in zip(fixed, also)}
+                )
                 r["time_per_step_s"] = round(r["wall_s"] / max(r["steps"], 1), 4)
-                print(json.dumps({k: r.get(k) for k in (
-                    "task", "system", "max_lag", "filter", "seed", "wall_s", "steps", "time_per_step_s", "whole_s",
-                    "samples_generated", "samples_trained", "time_to_target_s", *fixed, "final_pass_rate",
-                    "profile")}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            k: r.get(k)
+                            for k in (
+                                "task",
+                                "system",
+                                "max_lag",
+                                "filter",
+                                "seed",
+                                "wall_s",
+                                "steps",
+                                "time_per_step_s",
+                                "whole_s",
+                                "samples_generated",
+                                "samples_trained",
+                                "time_to_target_s",
+                                *fixed,
+                                "final_pass_rate",
+                                "profile",
+                            )
+                        }
+                    ),
+                    flush=True,
+                )
             for line in summarize(runs, target, also, rng):
                 print(json.dumps({"summary": True, **line}), flush=True)
             png = (Path(args.out) if args.out else Path(".")) / f"async-{runs[0]['task']}.png"

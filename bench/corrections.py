@@ -16,6 +16,7 @@ reference cell's median final pass rate less --margin.
     python bench/corrections.py --out runs/bench-corrections    # long task, k 2,8,16, both ways, 4 corrections, 3 seeds
     python bench/corrections.py --max-lag 8 --mismatch on --seeds 3 --out runs/bench-corrections
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,24 +39,39 @@ CORRECTIONS = {
 }
 MISMATCH_ENV = {"TIDAL_BENCH_ROUND_WEIGHTS": "bfloat16"}
 REFERENCE = (2, False, "cispo")  # the cell whose time the others are held to
-PROFILE = ("offpolicy/rho_mean", "offpolicy/fresh_ratio", "offpolicy/token_masked_frac",
-           "offpolicy/sequence_masked_frac", "offpolicy/clipped_frac", "timing/train_step_s")
+PROFILE = (
+    "offpolicy/rho_mean",
+    "offpolicy/fresh_ratio",
+    "offpolicy/token_masked_frac",
+    "offpolicy/sequence_masked_frac",
+    "offpolicy/clipped_frac",
+    "timing/train_step_s",
+)
 
 
-def run_cell(config: str, lag: int, mismatch: bool, correction: str, seed: int, every: int, extra: list[str],
-             folder: Path) -> dict:
+def run_cell(
+    config: str, lag: int, mismatch: bool, correction: str, seed: int, every: int, extra: list[str], folder: Path
+) -> dict:
     """One run, kept in FOLDER/<name>.json as it ends; a run whose file is there is read back, not run again."""
     name = f"{Path(config).stem}-k{lag}-{'mismatch' if mismatch else 'exact'}-{correction}-s{seed}"
     kept = folder / f"{name}.json"
     if kept.exists():
         run = json.loads(kept.read_text())
     else:
-        overrides = [f"staleness.max_lag={lag}", "learner.zero_variance_filter=false", "actor.vllm.cpu_linear=plain",
-                     f"learner.seed={seed}", f"actor.seed={seed}", *CORRECTIONS[correction], *extra]
+        overrides = [
+            f"staleness.max_lag={lag}",
+            "learner.zero_variance_filter=false",
+            "actor.vllm.cpu_linear=plain",
+            f"learner.seed={seed}",
+            f"actor.seed={seed}",
+            *CORRECTIONS[correction],
+            *extra,
+        ]
         run = timed_tidal_run(config, folder / name, every, overrides, PROFILE, MISMATCH_ENV if mismatch else None)
         kept.write_text(json.dumps(run))
-    run["history"] = {metric: {int(step): value for step, value in values.items()}
-                      for metric, values in run["history"].items()}
+    run["history"] = {
+        metric: {int(step): value for step, value in values.items()} for metric, values in run["history"].items()
+    }
     return {"max_lag": lag, "mismatch": mismatch, "correction": correction, "seed": seed, **run}
 
 
@@ -79,12 +95,19 @@ def summarize(lines: list[dict], target: float, rng: np.random.Generator) -> lis
     for (lag, mismatch, correction), group in sorted(cells.items()):
         finals = [r["final_pass_rate"] for r in group]
         times = [r["time_to_target_s"] for r in group if r["time_to_target_s"] is not None]
-        summary = {"summary": True, "max_lag": lag, "mismatch": mismatch, "correction": correction,
-                   "seeds": len(group), "target": round(target, 4),
-                   "median_final_pass_rate": round(statistics.median(finals), 4),
-                   "final_range": [min(finals), max(finals)], "reached": len(times),
-                   "collapsed": sum(r["collapsed"] for r in group),
-                   "median_time_to_target_s": round(statistics.median(times), 2) if times else None}
+        summary = {
+            "summary": True,
+            "max_lag": lag,
+            "mismatch": mismatch,
+            "correction": correction,
+            "seeds": len(group),
+            "target": round(target, 4),
+            "median_final_pass_rate": round(statistics.median(finals), 4),
+            "final_range": [min(finals), max(finals)],
+            "reached": len(times),
+            "collapsed": sum(r["collapsed"] for r in group),
+            "median_time_to_target_s": round(statistics.median(times), 2) if times else None,
+        }
         if times and reference:  # above 1: slower than the reference cell
             summary["time_over_reference"] = round(statistics.median(times) / statistics.median(reference), 3)
             summary["time_over_reference_90ci"] = bootstrap_ratio(times, reference, rng)
@@ -104,8 +127,9 @@ def main() -> int:
     parser.add_argument("--mismatch", default="off,on", help="off, on or off,on: actors serve bf16-rounded weights")
     parser.add_argument("--corrections", default=",".join(CORRECTIONS))
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--margin", type=float, default=0.05, help="target = the reference cell's median final "
-                                                                   "pass rate - margin")
+    parser.add_argument(
+        "--margin", type=float, default=0.05, help="target = the reference cell's median final pass rate - margin"
+    )
     parser.add_argument("--target", type=float, help="a fixed target pass rate instead")
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--out", required=True, help="keep every run here; a run kept there is not run again")
@@ -121,10 +145,16 @@ def main() -> int:
     folder.mkdir(parents=True, exist_ok=True)
     # the reference cell first: every other cell's time is held to it
     cells = [REFERENCE] + [c for c in itertools.product(lags, mismatches, corrections) if c != REFERENCE]
-    runs = [run_cell(args.config, lag, mismatch, correction, seed, args.eval_every, args.overrides, folder)
-            for lag, mismatch, correction in cells for seed in range(args.seeds)]
-    reference = [time_to_target(r["history"], 1.0)["final_pass_rate"] for r in runs
-                 if (r["max_lag"], r["mismatch"], r["correction"]) == REFERENCE]
+    runs = [
+        run_cell(args.config, lag, mismatch, correction, seed, args.eval_every, args.overrides, folder)
+        for lag, mismatch, correction in cells
+        for seed in range(args.seeds)
+    ]
+    reference = [
+        time_to_target(r["history"], 1.0)["final_pass_rate"]
+        for r in runs
+        if (r["max_lag"], r["mismatch"], r["correction"]) == REFERENCE
+    ]
     target = args.target if args.target is not None else statistics.median(reference) - args.margin
     lines = [judge(r, target) for r in runs]
     for line in lines:

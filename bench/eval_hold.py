@@ -10,6 +10,7 @@ and the evaluation samples made by a version other than the one they were logged
     python bench/eval_hold.py --repeats 2                       # tiny demo, max_lag 2, every 10 steps
     python bench/eval_hold.py --max-lag 0 --every 5 --steps 40
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,17 +28,26 @@ WAYS = {"held": {}, "unheld": {"TIDAL_BENCH_EVAL_HOLD": "0"}, "none": {}}
 def one(way: str, args, folder: Path, i: int) -> dict:
     run_dir = folder / f"{way}-{i}"
     every = 0 if way == "none" else args.every
-    overrides = [f"staleness.max_lag={args.max_lag}", f"learner.max_steps={args.steps}", f"eval.every={every}",
-                 f"learner.seed={i}", f"actor.seed={i}"]
+    overrides = [
+        f"staleness.max_lag={args.max_lag}",
+        f"learner.max_steps={args.steps}",
+        f"eval.every={every}",
+        f"learner.seed={i}",
+        f"actor.seed={i}",
+    ]
     tidal_run([args.config], overrides, run_dir, way, WAYS[way])
     wall = history(run_dir, ("compute/wall_s",))["compute/wall_s"]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = next(m for m in reversed(metrics) if "learner/loss" in m)
     train_s = wall[args.steps] - wall[min(wall)]  # from the first step's end: the step-0 evaluation is common
-    return {"way": way, "repeat": i, "steps_per_s": round((args.steps - min(wall)) / train_s, 4),
-            "held_s": round(last["eval/hold_s_total"], 2),
-            "off_version_eval_samples": int(last["eval/off_version_samples_total"]),
-            "multi_version_eval_samples": int(last["eval/multi_version_samples_total"])}
+    return {
+        "way": way,
+        "repeat": i,
+        "steps_per_s": round((args.steps - min(wall)) / train_s, 4),
+        "held_s": round(last["eval/hold_s_total"], 2),
+        "off_version_eval_samples": int(last["eval/off_version_samples_total"]),
+        "multi_version_eval_samples": int(last["eval/multi_version_samples_total"]),
+    }
 
 
 def main() -> None:
@@ -56,12 +66,24 @@ def main() -> None:
             lines.append(one(way, args, folder, i))
             print(json.dumps(lines[-1]), flush=True)
     rate = {w: statistics.median(r["steps_per_s"] for r in lines if r["way"] == w) for w in WAYS}
-    print(json.dumps({"summary": {"max_lag": args.max_lag, "every": args.every, "steps": args.steps,
-                                  "steps_per_s": rate, "held_over_unheld": round(rate["held"] / rate["unheld"], 3),
-                                  "held_over_none": round(rate["held"] / rate["none"], 3),
-                                  "unheld_over_none": round(rate["unheld"] / rate["none"], 3),
-                                  "off_version_eval_samples": {w: sum(r["off_version_eval_samples"] for r in lines
-                                                                      if r["way"] == w) for w in WAYS}}}))
+    print(
+        json.dumps(
+            {
+                "summary": {
+                    "max_lag": args.max_lag,
+                    "every": args.every,
+                    "steps": args.steps,
+                    "steps_per_s": rate,
+                    "held_over_unheld": round(rate["held"] / rate["unheld"], 3),
+                    "held_over_none": round(rate["held"] / rate["none"], 3),
+                    "unheld_over_none": round(rate["unheld"] / rate["none"], 3),
+                    "off_version_eval_samples": {
+                        w: sum(r["off_version_eval_samples"] for r in lines if r["way"] == w) for w in WAYS
+                    },
+                }
+            }
+        )
+    )
     sys.stdout.flush()
 
 

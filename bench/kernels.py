@@ -51,17 +51,23 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default=None, help=f"TxDxV list (default {DEFAULT_SHAPES})")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--backends", default=None,
-                        help=f"default {CPU_BACKENDS} on cpu, {GPU_BACKENDS} on cuda")
+    parser.add_argument("--backends", default=None, help=f"default {CPU_BACKENDS} on cpu, {GPU_BACKENDS} on cuda")
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions per case")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--chunk-size", default=None, help="torch backend tiles, e.g. 1024,8192")
-    parser.add_argument("--blocks", default=None,
-                        help="triton tile sizes to compare, tokens x vocab x dim x warps each, e.g. "
-                             "64x128x32x8,128x128x64x8 (default: the kernels' own per dtype)")
+    parser.add_argument(
+        "--blocks",
+        default=None,
+        help="triton tile sizes to compare, tokens x vocab x dim x warps each, e.g. "
+        "64x128x32x8,128x128x64x8 (default: the kernels' own per dtype)",
+    )
     parser.add_argument("--err-tokens", type=int, default=128)
-    parser.add_argument("--max-seconds", type=float, default=120.0,
-                        help="skip cpu cases whose estimated fwd+bwd time per rep exceeds this")
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=120.0,
+        help="skip cpu cases whose estimated fwd+bwd time per rep exceeds this",
+    )
     parser.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, 2 reps")
     parser.add_argument("--samplers", default="none", help="none, or top-k / top-p cuts: p0.9, k50, k50p0.95")
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # subprocess mode
@@ -84,9 +90,19 @@ def main(argv=None) -> None:
         num_tokens, dim, vocab = (int(x) for x in shape.lower().split("x"))
         for dtype in args.dtypes.split(","):
             for (backend, blocks), sampler in itertools.product(backend_variants(args), args.samplers.split(",")):
-                case = dict(backend=backend, device=args.device, T=num_tokens, D=dim, V=vocab,
-                            dtype=dtype, reps=args.reps, chunk_size=args.chunk_size, blocks=blocks,
-                            err_tokens=args.err_tokens, sampler=sampler)
+                case = dict(
+                    backend=backend,
+                    device=args.device,
+                    T=num_tokens,
+                    D=dim,
+                    V=vocab,
+                    dtype=dtype,
+                    reps=args.reps,
+                    chunk_size=args.chunk_size,
+                    blocks=blocks,
+                    err_tokens=args.err_tokens,
+                    sampler=sampler,
+                )
                 reason = skip_reason(case, flops_per_s, args.max_seconds)
                 result = dict(case, skipped=reason) if reason else run_in_subprocess(case)
                 print(json.dumps(result), flush=True)
@@ -175,8 +191,13 @@ def run_case(case) -> dict:
             times_ms.append(elapsed_ms)
     inputs["hidden"].grad = inputs["weight"].grad = None
     errors = measure_errors(fn, inputs, case["err_tokens"], build_backend("naive", None, None, sampler))
-    return dict(case, time_ms=round(statistics.median(times_ms), 2), peak_mem_bytes=max(peaks),
-                max_err=max(errors.values()), **errors)
+    return dict(
+        case,
+        time_ms=round(statistics.median(times_ms), 2),
+        peak_mem_bytes=max(peaks),
+        max_err=max(errors.values()),
+        **errors,
+    )
 
 
 def make_inputs(num_tokens, dim, vocab, dtype, device) -> dict:
@@ -212,6 +233,7 @@ def build_backend(name: str, chunk_size, blocks=None, sampler: str = "none"):
     def cut(h, w, y):
         floor, _ = sampler_floor(h.detach(), w.detach(), y, 1.0, top_k, top_p)
         return plain(h, w, y, floor=floor)
+
     return cut
 
 
@@ -230,8 +252,9 @@ def _plain_backend(name: str, chunk_size, blocks=None):
     if chunks and len(chunks) == 1:
         chunks = chunks[0]
     if name == "torch_compile":
-        return torch.compile(lambda h, w, y, floor=None: logprobs(h, w, y, backend="torch", chunk_size=chunks,
-                                                                  floor=floor))
+        return torch.compile(
+            lambda h, w, y, floor=None: logprobs(h, w, y, backend="torch", chunk_size=chunks, floor=floor)
+        )
     return lambda h, w, y, floor=None: logprobs(h, w, y, backend=name, chunk_size=chunks, floor=floor)
 
 
@@ -249,8 +272,7 @@ def measure_errors(fn, inputs, num_tokens, reference) -> dict:
         hidden = sub["hidden"].detach().to(dtype).requires_grad_()
         weight = inputs["weight"].detach().to(dtype).requires_grad_()
         logp, entropy = run_fn(hidden, weight, sub["targets"])
-        (logp.double() @ sub["grad_logp"].double()
-         + entropy.double() @ sub["grad_entropy"].double()).backward()
+        (logp.double() @ sub["grad_logp"].double() + entropy.double() @ sub["grad_entropy"].double()).backward()
         outs = [logp, entropy, hidden.grad, weight.grad]
         (got if dtype != torch.float64 else want).append([o.detach() for o in outs])
         del hidden, weight, logp, entropy, outs
@@ -264,26 +286,46 @@ def ratio_lines(results) -> list[dict]:
     done = [r for r in results if "time_ms" in r]
     lines = []
     for cut in (r for r in done if r.get("sampler", "none") != "none"):
-        plain = next((r for r in done if r.get("sampler", "none") == "none" and all(
-            r[k] == cut[k] for k in ("backend", "blocks", "T", "D", "V", "dtype", "device"))), None)
+        plain = next(
+            (
+                r
+                for r in done
+                if r.get("sampler", "none") == "none"
+                and all(r[k] == cut[k] for k in ("backend", "blocks", "T", "D", "V", "dtype", "device"))
+            ),
+            None,
+        )
         if plain is not None:
-            lines.append(dict(ratios=f"{cut['backend']} {cut['sampler']}/none", device=cut["device"], T=cut["T"],
-                              D=cut["D"], V=cut["V"], dtype=cut["dtype"],
-                              time_ratio=round(cut["time_ms"] / plain["time_ms"], 3)))
+            lines.append(
+                dict(
+                    ratios=f"{cut['backend']} {cut['sampler']}/none",
+                    device=cut["device"],
+                    T=cut["T"],
+                    D=cut["D"],
+                    V=cut["V"],
+                    dtype=cut["dtype"],
+                    time_ratio=round(cut["time_ms"] / plain["time_ms"], 3),
+                )
+            )
     done = [r for r in done if r.get("sampler", "none") == "none"]
     for ref in (r for r in done if r["backend"] == "naive"):
         key = (ref["T"], ref["D"], ref["V"], ref["dtype"], ref["device"])
         for other in done:
-            if other is ref or (other["T"], other["D"], other["V"], other["dtype"],
-                                other["device"]) != key:
+            if other is ref or (other["T"], other["D"], other["V"], other["dtype"], other["device"]) != key:
                 continue
             name = other["backend"] + (f"[{other['blocks']}]" if other.get("blocks") else "")
-            lines.append(dict(
-                ratios=f"{name}/naive", device=ref["device"], T=ref["T"],
-                D=ref["D"], V=ref["V"], dtype=ref["dtype"],
-                time_ratio=round(other["time_ms"] / ref["time_ms"], 3),
-                peak_mem_ratio=round(other["peak_mem_bytes"] / ref["peak_mem_bytes"], 4),
-            ))
+            lines.append(
+                dict(
+                    ratios=f"{name}/naive",
+                    device=ref["device"],
+                    T=ref["T"],
+                    D=ref["D"],
+                    V=ref["V"],
+                    dtype=ref["dtype"],
+                    time_ratio=round(other["time_ms"] / ref["time_ms"], 3),
+                    peak_mem_ratio=round(other["peak_mem_bytes"] / ref["peak_mem_bytes"], 4),
+                )
+            )
     return lines
 
 

@@ -14,6 +14,7 @@ logits (its untrained ones are near uniform, so a nucleus holds most of the voca
 case). Mixed precision bf16 keeps fp32 master weights and an fp32 LM head, as a run with
 `learner.mixed_precision: bf16` does.
 """
+
 import argparse
 import json
 import statistics
@@ -39,8 +40,12 @@ def parse_args(argv=None):
     parser.add_argument("--groups", type=int, default=16, help="groups per step")
     parser.add_argument("--n", type=int, default=8, help="samples per group")
     parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--completion-tokens", type=int, default=448, help="the longest completion; "
-                        "lengths are drawn uniformly from an eighth of it up to it")
+    parser.add_argument(
+        "--completion-tokens",
+        type=int,
+        default=448,
+        help="the longest completion; lengths are drawn uniformly from an eighth of it up to it",
+    )
     parser.add_argument("--micro-batch-tokens", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
     parser.add_argument("--samplers", default="none", help="none, or top-k / top-p cuts: p0.9, k50, k50p0.95")
@@ -65,9 +70,16 @@ def build_model(shape: str, logit_scale: float = 1.0):
 
     hidden, layers, heads, kv_heads, mlp, vocab = SHAPES[shape]
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
-                         tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
     model = Qwen2ForCausalLM(config)
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(logit_scale)
@@ -84,11 +96,24 @@ def step_batch(args, vocab: int, version: int):
         samples = []
         for i in range(args.n):
             length = int(rng.integers(max(1, args.completion_tokens // 8), args.completion_tokens + 1))
-            samples.append(SampleArrays.of(rng.integers(0, vocab, length), -2.0 + 0.3 * rng.standard_normal(length),
-                                           version_spans=[(version, 0, length)], reward=float((g + i) % 2),
-                                           finish_reason="stop"))
-        groups.append(RolloutGroup.pack(samples, group_id=f"g{g}", prompt_id=g, actor_id="bench",
-                                        prompt_tokens=int32s(rng.integers(0, vocab, args.prompt_tokens))))
+            samples.append(
+                SampleArrays.of(
+                    rng.integers(0, vocab, length),
+                    -2.0 + 0.3 * rng.standard_normal(length),
+                    version_spans=[(version, 0, length)],
+                    reward=float((g + i) % 2),
+                    finish_reason="stop",
+                )
+            )
+        groups.append(
+            RolloutGroup.pack(
+                samples,
+                group_id=f"g{g}",
+                prompt_id=g,
+                actor_id="bench",
+                prompt_tokens=int32s(rng.integers(0, vocab, args.prompt_tokens)),
+            )
+        )
         masks.append([np.ones(s.sample.num_tokens, dtype=bool) for s in samples])
     return groups, masks
 
@@ -102,8 +127,12 @@ def measure(args, backend: str, sampler: str, groups, masks) -> dict:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision)
-    cfg = LearnerConfig(groups_per_step=args.groups, micro_batch_tokens=args.micro_batch_tokens,
-                        kernel_backend=backend, mixed_precision=args.mixed_precision)
+    cfg = LearnerConfig(
+        groups_per_step=args.groups,
+        micro_batch_tokens=args.micro_batch_tokens,
+        kernel_backend=backend,
+        mixed_precision=args.mixed_precision,
+    )
     cfg = replace(cfg, optim=OptimConfig(lr=1e-6))
     trainer = Trainer(cfg, build_model(args.shape, args.logit_scale), accelerator, temperature=parse_sampler(sampler))
     cuda = accelerator.device.type == "cuda"
@@ -121,11 +150,22 @@ def measure(args, backend: str, sampler: str, groups, masks) -> dict:
         loss = metrics["learner/loss"]
     tokens = sum(s.num_tokens for g in groups for s in g.samples)
     step_s = statistics.median(times)
-    result = dict(bench="learner_step", backend=backend, sampler=sampler, shape=args.shape,
-                  device=accelerator.device.type, outside_support_frac=metrics["offpolicy/outside_support_frac"],
-                  mixed_precision=args.mixed_precision, groups=args.groups, samples=args.groups * args.n,
-                  trained_tokens=tokens, step_s=round(step_s, 4), trained_tokens_per_s=round(tokens / step_s),
-                  peak_mem_bytes=torch.cuda.max_memory_allocated() if cuda else None, loss=loss)
+    result = dict(
+        bench="learner_step",
+        backend=backend,
+        sampler=sampler,
+        shape=args.shape,
+        device=accelerator.device.type,
+        outside_support_frac=metrics["offpolicy/outside_support_frac"],
+        mixed_precision=args.mixed_precision,
+        groups=args.groups,
+        samples=args.groups * args.n,
+        trained_tokens=tokens,
+        step_s=round(step_s, 4),
+        trained_tokens_per_s=round(tokens / step_s),
+        peak_mem_bytes=torch.cuda.max_memory_allocated() if cuda else None,
+        loss=loss,
+    )
     del trainer
     if cuda:
         torch.cuda.empty_cache()
@@ -142,9 +182,15 @@ def main(argv=None) -> None:
             results.append(measure(args, backend, sampler, groups, masks))
             print(json.dumps(results[-1]), flush=True)
     first = results[0]
-    print(json.dumps({"ratios": f"step_s / {first['backend']} {first['sampler']}'s",
-                      **{f"{r['backend']} {r['sampler']}": round(r["step_s"] / first["step_s"], 3) for r in results}}),
-          flush=True)
+    print(
+        json.dumps(
+            {
+                "ratios": f"step_s / {first['backend']} {first['sampler']}'s",
+                **{f"{r['backend']} {r['sampler']}": round(r["step_s"] / first["step_s"], 3) for r in results},
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

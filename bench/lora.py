@@ -1,19 +1,20 @@
 """A LoRA adapter against full fine-tuning (learner.lora), side by side in one run; one JSON line each.
 
-    weights   per weight update, the adapter alone and the whole model taking turns on the same
-              model: the bytes that travel, the learner's push (every tensor gathered and published,
-              WeightPush) and the engine's pause, over tcp and gloo, on the run's model and a
-              ~100M-parameter one; then the engine over --updates adapter updates: its resident
-              memory (engine core) and the adapters it holds
-    learning  the demo and the long task with and without learner.lora, --seeds seeds each: time to
-              a target pass rate (the full runs' median final minus --margin) and final pass rate per
-              run, then the LoRA runs' time to target over the full runs' with a bootstrap 90%
-              interval, and a figure of pass rate against wall time per task
+weights   per weight update, the adapter alone and the whole model taking turns on the same
+          model: the bytes that travel, the learner's push (every tensor gathered and published,
+          WeightPush) and the engine's pause, over tcp and gloo, on the run's model and a
+          ~100M-parameter one; then the engine over --updates adapter updates: its resident
+          memory (engine core) and the adapters it holds
+learning  the demo and the long task with and without learner.lora, --seeds seeds each: time to
+          a target pass rate (the full runs' median final minus --margin) and final pass rate per
+          run, then the LoRA runs' time to target over the full runs' with a bootstrap 90%
+          interval, and a figure of pass rate against wall time per task
 
-    python bench/lora.py --part weights                       # ~2 minutes on 2 cores
-    python bench/lora.py --part learning --configs tiny --seeds 3
-    python bench/lora.py --part learning --configs long --seeds 3 --override learner.max_steps=60
+python bench/lora.py --part weights                       # ~2 minutes on 2 cores
+python bench/lora.py --part learning --configs tiny --seeds 3
+python bench/lora.py --part learning --configs long --seeds 3 --override learner.max_steps=60
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,11 +38,15 @@ def emit(record: dict) -> None:
 def lora_overrides(rank: int, lr_factor: float, cfg) -> list[str]:
     """learner.lora on at `rank` (alpha 2 x rank), the preset's lr times `lr_factor`: an adapter's
     updates move a low-rank slice of each weight, and take a larger step than full fine-tuning."""
-    return [f"learner.lora.rank={rank}", f"learner.lora.alpha={2 * rank}",
-            f"learner.optim.lr={cfg.learner.optim.lr * lr_factor}"]
+    return [
+        f"learner.lora.rank={rank}",
+        f"learner.lora.alpha={2 * rank}",
+        f"learner.optim.lr={cfg.learner.optim.lr * lr_factor}",
+    ]
 
 
 # ---- weights -----------------------------------------------------------------------------------
+
 
 def trainers(cfg, rank: int):
     """(full, lora) trainers on the same model, as a learner builds them, and the push each makes."""
@@ -67,8 +72,12 @@ async def one_update(trainer, push, publisher, receiver, engine, version: int) -
     update = push(trainer, publisher, version)
     pushed = time.perf_counter()
     paused = await receiver.apply(update, engine)
-    return {"bytes": sum(s.nbytes for s in update.manifest), "push_s": pushed - start,
-            "apply_s": time.perf_counter() - pushed, "pause_s": paused}
+    return {
+        "bytes": sum(s.nbytes for s in update.manifest),
+        "push_s": pushed - start,
+        "apply_s": time.perf_counter() - pushed,
+        "pause_s": paused,
+    }
 
 
 def channels(cfg):
@@ -79,8 +88,10 @@ def channels(cfg):
     out = {}
     for name in ("tcp", "gloo"):
         weights = WeightsConfig(transport=name)
-        out[name] = {mode: (TRANSPORTS[name].publisher(weights, "bench", cfg.model.dtype),
-                            TRANSPORTS[name].receiver(weights)) for mode in ("full", "lora")}
+        out[name] = {
+            mode: (TRANSPORTS[name].publisher(weights, "bench", cfg.model.dtype), TRANSPORTS[name].receiver(weights))
+            for mode in ("full", "lora")
+        }
     return out
 
 
@@ -89,8 +100,10 @@ async def weights_case(cfg, label: str, rank: int, repeats: int) -> list[dict]:
     from tidal.actor.engine import Engine
 
     made, by_mode = trainers(cfg, rank), channels(cfg)
-    engines = {"full": Engine(cfg.actor, cfg.model.path, cfg.model.dtype),
-               "lora": Engine(cfg.actor, cfg.model.path, cfg.model.dtype, adapter_rank=rank)}
+    engines = {
+        "full": Engine(cfg.actor, cfg.model.path, cfg.model.dtype),
+        "lora": Engine(cfg.actor, cfg.model.path, cfg.model.dtype, adapter_rank=rank),
+    }
     times = {(t, m): [] for t in by_mode for m in engines}
     try:
         version = 0
@@ -114,15 +127,38 @@ async def weights_case(cfg, label: str, rank: int, repeats: int) -> list[dict]:
 def summarize_weights(times: dict, label: str, rank: int, repeats: int) -> list[dict]:
     records = []
     for transport in sorted({t for t, _ in times}):
-        med = {mode: {k: statistics.median(r[k] for r in times[(transport, mode)])
-                      for k in ("bytes", "push_s", "apply_s", "pause_s")} for mode in ("full", "lora")}
+        med = {
+            mode: {
+                k: statistics.median(r[k] for r in times[(transport, mode)])
+                for k in ("bytes", "push_s", "apply_s", "pause_s")
+            }
+            for mode in ("full", "lora")
+        }
         for mode, values in med.items():
-            records.append({"bench": "lora_weights", "model": label, "channel": transport, "update": mode,
-                            "rank": rank if mode == "lora" else None, "bytes": int(values["bytes"]),
-                            **{k: round(v, 5) for k, v in values.items() if k != "bytes"}, "repeats": repeats})
-        records.append({"bench": "lora_weights_ratio", "model": label, "channel": transport, "rank": rank,
-                        **{f"lora_over_full_{k}": round(med["lora"][k] / med["full"][k], 4)
-                           for k in ("bytes", "push_s", "pause_s")}})
+            records.append(
+                {
+                    "bench": "lora_weights",
+                    "model": label,
+                    "channel": transport,
+                    "update": mode,
+                    "rank": rank if mode == "lora" else None,
+                    "bytes": int(values["bytes"]),
+                    **{k: round(v, 5) for k, v in values.items() if k != "bytes"},
+                    "repeats": repeats,
+                }
+            )
+        records.append(
+            {
+                "bench": "lora_weights_ratio",
+                "model": label,
+                "channel": transport,
+                "rank": rank,
+                **{
+                    f"lora_over_full_{k}": round(med["lora"][k] / med["full"][k], 4)
+                    for k in ("bytes", "push_s", "pause_s")
+                },
+            }
+        )
     return records
 
 
@@ -159,10 +195,15 @@ async def memory_case(cfg, rank: int, updates: int) -> dict:
         engine.shutdown()
         publisher.close()
     first, last = min(rss), max(rss)
-    return {"bench": "lora_memory", "updates": updates, "seconds": round(time.perf_counter() - start, 1),
-            f"engine_rss_mib_at_{first}": round(rss[first], 1), f"engine_rss_mib_at_{last}": round(rss[last], 1),
-            "rss_growth_kib_per_update": round((rss[last] - rss[first]) * 1024 / (last - first), 2),
-            "adapter_ids_held": sorted(held)}
+    return {
+        "bench": "lora_memory",
+        "updates": updates,
+        "seconds": round(time.perf_counter() - start, 1),
+        f"engine_rss_mib_at_{first}": round(rss[first], 1),
+        f"engine_rss_mib_at_{last}": round(rss[last], 1),
+        "rss_growth_kib_per_update": round((rss[last] - rss[first]) * 1024 / (last - first), 2),
+        "adapter_ids_held": sorted(held),
+    }
 
 
 def bench_weights(args) -> None:
@@ -172,8 +213,9 @@ def bench_weights(args) -> None:
 
     cfg = prepared(args.config)
     for label, path in (("run", cfg.model.path), ("100m", model_100m(cfg))):
-        for record in asyncio.run(weights_case(resolve(cfg, model_path=path, actor=True), label, args.rank,
-                                               args.repeats)):
+        for record in asyncio.run(
+            weights_case(resolve(cfg, model_path=path, actor=True), label, args.rank, args.repeats)
+        ):
             emit(record)
     emit(asyncio.run(memory_case(cfg, args.rank, args.updates)))
 
@@ -188,6 +230,7 @@ def prepared(config: str):
 
 
 # ---- learning ----------------------------------------------------------------------------------
+
 
 def bench_learning(args) -> None:
     rng = np.random.default_rng(0)
@@ -215,16 +258,23 @@ def final_pass_rate(hist: dict) -> float:
 
 
 def summarize_learning(runs: list[dict], task: str, target: float, rng) -> dict:
-    times = {m: [r["time_to_target_s"] for r in runs if r["mode"] == m and r["time_to_target_s"] is not None]
-             for m in ("full", "lora")}
+    times = {
+        m: [r["time_to_target_s"] for r in runs if r["mode"] == m and r["time_to_target_s"] is not None]
+        for m in ("full", "lora")
+    }
     finals = {m: statistics.median(r["final_pass_rate"] for r in runs if r["mode"] == m) for m in ("full", "lora")}
-    line = {"bench": "lora_learning", "task": task, "target": round(target, 4),
-            **{f"{m}_reached": len(t) for m, t in times.items()},
-            **{f"{m}_median_time_to_target_s": statistics.median(t) if t else None for m, t in times.items()},
-            **{f"{m}_median_final_pass_rate": round(v, 4) for m, v in finals.items()}}
+    line = {
+        "bench": "lora_learning",
+        "task": task,
+        "target": round(target, 4),
+        **{f"{m}_reached": len(t) for m, t in times.items()},
+        **{f"{m}_median_time_to_target_s": statistics.median(t) if t else None for m, t in times.items()},
+        **{f"{m}_median_final_pass_rate": round(v, 4) for m, v in finals.items()},
+    }
     if times["full"] and times["lora"]:
-        line["lora_over_full_time_to_target"] = round(statistics.median(times["lora"])
-                                                      / statistics.median(times["full"]), 3)
+        line["lora_over_full_time_to_target"] = round(
+            statistics.median(times["lora"]) / statistics.median(times["full"]), 3
+        )
         line["lora_over_full_time_to_target_90ci"] = bootstrap_ratio(times["lora"], times["full"], rng)
     return line
 
@@ -238,8 +288,13 @@ def plot(runs: list[dict], target: float, png: Path) -> None:
         start = hist["compute/wall_s"].get(0, 0.0)
         steps = sorted(s for s in hist["eval/pass_rate"] if s in hist["compute/wall_s"])
         label = f"{'LoRA' if run['mode'] == 'lora' else 'full fine-tuning'}" if run["seed"] == 0 else None
-        ax.plot([hist["compute/wall_s"][s] - start for s in steps], [hist["eval/pass_rate"][s] for s in steps],
-                color="tab:orange" if run["mode"] == "lora" else "tab:blue", alpha=0.8, label=label)
+        ax.plot(
+            [hist["compute/wall_s"][s] - start for s in steps],
+            [hist["eval/pass_rate"][s] for s in steps],
+            color="tab:orange" if run["mode"] == "lora" else "tab:blue",
+            alpha=0.8,
+            label=label,
+        )
     finish_pass_rate_figure(fig, ax, target, f"{runs[0]['task']}: LoRA against full fine-tuning", png)
 
 
@@ -255,8 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--margin", type=float, default=0.03, help="learning: target = full runs' median final - this")
     parser.add_argument("--out", default="", help="learning: where the runs go (default: a temporary folder)")
-    parser.add_argument("--override", action="append", default=[], help="learning: a config override for every run "
-                        "(repeatable), e.g. learner.max_steps=60")
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        help="learning: a config override for every run (repeatable), e.g. learner.max_steps=60",
+    )
     args = parser.parse_args(argv)
     parts = set(args.part.split(","))
     if parts - {"weights", "learning"}:

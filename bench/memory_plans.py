@@ -9,6 +9,7 @@ config.json files in bench/models.
 Prints one JSON line per plan (every budget's total, capacity and terms, in bytes), then a Markdown
 table of the chosen layouts, then the refusal of the first layout that did not fit.
 """
+
 import argparse
 import json
 from pathlib import Path
@@ -24,8 +25,12 @@ LAYOUTS = {
     "learner 2 + 6 actors": ("learner.num_ranks=2", "actor.replicas=6"),
     "learner 4 + 4 actors": ("learner.num_ranks=4", "actor.replicas=4"),
     "learner 6 + 2 actors": ("learner.num_ranks=6", "actor.replicas=2"),
-    "learner 4 (CPU offload) + 2 actors x TP 2": ("learner.num_ranks=4", "learner.fsdp.cpu_offload=true",
-                                                  "actor.replicas=2", "actor.vllm.tensor_parallel_size=2"),
+    "learner 4 (CPU offload) + 2 actors x TP 2": (
+        "learner.num_ranks=4",
+        "learner.fsdp.cpu_offload=true",
+        "actor.replicas=2",
+        "actor.vllm.tensor_parallel_size=2",
+    ),
 }
 HOST_GIB = 2048  # one node's host memory
 # GPU memory as the driver reports it (nvidia-smi, MiB): what the learner and vLLM can take, a little
@@ -53,13 +58,19 @@ def row(shape: ModelShape, gpu: str, chosen, refused: list) -> str:
         b = result.budget(device)
         cells.append(f"{b.total_bytes / GiB:.1f} / {b.capacity_bytes / GiB:.1f}")
     cells.append(f"{kv_cache_tokens(result, cfg):,}")
-    cells.append("; ".join(f"{name}: {res.budgets[[b.fits for b in res.budgets].index(False)].device}"
-                           for name, _, res, _ in refused) or "-")
+    cells.append(
+        "; ".join(
+            f"{name}: {res.budgets[[b.fits for b in res.budgets].index(False)].device}" for name, _, res, _ in refused
+        )
+        or "-"
+    )
     return "| " + " | ".join(cells) + " |"
 
 
-HEADER = ("| model | GPUs | layout | learner GPU | actor GPU, vLLM's share | actor GPU, outside | host, node 0 | "
-          "KV cache tokens an engine | refused first (over) |\n|" + " --- |" * 9)
+HEADER = (
+    "| model | GPUs | layout | learner GPU | actor GPU, vLLM's share | actor GPU, outside | host, node 0 | "
+    "KV cache tokens an engine | refused first (over) |\n|" + " --- |" * 9
+)
 
 
 def main() -> int:
@@ -70,18 +81,35 @@ def main() -> int:
     rows, refusals = [], []
     for name in args.models.split(","):
         shape = ModelShape.from_config(MODELS / name)
-        print(json.dumps({"model": name, "num_params": shape.num_params, "active_params": shape.active_params,
-                          "largest_tensor_params": shape.largest_tensor_params}))
+        print(
+            json.dumps(
+                {
+                    "model": name,
+                    "num_params": shape.num_params,
+                    "active_params": shape.active_params,
+                    "largest_tensor_params": shape.largest_tensor_params,
+                }
+            )
+        )
         for gpu in args.gpus.split(","):
             evaluated = list(plans_for(shape, Cluster(GPU_MIB[gpu] * MiB, 8, HOST_GIB * GiB)))
             for layout, _, result, refusal in evaluated:
-                print(json.dumps({"layout": layout, "overrides": [*COMMON, *LAYOUTS[layout]], **result.to_json(),
-                                  "refusal": refusal}))
+                print(
+                    json.dumps(
+                        {
+                            "layout": layout,
+                            "overrides": [*COMMON, *LAYOUTS[layout]],
+                            **result.to_json(),
+                            "refusal": refusal,
+                        }
+                    )
+                )
             fitting = [e for e in evaluated if e[3] is None]
-            refused = evaluated[:evaluated.index(fitting[0])] if fitting else evaluated
+            refused = evaluated[: evaluated.index(fitting[0])] if fitting else evaluated
             refusals += [(name, gpu, e[0], e[3]) for e in refused]
-            rows.append(row(shape, gpu, fitting[0], refused) if fitting else
-                        f"| {name} | 8 x {gpu} | nothing fits |" + " |" * 6)
+            rows.append(
+                row(shape, gpu, fitting[0], refused) if fitting else f"| {name} | 8 x {gpu} | nothing fits |" + " |" * 6
+            )
     print(f"\n{HEADER}\n" + "\n".join(rows))
     if refusals:
         name, gpu, layout, text = refusals[0]

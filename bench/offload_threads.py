@@ -6,6 +6,7 @@ one run, alternating, as ratios of the 1-thread time (medians of --repeats).
     python bench/offload_threads.py                    # 64M parameters in 64 tensors, 1..cores threads
     python bench/offload_threads.py --params 256e6 --repeats 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,17 @@ def main() -> int:
             times[n].append(step_seconds(params, optimizer, n))
     base = statistics.median(times[1])
     for n in counts:
-        print(json.dumps({"threads": n, "params": size * args.tensors, "median_step_s": round(statistics.median(
-            times[n]), 4), "speedup_over_1": round(base / statistics.median(times[n]), 3)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "threads": n,
+                    "params": size * args.tensors,
+                    "median_step_s": round(statistics.median(times[n]), 4),
+                    "speedup_over_1": round(base / statistics.median(times[n]), 3),
+                }
+            ),
+            flush=True,
+        )
     return 0
 
 

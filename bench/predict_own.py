@@ -9,6 +9,7 @@ Prints one JSON line per seed (the transient the rule skipped, the prediction, t
 and the interval for a measurement, the mean of three evaluations) and a summary line: how many finals
 fell inside each interval and within 0.03 of the prediction.
 """
+
 import argparse
 import json
 from pathlib import Path
@@ -26,20 +27,28 @@ CLOSE = 0.03
 def predict_run(run_dir: Path, compute_metric: str, fit_fraction: float) -> dict:
     """The first-half fit's prediction of the run's final pass rate, against the measurement."""
     uri, run_id = mlflow_run(run_dir)
-    (compute, pass_rate), = points_from_mlflow(uri, [run_id], compute_metric=compute_metric).values()
+    ((compute, pass_rate),) = points_from_mlflow(uri, [run_id], compute_metric=compute_metric).values()
     fits, _, seen = fit_points({"run": (compute, pass_rate)}, Window(fit=fit_fraction, skip=AUTO))
     fit = fits["run"]
     last = compute[-FINAL_EVALS:]
     final, predicted = float(pass_rate[-FINAL_EVALS:].mean()), float(np.mean(fit.predict(last)))
     (lo,), (hi,) = fit.predict_interval(last.mean())
     (mlo,), (mhi,) = fit.measured_interval(last.mean(), num_evals=FINAL_EVALS)
-    return {"run": run_dir.name, "evals": int(compute.size), "fitted_evals": int(seen["run"][0].size),
-            "skipped_below_share": fit.skipped_below and round(fit.skipped_below / compute.max(), 3),
-            "A": round(fit.A, 3), "final": round(final, 4), "predicted": round(predicted, 4),
-            "off": round(predicted - final, 4), "curve_interval": [round(float(lo), 4), round(float(hi), 4)],
-            "measurement_interval": [round(float(mlo), 4), round(float(mhi), 4)],
-            "in_curve_interval": bool(lo <= final <= hi), "in_measurement_interval": bool(mlo <= final <= mhi),
-            "within_0.03": bool(abs(predicted - final) <= CLOSE)}
+    return {
+        "run": run_dir.name,
+        "evals": int(compute.size),
+        "fitted_evals": int(seen["run"][0].size),
+        "skipped_below_share": fit.skipped_below and round(fit.skipped_below / compute.max(), 3),
+        "A": round(fit.A, 3),
+        "final": round(final, 4),
+        "predicted": round(predicted, 4),
+        "off": round(predicted - final, 4),
+        "curve_interval": [round(float(lo), 4), round(float(hi), 4)],
+        "measurement_interval": [round(float(mlo), 4), round(float(mhi), 4)],
+        "in_curve_interval": bool(lo <= final <= hi),
+        "in_measurement_interval": bool(mlo <= final <= mhi),
+        "within_0.03": bool(abs(predicted - final) <= CLOSE),
+    }
 
 
 def main() -> int:
@@ -58,10 +67,20 @@ def main() -> int:
             tidal_run(config, [*overrides, f"learner.seed={seed}", f"actor.seed={seed}"], run_dir, f"seed {seed}")
         lines.append(predict_run(run_dir, args.compute_metric, args.fit_fraction))
         print(json.dumps(lines[-1]), flush=True)
-    print(json.dumps({"seeds": len(lines), "fit_fraction": args.fit_fraction, "compute_metric": args.compute_metric,
-                      **{key: sum(line[key] for line in lines)
-                         for key in ("in_curve_interval", "in_measurement_interval", "within_0.03")},
-                      "mean_abs_off": round(float(np.mean([abs(line["off"]) for line in lines])), 4)}))
+    print(
+        json.dumps(
+            {
+                "seeds": len(lines),
+                "fit_fraction": args.fit_fraction,
+                "compute_metric": args.compute_metric,
+                **{
+                    key: sum(line[key] for line in lines)
+                    for key in ("in_curve_interval", "in_measurement_interval", "within_0.03")
+                },
+                "mean_abs_off": round(float(np.mean([abs(line["off"]) for line in lines])), 4),
+            }
+        )
+    )
     return 0
 
 

@@ -15,6 +15,7 @@
 `python bench/ratios.py` (all three, about 5 minutes on 2 cores); `--only broker` for one. Each
 pair is measured in alternation, `--repeats` times, and the medians compared.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,15 +45,20 @@ def median_pair(raw: list[float], tidal: list[float]) -> dict:
     """Medians of each side, their ratio, and the range of the ratios of the pairs measured together
     (how far one repeat's noise moves the answer)."""
     pairs = [t / r for r, t in zip(raw, tidal)]
-    return {"raw": round(statistics.median(raw), 4), "tidal": round(statistics.median(tidal), 4),
-            "ratio": round(statistics.median(tidal) / statistics.median(raw), 3),
-            "ratio_range": [round(min(pairs), 3), round(max(pairs), 3)], "repeats": len(raw)}
+    return {
+        "raw": round(statistics.median(raw), 4),
+        "tidal": round(statistics.median(tidal), 4),
+        "ratio": round(statistics.median(tidal) / statistics.median(raw), 3),
+        "ratio_range": [round(min(pairs), 3), round(max(pairs), 3)],
+        "repeats": len(raw),
+    }
 
 
 # ---- broker ------------------------------------------------------------------------------------
 #
 # The actor side runs in a process of its own, as actors do, for tidal and the raw baselines alike;
 # the clock starts once it is connected and stops at the last rollout back.
+
 
 def frames_for(n_groups: int, sample_tokens: int, n: int):
     """Prompt groups and, per group id, the rollout an actor sends back (n samples of
@@ -61,14 +67,41 @@ def frames_for(n_groups: int, sample_tokens: int, n: int):
 
     rng = np.random.default_rng(0)
     params = SamplingParams(1.0, 1.0, sample_tokens, (0,))
-    groups = [PromptGroup(run_id="bench", group_id=f"g{i}", prompt_id=i, prompt_tokens=int32s(rng.integers(1, 40, 12)),
-                          task="count", payload={"answer": "1 2 3"}, n=n, sampling=params, min_version=0)
-              for i in range(n_groups)]
-    rollouts = {g.group_id: RolloutGroup.pack(
-        [SampleArrays.of(rng.integers(1, 40, sample_tokens), -rng.random(sample_tokens),
-                         version_spans=[(0, 0, sample_tokens)], reward=1.0, finish_reason="stop") for _ in range(n)],
-        group_id=g.group_id, prompt_id=g.prompt_id, actor_id=ACTOR_ID, prompt_tokens=g.prompt_tokens,
-        gen_seconds=0.0, queue_seconds=0.0) for g in groups}
+    groups = [
+        PromptGroup(
+            run_id="bench",
+            group_id=f"g{i}",
+            prompt_id=i,
+            prompt_tokens=int32s(rng.integers(1, 40, 12)),
+            task="count",
+            payload={"answer": "1 2 3"},
+            n=n,
+            sampling=params,
+            min_version=0,
+        )
+        for i in range(n_groups)
+    ]
+    rollouts = {
+        g.group_id: RolloutGroup.pack(
+            [
+                SampleArrays.of(
+                    rng.integers(1, 40, sample_tokens),
+                    -rng.random(sample_tokens),
+                    version_spans=[(0, 0, sample_tokens)],
+                    reward=1.0,
+                    finish_reason="stop",
+                )
+                for _ in range(n)
+            ],
+            group_id=g.group_id,
+            prompt_id=g.prompt_id,
+            actor_id=ACTOR_ID,
+            prompt_tokens=g.prompt_tokens,
+            gen_seconds=0.0,
+            queue_seconds=0.0,
+        )
+        for g in groups
+    }
     return groups, rollouts
 
 
@@ -190,8 +223,13 @@ def tidal_broker_run(cfg, overrides: list[str], groups, spec: dict) -> float:
     def learner_side() -> float:
         while not learner.actors():  # its hello
             time.sleep(0.01)
-        return pump(len(groups), spec["window"], lambda lo, hi: learner.submit_prompts(groups[lo:hi]),
-                    lambda: learner.recv_rollout(timeout_s=0.05) is not None, learner.commit)
+        return pump(
+            len(groups),
+            spec["window"],
+            lambda lo, hi: learner.submit_prompts(groups[lo:hi]),
+            lambda: learner.recv_rollout(timeout_s=0.05) is not None,
+            learner.commit,
+        )
 
     try:
         return with_actor("tidal", spec | {"overrides": overrides + ports, "run": run}, learner_side)
@@ -207,8 +245,10 @@ def raw_zmq_run(prompt_frames: list[bytes], spec: dict) -> float:
 
     ctx = zmq.Context()
     router, pull = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL)
-    spec = spec | {"control": router.bind_to_random_port("tcp://127.0.0.1"),
-                   "rollouts": pull.bind_to_random_port("tcp://127.0.0.1")}
+    spec = spec | {
+        "control": router.bind_to_random_port("tcp://127.0.0.1"),
+        "rollouts": pull.bind_to_random_port("tcp://127.0.0.1"),
+    }
     queue: list[bytes] = []
     parked: list[tuple[bytes, int]] = []
     poller = zmq.Poller()
@@ -238,8 +278,7 @@ def raw_zmq_run(prompt_frames: list[bytes], spec: dict) -> float:
         return False
 
     try:
-        return with_actor("zmq", spec, lambda: pump(len(prompt_frames), spec["window"], submit, receive,
-                                                    lambda: None))
+        return with_actor("zmq", spec, lambda: pump(len(prompt_frames), spec["window"], submit, receive, lambda: None))
     finally:
         ctx.destroy(linger=0)
 
@@ -303,13 +342,17 @@ def bench_broker(args) -> None:
     if shutil.which("redis-server"):
         from conftest import RedisServer
 
-        server = RedisServer(tempfile.mkdtemp(prefix="bench-redis-"),
-                             extra=("--appendfsync", "everysec")).start()  # what a deployment would run
+        server = RedisServer(
+            tempfile.mkdtemp(prefix="bench-redis-"), extra=("--appendfsync", "everysec")
+        ).start()  # what a deployment would run
         kinds.append("redis")
     try:
         for kind in kinds:
-            overrides = {"zmq": ["broker.type=zmq"], "zmq-curve": ["broker.type=zmq", *curve],
-                         "redis": ["broker.type=redis", f"broker.redis.url={server.url if server else ''}"]}[kind]
+            overrides = {
+                "zmq": ["broker.type=zmq"],
+                "zmq-curve": ["broker.type=zmq", *curve],
+                "redis": ["broker.type=redis", f"broker.redis.url={server.url if server else ''}"],
+            }[kind]
             cfg = load_config("configs/tiny.yaml", overrides)
             raw, ours = [], []
             for _ in range(args.repeats):
@@ -319,17 +362,29 @@ def bench_broker(args) -> None:
                     raw.append(raw_redis_run(server.url, prompt_frames, spec))
                 ours.append(tidal_broker_run(cfg, overrides, groups, spec))
             rates = median_pair([len(groups) / s for s in raw], [len(groups) / s for s in ours])
-            emit({"bench": "broker", "transport": kind, "groups": len(groups), "samples_per_group": args.n,
-                  "tokens_per_sample": args.sample_tokens, "rollout_frame_bytes": len(codec.encode(rollouts["g0"])),
-                  "raw_groups_per_s": rates["raw"], "tidal_groups_per_s": rates["tidal"],
-                  "ratio": rates["ratio"], "ratio_range": rates["ratio_range"], "goal": ">= 0.5",
-                  "repeats": args.repeats})
+            emit(
+                {
+                    "bench": "broker",
+                    "transport": kind,
+                    "groups": len(groups),
+                    "samples_per_group": args.n,
+                    "tokens_per_sample": args.sample_tokens,
+                    "rollout_frame_bytes": len(codec.encode(rollouts["g0"])),
+                    "raw_groups_per_s": rates["raw"],
+                    "tidal_groups_per_s": rates["tidal"],
+                    "ratio": rates["ratio"],
+                    "ratio_range": rates["ratio_range"],
+                    "goal": ">= 0.5",
+                    "repeats": args.repeats,
+                }
+            )
     finally:
         if server is not None:
             server.stop()
 
 
 # ---- weights -----------------------------------------------------------------------------------
+
 
 def model_100m(cfg) -> str:
     """A ~100M-parameter Qwen2 with the task's character vocabulary, built once under runs/."""
@@ -341,8 +396,9 @@ def model_100m(cfg) -> str:
     path = ROOT / "runs" / "bench-models" / f"qwen2-100m-{cfg.task.name}"
     if not path.is_dir():
         path.parent.mkdir(parents=True, exist_ok=True)
-        model, tokenizer = build_tiny_model(TinyModelConfig(**MODEL_100M), module.ALPHABET, seed=0,
-                                            positions=max_positions(module))
+        model, tokenizer = build_tiny_model(
+            TinyModelConfig(**MODEL_100M), module.ALPHABET, seed=0, positions=max_positions(module)
+        )
         save_model(model, tokenizer, path)
     return str(path)
 
@@ -375,9 +431,12 @@ def weight_channels(cfg) -> dict:
     tcp_cfg, gloo_cfg = WeightsConfig(transport="tcp"), WeightsConfig(transport="gloo")
     tcp, gloo = TRANSPORTS["tcp"], TRANSPORTS["gloo"]
     tcp_publisher = tcp.publisher(tcp_cfg, "bench", cfg.model.dtype)
-    return {"file": file_channel(cfg), "tcp": (tcp_publisher, tcp.receiver(tcp_cfg)),
-            "tcp_fetch_in_pause": (tcp_publisher, tcp.receiver(replace(tcp_cfg, tcp_prefetch=False))),
-            "gloo": (gloo.publisher(gloo_cfg, "bench", cfg.model.dtype), gloo.receiver(gloo_cfg))}
+    return {
+        "file": file_channel(cfg),
+        "tcp": (tcp_publisher, tcp.receiver(tcp_cfg)),
+        "tcp_fetch_in_pause": (tcp_publisher, tcp.receiver(replace(tcp_cfg, tcp_prefetch=False))),
+        "gloo": (gloo.publisher(gloo_cfg, "bench", cfg.model.dtype), gloo.receiver(gloo_cfg)),
+    }
 
 
 async def measure_channels(engine, channels: dict, state: dict, repeats: int, floor) -> tuple[dict, list]:
@@ -394,8 +453,11 @@ async def measure_channels(engine, channels: dict, state: dict, repeats: int, fl
             pushed = time.perf_counter()
             paused = await receiver.apply(update, engine)
             if round_index > 0:
-                for key, value in (("push", pushed - start), ("apply", time.perf_counter() - pushed),
-                                   ("pause", paused)):
+                for key, value in (
+                    ("push", pushed - start),
+                    ("apply", time.perf_counter() - pushed),
+                    ("pause", paused),
+                ):
                     times[name][key].append(value)
         if round_index > 0:
             floors.append(floor())
@@ -408,8 +470,9 @@ async def generation_rate(engine, prompt: list[int], groups: int = 16, n: int = 
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    params = SamplingParams(n=n, temperature=1.0, max_tokens=tokens, ignore_eos=True,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
+    params = SamplingParams(
+        n=n, temperature=1.0, max_tokens=tokens, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+    )
 
     async def one(request_id: str) -> int:
         # FINAL_ONLY: one output, when the request is done
@@ -460,26 +523,48 @@ async def weights_case(cfg, label: str, repeats: int) -> list[dict]:
         for publisher, _ in channels.values():
             publisher.close()
     memcpy = statistics.median(floors)
-    common = {"bench": "weights", "model": label, "parameters": sum(t.numel() for t in state.values()),
-              "bytes": sum(t.numel() * t.element_size() for t in sent.values()), "dtype": cfg.model.dtype,
-              "memcpy_s": round(memcpy, 5), "repeats": repeats}
+    common = {
+        "bench": "weights",
+        "model": label,
+        "parameters": sum(t.numel() for t in state.values()),
+        "bytes": sum(t.numel() * t.element_size() for t in sent.values()),
+        "dtype": cfg.model.dtype,
+        "memcpy_s": round(memcpy, 5),
+        "repeats": repeats,
+    }
     records = []
     for layout, by_channel in times.items():
         for name, values in by_channel.items():
             med = {key: statistics.median(v) for key, v in values.items()}
-            records.append(common | {
-                "cpu_linear": layout, "updates_by": by[layout], "channel": name, "push_s": round(med["push"], 4),
-                "actor_apply_s": round(med["apply"], 4), "engine_pause_s": round(med["pause"], 4),
-                "pause_over_memcpy": round(med["pause"] / memcpy, 2),
-                "push_over_memcpy": round(med["push"] / memcpy, 1),
-                "goal": "tcp pause <= 2x memcpy and < file pause"})
+            records.append(
+                common
+                | {
+                    "cpu_linear": layout,
+                    "updates_by": by[layout],
+                    "channel": name,
+                    "push_s": round(med["push"], 4),
+                    "actor_apply_s": round(med["apply"], 4),
+                    "engine_pause_s": round(med["pause"], 4),
+                    "pause_over_memcpy": round(med["pause"] / memcpy, 2),
+                    "push_over_memcpy": round(med["push"] / memcpy, 1),
+                    "goal": "tcp pause <= 2x memcpy and < file pause",
+                }
+            )
     rate = {layout: statistics.median(values) for layout, values in rates.items()}
-    records.append({"bench": "weights_layout", "model": label, "requests": "16 x 8 samples x 64 tokens",
-                    **{f"{layout}_tokens_per_s": round(r, 1) for layout, r in rate.items()},
-                    "plain_over_packed_tokens_per_s": round(rate["plain"] / rate["packed"], 3),
-                    "plain_over_packed_tcp_pause": round(statistics.median(times["plain"]["tcp"]["pause"])
-                                                         / statistics.median(times["packed"]["tcp"]["pause"]), 3),
-                    "repeats": repeats})
+    records.append(
+        {
+            "bench": "weights_layout",
+            "model": label,
+            "requests": "16 x 8 samples x 64 tokens",
+            **{f"{layout}_tokens_per_s": round(r, 1) for layout, r in rate.items()},
+            "plain_over_packed_tokens_per_s": round(rate["plain"] / rate["packed"], 3),
+            "plain_over_packed_tcp_pause": round(
+                statistics.median(times["plain"]["tcp"]["pause"]) / statistics.median(times["packed"]["tcp"]["pause"]),
+                3,
+            ),
+            "repeats": repeats,
+        }
+    )
     return records
 
 
@@ -493,6 +578,7 @@ def bench_weights(args, cfg) -> None:
 
 # ---- actor -------------------------------------------------------------------------------------
 
+
 async def raw_generate(engine, groups) -> tuple[float, int]:
     """Every group's prompt straight into AsyncLLM.generate at once, final outputs only."""
     from vllm import SamplingParams
@@ -500,9 +586,17 @@ async def raw_generate(engine, groups) -> tuple[float, int]:
 
     async def one(group, request_id):
         s = group.sampling
-        params = SamplingParams(n=group.n, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
-                                stop_token_ids=list(s.stop_token_ids), logprobs=0, flat_logprobs=True,
-                                detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)  # as tidal asks
+        params = SamplingParams(
+            n=group.n,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            max_tokens=s.max_tokens,
+            stop_token_ids=list(s.stop_token_ids),
+            logprobs=0,
+            flat_logprobs=True,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )  # as tidal asks
         tokens, prompt = 0, {"prompt_token_ids": group.prompt_tokens.numpy("i4", "prompt_tokens").tolist()}
         async for out in engine._llm.generate(prompt, params, request_id=request_id):
             tokens = sum(len(c.token_ids) for c in out.outputs)
@@ -564,10 +658,20 @@ async def actor_case(cfg, num_groups: int, repeats: int) -> dict:
     prompts = get_task(cfg.task.name).load_prompts(cfg.task).train
 
     def groups(tag: str):
-        return [PromptGroup(run_id="bench", group_id=f"{tag}-{i}", prompt_id=p.prompt_id,
-                            prompt_tokens=int32s(encode(p)), task=cfg.task.name, payload=p.payload, n=plan.n,
-                            sampling=plan.sampling, min_version=0)
-                for i, p in enumerate(prompts[:num_groups])]
+        return [
+            PromptGroup(
+                run_id="bench",
+                group_id=f"{tag}-{i}",
+                prompt_id=p.prompt_id,
+                prompt_tokens=int32s(encode(p)),
+                task=cfg.task.name,
+                payload=p.payload,
+                n=plan.n,
+                sampling=plan.sampling,
+                min_version=0,
+            )
+            for i, p in enumerate(prompts[:num_groups])
+        ]
 
     publisher, receiver = file_channel(cfg)
     engine = Engine(cfg.actor, cfg.model.path, cfg.model.dtype)
@@ -584,20 +688,39 @@ async def actor_case(cfg, num_groups: int, repeats: int) -> dict:
         engine.shutdown()
         publisher.close()
     rates = median_pair(raw, ours)
-    return {"bench": "actor", "task": cfg.task.name, "groups": num_groups, "samples_per_group": plan.n,
-            "max_tokens": plan.sampling.max_tokens, "max_inflight": cfg.actor.max_inflight,
-            "raw_tokens_per_s": rates["raw"], "tidal_tokens_per_s": rates["tidal"],
-            "ratio": rates["ratio"], "ratio_range": rates["ratio_range"], "goal": ">= 0.9", "repeats": repeats}
+    return {
+        "bench": "actor",
+        "task": cfg.task.name,
+        "groups": num_groups,
+        "samples_per_group": plan.n,
+        "max_tokens": plan.sampling.max_tokens,
+        "max_inflight": cfg.actor.max_inflight,
+        "raw_tokens_per_s": rates["raw"],
+        "tidal_tokens_per_s": rates["tidal"],
+        "ratio": rates["ratio"],
+        "ratio_range": rates["ratio_range"],
+        "goal": ">= 0.9",
+        "repeats": repeats,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="long", help="preset or YAML whose model, task and sampling the actor "
-                        "and weight benches use (its warm-started model is built first if not cached)")
+    parser.add_argument(
+        "--config",
+        default="long",
+        help="preset or YAML whose model, task and sampling the actor "
+        "and weight benches use (its warm-started model is built first if not cached)",
+    )
     parser.add_argument("--only", default="broker,weights,actor", help="comma-separated: broker, weights, actor")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--groups", type=int, default=20000, help="broker: groups moved per run (a zmq run of "
-                        "2,000 lasts under 0.1 s, and one scheduling hiccup moves its rate by half)")
+    parser.add_argument(
+        "--groups",
+        type=int,
+        default=20000,
+        help="broker: groups moved per run (a zmq run of "
+        "2,000 lasts under 0.1 s, and one scheduling hiccup moves its rate by half)",
+    )
     parser.add_argument("--n", type=int, default=8, help="broker: samples per group")
     parser.add_argument("--sample-tokens", type=int, default=64, help="broker: tokens per sample")
     parser.add_argument("--window", type=int, default=64, help="broker: groups out at once")

@@ -1,4 +1,5 @@
 """What the bench scripts share: a tidal run in its own processes, and its metrics read back."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,9 @@ def tidal_run(config: list[str], overrides: list[str], run_dir: Path, label: str
     return run_dir
 
 
-def timed_tidal_run(config: str, run_dir: Path, every: int, overrides: list[str], profile: tuple[str, ...] = (),
-                    env: dict | None = None) -> dict:
+def timed_tidal_run(
+    config: str, run_dir: Path, every: int, overrides: list[str], profile: tuple[str, ...] = (), env: dict | None = None
+) -> dict:
     """One tidal run with no evaluation inside it but at the start and the end (the actor's, as a user's
     run has them); the file channel keeps every version, which the bench evaluates afterwards with one
     evaluator for every system. whole_s: from launch to exit; profile: the median of each named metric."""
@@ -35,8 +37,9 @@ def timed_tidal_run(config: str, run_dir: Path, every: int, overrides: list[str]
     weights = Path("/dev/shm") / f"tidal-bench-{run_dir.name}"
     shutil.rmtree(weights, ignore_errors=True)
     launched = time.time()
-    tidal_run([config], ["eval.every=0", f"weights.dir={weights}", "weights.keep=1000000", *overrides], run_dir,
-              "bench", env)
+    tidal_run(
+        [config], ["eval.every=0", f"weights.dir={weights}", "weights.keep=1000000", *overrides], run_dir, "bench", env
+    )
     whole_s = time.time() - launched
     hist = history(run_dir, (*METRICS, *profile, "learner/num_samples"))
     last = max(hist["compute/wall_s"])
@@ -46,9 +49,13 @@ def timed_tidal_run(config: str, run_dir: Path, every: int, overrides: list[str]
     finally:
         shutil.rmtree(weights, ignore_errors=True)
     medians = {name.split("/")[1]: statistics.median(hist[name].values()) for name in profile if hist[name]}
-    return {"history": {k: hist[k] for k in METRICS}, "whole_s": whole_s, "profile": medians,
-            "samples_generated": hist["compute/samples"][last],
-            "samples_trained": sum(hist["learner/num_samples"].values())}
+    return {
+        "history": {k: hist[k] for k in METRICS},
+        "whole_s": whole_s,
+        "profile": medians,
+        "samples_generated": hist["compute/samples"][last],
+        "samples_trained": sum(hist["learner/num_samples"].values()),
+    }
 
 
 def mlflow_run(run_dir: Path) -> tuple[str, str]:
@@ -102,8 +109,10 @@ class HeldOut:
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embedding where the model ties it
         if missing or unexpected:
-            raise SystemExit(f"bench: version {version}'s weights do not fit the model: missing {missing[:3]}, "
-                             f"unexpected {unexpected[:3]}")
+            raise SystemExit(
+                f"bench: version {version}'s weights do not fit the model: missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]}"
+            )
         self.model.tie_weights()
         torch.manual_seed(version)
         with torch.no_grad():
@@ -126,13 +135,15 @@ def time_to_target(hist: dict[str, dict[int, float]], target: float) -> dict:
     evals = sorted(hist["eval/pass_rate"].items())
     start = hist["compute/wall_s"].get(0, 0.0)
     hit = next(((step, rate) for step, rate in evals if step > 0 and rate >= target), None)
-    return {"final_pass_rate": round(evals[-1][1], 4), "steps": evals[-1][0],
-            "samples": hist["compute/samples"].get(evals[-1][0]),
-            "wall_s": round(hist["compute/wall_s"].get(evals[-1][0], 0.0) - start, 2),
-            "samples_to_target": hist["compute/samples"][hit[0]] if hit else None,
-            "time_to_target_s": round(hist["compute/wall_s"][hit[0]] - start, 2) if hit else None,
-            "step_at_target": hit[0] if hit else None}
-
+    return {
+        "final_pass_rate": round(evals[-1][1], 4),
+        "steps": evals[-1][0],
+        "samples": hist["compute/samples"].get(evals[-1][0]),
+        "wall_s": round(hist["compute/wall_s"].get(evals[-1][0], 0.0) - start, 2),
+        "samples_to_target": hist["compute/samples"][hit[0]] if hit else None,
+        "time_to_target_s": round(hist["compute/wall_s"][hit[0]] - start, 2) if hit else None,
+        "step_at_target": hit[0] if hit else None,
+    }
 
 
 def bootstrap_ratio(base: list[float], other: list[float], rng: np.random.Generator, n: int = 2000) -> list:

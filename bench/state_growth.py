@@ -6,6 +6,7 @@
 Prints one JSON line per checkpoint of the simulated run (groups so far, bytes of the book's
 checkpoint JSON, traced Python memory of the book), groups released 16 at a time and trained.
 """
+
 import argparse
 import json
 import tempfile
@@ -36,8 +37,16 @@ def main() -> None:
             book.trained(step, ids)
             if (start + args.per_step) % every < args.per_step:
                 size = len(json.dumps(book.state_dict()))
-                print(json.dumps({"groups": start + args.per_step, "checkpoint_json_bytes": size,
-                                  "traced_bytes": tracemalloc.get_traced_memory()[0]}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "groups": start + args.per_step,
+                            "checkpoint_json_bytes": size,
+                            "traced_bytes": tracemalloc.get_traced_memory()[0],
+                        }
+                    ),
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ every core it is given; tidal's runs get the same cores, one per role.
 
     python bench/trl_anchor.py tiny --seed 0        # one run: its history and timings as JSON
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,7 @@ def trl_history(config: str, seed: int, overrides: list[str], every: int) -> dic
     kept: dict[int, dict] = {}
 
     def rewards(prompts, completions, **columns):
-        return [float(held_out.reward(text, {k: columns[k][i] for k in keys}))
-                for i, text in enumerate(completions)]
+        return [float(held_out.reward(text, {k: columns[k][i] for k in keys})) for i, text in enumerate(completions)]
 
     class Keep(TrainerCallback):
         """The weights of every `every`-th step and the last, copied aside (a millisecond on the tiny models)."""
@@ -70,26 +70,49 @@ def trl_history(config: str, seed: int, overrides: list[str], every: int) -> dic
     optim, loss = cfg.learner.optim, cfg.learner.loss
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
-            output_dir=out, use_cpu=True, report_to="none", save_strategy="no", logging_steps=10**9, seed=seed,
-            max_steps=cfg.learner.max_steps, per_device_train_batch_size=samples_per_step,
-            num_generations=cfg.sampling.n, max_completion_length=cfg.sampling.max_tokens,
-            temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+            output_dir=out,
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            logging_steps=10**9,
+            seed=seed,
+            max_steps=cfg.learner.max_steps,
+            per_device_train_batch_size=samples_per_step,
+            num_generations=cfg.sampling.n,
+            max_completion_length=cfg.sampling.max_tokens,
+            temperature=cfg.sampling.temperature,
+            top_p=cfg.sampling.top_p,
             max_grad_norm=optim.max_grad_norm or 1e9,
-            beta=0.0, loss_type=loss.type.value if loss.type.value in ("cispo",) else "dapo",
+            beta=0.0,
+            loss_type=loss.type.value if loss.type.value in ("cispo",) else "dapo",
             epsilon_high=loss.eps_max if loss.type.value == "cispo" else None,
-            scale_rewards=cfg.learner.advantage_norm.value)
+            scale_rewards=cfg.learner.advantage_norm.value,
+        )
         # tidal's own optimizer and lr schedule (warmup, then constant or decaying), stepped once per step
-        adamw = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
-                                  weight_decay=optim.weight_decay)
+        adamw = torch.optim.AdamW(
+            model.parameters(), lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay
+        )
         schedule = torch.optim.lr_scheduler.LambdaLR(adamw, lambda s: lr_factor(cfg.learner, s))
-        trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=dataset,
-                              processing_class=held_out.tokenizer, callbacks=[Keep()], optimizers=(adamw, schedule))
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=rewards,
+            args=args,
+            train_dataset=dataset,
+            processing_class=held_out.tokenizer,
+            callbacks=[Keep()],
+            optimizers=(adamw, schedule),
+        )
         trainer.train()
     train_end = time.time()
     history["eval/pass_rate"], timed = evaluate_kept(held_out, kept)
-    return {"history": history, "train_end_unix": train_end, "in_run_eval_s": timed[True],
-            "offline_eval_s": timed[False], "samples_generated": samples_per_step * max(kept),
-            "samples_trained": samples_per_step * max(kept)}
+    return {
+        "history": history,
+        "train_end_unix": train_end,
+        "in_run_eval_s": timed[True],
+        "offline_eval_s": timed[False],
+        "samples_generated": samples_per_step * max(kept),
+        "samples_trained": samples_per_step * max(kept),
+    }
 
 
 def evaluate_kept(held_out: HeldOut, kept: dict[int, dict]) -> tuple[dict[int, float], dict[bool, float]]:

@@ -8,6 +8,7 @@ inproc (both sides in one process, for tests and notebooks).
 Delivery is at-least-once on both: a consumer that dies before acknowledging gets its work
 redelivered, so every consumer of the learner side deduplicates by group id.
 """
+
 from __future__ import annotations
 
 import abc
@@ -57,8 +58,14 @@ class HelloLog:
             self._remember(beat.actor_id, (engine, logged_at, unlogged + 1))
             return
         since = f"; {unlogged} hellos since the last one logged" if unlogged else ""
-        log.info("actor %s joined (engine %s, weight version %d, latest announced %d%s)", beat.actor_id,
-                 str(beat.engine)[:ENGINE_LOG_CHARS], beat.version, announced, since)
+        log.info(
+            "actor %s joined (engine %s, weight version %d, latest announced %d%s)",
+            beat.actor_id,
+            str(beat.engine)[:ENGINE_LOG_CHARS],
+            beat.version,
+            announced,
+            since,
+        )
         self._remember(beat.actor_id, (beat.engine, now, 0))
 
     def _remember(self, actor_id: str, entry: tuple[dict, float, int]) -> None:
@@ -71,9 +78,15 @@ def actor_info(beat: Heartbeat, known: ActorInfo | None, now: float | None = Non
     """What the learner keeps of a heartbeat: the engine description of the last one when unchanged
     (one copy per actor, not one per heartbeat) and the first OUTSTANDING_KEPT group ids."""
     engine = known.engine if known is not None and known.engine == beat.engine else dict(beat.engine)
-    return ActorInfo(beat.actor_id, beat.version, engine, beat.outstanding[:OUTSTANDING_KEPT],
-                     beat.num_generated_tokens, beat.weight_swap_paused_s,
-                     time.monotonic() if now is None else now)
+    return ActorInfo(
+        beat.actor_id,
+        beat.version,
+        engine,
+        beat.outstanding[:OUTSTANDING_KEPT],
+        beat.num_generated_tokens,
+        beat.weight_swap_paused_s,
+        time.monotonic() if now is None else now,
+    )
 
 
 @dataclass
@@ -118,8 +131,11 @@ class ActorTable:
     def forget_silent(self, now: float | None = None) -> list[tuple[str, float]]:
         """The ids silent longer than actor_timeout_s, each with how long, taken out of the table."""
         now = time.monotonic() if now is None else now
-        gone = [(actor_id, now - info.last_seen) for actor_id, info in self.live.items()
-                if now - info.last_seen > self.actor_timeout_s]
+        gone = [
+            (actor_id, now - info.last_seen)
+            for actor_id, info in self.live.items()
+            if now - info.last_seen > self.actor_timeout_s
+        ]
         for actor_id, _ in gone:
             del self.live[actor_id]
         return gone

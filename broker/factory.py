@@ -1,4 +1,5 @@
 """Picks the transport named by `broker.type`; the only place that knows the implementations."""
+
 from __future__ import annotations
 
 from tidal.broker.base import ActorTransport, LearnerTransport

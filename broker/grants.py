@@ -13,6 +13,7 @@ No live actor can hoard the window: each holds at most its fair share of the gro
 (queued or granted, split evenly over the live actors), and a group granted `grant_timeout_s` ago and
 not returned is queued again for the others, its holder still free to deliver it first.
 """
+
 from __future__ import annotations
 
 import collections
@@ -28,8 +29,9 @@ log = logging.getLogger(__name__)
 
 
 class GrantTable:
-    def __init__(self, actor_timeout_s: float, max_actors: int = 1024, grant_timeout_s: float = 0.0,
-                 clock=time.monotonic):
+    def __init__(
+        self, actor_timeout_s: float, max_actors: int = 1024, grant_timeout_s: float = 0.0, clock=time.monotonic
+    ):
         self.actor_timeout_s = actor_timeout_s
         self.grant_timeout_s = grant_timeout_s  # 0: a live actor keeps its grants until it returns them
         self.clock = clock
@@ -115,10 +117,14 @@ class GrantTable:
         owners = collections.Counter(self.granted[gid][0] for gid in overdue)
         self.pending.extendleft(reversed([self._ungrant(gid) for gid in overdue]))
         self.num_overdue += len(overdue)
-        self._overdue_log.warning("grants taken back after broker.grant_timeout_s",
-                                  "%d groups granted more than %.0f s ago and not returned are queued again "
-                                  "(broker.grant_timeout_s; held by %s)", len(overdue), self.grant_timeout_s,
-                                  dict(owners.most_common(3)))
+        self._overdue_log.warning(
+            "grants taken back after broker.grant_timeout_s",
+            "%d groups granted more than %.0f s ago and not returned are queued again "
+            "(broker.grant_timeout_s; held by %s)",
+            len(overdue),
+            self.grant_timeout_s,
+            dict(owners.most_common(3)),
+        )
 
     def _ungrant(self, group_id: str) -> PromptGroup | None:
         """Drop a group's current grant (its holders stay able to deliver); returns the group."""
@@ -143,11 +149,12 @@ class GrantTable:
         log.warning("actor %s %s: re-dispatching its %d unreturned groups", actor_id, why, len(mine))
 
     def metrics(self, rejected: dict[str, int]) -> dict[str, float]:
-        return {"broker/pending_prompt_groups": float(len(self.pending)),
-                "broker/granted_groups": float(self.num_granted),
-                "broker/unreturned_groups": float(len(self.granted)),
-                "broker/redispatched_groups": float(self.num_redispatched),
-                "broker/overdue_groups": float(self.num_overdue),
-                "broker/share_capped_requests": float(self.num_share_capped),
-                "broker/live_actors": float(len(self.actors))} | common_metrics(list(self.actors.values()),
-                                                                                 rejected | self.refused)
+        return {
+            "broker/pending_prompt_groups": float(len(self.pending)),
+            "broker/granted_groups": float(self.num_granted),
+            "broker/unreturned_groups": float(len(self.granted)),
+            "broker/redispatched_groups": float(self.num_redispatched),
+            "broker/overdue_groups": float(self.num_overdue),
+            "broker/share_capped_requests": float(self.num_share_capped),
+            "broker/live_actors": float(len(self.actors)),
+        } | common_metrics(list(self.actors.values()), rejected | self.refused)

@@ -10,6 +10,7 @@ encoded and decoded with the wire codec on its way, so what crosses here is exac
 cross a socket, and bad frames are rejected and counted the same way. Grants follow the ZeroMQ
 rules (`GrantTable`): at-least-once, a silent actor's groups are dispatched again.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -28,6 +28,7 @@ Acknowledgement rules, so that a crash anywhere loses nothing:
   with backoff; after `reconnect_timeout_s` the error is raised, naming the URL.
 Writes retried after a lost reply may land twice; consumers deduplicate by group id.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -110,8 +111,9 @@ def shown_url(url: str) -> str:
 
 def is_oom(err: Exception) -> bool:
     """Redis at maxmemory refusing a command that would grow it (also inside a pipeline's error)."""
-    return isinstance(err, OutOfMemoryError) or (isinstance(err, ResponseError)
-                                                 and "command not allowed when used memory" in str(err))
+    return isinstance(err, OutOfMemoryError) or (
+        isinstance(err, ResponseError) and "command not allowed when used memory" in str(err)
+    )
 
 
 class Reconnect:
@@ -135,8 +137,12 @@ class Reconnect:
         """Seconds to wait before retrying a write Redis refused for lack of memory."""
         if self.full_since is None:
             self.full_since, self.full_delay = time.monotonic(), PRESSURE_DELAY_S[0]
-            log.warning("Redis at %s is full (%s); writes wait and retry until memory is freed "
-                        "(the learner trims consumed entries; raise maxmemory if this persists)", self.url, err)
+            log.warning(
+                "Redis at %s is full (%s); writes wait and retry until memory is freed "
+                "(the learner trims consumed entries; raise maxmemory if this persists)",
+                self.url,
+                err,
+            )
         self.oom_waits += 1
         if self.relieve is not None and not self._relieving:
             self._relieving = True
@@ -149,8 +155,12 @@ class Reconnect:
 
     def relieved(self) -> None:
         if self.full_since is not None:
-            log.warning("Redis at %s accepts writes again after %.1f s full (%d waits so far)", self.url,
-                        time.monotonic() - self.full_since, self.oom_waits)
+            log.warning(
+                "Redis at %s accepts writes again after %.1f s full (%d waits so far)",
+                self.url,
+                time.monotonic() - self.full_since,
+                self.oom_waits,
+            )
             self.full_since = None
 
     def failed(self, err: Exception) -> float:
@@ -162,8 +172,10 @@ class Reconnect:
             self.down_since, self.delay = now, 0.1
             log.warning("Redis at %s unreachable (%s); retrying for up to %.0f s", self.url, err, self.timeout_s)
         if now - self.down_since > self.timeout_s:
-            raise BrokerUnavailable(f"Redis at {self.url} unreachable for {now - self.down_since:.0f} s "
-                                    f"(broker.redis.reconnect_timeout_s): {err}") from err
+            raise BrokerUnavailable(
+                f"Redis at {self.url} unreachable for {now - self.down_since:.0f} s "
+                f"(broker.redis.reconnect_timeout_s): {err}"
+            ) from err
         delay, self.delay = self.delay, min(self.delay * 2, 2.0)
         return delay
 
@@ -218,8 +230,14 @@ def is_nogroup(err: ResponseError) -> bool:
 def dead_letter_fields(frame: bytes, stream: str, reason: str, group_id: str = "", deliveries: int = 0) -> dict:
     """A dead letter's record: its frame cut to DEAD_FRAME_BYTES, so a flood of large bad frames
     cannot grow the dead stream by their size."""
-    return {"m": frame[:DEAD_FRAME_BYTES], "bytes": len(frame), "stream": stream, "reason": reason,
-            "group_id": group_id, "deliveries": deliveries}
+    return {
+        "m": frame[:DEAD_FRAME_BYTES],
+        "bytes": len(frame),
+        "stream": stream,
+        "reason": reason,
+        "group_id": group_id,
+        "deliveries": deliveries,
+    }
 
 
 class _GroupIdOnly(msgspec.Struct):
@@ -236,6 +254,7 @@ def peek_group_id(frame: bytes) -> str:
 
 
 # ---- learner side -----------------------------------------------------------------------------
+
 
 class PromptReceipts:
     """Which prompt entry stands for which group id, so that the learner takes a rollout only from
@@ -275,7 +294,7 @@ class PromptReceipts:
 
     def _retire_all(self, entries: list[bytes]) -> None:
         for i in range(0, len(entries), 1000):
-            self.link.call(self._retire, entries[i:i + 1000])
+            self.link.call(self._retire, entries[i : i + 1000])
 
     def _retire(self, entries: list[bytes]) -> None:
         pipe = self.r.pipeline(transaction=False)
@@ -315,7 +334,7 @@ class PromptReceipts:
             done = set(entries)
             self.entry_of = {gid: e for gid, e in self.entry_of.items() if e not in done}
         for i in range(0, len(entries), 1000):
-            self.link.call(self.r.xack, self.keys.prompts, ACTORS, *entries[i:i + 1000])
+            self.link.call(self.r.xack, self.keys.prompts, ACTORS, *entries[i : i + 1000])
 
     def overdelivered(self) -> list[tuple[bytes, str, int]]:
         """(entry, group id, deliveries) of prompts delivered more than max_deliveries times."""
@@ -375,8 +394,7 @@ class Heartbeats:
     (each step asks several times) unless forced (Redis is full), then trimmed away. Locked: `relieve` may
     read it on another thread."""
 
-    def __init__(self, r, link: Reconnect, keys: StreamKeys, codec: WireCodec, table: ActorTable,
-                 claim_idle_ms: int):
+    def __init__(self, r, link: Reconnect, keys: StreamKeys, codec: WireCodec, table: ActorTable, claim_idle_ms: int):
         self.r, self.link, self.keys, self.codec, self.table = r, link, keys, codec, table
         self.claim_idle_ms = claim_idle_ms
         self.lock = threading.RLock()
@@ -415,8 +433,12 @@ class Heartbeats:
             if entries:
                 self.trim()
             for actor_id, silent_s in self.table.forget_silent(now):
-                log.warning("actor %s silent for %.1f s; its prompts go to others after %d ms idle",
-                            actor_id, silent_s, self.claim_idle_ms)
+                log.warning(
+                    "actor %s silent for %.1f s; its prompts go to others after %d ms idle",
+                    actor_id,
+                    silent_s,
+                    self.claim_idle_ms,
+                )
 
     def actors(self) -> dict[str, ActorInfo]:
         self.poll()
@@ -444,11 +466,21 @@ class DeadLetters:
         self.num_unrecorded = 0  # dead letters a full Redis had no room to record
         self.unrecorded: list[str] = []  # their group ids, for the next take
 
-    def move(self, key: str, group: str, entry_id: bytes, frame: bytes, stream: str, reason: str,
-             group_id: str, deliveries: int) -> None:
+    def move(
+        self,
+        key: str,
+        group: str,
+        entry_id: bytes,
+        frame: bytes,
+        stream: str,
+        reason: str,
+        group_id: str,
+        deliveries: int,
+    ) -> None:
         """Entry out first (acknowledged and deleted: frees memory even when Redis is full), then its
         bounded record. A full Redis gets no record (waiting for room would stop the reads that free
         it): the group id is reported from memory and the loss counted."""
+
         def remove():
             pipe = self.r.pipeline(transaction=False)
             pipe.xack(key, group, entry_id)
@@ -457,12 +489,17 @@ class DeadLetters:
 
         def record():
             try:
-                return self.r.xadd(self.keys.dead, dead_letter_fields(frame, stream, reason, group_id, deliveries),
-                                   maxlen=DEAD_KEPT, approximate=True)
+                return self.r.xadd(
+                    self.keys.dead,
+                    dead_letter_fields(frame, stream, reason, group_id, deliveries),
+                    maxlen=DEAD_KEPT,
+                    approximate=True,
+                )
             except ResponseError as err:
                 if not is_oom(err):
                     raise
                 return None
+
         self.link.call(remove)
         if self.link.call(record) is None:
             self.num_unrecorded += 1
@@ -474,7 +511,7 @@ class DeadLetters:
         """The group ids dead-lettered since the last take, by anyone (the stream), or unrecorded here."""
         reply = self.link.call(self.r.xread, {self.keys.dead: self.cursor}, count=1000)
         ids, self.unrecorded = self.unrecorded, []
-        for entry_id, fields in (reply[0][1] if reply else []):
+        for entry_id, fields in reply[0][1] if reply else []:
             self.cursor = entry_id
             self.num_dead_lettered += 1
             if fields.get(b"group_id"):
@@ -483,8 +520,9 @@ class DeadLetters:
 
 
 class RedisLearnerTransport(LearnerTransport):
-    def __init__(self, cfg: RedisConfig, codec: WireCodec, run: str, actor_timeout_s: float, fresh: bool,
-                 max_actors: int = 1024):
+    def __init__(
+        self, cfg: RedisConfig, codec: WireCodec, run: str, actor_timeout_s: float, fresh: bool, max_actors: int = 1024
+    ):
         self.cfg, self.codec = cfg, codec
         self.sparse = SparseLog(log)  # refused entries: a line at the 1st, 10th, 100th ... of each reason
         self.keys = StreamKeys(cfg.prefix, run)
@@ -493,8 +531,14 @@ class RedisLearnerTransport(LearnerTransport):
         self.ports: dict[str, int] = {}
         # before the first Redis call, since a full Redis reads them (`relieve`); beyond max_actors live ids,
         # heartbeats of further new ids are refused and counted
-        self.beats = Heartbeats(self.r, self.link, self.keys, codec,
-                                ActorTable(actor_timeout_s, max_actors, codec.rejected), cfg.claim_idle_ms)
+        self.beats = Heartbeats(
+            self.r,
+            self.link,
+            self.keys,
+            codec,
+            ActorTable(actor_timeout_s, max_actors, codec.rejected),
+            cfg.claim_idle_ms,
+        )
         self.dead = DeadLetters(self.r, self.link, self.keys)
         if fresh:  # a new run under this name: leftovers of an earlier one must not be consumed
             self.link.call(self.r.delete, *self.keys.all())
@@ -536,11 +580,13 @@ class RedisLearnerTransport(LearnerTransport):
 
     def _xadd_pipelined(self, items: list[tuple[str, bytes]]):
         """One pipeline of prompt XADDs: (group id, entry) landed, items refused for memory, an OOM error."""
+
         def send():
             pipe = self.r.pipeline(transaction=False)
             for _, frame in items:
                 pipe.xadd(self.keys.prompts, {"m": frame})
             return pipe.execute(raise_on_error=False)
+
         landed, refused, full = [], [], None
         for item, reply in zip(items, self.link.call(send)):
             if isinstance(reply, Exception):
@@ -566,17 +612,24 @@ class RedisLearnerTransport(LearnerTransport):
         self.submit_prompts(groups)
         self.receipts.withdraw(earlier)
         if earlier:
-            log.info("withdrew %d prompt entries an earlier learner process left for groups not sent again",
-                     len(earlier))
+            log.info(
+                "withdrew %d prompt entries an earlier learner process left for groups not sent again", len(earlier)
+            )
 
     def publish_weights(self, update: WeightUpdate) -> None:
         self.beats.announced(update.version)
-        self.link.call(self.r.xadd, self.keys.weights, {"m": self.codec.encode(update)},
-                       maxlen=WEIGHTS_KEPT, approximate=False)
+        self.link.call(
+            self.r.xadd, self.keys.weights, {"m": self.codec.encode(update)}, maxlen=WEIGHTS_KEPT, approximate=False
+        )
 
     def shutdown_actors(self, reason: str) -> None:
-        self.link.call(self.r.xadd, self.keys.weights, {"m": self.codec.encode(Shutdown(reason=reason))},
-                       maxlen=WEIGHTS_KEPT, approximate=False)
+        self.link.call(
+            self.r.xadd,
+            self.keys.weights,
+            {"m": self.codec.encode(Shutdown(reason=reason))},
+            maxlen=WEIGHTS_KEPT,
+            approximate=False,
+        )
 
     # ---- rollouts in ---------------------------------------------------------------------------
 
@@ -600,8 +653,14 @@ class RedisLearnerTransport(LearnerTransport):
         cursor = self._pending_cursor
         reconnects = self.link.reconnects  # a read whose reply was lost left entries pending at us
         try:
-            reply = self.link.call(self.r.xreadgroup, LEARNER, LEARNER, {self.keys.rollouts: cursor or ">"},
-                                   count=READ_COUNT, block=None if cursor else block_ms)
+            reply = self.link.call(
+                self.r.xreadgroup,
+                LEARNER,
+                LEARNER,
+                {self.keys.rollouts: cursor or ">"},
+                count=READ_COUNT,
+                block=None if cursor else block_ms,
+            )
         except ResponseError as err:
             if not is_nogroup(err):
                 raise
@@ -622,8 +681,15 @@ class RedisLearnerTransport(LearnerTransport):
 
     def _drop_overdelivered(self, entries: list) -> list:
         """Pending entries that keep coming back (a poison rollout that kills the learner) go dead."""
-        info = self.link.call(self.r.xpending_range, self.keys.rollouts, LEARNER, min=entries[0][0],
-                              max=entries[-1][0], count=len(entries), consumername=LEARNER)
+        info = self.link.call(
+            self.r.xpending_range,
+            self.keys.rollouts,
+            LEARNER,
+            min=entries[0][0],
+            max=entries[-1][0],
+            count=len(entries),
+            consumername=LEARNER,
+        )
         times = {p["message_id"]: p["times_delivered"] for p in info}
         keep = []
         for entry_id, fields in entries:
@@ -634,13 +700,19 @@ class RedisLearnerTransport(LearnerTransport):
         return keep
 
     def _accept(self, entries: list) -> None:
-        decoded = [(entry_id, group) for entry_id, fields in entries
-                   if (group := self._decode(entry_id, fields)) is not None]
+        decoded = [
+            (entry_id, group) for entry_id, fields in entries if (group := self._decode(entry_id, fields)) is not None
+        ]
         for (entry_id, group), (why, prompt_entry) in zip(decoded, self.receipts.check([g for _, g in decoded])):
             if why is not None:  # never delivered to that actor: dropped, counted, and no slot freed
                 self.codec.rejected[why] += 1
-                self.sparse.warning(f"rollout entries refused ({why})", "refused rollout entry %s (group %s from %s)",
-                                    entry_id.decode(), group.group_id[:80], group.actor_id)
+                self.sparse.warning(
+                    f"rollout entries refused ({why})",
+                    "refused rollout entry %s (group %s from %s)",
+                    entry_id.decode(),
+                    group.group_id[:80],
+                    group.actor_id,
+                )
                 self._forget(entry_id)
                 self._seen.discard(entry_id)
             else:
@@ -649,11 +721,13 @@ class RedisLearnerTransport(LearnerTransport):
     def _forget(self, entry_id: bytes) -> None:
         """A rollout entry nobody will use: acknowledged and deleted now, so that a flood of refused
         entries frees its memory at once (XACK and XDEL are allowed when Redis is full)."""
+
         def forget():
             pipe = self.r.pipeline(transaction=False)
             pipe.xack(self.keys.rollouts, LEARNER, entry_id)
             pipe.xdel(self.keys.rollouts, entry_id)
             pipe.execute()
+
         self.link.call(forget)
 
     def _decode(self, entry_id: bytes, fields: dict | None) -> RolloutGroup | None:
@@ -665,21 +739,23 @@ class RedisLearnerTransport(LearnerTransport):
         try:
             return self.codec.decode(frame, expect=RolloutGroup)
         except WireError as err:
-            self.sparse.warning(f"rollout entries rejected ({err.reason})", "rejected rollout entry %s: %s",
-                                entry_id.decode(), err)
+            self.sparse.warning(
+                f"rollout entries rejected ({err.reason})", "rejected rollout entry %s: %s", entry_id.decode(), err
+            )
             self._dead_letter(entry_id, frame, err.reason)
             return None
 
     def _dead_letter(self, entry_id: bytes, frame: bytes, reason: str, deliveries: int = 0) -> None:
-        self.dead.move(self.keys.rollouts, LEARNER, entry_id, frame, "rollouts", reason, peek_group_id(frame),
-                       deliveries)
+        self.dead.move(
+            self.keys.rollouts, LEARNER, entry_id, frame, "rollouts", reason, peek_group_id(frame), deliveries
+        )
 
     def commit(self) -> None:
         pairs, self._to_ack = self._to_ack, []
         self._last_entry.clear()
         acks = [entry for entry, _ in pairs]
         for i in range(0, len(acks), 1000):
-            self.link.call(self.r.xack, self.keys.rollouts, LEARNER, *acks[i:i + 1000])
+            self.link.call(self.r.xack, self.keys.rollouts, LEARNER, *acks[i : i + 1000])
         self._seen.difference_update(acks)  # acknowledged entries never come back: forget them
         self.receipts.acknowledge([prompt for _, prompt in pairs])
         trim_consumed(self.r, self.link, self.keys.prompts, ACTORS)
@@ -695,19 +771,35 @@ class RedisLearnerTransport(LearnerTransport):
 
     def take_dead_letters(self) -> list[str]:
         for entry, group_id, times in self.receipts.overdelivered():
-            log.warning("prompt group %s delivered %d times (> broker.redis.max_deliveries %d): dead-lettered",
-                        group_id or entry.decode(), times, self.cfg.max_deliveries)
+            log.warning(
+                "prompt group %s delivered %d times (> broker.redis.max_deliveries %d): dead-lettered",
+                group_id or entry.decode(),
+                times,
+                self.cfg.max_deliveries,
+            )
             frame = self.link.call(self.r.xrange, self.keys.prompts, entry, entry)
-            self.dead.move(self.keys.prompts, ACTORS, entry, frame[0][1].get(b"m", b"") if frame else b"",
-                           "prompts", "max_deliveries", group_id, times)
+            self.dead.move(
+                self.keys.prompts,
+                ACTORS,
+                entry,
+                frame[0][1].get(b"m", b"") if frame else b"",
+                "prompts",
+                "max_deliveries",
+                group_id,
+                times,
+            )
             self.receipts.acknowledge([entry])
         return self.dead.take()
 
     def metrics(self) -> dict[str, float]:
         live = list(self.actors().values())
-        out = {"broker/live_actors": float(len(live)), "broker/dead_lettered": float(self.dead.num_dead_lettered),
-               "broker/reconnects": float(self.link.reconnects), "broker/redis_oom_waits": float(self.link.oom_waits),
-               "broker/dead_unrecorded": float(self.dead.num_unrecorded)}
+        out = {
+            "broker/live_actors": float(len(live)),
+            "broker/dead_lettered": float(self.dead.num_dead_lettered),
+            "broker/reconnects": float(self.link.reconnects),
+            "broker/redis_oom_waits": float(self.link.oom_waits),
+            "broker/dead_unrecorded": float(self.dead.num_unrecorded),
+        }
         for key, group, name in ((self.keys.prompts, ACTORS, "prompt"), (self.keys.rollouts, LEARNER, "rollout")):
             for g in self.link.call(self.r.xinfo_groups, key):
                 if g["name"].decode() == group:
@@ -721,6 +813,7 @@ class RedisLearnerTransport(LearnerTransport):
 
 
 # ---- actor side -------------------------------------------------------------------------------
+
 
 class RolloutOutbox:
     """Rollouts sent while a pipeline is in flight go out together in the next: an actor finishing
@@ -811,8 +904,9 @@ class RedisActorTransport(ActorTransport):
 
     async def _xreadgroup(self, cursor, count: int, block: int | None):
         try:
-            reply = await self.link.acall(self.r.xreadgroup, ACTORS, self.actor_id, {self.keys.prompts: cursor},
-                                          count=count, block=block)
+            reply = await self.link.acall(
+                self.r.xreadgroup, ACTORS, self.actor_id, {self.keys.prompts: cursor}, count=count, block=block
+            )
         except ResponseError as err:
             if not is_nogroup(err):
                 raise
@@ -837,9 +931,15 @@ class RedisActorTransport(ActorTransport):
             return None
         self._next_claim = time.monotonic() + max(self.cfg.claim_idle_ms / 2000, 1.0)
         try:
-            reply = await self.link.acall(self.r.xautoclaim, self.keys.prompts, ACTORS, self.actor_id,
-                                          min_idle_time=self.cfg.claim_idle_ms, start_id=self._claim_cursor,
-                                          count=READ_COUNT)
+            reply = await self.link.acall(
+                self.r.xautoclaim,
+                self.keys.prompts,
+                ACTORS,
+                self.actor_id,
+                min_idle_time=self.cfg.claim_idle_ms,
+                start_id=self._claim_cursor,
+                count=READ_COUNT,
+            )
         except ResponseError as err:
             if is_nogroup(err):
                 return None
@@ -848,8 +948,9 @@ class RedisActorTransport(ActorTransport):
         entries = [e for e in reply[1] if e[1]]
         if not entries:
             return None
-        log.warning("claimed %d prompt groups idle for more than %d ms at a silent actor",
-                    len(entries), self.cfg.claim_idle_ms)
+        log.warning(
+            "claimed %d prompt groups idle for more than %d ms at a silent actor", len(entries), self.cfg.claim_idle_ms
+        )
         return await self._with_deliveries(entries)
 
     async def _read_new(self, count: int, block_ms: int | None) -> list | None:
@@ -860,8 +961,15 @@ class RedisActorTransport(ActorTransport):
         return [(entry_id, fields, 1) for entry_id, fields in entries]
 
     async def _with_deliveries(self, entries: list) -> list:
-        info = await self.link.acall(self.r.xpending_range, self.keys.prompts, ACTORS, min=entries[0][0],
-                                     max=entries[-1][0], count=len(entries), consumername=self.actor_id)
+        info = await self.link.acall(
+            self.r.xpending_range,
+            self.keys.prompts,
+            ACTORS,
+            min=entries[0][0],
+            max=entries[-1][0],
+            count=len(entries),
+            consumername=self.actor_id,
+        )
         times = {p["message_id"]: p["times_delivered"] for p in info}
         return [(entry_id, fields, times.get(entry_id, 1)) for entry_id, fields in entries]
 
@@ -875,8 +983,13 @@ class RedisActorTransport(ActorTransport):
             log.warning("rejected prompt entry %s: %s", entry_id.decode(), err)
             return None
         if deliveries > self.cfg.max_deliveries:
-            log.warning("prompt group %s delivered %d times (> broker.redis.max_deliveries %d): left to the "
-                        "learner's dead letters", group.group_id, deliveries, self.cfg.max_deliveries)
+            log.warning(
+                "prompt group %s delivered %d times (> broker.redis.max_deliveries %d): left to the "
+                "learner's dead letters",
+                group.group_id,
+                deliveries,
+                self.cfg.max_deliveries,
+            )
             return None
         return group
 
@@ -890,6 +1003,7 @@ class RedisActorTransport(ActorTransport):
                 for frame in frames:
                     pipe.xadd(self.keys.rollouts, {"m": frame})
                 await pipe.execute()
+
         await self.link.acall(write)
 
     async def next_announcement(self) -> WeightUpdate | Shutdown:
@@ -898,8 +1012,9 @@ class RedisActorTransport(ActorTransport):
             if current is not None:
                 return current
         while True:
-            reply = await self.link.acall(self.r.xread, {self.keys.weights: self._weights_cursor},
-                                          count=WEIGHTS_KEPT, block=self.cfg.block_ms)
+            reply = await self.link.acall(
+                self.r.xread, {self.keys.weights: self._weights_cursor}, count=WEIGHTS_KEPT, block=self.cfg.block_ms
+            )
             if not reply:
                 continue
             entries = reply[0][1]
@@ -922,13 +1037,15 @@ class RedisActorTransport(ActorTransport):
         return None
 
     async def heartbeat(self, beat: Heartbeat) -> None:
-        await self.link.acall(self.r.xadd, self.keys.heartbeats, {"m": self.codec.encode(beat)},
-                              maxlen=HEARTBEATS_KEPT, approximate=True)
+        await self.link.acall(
+            self.r.xadd, self.keys.heartbeats, {"m": self.codec.encode(beat)}, maxlen=HEARTBEATS_KEPT, approximate=True
+        )
         held = list(self._entries.values())  # in the works, or sent and not yet acknowledged by the learner
         if held:  # renew the claim: resets the idle time others use to decide we are gone
             try:
-                still = await self.link.acall(self.r.xclaim, self.keys.prompts, ACTORS, self.actor_id, 0, held,
-                                              justid=True)
+                still = await self.link.acall(
+                    self.r.xclaim, self.keys.prompts, ACTORS, self.actor_id, 0, held, justid=True
+                )
             except ResponseError as err:
                 if not is_nogroup(err):
                     raise

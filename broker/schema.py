@@ -5,6 +5,7 @@ shape. No pickle and no eval on any network path. Every message carries `schema_
 `WireCodec.decode` rejects unknown versions, wrong dtypes, mismatched lengths and oversized
 frames with a `WireError` that names the problem, and counts each rejection by reason.
 """
+
 from __future__ import annotations
 
 import math
@@ -136,19 +137,28 @@ class SamplingParams(msgspec.Struct, frozen=True):
     def check(self) -> None:
         """Length-control settings that could not be honoured; reasons name the field and value."""
         if not 0 <= self.overlong_buffer_tokens < self.max_tokens:
-            raise WireError("bad_value", f"sampling.overlong_buffer_tokens {self.overlong_buffer_tokens} "
-                            f"not in [0, max_tokens {self.max_tokens})")
+            raise WireError(
+                "bad_value",
+                f"sampling.overlong_buffer_tokens {self.overlong_buffer_tokens} "
+                f"not in [0, max_tokens {self.max_tokens})",
+            )
         it = self.interrupt
         if it is None:
             return
         if not (it.tokens and 1 <= it.min_think_tokens <= it.max_think_tokens and it.answer_tokens >= 1):
-            raise WireError("bad_value", f"sampling.interrupt: {len(it.tokens)} tokens, think budget "
-                            f"[{it.min_think_tokens}, {it.max_think_tokens}], answer_tokens {it.answer_tokens}")
+            raise WireError(
+                "bad_value",
+                f"sampling.interrupt: {len(it.tokens)} tokens, think budget "
+                f"[{it.min_think_tokens}, {it.max_think_tokens}], answer_tokens {it.answer_tokens}",
+            )
         longest = it.max_think_tokens + len(it.tokens) + it.answer_tokens
         if longest > self.max_tokens:
-            raise WireError("bad_value", f"sampling.interrupt: max_think_tokens {it.max_think_tokens} + "
-                            f"{len(it.tokens)} interruption tokens + answer_tokens {it.answer_tokens} = "
-                            f"{longest} > max_tokens {self.max_tokens}")
+            raise WireError(
+                "bad_value",
+                f"sampling.interrupt: max_think_tokens {it.max_think_tokens} + "
+                f"{len(it.tokens)} interruption tokens + answer_tokens {it.answer_tokens} = "
+                f"{longest} > max_tokens {self.max_tokens}",
+            )
 
 
 class PromptGroup(Message, tag="prompt_group"):
@@ -206,8 +216,9 @@ class Sample(msgspec.Struct, kw_only=True, gc=False):
     raw_reward: float | None = None  # the task's reward before length shaping; None: equal to `reward`
     episode: Episode | None = None  # environments of several turns: how the episode went
     # task.reward_funcs: each function's own (unweighted) value, by the function's name; empty otherwise
-    reward_components: Annotated[dict[Annotated[str, Meta(min_length=1, max_length=128)], float],
-                                 Meta(max_length=64)] = {}
+    reward_components: Annotated[
+        dict[Annotated[str, Meta(min_length=1, max_length=128)], float], Meta(max_length=64)
+    ] = {}
 
     @property
     def task_reward(self) -> float:
@@ -241,16 +252,22 @@ class Sample(msgspec.Struct, kw_only=True, gc=False):
                 raise WireError("bad_spans", f"injected_spans {self.injected_spans} (completion of {size} tokens)")
             previous_end = end
         if self.episode is not None and self.episode.tool_errors + self.episode.tool_timeouts > self.episode.tool_calls:
-            raise WireError("bad_value", f"episode: {self.episode.tool_errors} errors and "
-                            f"{self.episode.tool_timeouts} timeouts of {self.episode.tool_calls} tool calls")
+            raise WireError(
+                "bad_value",
+                f"episode: {self.episode.tool_errors} errors and "
+                f"{self.episode.tool_timeouts} timeouts of {self.episode.tool_calls} tool calls",
+            )
         if self.finish_reason == "interrupted" and not self.injected_spans:
             raise WireError("bad_value", "finish_reason 'interrupted' without injected_spans")
         if not math.isfinite(self.reward) or (self.raw_reward is not None and not math.isfinite(self.raw_reward)):
             raise WireError("bad_value", f"non-finite reward {self.reward} (raw_reward {self.raw_reward})")
         bad = [name for name, value in self.reward_components.items() if not abs(value) <= MAX_COMPONENT]
         if bad:  # NaN fails the comparison too
-            raise WireError("bad_value", f"reward_components[{bad[0]!r}] {self.reward_components[bad[0]]} is not "
-                                         f"a finite number within +-{MAX_COMPONENT:g}")
+            raise WireError(
+                "bad_value",
+                f"reward_components[{bad[0]!r}] {self.reward_components[bad[0]]} is not "
+                f"a finite number within +-{MAX_COMPONENT:g}",
+            )
 
     def versions(self) -> np.ndarray:
         """int64 [completion_len]: the weight version that produced each token."""
@@ -292,10 +309,15 @@ class RolloutGroup(Message, tag="rollout_group"):
         """A group of `samples`, each one's arrays laid end to end in the group's buffers."""
         for i, (s, tokens, logprobs) in enumerate(samples):
             if not len(tokens) == len(logprobs) == s.num_tokens:
-                raise ValueError(f"samples[{i}]: {len(tokens)} tokens, {len(logprobs)} logprobs, "
-                                 f"num_tokens {s.num_tokens}")
-        return cls(samples=[s.sample for s in samples], tokens=int32s(np.concatenate([s.tokens for s in samples])),
-                   logprobs=float32s(np.concatenate([s.logprobs for s in samples])), **fields)
+                raise ValueError(
+                    f"samples[{i}]: {len(tokens)} tokens, {len(logprobs)} logprobs, num_tokens {s.num_tokens}"
+                )
+        return cls(
+            samples=[s.sample for s in samples],
+            tokens=int32s(np.concatenate([s.tokens for s in samples])),
+            logprobs=float32s(np.concatenate([s.logprobs for s in samples])),
+            **fields,
+        )
 
     def unpack(self) -> list[SampleArrays]:
         """Each sample with read-only views of its slice of the group's buffers."""
@@ -391,8 +413,9 @@ class WeightUpdate(Message, tag="weight_update"):
     # nccl, whose bytes land in device memory: a keyed tag per manifest tensor (weights/tags.py), under a
     # key drawn for this version alone; both travel only here, over the authenticated broker
     tag_key: Annotated[bytes, Meta(max_length=TAG_KEY_BYTES)] = b""
-    tags: Annotated[list[Annotated[bytes, Meta(min_length=TAG_BYTES, max_length=TAG_BYTES)]],
-                    Meta(max_length=1_000_000)] = []
+    tags: Annotated[
+        list[Annotated[bytes, Meta(min_length=TAG_BYTES, max_length=TAG_BYTES)]], Meta(max_length=1_000_000)
+    ] = []
     adapter: AdapterSpec | None = None  # a LoRA adapter's tensors alone (learner.lora), not the whole policy
 
 
@@ -446,8 +469,10 @@ class WireCodec:
     def encode(self, msg: Message) -> bytes:
         frame = self._encoder.encode(msg)
         if len(frame) > self.max_message_bytes:
-            raise WireError("oversized", f"{type(msg).__name__} is {len(frame)} bytes "
-                            f"> broker.max_message_bytes {self.max_message_bytes}")
+            raise WireError(
+                "oversized",
+                f"{type(msg).__name__} is {len(frame)} bytes > broker.max_message_bytes {self.max_message_bytes}",
+            )
         return frame
 
     def decode(self, frame: bytes | memoryview, expect: type | tuple[type, ...] = Message) -> AnyMessage:
@@ -463,8 +488,9 @@ class WireCodec:
 
     def _decode(self, frame) -> AnyMessage:
         if len(frame) > self.max_message_bytes:
-            raise WireError("oversized", f"frame of {len(frame)} bytes > broker.max_message_bytes "
-                            f"{self.max_message_bytes}")
+            raise WireError(
+                "oversized", f"frame of {len(frame)} bytes > broker.max_message_bytes {self.max_message_bytes}"
+            )
         try:
             msg = self._decoder.decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as err:
@@ -473,10 +499,12 @@ class WireCodec:
             except (msgspec.DecodeError, msgspec.ValidationError):
                 raise WireError("malformed", f"not a tidal message ({err})") from None
             if header.schema_version != SCHEMA_VERSION:
-                raise WireError("schema_version", f"schema_version {header.schema_version} "
-                                f"(this build speaks {SCHEMA_VERSION})") from None
+                raise WireError(
+                    "schema_version", f"schema_version {header.schema_version} (this build speaks {SCHEMA_VERSION})"
+                ) from None
             raise WireError("malformed", f"{header.kind}: {err}") from None
         if msg.schema_version != SCHEMA_VERSION:
-            raise WireError("schema_version", f"schema_version {msg.schema_version} "
-                            f"(this build speaks {SCHEMA_VERSION})")
+            raise WireError(
+                "schema_version", f"schema_version {msg.schema_version} (this build speaks {SCHEMA_VERSION})"
+            )
         return msg

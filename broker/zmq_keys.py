@@ -11,6 +11,7 @@ a secret key readable by another user would let that user be the learner or an a
 another user made first is refused (ForeignKeys), and the learner trusts only key files owned by its
 own user or root: that user could otherwise add a key of its own and be granted work.
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,8 +43,10 @@ def check_actor_id(actor_id: str) -> str:
     try:
         return msgspec.convert(actor_id, ActorId)
     except msgspec.ValidationError as err:
-        raise ValueError(f"actor id {actor_id!r} is not valid: {err} (letters, digits and ._:@- only, "
-                         "starting with a letter or digit, 1 to 128 characters)") from None
+        raise ValueError(
+            f"actor id {actor_id!r} is not valid: {err} (letters, digits and ._:@- only, "
+            "starting with a letter or digit, 1 to 128 characters)"
+        ) from None
 
 
 def generate(keys_dir: str | Path, actor_ids: list[str]) -> Path:
@@ -82,8 +85,10 @@ def _check_owner(path: Path, root_too: bool = False) -> None:
     mount, read-only keys an administrator put there)."""
     owner, me = path.stat().st_uid, os.geteuid()
     if owner != me and not (root_too and owner == 0):
-        raise ForeignKeys(f"{path} belongs to uid {owner}, not to this process's user (uid {me}): whoever made it "
-                          "can add keys the learner would trust; remove it or choose another folder")
+        raise ForeignKeys(
+            f"{path} belongs to uid {owner}, not to this process's user (uid {me}): whoever made it "
+            "can add keys the learner would trust; remove it or choose another folder"
+        )
 
 
 def _tighten(path: Path, mode: int) -> None:
@@ -94,8 +99,12 @@ def _tighten(path: Path, mode: int) -> None:
     try:
         os.chmod(path, mode)
     except OSError as err:
-        log.warning("%s is readable by other users and cannot be made private (%s): anyone who reads a "
-                    "secret key there can act as the learner or that actor", path, err)
+        log.warning(
+            "%s is readable by other users and cannot be made private (%s): anyone who reads a "
+            "secret key there can act as the learner or that actor",
+            path,
+            err,
+        )
 
 
 def _load(path: Path) -> tuple[bytes, bytes | None]:
@@ -107,8 +116,10 @@ def _load(path: Path) -> tuple[bytes, bytes | None]:
 def require_keys(keys_dir: str, host: str) -> None:
     """CURVE is on: a role started on its own needs the keys folder named (`tidal run` names its own)."""
     if not keys_dir:
-        raise ConfigError(f"broker.zmq.keys_dir is empty but CURVE is on (broker.zmq.curve, host {host}): name "
-                         "the keys folder (make one with `tidal keys DIR --actors actor-0,actor-1`)")
+        raise ConfigError(
+            f"broker.zmq.keys_dir is empty but CURVE is on (broker.zmq.curve, host {host}): name "
+            "the keys folder (make one with `tidal keys DIR --actors actor-0,actor-1`)"
+        )
 
 
 def secure_server(sock: zmq.Socket, keys_dir: str) -> None:
@@ -180,6 +191,7 @@ class ActorKeys(ThreadAuthenticator):
                 kept.append(path)
             elif path.name not in self.skipped:
                 self.skipped.add(path.name)
-                log.warning("actor key %s belongs to uid %d, not to this user (uid %d) or root: not trusted",
-                            path, owner, me)
+                log.warning(
+                    "actor key %s belongs to uid %d, not to this user (uid %d) or root: not trusted", path, owner, me
+                )
         return kept

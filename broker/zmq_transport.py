@@ -41,6 +41,7 @@ actor (its newest heartbeat, its newest parked request per connection) has a siz
 bounds, for at most broker.max_actors ids. An actor's own queue has no mark: it holds at most the groups
 it was granted, and the learner grants no more than its admission control releases.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -168,11 +169,16 @@ def checked_cap(cfg: BrokerConfig, open_files: int) -> int:
     cap = connection_cap(cfg, open_files)
     needed = 3 * max(cap, cfg.max_actors) + FILES_OF_ITS_OWN
     if needed > open_files:
-        key, value = (("broker.zmq.max_connections", cfg.zmq.max_connections) if cfg.zmq.max_connections
-                      else ("broker.max_actors", cfg.max_actors))
-        raise ConfigError(f"config key '{key}' = {value}: 3 sockets x {max(cap, cfg.max_actors)} connections and "
-                          f"{FILES_OF_ITS_OWN} files of the learner's own need {needed} open files, and this process "
-                          f"may open {open_files} (its hard limit, ulimit -Hn): lower {key}, or raise the limit")
+        key, value = (
+            ("broker.zmq.max_connections", cfg.zmq.max_connections)
+            if cfg.zmq.max_connections
+            else ("broker.max_actors", cfg.max_actors)
+        )
+        raise ConfigError(
+            f"config key '{key}' = {value}: 3 sockets x {max(cap, cfg.max_actors)} connections and "
+            f"{FILES_OF_ITS_OWN} files of the learner's own need {needed} open files, and this process "
+            f"may open {open_files} (its hard limit, ulimit -Hn): lower {key}, or raise the limit"
+        )
     return cap
 
 
@@ -180,9 +186,11 @@ def buffer_bound_bytes(cfg: BrokerConfig, cap: int | None = None) -> int:
     """The most bytes the learner's sockets hold for their peers (sending a frame a message, as actors do):
     per connection a full queue and the frame decoded beside it, on each socket, times the cap. The kernel's
     TCP buffers come on top."""
-    per_connection = ((rollout_mark(cfg) + 1) * cfg.max_message_bytes
-                      + (control_mark(cfg) + 1) * cfg.max_control_bytes
-                      + (SUBSCRIPTION_HWM + 1) * SUBSCRIPTION_BYTES)
+    per_connection = (
+        (rollout_mark(cfg) + 1) * cfg.max_message_bytes
+        + (control_mark(cfg) + 1) * cfg.max_control_bytes
+        + (SUBSCRIPTION_HWM + 1) * SUBSCRIPTION_BYTES
+    )
     return (cap or connection_cap(cfg)) * per_connection
 
 
@@ -356,13 +364,19 @@ class _ControlSide:
             try:
                 msg = self.codec.decode(frame.buffer, expect=(Heartbeat, WorkRequest))
             except WireError as err:
-                self.sparse.warning(f"control frames rejected ({err.reason})",
-                                    "rejected a frame on the control socket from %r: %s", identity.bytes[:40], err)
+                self.sparse.warning(
+                    f"control frames rejected ({err.reason})",
+                    "rejected a frame on the control socket from %r: %s",
+                    identity.bytes[:40],
+                    err,
+                )
                 continue
             wrong_key = self.authenticated and frame.get("User-Id") != msg.actor_id
             if msg.actor_id.encode() != claimed_actor(identity.bytes) or wrong_key:
-                self.refuse("impersonation", f"{type(msg).__name__} claims {msg.actor_id!r} from connection "
-                            f"{identity.bytes[:40]!r}")
+                self.refuse(
+                    "impersonation",
+                    f"{type(msg).__name__} claims {msg.actor_id!r} from connection {identity.bytes[:40]!r}",
+                )
                 continue
             self.on_control(identity.bytes, msg)
 
@@ -528,16 +542,23 @@ class ZmqLearnerTransport(LearnerTransport):
                 for sock in (router, pull, pub):
                     secure_server(sock, self._zmq.keys_dir)
             cap = self._cap  # monitored before they bind: no connection goes uncounted
-            self._conns = [_Connections(name, sock, cap) for name, sock in
-                           (("control", router), ("rollout", pull), ("weights", pub))]
-            self.ports = {"control": _bind(router, self._zmq.host, self._zmq.control_port),
-                          "rollout": _bind(pull, self._zmq.host, self._zmq.rollout_port),
-                          "weights": _bind(pub, self._zmq.host, self._zmq.weights_port)}
+            self._conns = [
+                _Connections(name, sock, cap)
+                for name, sock in (("control", router), ("rollout", pull), ("weights", pub))
+            ]
+            self.ports = {
+                "control": _bind(router, self._zmq.host, self._zmq.control_port),
+                "rollout": _bind(pull, self._zmq.host, self._zmq.rollout_port),
+                "weights": _bind(pub, self._zmq.host, self._zmq.weights_port),
+            }
             self._pull, self._authenticated = pull, keys is not None
             self._control.authenticated = self._authenticated
-            log.info("zmq learner: at most %d connections a socket, holding at most %.1f GiB for their peers "
-                     "(broker.zmq.max_connections; see buffer_bound_bytes)", cap,
-                     buffer_bound_bytes(self._cfg, cap) / 2**30)
+            log.info(
+                "zmq learner: at most %d connections a socket, holding at most %.1f GiB for their peers "
+                "(broker.zmq.max_connections; see buffer_bound_bytes)",
+                cap,
+                buffer_bound_bytes(self._cfg, cap) / 2**30,
+            )
             self._ready.set()
             self._loop(router, pub)
         except BaseException as err:  # surfaces in the training thread via _raise_if_failed
@@ -591,8 +612,10 @@ class ZmqLearnerTransport(LearnerTransport):
 
     def _watch_connections(self) -> None:
         for conns in refuse_beyond_cap(self._conns):
-            self._refuse("too_many_connections", f"a connection to the {conns.name} socket beyond its {conns.cap} "
-                         "(broker.zmq.max_connections)")
+            self._refuse(
+                "too_many_connections",
+                f"a connection to the {conns.name} socket beyond its {conns.cap} (broker.zmq.max_connections)",
+            )
 
     def _repeat_announcement(self, pub: zmq.Socket) -> None:
         with self._lock:
@@ -607,12 +630,15 @@ class ZmqLearnerTransport(LearnerTransport):
         try:
             group = self._codec.decode(frame.buffer, expect=RolloutGroup)
         except WireError as err:
-            self._sparse.warning(f"rollout frames rejected ({err.reason})",
-                                 "rejected a frame on the rollout stream: %s", err)
+            self._sparse.warning(
+                f"rollout frames rejected ({err.reason})", "rejected a frame on the rollout stream: %s", err
+            )
             return None
         if self._authenticated and frame.get("User-Id") != group.actor_id:
-            self._refuse("impersonation", f"rollout {group.group_id} claims {group.actor_id!r} "
-                         f"from the key of {frame.get('User-Id')!r}")
+            self._refuse(
+                "impersonation",
+                f"rollout {group.group_id} claims {group.actor_id!r} from the key of {frame.get('User-Id')!r}",
+            )
             return None
         with self._lock:
             why = self._grants.returned(group.group_id, group.actor_id)
@@ -636,8 +662,10 @@ class ZmqActorTransport(ActorTransport):
     def __init__(self, cfg: BrokerConfig, codec: WireCodec, actor_id: str):
         z = cfg.zmq
         if not (z.control_port and z.rollout_port and z.weights_port):
-            raise ValueError("broker.zmq.control_port, rollout_port and weights_port must be set for an actor "
-                             "(the launcher fills them in; on a cluster set them in the config)")
+            raise ValueError(
+                "broker.zmq.control_port, rollout_port and weights_port must be set for an actor "
+                "(the launcher fills them in; on a cluster set them in the config)"
+            )
         if curve_on(z):
             require_keys(z.keys_dir, z.host)
         self._codec = codec
@@ -693,8 +721,10 @@ class ZmqActorTransport(ActorTransport):
             self._dealer.send(self._codec.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
             if not self._control_full:
-                log.warning("the learner takes no control messages (unreachable?): %s dropped, and every "
-                            "one until it does", type(msg).__name__)
+                log.warning(
+                    "the learner takes no control messages (unreachable?): %s dropped, and every one until it does",
+                    type(msg).__name__,
+                )
             self._control_full = True
             return False
         self._control_full = False

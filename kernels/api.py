@@ -55,8 +55,12 @@ def logprobs(
     # price is one host sync (nonzero) on GPU, small next to the LM head itself.
     active = mask.nonzero().squeeze(1)  # [T_active]
     logp_active, entropy_active = impl(
-        hidden.index_select(0, active), weight, targets.index_select(0, active),
-        float(temperature), vocab_size, None if floor is None else floor.index_select(0, active),
+        hidden.index_select(0, active),
+        weight,
+        targets.index_select(0, active),
+        float(temperature),
+        vocab_size,
+        None if floor is None else floor.index_select(0, active),
     )
     num_tokens = hidden.shape[0]
     logp = logp_active.new_zeros(num_tokens).index_copy(0, active, logp_active)  # [T]
@@ -86,9 +90,7 @@ def _check_args(hidden, weight, targets, temperature, mask, vocab_size, backend)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != dim:
         raise ValueError(f"weight: expected a [V, {dim}] tensor, got {_describe(weight)}")
     if hidden.dtype not in _FLOAT_DTYPES[backend]:
-        raise ValueError(
-            f"hidden.dtype={hidden.dtype}: backend {backend!r} supports {_FLOAT_DTYPES[backend]}"
-        )
+        raise ValueError(f"hidden.dtype={hidden.dtype}: backend {backend!r} supports {_FLOAT_DTYPES[backend]}")
     if weight.dtype != hidden.dtype:
         raise ValueError(f"weight.dtype={weight.dtype}: must equal hidden.dtype={hidden.dtype}")
     if weight.device != hidden.device:

@@ -23,7 +23,8 @@ def resolve_chunks(chunk_size: int | tuple[int, int] | None) -> tuple[int, int]:
     if isinstance(chunk_size, int) and not isinstance(chunk_size, bool):
         chunk_size = (DEFAULT_TOKEN_CHUNK, chunk_size)
     ok = (
-        isinstance(chunk_size, tuple) and len(chunk_size) == 2
+        isinstance(chunk_size, tuple)
+        and len(chunk_size) == 2
         and all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in chunk_size)
     )
     if not ok:
@@ -58,8 +59,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_logp = _zeros_if_none(grad_logp, row_max).to(acc)
         grad_entropy = _zeros_if_none(grad_entropy, row_max).to(acc)
         dhidden, dweight = _backward(
-            hidden, weight, targets, (row_max, log_s, entropy), grad_logp, grad_entropy,
-            ctx.inv_temp, ctx.tiling, ctx.needs_input_grad[0], ctx.needs_input_grad[1], floor,
+            hidden,
+            weight,
+            targets,
+            (row_max, log_s, entropy),
+            grad_logp,
+            grad_entropy,
+            ctx.inv_temp,
+            ctx.tiling,
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
+            floor,
         )
         return dhidden, dweight, None, None, None, None, None, None
 
@@ -153,8 +163,9 @@ def _online_update(z, e, m, s, u, below=None):
     m.copy_(m_new)
 
 
-def _backward(hidden, weight, targets, stats, grad_logp, grad_entropy, inv_temp,
-              tiling, want_dhidden, want_dweight, floor=None):
+def _backward(
+    hidden, weight, targets, stats, grad_logp, grad_entropy, inv_temp, tiling, want_dhidden, want_dweight, floor=None
+):
     """dz = grad_logp * (onehot - p) - grad_entropy * p * (log p + H), divided by the
     temperature; dhidden = dz @ W and dweight = dz^T @ h, accumulated in fp32 per tile.
     stats = (row max, log sum exp(z - max), entropy), each [T]."""
@@ -173,9 +184,20 @@ def _backward(hidden, weight, targets, stats, grad_logp, grad_entropy, inv_temp,
         for t0, t1 in tiling.token_ranges():
             h = hidden[t0:t1].to(acc)  # [Tc, D]
             dz = _tile(z_buf, t1 - t0, v1 - v0)  # [Tc, Vc]
-            _tile_grad(dz, _tile(p_buf, t1 - t0, v1 - v0), h, w, targets[t0:t1], v0, v1,
-                       [x[t0:t1] for x in stats], grad_logp[t0:t1], grad_entropy[t0:t1],
-                       inv_temp, None if floor is None else (floor[t0:t1], _tile(below_buf, t1 - t0, v1 - v0)))
+            _tile_grad(
+                dz,
+                _tile(p_buf, t1 - t0, v1 - v0),
+                h,
+                w,
+                targets[t0:t1],
+                v0,
+                v1,
+                [x[t0:t1] for x in stats],
+                grad_logp[t0:t1],
+                grad_entropy[t0:t1],
+                inv_temp,
+                None if floor is None else (floor[t0:t1], _tile(below_buf, t1 - t0, v1 - v0)),
+            )
             if want_dhidden:
                 dhidden[t0:t1].addmm_(dz, w)  # += [Tc, Vc] @ [Vc, D]
             if want_dweight:

@@ -24,9 +24,17 @@ FIRST_CANDIDATES = 256  # the nucleus of a trained model rarely holds more; rows
 
 
 @torch.no_grad()
-def sampler_floor(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                  top_k: int = 0, top_p: float = 1.0, *, vocab_size: int | None = None,
-                  first_candidates: int = FIRST_CANDIDATES) -> tuple[torch.Tensor, torch.Tensor]:
+def sampler_floor(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    *,
+    vocab_size: int | None = None,
+    first_candidates: int = FIRST_CANDIDATES,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(floor [T] fp32, inside [T] bool): each token's lowest kept logit (after temperature) under
     top_k (0: off) then top_p (1: off), and whether its target is kept. hidden [T, D], weight [V, D]
     (rows >= vocab_size are padding), targets [T]."""
@@ -63,8 +71,9 @@ def _log_norm(logits: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     return top.squeeze(1) + scratch.sum(dim=1).log()
 
 
-def _row_floor(logits: torch.Tensor, top_k: int, top_p: float, first_candidates: int,
-               scratch: torch.Tensor) -> torch.Tensor:
+def _row_floor(
+    logits: torch.Tensor, top_k: int, top_p: float, first_candidates: int, scratch: torch.Tensor
+) -> torch.Tensor:
     """The floor [rows] of logits [rows, V]: half-way between the smallest kept logit and the largest
     dropped one, so that a kernel forming the same logits with another rounding keeps the same tokens."""
     vocab_size = logits.shape[1]

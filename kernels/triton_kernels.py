@@ -53,17 +53,24 @@ def _interpreting() -> bool:
 
 
 @triton.jit
-def _logits_tile(h_ptr, w_ptr, rows, cols, T, V, D, stride_h, stride_w, inv_temp,
-                 BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
+def _logits_tile(
+    h_ptr, w_ptr, rows, cols, T, V, D, stride_h, stride_w, inv_temp, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr
+):
     """z = h[rows] @ w[cols]^T * inv_temp as an fp32 [BLOCK_T, BLOCK_V] tile (out-of-range
     rows and columns read zeros)."""
     acc = tl.zeros((rows.shape[0], cols.shape[0]), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         ds = d0 + tl.arange(0, BLOCK_D)
-        h = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + ds[None, :],
-                    mask=(rows[:, None] < T) & (ds[None, :] < D), other=0.0)  # [BT, BD]
-        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + ds[None, :],
-                    mask=(cols[:, None] < V) & (ds[None, :] < D), other=0.0)  # [BV, BD]
+        h = tl.load(
+            h_ptr + rows[:, None].to(tl.int64) * stride_h + ds[None, :],
+            mask=(rows[:, None] < T) & (ds[None, :] < D),
+            other=0.0,
+        )  # [BT, BD]
+        w = tl.load(
+            w_ptr + cols[:, None].to(tl.int64) * stride_w + ds[None, :],
+            mask=(cols[:, None] < V) & (ds[None, :] < D),
+            other=0.0,
+        )  # [BV, BD]
         if DOT_FP32:
             h = h.to(tl.float32)
             w = w.to(tl.float32)
@@ -72,10 +79,27 @@ def _logits_tile(h_ptr, w_ptr, rows, cols, T, V, D, stride_h, stride_w, inv_temp
 
 
 @triton.jit
-def _forward_kernel(h_ptr, w_ptr, tgt_ptr, floor_ptr, m_ptr, s_ptr, u_ptr, zt_ptr,
-                    T, V, D, stride_h, stride_w, inv_temp, tiles_per_split,
-                    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-                    DOT_FP32: tl.constexpr):
+def _forward_kernel(
+    h_ptr,
+    w_ptr,
+    tgt_ptr,
+    floor_ptr,
+    m_ptr,
+    s_ptr,
+    u_ptr,
+    zt_ptr,
+    T,
+    V,
+    D,
+    stride_h,
+    stride_w,
+    inv_temp,
+    tiles_per_split,
+    BLOCK_T: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
     """Partials for one (token tile, vocab split): running max m, s = sum exp(z - m),
     u = sum exp(z - m) * (z - m) over the logits at or above the token's floor (-inf: all of
     them), and the target's logit if it lies in this split. A split may hold none of a token's
@@ -92,8 +116,7 @@ def _forward_kernel(h_ptr, w_ptr, tgt_ptr, floor_ptr, m_ptr, s_ptr, u_ptr, zt_pt
     for v0 in range(v_start, v_end, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         valid = cols[None, :] < V  # [1, BV]
-        z = _logits_tile(h_ptr, w_ptr, rows, cols, T, V, D, stride_h, stride_w, inv_temp,
-                         BLOCK_D, DOT_FP32)
+        z = _logits_tile(h_ptr, w_ptr, rows, cols, T, V, D, stride_h, stride_w, inv_temp, BLOCK_D, DOT_FP32)
         zt += tl.sum(tl.where(valid & (cols[None, :] == tgt[:, None]), z, 0.0), axis=1)
         keep = valid & (z >= floor[:, None])  # [BT, BV]
         z = tl.where(keep, z, float("-inf"))
@@ -116,12 +139,30 @@ def _forward_kernel(h_ptr, w_ptr, tgt_ptr, floor_ptr, m_ptr, s_ptr, u_ptr, zt_pt
 
 
 @triton.jit
-def _grad_tile(h_ptr, w_ptr, tgt, floor, row_max, log_s, ent, g_logp, g_ent, rows, cols, T, V, D,
-               stride_h, stride_w, inv_temp, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
+def _grad_tile(
+    h_ptr,
+    w_ptr,
+    tgt,
+    floor,
+    row_max,
+    log_s,
+    ent,
+    g_logp,
+    g_ent,
+    rows,
+    cols,
+    T,
+    V,
+    D,
+    stride_h,
+    stride_w,
+    inv_temp,
+    BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
     """dL/dlogits tile [BT, BV]: (gL * (onehot - p) - gH * p * (log p + H)) / temperature, p = 0
     below the floor."""
-    z = _logits_tile(h_ptr, w_ptr, rows, cols, T, V, D, stride_h, stride_w, inv_temp,
-                     BLOCK_D, DOT_FP32)
+    z = _logits_tile(h_ptr, w_ptr, rows, cols, T, V, D, stride_h, stride_w, inv_temp, BLOCK_D, DOT_FP32)
     log_p = (z - row_max[:, None]) - log_s[:, None]  # exact near the max, even at 1e4
     p = tl.where((cols[None, :] < V) & (z >= floor[:, None]), tl.exp(log_p), 0.0)
     g = -(g_ent[:, None] * (log_p + ent[:, None]) + g_logp[:, None]) * p
@@ -144,24 +185,65 @@ def _load_token_stats(rows, T, tgt_ptr, floor_ptr, max_ptr, log_s_ptr, ent_ptr, 
 
 
 @triton.jit
-def _dhidden_kernel(h_ptr, w_ptr, tgt_ptr, floor_ptr, max_ptr, log_s_ptr, ent_ptr, gl_ptr, ge_ptr, dh_ptr,
-                    T, V, D, stride_h, stride_w, inv_temp,
-                    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-                    DOT_FP32: tl.constexpr):
+def _dhidden_kernel(
+    h_ptr,
+    w_ptr,
+    tgt_ptr,
+    floor_ptr,
+    max_ptr,
+    log_s_ptr,
+    ent_ptr,
+    gl_ptr,
+    ge_ptr,
+    dh_ptr,
+    T,
+    V,
+    D,
+    stride_h,
+    stride_w,
+    inv_temp,
+    BLOCK_T: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
     """dhidden[rows] = sum over vocab tiles of dz @ W[cols]; dh_ptr is fp32 [T, D], zeroed."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tgt, floor, row_max, log_s, ent, g_logp, g_ent = _load_token_stats(
-        rows, T, tgt_ptr, floor_ptr, max_ptr, log_s_ptr, ent_ptr, gl_ptr, ge_ptr)
+        rows, T, tgt_ptr, floor_ptr, max_ptr, log_s_ptr, ent_ptr, gl_ptr, ge_ptr
+    )
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        dz = _grad_tile(h_ptr, w_ptr, tgt, floor, row_max, log_s, ent, g_logp, g_ent, rows, cols, T, V, D,
-                        stride_h, stride_w, inv_temp, BLOCK_D, DOT_FP32)  # [BT, BV]
+        dz = _grad_tile(
+            h_ptr,
+            w_ptr,
+            tgt,
+            floor,
+            row_max,
+            log_s,
+            ent,
+            g_logp,
+            g_ent,
+            rows,
+            cols,
+            T,
+            V,
+            D,
+            stride_h,
+            stride_w,
+            inv_temp,
+            BLOCK_D,
+            DOT_FP32,
+        )  # [BT, BV]
         if not DOT_FP32:
             dz = dz.to(w_ptr.dtype.element_ty)
         for d0 in range(0, D, BLOCK_D):
             ds = d0 + tl.arange(0, BLOCK_D)
-            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + ds[None, :],
-                        mask=(cols[:, None] < V) & (ds[None, :] < D), other=0.0)  # [BV, BD]
+            w = tl.load(
+                w_ptr + cols[:, None].to(tl.int64) * stride_w + ds[None, :],
+                mask=(cols[:, None] < V) & (ds[None, :] < D),
+                other=0.0,
+            )  # [BV, BD]
             if DOT_FP32:
                 w = w.to(tl.float32)
             dh_ptrs = dh_ptr + rows[:, None].to(tl.int64) * D + ds[None, :]
@@ -172,25 +254,66 @@ def _dhidden_kernel(h_ptr, w_ptr, tgt_ptr, floor_ptr, max_ptr, log_s_ptr, ent_pt
 
 
 @triton.jit
-def _dweight_kernel(h_ptr, w_ptr, tgt_ptr, floor_ptr, max_ptr, log_s_ptr, ent_ptr, gl_ptr, ge_ptr, dw_ptr,
-                    T, V, D, stride_h, stride_w, inv_temp,
-                    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-                    DOT_FP32: tl.constexpr):
+def _dweight_kernel(
+    h_ptr,
+    w_ptr,
+    tgt_ptr,
+    floor_ptr,
+    max_ptr,
+    log_s_ptr,
+    ent_ptr,
+    gl_ptr,
+    ge_ptr,
+    dw_ptr,
+    T,
+    V,
+    D,
+    stride_h,
+    stride_w,
+    inv_temp,
+    BLOCK_T: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
     """dweight[cols] = sum over token tiles of dz^T @ h[rows]; dw_ptr is fp32 [V, D], zeroed."""
     cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
     for t0 in range(0, T, BLOCK_T):
         rows = t0 + tl.arange(0, BLOCK_T)
         tgt, floor, row_max, log_s, ent, g_logp, g_ent = _load_token_stats(
-            rows, T, tgt_ptr, floor_ptr, max_ptr, log_s_ptr, ent_ptr, gl_ptr, ge_ptr)
-        dz = _grad_tile(h_ptr, w_ptr, tgt, floor, row_max, log_s, ent, g_logp, g_ent, rows, cols, T, V, D,
-                        stride_h, stride_w, inv_temp, BLOCK_D, DOT_FP32)  # [BT, BV]
+            rows, T, tgt_ptr, floor_ptr, max_ptr, log_s_ptr, ent_ptr, gl_ptr, ge_ptr
+        )
+        dz = _grad_tile(
+            h_ptr,
+            w_ptr,
+            tgt,
+            floor,
+            row_max,
+            log_s,
+            ent,
+            g_logp,
+            g_ent,
+            rows,
+            cols,
+            T,
+            V,
+            D,
+            stride_h,
+            stride_w,
+            inv_temp,
+            BLOCK_D,
+            DOT_FP32,
+        )  # [BT, BV]
         if not DOT_FP32:
             dz = dz.to(h_ptr.dtype.element_ty)
         dz_t = tl.trans(dz)  # [BV, BT]
         for d0 in range(0, D, BLOCK_D):
             ds = d0 + tl.arange(0, BLOCK_D)
-            h = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + ds[None, :],
-                        mask=(rows[:, None] < T) & (ds[None, :] < D), other=0.0)  # [BT, BD]
+            h = tl.load(
+                h_ptr + rows[:, None].to(tl.int64) * stride_h + ds[None, :],
+                mask=(rows[:, None] < T) & (ds[None, :] < D),
+                other=0.0,
+            )  # [BT, BD]
             if DOT_FP32:
                 h = h.to(tl.float32)
             dw_ptrs = dw_ptr + cols[:, None].to(tl.int64) * D + ds[None, :]
@@ -214,8 +337,7 @@ class _TritonLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, floor, inv_temp, vocab_size, blocks):
         hidden, weight = hidden.contiguous(), weight.contiguous()
         targets, floor = targets.contiguous(), floor.float().contiguous()
-        logp, entropy, row_max, log_s = _forward(hidden, weight, targets, floor, inv_temp, vocab_size,
-                                                 blocks)
+        logp, entropy, row_max, log_s = _forward(hidden, weight, targets, floor, inv_temp, vocab_size, blocks)
         ctx.save_for_backward(hidden, weight, targets, floor, row_max, log_s, entropy)
         ctx.inv_temp, ctx.vocab_size, ctx.blocks = inv_temp, vocab_size, blocks
         return logp, entropy
@@ -225,11 +347,21 @@ class _TritonLogprobs(torch.autograd.Function):
         hidden, weight, targets, floor, row_max, log_s, entropy = ctx.saved_tensors
         # Autograd passes None for an output that did not reach the loss.
         grad_logp = torch.zeros_like(log_s) if grad_logp is None else grad_logp.float().contiguous()
-        grad_entropy = (
-            torch.zeros_like(log_s) if grad_entropy is None else grad_entropy.float().contiguous()
+        grad_entropy = torch.zeros_like(log_s) if grad_entropy is None else grad_entropy.float().contiguous()
+        args = _KernelArgs(
+            hidden,
+            weight,
+            targets,
+            floor,
+            row_max,
+            log_s,
+            entropy,
+            grad_logp,
+            grad_entropy,
+            ctx.inv_temp,
+            ctx.vocab_size,
+            ctx.blocks,
         )
-        args = _KernelArgs(hidden, weight, targets, floor, row_max, log_s, entropy, grad_logp,
-                           grad_entropy, ctx.inv_temp, ctx.vocab_size, ctx.blocks)
         dhidden = _dhidden(args) if ctx.needs_input_grad[0] else None
         dweight = _dweight(args) if ctx.needs_input_grad[1] else None
         return dhidden, dweight, None, None, None, None, None
@@ -257,18 +389,32 @@ def _forward(hidden, weight, targets, floor, inv_temp, vocab_size, blocks):
         return empty, empty.clone(), empty.clone(), empty.clone()
     num_token_tiles = triton.cdiv(num_tokens, blocks.tokens)
     num_vocab_tiles = triton.cdiv(vocab_size, blocks.vocab)
-    tiles_per_split = triton.cdiv(
-        num_vocab_tiles, _num_splits(num_token_tiles, num_vocab_tiles, hidden.device)
-    )
+    tiles_per_split = triton.cdiv(num_vocab_tiles, _num_splits(num_token_tiles, num_vocab_tiles, hidden.device))
     num_splits = triton.cdiv(num_vocab_tiles, tiles_per_split)
     m, s, u, target_logit = torch.empty(
         4, num_splits, num_tokens, dtype=torch.float32, device=hidden.device
     )  # each [splits, T]
     _forward_kernel[(num_token_tiles, num_splits)](
-        hidden, weight, targets, floor, m, s, u, target_logit,
-        num_tokens, vocab_size, dim, hidden.stride(0), weight.stride(0), inv_temp,
-        tiles_per_split, BLOCK_T=blocks.tokens, BLOCK_V=blocks.vocab, BLOCK_D=blocks.dim,
-        DOT_FP32=_dot_fp32(hidden.dtype), num_warps=blocks.num_warps,
+        hidden,
+        weight,
+        targets,
+        floor,
+        m,
+        s,
+        u,
+        target_logit,
+        num_tokens,
+        vocab_size,
+        dim,
+        hidden.stride(0),
+        weight.stride(0),
+        inv_temp,
+        tiles_per_split,
+        BLOCK_T=blocks.tokens,
+        BLOCK_V=blocks.vocab,
+        BLOCK_D=blocks.dim,
+        DOT_FP32=_dot_fp32(hidden.dtype),
+        num_warps=blocks.num_warps,
     )
     return _merge_splits(m, s, u, target_logit)
 
@@ -304,11 +450,27 @@ class _KernelArgs:
     def launch(self, kernel, grid, out):
         num_tokens, dim = self.hidden.shape
         kernel[grid](
-            self.hidden, self.weight, self.targets, self.floor, self.row_max, self.log_s, self.entropy,
-            self.grad_logp, self.grad_entropy, out, num_tokens, self.vocab_size, dim,
-            self.hidden.stride(0), self.weight.stride(0), self.inv_temp,
-            BLOCK_T=self.blocks.tokens, BLOCK_V=self.blocks.vocab, BLOCK_D=self.blocks.dim,
-            DOT_FP32=_dot_fp32(self.hidden.dtype), num_warps=self.blocks.num_warps,
+            self.hidden,
+            self.weight,
+            self.targets,
+            self.floor,
+            self.row_max,
+            self.log_s,
+            self.entropy,
+            self.grad_logp,
+            self.grad_entropy,
+            out,
+            num_tokens,
+            self.vocab_size,
+            dim,
+            self.hidden.stride(0),
+            self.weight.stride(0),
+            self.inv_temp,
+            BLOCK_T=self.blocks.tokens,
+            BLOCK_V=self.blocks.vocab,
+            BLOCK_D=self.blocks.dim,
+            DOT_FP32=_dot_fp32(self.hidden.dtype),
+            num_warps=self.blocks.num_warps,
         )
 
 

@@ -5,6 +5,7 @@ allocations and tile sizes, so a plan follows the kernels when they change.
 T tokens, D the hidden size, V the vocabulary, `itemsize` the bytes of the hidden states and weight (2 in
 bf16/fp16, 4 in fp32); every backend accumulates in fp32.
 """
+
 from tidal.kernels.chunked import DEFAULT_TOKEN_CHUNK, DEFAULT_VOCAB_CHUNK
 
 FP32 = 4
@@ -16,8 +17,9 @@ def auto_backend(on_gpu: bool, half: bool) -> str:
     return "triton" if on_gpu and half else "torch"
 
 
-def working_set_bytes(backend: str, tokens: int, hidden_size: int, vocab_size: int, itemsize: int,
-                      weight_grad: bool = True) -> int:
+def working_set_bytes(
+    backend: str, tokens: int, hidden_size: int, vocab_size: int, itemsize: int, weight_grad: bool = True
+) -> int:
     """The peak bytes of one call of `backend` (naive, torch or triton, as resolved); `weight_grad`: the
     LM head is trained (not under LoRA)."""
     half = itemsize < FP32

@@ -7,6 +7,7 @@ from, and rank 0's parts around them, returned typed; `main` picks which rank to
 
 The collectives of set-up run in `build_rank` alone, so they come in one order on every rank.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -62,8 +63,12 @@ class TrainerSetup(NamedTuple):
     checkpoint: Path | None  # the checkpoint every rank continues from (None: a fresh start)
 
 
-def build_rank(cfg: RunConfig, build_role: Callable[[TrainerSetup], R], checkpoint: Path | None = None,
-               fresh_if_damaged: bool = False) -> tuple[R, dict | None]:
+def build_rank(
+    cfg: RunConfig,
+    build_role: Callable[[TrainerSetup], R],
+    checkpoint: Path | None = None,
+    fresh_if_damaged: bool = False,
+) -> tuple[R, dict | None]:
     """A rank's role, restored: the trainer and the checkpoint the ranks agree on (rank 0's `checkpoint`,
     `setup_trainer`), then `build_role` (no collective), then the restore. Returns the role and the
     checkpoint's tidal state (None: a fresh start)."""
@@ -72,8 +77,12 @@ def build_rank(cfg: RunConfig, build_role: Callable[[TrainerSetup], R], checkpoi
     return role, role.steps.restore(setup.checkpoint)
 
 
-def build(cfg: RunConfig, checkpoint: Path | None = None, transport: LearnerTransport | None = None,
-          fresh_if_damaged: bool = False) -> Learner:
+def build(
+    cfg: RunConfig,
+    checkpoint: Path | None = None,
+    transport: LearnerTransport | None = None,
+    fresh_if_damaged: bool = False,
+) -> Learner:
     """Every part of rank 0's learner; with `checkpoint`, restored to continue from it (or the newest
     older one that verifies: `setup_trainer`). `transport` replaces the one `broker.type` names (the
     in-process one, with actors in this process)."""
@@ -86,9 +95,16 @@ def build(cfg: RunConfig, checkpoint: Path | None = None, transport: LearnerTran
 def build_follower(cfg: RunConfig) -> Follower:
     """A rank other than 0: the same trainer and checkpoints, batches from rank 0, nothing else. Rank 0
     chooses the checkpoint to continue from and sends it: this rank reads no file of the run."""
+
     def follower(setup: TrainerSetup) -> Follower:
-        steps = StepRunner(setup.trainer, setup.checkpointer, RankGroup(setup.accelerator), WeightPush.of(cfg),
-                           None, cfg.learner.max_steps)
+        steps = StepRunner(
+            setup.trainer,
+            setup.checkpointer,
+            RankGroup(setup.accelerator),
+            WeightPush.of(cfg),
+            None,
+            cfg.learner.max_steps,
+        )
         return Follower(steps, HealthFile(cfg.learner.health_file, every_s=0.0))
 
     return build_rank(cfg, follower)[0]
@@ -106,11 +122,19 @@ def setup_trainer(cfg: RunConfig, checkpoint: Path | None = None, fresh_if_damag
     # sharded, every rank builds the policy empty and reads only its own shards of the weights
     policy = load_policy(cfg.model.path, policy_dtype(lc), lc.attention, compute_dtype(lc), empty=lc.fsdp.enabled)
     sampler = Sampler(cfg.sampling.temperature, cfg.sampling.top_k, cfg.sampling.top_p)
-    trainer = Trainer(lc, policy, accelerator, sampler, cfg.model.head, cfg.model.dtype,
-                      model_path=cfg.model.path if lc.fsdp.enabled else None)
+    trainer = Trainer(
+        lc,
+        policy,
+        accelerator,
+        sampler,
+        cfg.model.head,
+        cfg.model.dtype,
+        model_path=cfg.model.path if lc.fsdp.enabled else None,
+    )
     checkpointer = Checkpointer(cfg.checkpoint, Path(cfg.run_dir) / "checkpoints", accelerator, trainer)
-    return TrainerSetup(accelerator, trainer, checkpointer,
-                        checkpointer.agree(checkpoint, fresh_if_damaged, check_resume_state))
+    return TrainerSetup(
+        accelerator, trainer, checkpointer, checkpointer.agree(checkpoint, fresh_if_damaged, check_resume_state)
+    )
 
 
 def learner_threads(lc: LearnerConfig, cores: int | None = None, local_ranks: int | None = None) -> int:
@@ -137,8 +161,9 @@ def build_accelerator(cfg: LearnerConfig) -> Accelerator:
     group = {"timeout": datetime.timedelta(seconds=cfg.dist_timeout_s)}
     if cuda and cfg.fsdp.enabled and cfg.fsdp.cpu_offload:
         group["backend"] = "cuda:nccl,cpu:gloo"
-    return Accelerator(cpu=not cuda, mixed_precision=cfg.mixed_precision,
-                       kwargs_handlers=[InitProcessGroupKwargs(**group)])
+    return Accelerator(
+        cpu=not cuda, mixed_precision=cfg.mixed_precision, kwargs_handlers=[InitProcessGroupKwargs(**group)]
+    )
 
 
 def build_learner(cfg: RunConfig, setup: TrainerSetup, transport: LearnerTransport | None = None) -> Learner:
@@ -157,26 +182,56 @@ def build_learner(cfg: RunConfig, setup: TrainerSetup, transport: LearnerTranspo
     ledger_offset = state["coordinator"]["ledger_offset"] if state else 0  # the ledger describes the live lineage
     book = GroupBook(Ledger(run_dir / "ledger.jsonl", truncate_to=ledger_offset))
     encode = PromptEncoder.for_task(tokenizer, cfg.task, cfg.env.kwargs)
-    coordinator = Coordinator(plan, split.train, split.val, encode, transport, book, cfg.curriculum,
-                              cfg.task.pass_threshold)
+    coordinator = Coordinator(
+        plan, split.train, split.val, encode, transport, book, cfg.curriculum, cfg.task.pass_threshold
+    )
     tracker = Tracker(cfg.tracking, run_dir, cfg.name, resume_run_id=state["mlflow_run_id"] if state else None)
     trainer = setup.trainer
     parts = LearnerParts(
-        trainer=trainer, coordinator=coordinator, book=book, transport=transport, tracker=tracker,
-        admission=Admission(cfg.staleness, cfg.learner.zero_variance_filter, book, coordinator.on_rewards,
-                            cfg.task.pass_threshold, cfg.task.pass_on),
+        trainer=trainer,
+        coordinator=coordinator,
+        book=book,
+        transport=transport,
+        tracker=tracker,
+        admission=Admission(
+            cfg.staleness,
+            cfg.learner.zero_variance_filter,
+            book,
+            coordinator.on_rewards,
+            cfg.task.pass_threshold,
+            cfg.task.pass_on,
+        ),
         publisher=build_publisher(cfg.weights, uuid.uuid4().hex[:12], cfg.name, cfg.run_dir, cfg.model.dtype),
-        checkpointer=setup.checkpointer, ranks=RankGroup(setup.accelerator), push=WeightPush.of(cfg),
-        validator=Validator(trainer.policy.config.vocab_size, cfg.sampling.max_tokens, cfg.task.reward_range,
-                            watch=RefusalWatch(cfg.learner.groups_per_step, cfg.learner.refusal_patience_steps)),
-        export=FinalExport(cfg.model.path, run_dir / "model", cfg.model.dtype,
-                           tracker if cfg.tracking.log_model else None, cfg.learner.lora),
-        diagnostics=Diagnostics(tracker, lambda ids: tokenizer.decode(ids.tolist()), run_dir,
-                                cfg.tracking.eval_completions, cfg.staleness.max_lag,
-                                pass_threshold=cfg.task.pass_threshold, pass_on=cfg.task.pass_on,
-                                rollout_table_every=cfg.tracking.rollout_table_every,
-                                rollout_table_rows=cfg.tracking.rollout_table_rows),
-        num_actors=cfg.actor.replicas, drift_causes=tuple(likely_causes(cfg)))
+        checkpointer=setup.checkpointer,
+        ranks=RankGroup(setup.accelerator),
+        push=WeightPush.of(cfg),
+        validator=Validator(
+            trainer.policy.config.vocab_size,
+            cfg.sampling.max_tokens,
+            cfg.task.reward_range,
+            watch=RefusalWatch(cfg.learner.groups_per_step, cfg.learner.refusal_patience_steps),
+        ),
+        export=FinalExport(
+            cfg.model.path,
+            run_dir / "model",
+            cfg.model.dtype,
+            tracker if cfg.tracking.log_model else None,
+            cfg.learner.lora,
+        ),
+        diagnostics=Diagnostics(
+            tracker,
+            lambda ids: tokenizer.decode(ids.tolist()),
+            run_dir,
+            cfg.tracking.eval_completions,
+            cfg.staleness.max_lag,
+            pass_threshold=cfg.task.pass_threshold,
+            pass_on=cfg.task.pass_on,
+            rollout_table_every=cfg.tracking.rollout_table_every,
+            rollout_table_rows=cfg.tracking.rollout_table_rows,
+        ),
+        num_actors=cfg.actor.replicas,
+        drift_causes=tuple(likely_causes(cfg)),
+    )
     learner = Learner(cfg.learner, cfg.eval, parts)
     if state is None:
         tracker.log_config(cfg, split)
@@ -188,16 +243,35 @@ def dispatch_plan(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Dispatc
     SamplingParams, and eval groups get no overlong penalty (nor interruptions unless asked)."""
     stop_ids = (tokenizer.eos_token_id,)
     it = cfg.sampling.interrupt
-    interrupt = InterruptParams(tuple(encode_prompt(tokenizer, it.text)), it.text, it.min_tokens, it.max_tokens,
-                                it.answer_tokens) if it.enabled else None
+    interrupt = (
+        InterruptParams(
+            tuple(encode_prompt(tokenizer, it.text)), it.text, it.min_tokens, it.max_tokens, it.answer_tokens
+        )
+        if it.enabled
+        else None
+    )
     overlong = cfg.sampling.overlong.buffer_tokens if cfg.sampling.overlong.enabled else 0
     return DispatchPlan(
-        run_id=f"{cfg.name}-{Path(cfg.run_dir).name}", task=cfg.task.name, n=cfg.sampling.n,
-        sampling=SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_tokens, stop_ids,
-                                interrupt, overlong, cfg.sampling.top_k),
-        eval_n=cfg.eval.n, eval_sampling=SamplingParams(cfg.eval.temperature, 1.0, cfg.sampling.max_tokens, stop_ids,
-                                                        interrupt if it.eval else None),
-        groups_per_step=cfg.learner.groups_per_step, max_lag=cfg.staleness.max_lag, seed=cfg.learner.seed)
+        run_id=f"{cfg.name}-{Path(cfg.run_dir).name}",
+        task=cfg.task.name,
+        n=cfg.sampling.n,
+        sampling=SamplingParams(
+            cfg.sampling.temperature,
+            cfg.sampling.top_p,
+            cfg.sampling.max_tokens,
+            stop_ids,
+            interrupt,
+            overlong,
+            cfg.sampling.top_k,
+        ),
+        eval_n=cfg.eval.n,
+        eval_sampling=SamplingParams(
+            cfg.eval.temperature, 1.0, cfg.sampling.max_tokens, stop_ids, interrupt if it.eval else None
+        ),
+        groups_per_step=cfg.learner.groups_per_step,
+        max_lag=cfg.staleness.max_lag,
+        seed=cfg.learner.seed,
+    )
 
 
 def resume(learner: Learner, state: dict, cfg: RunConfig) -> None:
@@ -232,12 +306,18 @@ def find_checkpoint(run_dir: Path, resume: str | None) -> Path | None:
     if damage and resume != "fresh":
         raise NoValidCheckpoint(directory, damage)
     if resume == "required":
-        raise MissingCheckpoint(f"--resume: no finished checkpoint in {directory} "
-                                "(set run_dir to the run to continue, or use --resume auto)")
+        raise MissingCheckpoint(
+            f"--resume: no finished checkpoint in {directory} "
+            "(set run_dir to the run to continue, or use --resume auto)"
+        )
     if damage:
         moved = set_aside(directory, [p.name for p in folders(directory)])
-        log.warning("--resume fresh: every checkpoint in %s is damaged; set aside as %s, starting at step 0 with "
-                    "empty broker streams and ledger", directory, ", ".join(p.name for p in moved))
+        log.warning(
+            "--resume fresh: every checkpoint in %s is damaged; set aside as %s, starting at step 0 with "
+            "empty broker streams and ledger",
+            directory,
+            ", ".join(p.name for p in moved),
+        )
     else:
         log.info("--resume %s: no checkpoint in %s, starting fresh", resume, directory)
     return None

@@ -1,5 +1,6 @@
 """`tidal learner CONFIG [key=value ...]`: build this rank (build.py) and run it; rank 0 serves the
 actors, the others follow it step by step."""
+
 from __future__ import annotations
 
 import json
@@ -67,9 +68,19 @@ def start_ranks(cfg: LearnerConfig) -> int:
     this machine's ranks with the same arguments (on several machines, one such command on each). An
     exec, so signals meant for the learner (a pod's SIGTERM) reach torchrun, which passes them on."""
     per_node = cfg.num_ranks // cfg.nodes
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={cfg.nodes}", f"--node-rank={cfg.node_rank}",
-           f"--nproc-per-node={per_node}", f"--master-addr={cfg.master_addr or '127.0.0.1'}",
-           f"--master-port={cfg.master_port}", "-m", "tidal", *sys.argv[1:]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={cfg.nodes}",
+        f"--node-rank={cfg.node_rank}",
+        f"--nproc-per-node={per_node}",
+        f"--master-addr={cfg.master_addr or '127.0.0.1'}",
+        f"--master-port={cfg.master_port}",
+        "-m",
+        "tidal",
+        *sys.argv[1:],
+    ]
     log.info("starting %d of %d learner ranks on node %d: %s", per_node, cfg.num_ranks, cfg.node_rank, " ".join(cmd))
     sys.stdout.flush()
     sys.stderr.flush()

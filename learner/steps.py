@@ -14,6 +14,7 @@ in one order, on every rank.
 What differs between ranks is the role, and none of its methods is collective: rank 0's `Learner`
 collects rollouts, announces weights, evaluates and logs; every other rank is a `Follower`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -71,8 +72,15 @@ class Role(Protocol):
 class StepRunner:
     """The collectives of a learner rank, in the one order every rank issues them."""
 
-    def __init__(self, trainer: Trainer, checkpointer: Checkpointer, ranks: RankGroup | None, push: WeightPush,
-                 publisher: WeightPublisher | None, max_steps: int):
+    def __init__(
+        self,
+        trainer: Trainer,
+        checkpointer: Checkpointer,
+        ranks: RankGroup | None,
+        push: WeightPush,
+        publisher: WeightPublisher | None,
+        max_steps: int,
+    ):
         self.trainer, self.checkpointer, self.ranks = trainer, checkpointer, ranks  # ranks: None in unit tests
         self.push = push
         self.publisher = publisher  # rank 0's weight channel; None on the others

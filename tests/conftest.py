@@ -10,6 +10,7 @@ Each test gets its tier's marker from its folder. Triton runs in its interpreter
 without CUDA; the variable must be set before anything imports triton (vLLM does), so it is set
 here, first.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -87,7 +88,8 @@ def no_orphaned_processes(request):
         except psutil.Error:
             pass
     assert not left, "processes left running after the test: " + "; ".join(
-        f"{p.pid} {' '.join(p.info['cmdline'] or [])[:120]}" for p in left)
+        f"{p.pid} {' '.join(p.info['cmdline'] or [])[:120]}" for p in left
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -174,17 +176,41 @@ def tiny_model_path() -> str:
 
 # ---- wire messages -------------------------------------------------------------------------------
 
+
 def prompt_group(i: int, n: int = 4, eval_version: int | None = None) -> PromptGroup:
-    return PromptGroup(run_id="r", group_id=f"r-{i}", prompt_id=i, prompt_tokens=int32s([1, 2]), task="arithmetic",
-                       payload={"answer": "3"}, n=n, sampling=SamplingParams(), min_version=0,
-                       eval_version=eval_version)
+    return PromptGroup(
+        run_id="r",
+        group_id=f"r-{i}",
+        prompt_id=i,
+        prompt_tokens=int32s([1, 2]),
+        task="arithmetic",
+        payload={"answer": "3"},
+        n=n,
+        sampling=SamplingParams(),
+        min_version=0,
+        eval_version=eval_version,
+    )
 
 
-def rollout(tokens=(3, 4, 1), logprobs=(-0.5, -1.0, -0.1), spans=((0, 0, 1), (1, 1, 3)), reward=1.0,
-            group_id="g1", actor_id="actor-0") -> RolloutGroup:
-    return RolloutGroup.pack([SampleArrays.of(tokens, logprobs, version_spans=[tuple(s) for s in spans], reward=reward,
-                                              finish_reason="stop")],
-                             group_id=group_id, prompt_id=7, actor_id=actor_id, prompt_tokens=int32s([5, 6]))
+def rollout(
+    tokens=(3, 4, 1),
+    logprobs=(-0.5, -1.0, -0.1),
+    spans=((0, 0, 1), (1, 1, 3)),
+    reward=1.0,
+    group_id="g1",
+    actor_id="actor-0",
+) -> RolloutGroup:
+    return RolloutGroup.pack(
+        [
+            SampleArrays.of(
+                tokens, logprobs, version_spans=[tuple(s) for s in spans], reward=reward, finish_reason="stop"
+            )
+        ],
+        group_id=group_id,
+        prompt_id=7,
+        actor_id=actor_id,
+        prompt_tokens=int32s([5, 6]),
+    )
 
 
 def sample(spans, reward, finish_reason="stop", **extra) -> SampleArrays:
@@ -193,8 +219,9 @@ def sample(spans, reward, finish_reason="stop", **extra) -> SampleArrays:
     for version, n in spans:
         version_spans.append((version, start, start + n))
         start += n
-    return SampleArrays.of([5] * start, [-1.0] * start, version_spans=version_spans, reward=reward,
-                           finish_reason=finish_reason, **extra)
+    return SampleArrays.of(
+        [5] * start, [-1.0] * start, version_spans=version_spans, reward=reward, finish_reason=finish_reason, **extra
+    )
 
 
 # ---- one training step of a tiny model (unit tests, and the multi-rank script under torchrun) -----
@@ -221,8 +248,15 @@ def step_batch(num_groups: int = 6, seed: int = 0) -> tuple[list[RolloutGroup], 
             n = int(rng.integers(1, 7))
             version = STEP_VERSION - int(rng.integers(0, 2))
             behavior = -2.4 + 0.3 * rng.standard_normal(n)
-            samples.append(SampleArrays.of(rng.integers(2, 14, n), behavior, version_spans=[(version, 0, n)],
-                                           reward=float((g + i) % 2), finish_reason="stop"))
+            samples.append(
+                SampleArrays.of(
+                    rng.integers(2, 14, n),
+                    behavior,
+                    version_spans=[(version, 0, n)],
+                    reward=float((g + i) % 2),
+                    finish_reason="stop",
+                )
+            )
         prompt = int32s(rng.integers(2, 14, 2 + g % 3))
         groups.append(RolloutGroup.pack(samples, group_id=f"g{g}", prompt_id=g, actor_id="a", prompt_tokens=prompt))
         masks.append([np.ones(s.sample.num_tokens, dtype=bool) for s in samples])
@@ -230,17 +264,29 @@ def step_batch(num_groups: int = 6, seed: int = 0) -> tuple[list[RolloutGroup], 
     return groups, masks
 
 
-def learner_config(loss: LossType, aggregation: Aggregation, micro_batch_tokens: int, minibatches: int,
-                   num_groups: int = 6) -> LearnerConfig:
+def learner_config(
+    loss: LossType, aggregation: Aggregation, micro_batch_tokens: int, minibatches: int, num_groups: int = 6
+) -> LearnerConfig:
     # AdamW's first update is lr * g / (|g| + eps): with eps = 1 and lr = 1 it follows the gradient
     # almost linearly, so parameters after the step differ when the gradients do (Adam's usual
     # g / |g| would hide a wrong gradient scale).
     optim = OptimConfig(lr=1.0, eps=1.0, max_grad_norm=0.0)
     # narrow clip ranges, so that the second ppo update and gspo's sequence ratios do clip
-    loss_cfg = LossConfig(type=loss, aggregation=aggregation, minibatches_per_step=minibatches, clip_eps=0.05,
-                          gspo_clip_low=0.05, gspo_clip_high=0.05)
-    return LearnerConfig(groups_per_step=num_groups, micro_batch_tokens=micro_batch_tokens, kernel_backend="torch",
-                         optim=optim, loss=loss_cfg)
+    loss_cfg = LossConfig(
+        type=loss,
+        aggregation=aggregation,
+        minibatches_per_step=minibatches,
+        clip_eps=0.05,
+        gspo_clip_low=0.05,
+        gspo_clip_high=0.05,
+    )
+    return LearnerConfig(
+        groups_per_step=num_groups,
+        micro_batch_tokens=micro_batch_tokens,
+        kernel_backend="torch",
+        optim=optim,
+        loss=loss_cfg,
+    )
 
 
 def run_step(cfg: LearnerConfig, accelerator, groups=None, masks=None) -> tuple[dict, dict]:
@@ -259,11 +305,14 @@ def run_step(cfg: LearnerConfig, accelerator, groups=None, masks=None) -> tuple[
 
 # the tiny tokenizer knows only "0123456789+=": a chat template it can render; a system message "7"
 # and a user message "12+34" come out as "7+12+34="
-TINY_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'system' %}+{% endif %}"
-                      "{% endfor %}{% if add_generation_prompt %}={% endif %}")
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'system' %}+{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}={% endif %}"
+)
 
 
 # ---- a learner's tcp weight server that dies mid-transfer -----------------------------------------
+
 
 def weights_config(transport: str, **keys):
     from tidal.config import WeightsConfig
@@ -309,14 +358,15 @@ class DyingWeightServer:
         view, buckets, cut_at, sent, announced = self.args
         conn, _ = self.listener.accept()
         with conn, self.listener:
-            for index, b in enumerate(buckets[:cut_at + 1]):
+            for index, b in enumerate(buckets[: cut_at + 1]):
                 conn.recv(tcp.REQUEST.size, socket.MSG_WAITALL)
                 cut = index == cut_at
                 conn.sendall(tcp.REPLY.pack(tcp.MAGIC, tcp.OK, (announced or b.nbytes) if cut else b.nbytes))
-                conn.sendall(view[b.offset:b.offset + (sent if cut else b.nbytes)])
+                conn.sendall(view[b.offset : b.offset + (sent if cut else b.nbytes)])
 
 
 # ---- the actor's engine, scripted (no vLLM) ------------------------------------------------------
+
 
 class ScriptedEngine:
     """Stands in for the vLLM engine in unit tests of the actor loop and the whole pipeline: answers
@@ -324,8 +374,17 @@ class ScriptedEngine:
     version it runs, and loads weights through tidal's weight-transfer engine, as a vLLM worker does:
     on one thread of its own (`worker_setup` runs first on it), reading each tensor with `read`."""
 
-    def __init__(self, tokenizer, p_correct: float = 0.5, seed: int = 0, read=None, worker_setup=None,
-                 vllm_config=None, device=None, adapter: bool = False):
+    def __init__(
+        self,
+        tokenizer,
+        p_correct: float = 0.5,
+        seed: int = 0,
+        read=None,
+        worker_setup=None,
+        vllm_config=None,
+        device=None,
+        adapter: bool = False,
+    ):
         import random
         from concurrent.futures import ThreadPoolExecutor
 
@@ -410,8 +469,15 @@ class ScriptedEngine:
             total = int(a) + int(b) + (0 if self.rng.random() < self.p_correct else 1)
             text = f"{total:0{width}d}"[-width:]
             tokens = [*self.tokenizer(text, add_special_tokens=False)["input_ids"], self.tokenizer.eos_token_id]
-            out.append(Completion(np.asarray(tokens, dtype=np.int32), np.full(len(tokens), -0.7, dtype=np.float32),
-                                  [(self.version, 0, len(tokens))], text, "stop"))
+            out.append(
+                Completion(
+                    np.asarray(tokens, dtype=np.int32),
+                    np.full(len(tokens), -0.7, dtype=np.float32),
+                    [(self.version, 0, len(tokens))],
+                    text,
+                    "stop",
+                )
+            )
         return out
 
     def info(self) -> dict[str, str]:
@@ -424,6 +490,7 @@ class ScriptedEngine:
 
 # ---- a real vLLM engine for the integration tests ------------------------------------------------
 
+
 def write_tiny_moe(folder):
     """A tiny Qwen3-MoE (4 experts, 2 a token, its LM head tied to the embedding) saved to `folder` with
     the tiny model's tokenizer; returns the policy. vLLM's CPU MoE kernel wants the hidden and expert
@@ -434,10 +501,21 @@ def write_tiny_moe(folder):
 
     _, tokenizer = build_tiny_model(TINY, ALPHABET, seed=0)
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                            num_key_value_heads=1, head_dim=32, num_experts=4, num_experts_per_tok=2,
-                            moe_intermediate_size=32, vocab_size=len(tokenizer), tie_word_embeddings=True,
-                            max_position_embeddings=128, eos_token_id=tokenizer.eos_token_id)
+    config = Qwen3MoeConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=True,
+        max_position_embeddings=128,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     policy = Qwen3MoeForCausalLM(config).eval()
     policy.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -457,8 +535,9 @@ def engine_on_a_thread(model_path: str, *overrides: str, adapter_rank: int = 0):
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="engine-loop", daemon=True)
     thread.start()
-    actor = load_config(ROOT / "configs/tiny.yaml", [f"actor.cpu_cores={max(os.sched_getaffinity(0))}",
-                                                     *overrides]).actor
+    actor = load_config(
+        ROOT / "configs/tiny.yaml", [f"actor.cpu_cores={max(os.sched_getaffinity(0))}", *overrides]
+    ).actor
 
     async def start():
         engine = Engine(actor, model_path, "float32", adapter_rank=adapter_rank)
@@ -487,8 +566,12 @@ def learner_logprobs(policy, prompt: list[int], tokens: np.ndarray) -> np.ndarra
     module = PolicyLogprobs(policy, temperature=1.0, backend="torch").eval()
     ids = torch.tensor([prompt + tokens.tolist()])
     with torch.no_grad():
-        logp, _ = module(ids, torch.ones_like(ids), torch.arange(len(prompt) - 1, ids.shape[1] - 1),
-                         torch.from_numpy(tokens.astype(np.int64)))
+        logp, _ = module(
+            ids,
+            torch.ones_like(ids),
+            torch.arange(len(prompt) - 1, ids.shape[1] - 1),
+            torch.from_numpy(tokens.astype(np.int64)),
+        )
     return logp.numpy()
 
 
@@ -532,8 +615,7 @@ def kernel_inputs(num_tokens, dim, vocab, dtype, device="cpu", seed=0, logit_sca
 def kernel_upstream(num_tokens, device, seed=1):
     """Random dL/dlogprob and dL/dentropy [T], so both backward paths count."""
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(num_tokens, generator=gen).to(device),
-            torch.randn(num_tokens, generator=gen).to(device))
+    return (torch.randn(num_tokens, generator=gen).to(device), torch.randn(num_tokens, generator=gen).to(device))
 
 
 def run_kernel(backend, hidden, weight, targets, temperature=1.0, dtype=None, **kwargs):
@@ -551,8 +633,15 @@ def run_kernel(backend, hidden, weight, targets, temperature=1.0, dtype=None, **
 def assert_kernel_matches_reference(backend, hidden, weight, targets, temperature=1.0, **kwargs):
     """Compare a backend with the naive backend evaluated in fp64 on the same input values."""
     got = run_kernel(backend, hidden, weight, targets, temperature, **kwargs)
-    want = run_kernel("naive", hidden, weight, targets, temperature, dtype=torch.float64, **{
-        k: v for k, v in kwargs.items() if k != "chunk_size"})
+    want = run_kernel(
+        "naive",
+        hidden,
+        weight,
+        targets,
+        temperature,
+        dtype=torch.float64,
+        **{k: v for k, v in kwargs.items() if k != "chunk_size"},
+    )
     tol = KERNEL_TOL[hidden.dtype]
     for name, g, w in zip(("logprob", "entropy", "dhidden", "dweight"), got, want):
         assert torch.isfinite(g).all(), name
@@ -561,6 +650,7 @@ def assert_kernel_matches_reference(backend, hidden, weight, targets, temperatur
 
 
 # ---- a real redis-server ------------------------------------------------------------------------
+
 
 class RedisServer:
     """A real redis-server on a free port, its data (AOF, fsync per write) in a temp folder."""
@@ -579,9 +669,25 @@ class RedisServer:
         import redis
 
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
-             "--appendonly", "yes", "--appendfsync", "always", "--save", "", *self.extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.directory),
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--save",
+                "",
+                *self.extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 20
         while True:
             try:

@@ -18,6 +18,7 @@ the duration of a test (torch is the CPU build here, so nothing real is displace
 communicators replace vLLM's PyNcclCommunicator where tidal creates one (`communicator`,
 `unique_id`). Every wait is bounded by SAFETY_S so that a test that hangs fails instead.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -57,7 +58,7 @@ def _demand(op: Op) -> None:
         if item.demanded.is_set():
             continue
         item.demanded.set()
-        todo.extend(item.stream.ops[:item.seq])
+        todo.extend(item.stream.ops[: item.seq])
         todo.extend(item.waits_for)
 
 
@@ -262,11 +263,11 @@ _pending_writes: list[Op] = []
 
 def write_later(stream: FakeStream, into: torch.Tensor, source: torch.Tensor) -> None:
     """A copy of `source` into `into` enqueued on `stream`, landing lazily like any other work."""
-    _pending_writes.append(stream.enqueue(lambda op: (op.demanded.wait(LAND_AFTER_S), into.copy_(source)),
-                                          writes=into))
+    _pending_writes.append(stream.enqueue(lambda op: (op.demanded.wait(LAND_AFTER_S), into.copy_(source)), writes=into))
 
 
 # ---- communicators (vLLM's PyNcclCommunicator's API) --------------------------------------------
+
 
 class _Rendezvous:
     """Matches the n-th collective of every rank of one communicator group and moves its data once,
@@ -346,12 +347,15 @@ class FakeCommunicator:
             return
         stream = stream if stream is not None else current_stream()
         if stream.device_index != self.device_index:
-            raise RuntimeError(f"NCCL: a collective of a communicator on cuda:{self.device_index} enqueued on a "
-                               f"stream of cuda:{stream.device_index} (invalid usage)")
+            raise RuntimeError(
+                f"NCCL: a collective of a communicator on cuda:{self.device_index} enqueued on a "
+                f"stream of cuda:{stream.device_index} (invalid usage)"
+            )
         seq, self.seq = self.seq, self.seq + 1
         self.num_ops += 1
-        _pending_writes.append(stream.enqueue(lambda op: self.group.arrive(seq, self.rank, call, self, op),
-                                              writes=call[2]))
+        _pending_writes.append(
+            stream.enqueue(lambda op: self.group.arrive(seq, self.rank, call, self, op), writes=call[2])
+        )
 
     def broadcast(self, tensor: torch.Tensor, src: int, stream=None) -> None:
         self._issue(("broadcast", tensor, tensor, src), stream)
@@ -371,6 +375,7 @@ class FakeCommunicator:
         def disable():
             time.sleep(DISABLED_AFTER_S)
             self.disabled = True
+
         threading.Thread(target=disable, daemon=True).start()
 
 
@@ -380,15 +385,21 @@ def communicator(uid: bytes, rank: int, world_size: int, device) -> FakeCommunic
 
 # ---- installing it ---------------------------------------------------------------------------------
 
+
 @contextlib.contextmanager
 def installed(monkeypatch=None):
     """torch.cuda's and torch.accelerator's stream and device calls replaced by the fake's; restored after."""
     patches = {
-        (torch.cuda, "Stream"): FakeStream, (torch.cuda, "Event"): FakeEvent,
-        (torch.cuda, "stream"): stream_context, (torch.cuda, "current_stream"): current_stream,
-        (torch.cuda, "default_stream"): default_stream, (torch.cuda, "set_stream"): set_stream,
-        (torch.cuda, "set_device"): set_device, (torch.cuda, "current_device"): current_device,
-        (torch.cuda, "device"): device_context, (torch.cuda, "synchronize"): synchronize,
+        (torch.cuda, "Stream"): FakeStream,
+        (torch.cuda, "Event"): FakeEvent,
+        (torch.cuda, "stream"): stream_context,
+        (torch.cuda, "current_stream"): current_stream,
+        (torch.cuda, "default_stream"): default_stream,
+        (torch.cuda, "set_stream"): set_stream,
+        (torch.cuda, "set_device"): set_device,
+        (torch.cuda, "current_device"): current_device,
+        (torch.cuda, "device"): device_context,
+        (torch.cuda, "synchronize"): synchronize,
         (torch.accelerator, "current_device_index"): current_device,
         (torch.accelerator, "set_device_index"): set_device,
         (torch.accelerator, "device_index"): device_context,

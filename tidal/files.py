@@ -1,4 +1,5 @@
 """File helpers shared by the checkpoint and the weight channel."""
+
 from __future__ import annotations
 
 import hashlib
@@ -27,5 +28,7 @@ def used_run_dir(run_dir: Path, marks: list[str], overwrite: bool = True) -> str
     """The one line that refuses a second run into a folder that holds one (`overwrite`: the command has
     --overwrite)."""
     instead = "--overwrite to start over in it (its files are deleted), " if overwrite else ""
-    return (f"run_dir={run_dir} holds a run already ({', '.join(marks)}): pass --resume to continue it, "
-            f"{instead}or choose another run_dir")
+    return (
+        f"run_dir={run_dir} holds a run already ({', '.join(marks)}): pass --resume to continue it, "
+        f"{instead}or choose another run_dir"
+    )

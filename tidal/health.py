@@ -1,5 +1,6 @@
 """Liveness for probes: a process touches its health file while it makes progress, and
 `tidal health FILE --max-age-s N` (a Kubernetes exec probe) checks the file's age."""
+
 from __future__ import annotations
 
 import os

@@ -1,6 +1,7 @@
 """Warnings about what peers send, at a rate no peer sets: a kind of refusal is logged at its 1st, 10th,
 100th ... occurrence, with its count. A key holder's junk once wrote a line per frame (12.6 GiB of log an
 hour from one key); the counts themselves stay exact in the metrics that carry them."""
+
 from __future__ import annotations
 
 import logging

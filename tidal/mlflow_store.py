@@ -7,6 +7,7 @@ sqlite stores move: a store keeps its experiments' artifacts in `artifacts/` bes
 records them by absolute path, so a run folder moved or copied whole would lose them. Opening a
 store re-roots them (`reroot_artifacts`).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -47,8 +48,9 @@ def reroot_artifacts(store: Path) -> None:
                 log.info("MLflow store %s moved: artifacts re-rooted from %s to %s", store, recorded, beside.as_uri())
         db.close()
     except sqlite3.Error as err:
-        log.warning("could not re-root the artifacts of the MLflow store %s (%s); they stay where it "
-                    "says they were", store, err)
+        log.warning(
+            "could not re-root the artifacts of the MLflow store %s (%s); they stay where it says they were", store, err
+        )
 
 
 def _moved_experiments(db: sqlite3.Connection, beside: Path) -> list[tuple[int, str]]:
@@ -56,8 +58,9 @@ def _moved_experiments(db: sqlite3.Connection, beside: Path) -> list[tuple[int, 
     tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     if not {"experiments", "experiment_tags", "runs"} <= tables:
         return []  # a store MLflow has not set up yet
-    tagged = {eid for (eid,) in db.execute("SELECT experiment_id FROM experiment_tags WHERE key = ?",
-                                           (ARTIFACTS_BESIDE,))}
+    tagged = {
+        eid for (eid,) in db.execute("SELECT experiment_id FROM experiment_tags WHERE key = ?", (ARTIFACTS_BESIDE,))
+    }
     moved = []
     for experiment_id, recorded in db.execute("SELECT experiment_id, artifact_location FROM experiments"):
         folder = _local_path(recorded or "")
@@ -85,14 +88,15 @@ def _rewrite_prefix(db: sqlite3.Connection, experiment_id: int, recorded: str, n
     for table, column in (("runs", "artifact_uri"), ("logged_models", "artifact_location")):
         if table not in tables:
             continue  # a store from before MLflow had logged models
-        db.execute(f"UPDATE {table} SET {column} = ? || substr({column}, ?) "  # noqa: S608 - fixed names
-                   f"WHERE experiment_id = ? AND substr({column}, 1, ?) = ?",
-                   (new + "/", len(under) + 1, experiment_id, len(under), under))  # substr counts from 1
+        db.execute(
+            f"UPDATE {table} SET {column} = ? || substr({column}, ?) "  # noqa: S608 - fixed names
+            f"WHERE experiment_id = ? AND substr({column}, 1, ?) = ?",
+            (new + "/", len(under) + 1, experiment_id, len(under), under),
+        )  # substr counts from 1
 
 
 def tracking_uri(cfg: TrackingConfig, run_dir: Path) -> str:
     return cfg.uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
-
 
 
 def sqlite_file(uri: str) -> Path | None:
@@ -100,7 +104,6 @@ def sqlite_file(uri: str) -> Path | None:
     if not uri.startswith("sqlite:///"):
         return None
     return Path(unquote(uri.removeprefix("sqlite:///").split("?")[0]))
-
 
 
 def use_store(uri: str, experiment: str, artifacts: Path | None = None) -> None:
@@ -127,7 +130,6 @@ def use_store(uri: str, experiment: str, artifacts: Path | None = None) -> None:
         mlflow.MlflowClient().set_experiment_tag(found.experiment_id, EXPERIMENT_KIND, "custom_model_development")
 
 
-
 @contextmanager
 def first_open(store: Path | None):
     """Held while a process opens a sqlite store (None: any other store, nothing held): MLflow makes its
@@ -146,7 +148,6 @@ def first_open(store: Path | None):
         os.close(folder)  # releases the lock
 
 
-
 def log_final_logs(run_dir: Path) -> None:
     """The launcher's last word: the process logs once every process has exited (the learner
     logged them while it was still writing its own), into the run its summary names."""
@@ -162,7 +163,6 @@ def log_final_logs(run_dir: Path) -> None:
         log.warning("could not log %s to MLflow run %s: %s", logs, s.get("mlflow_run_id"), err)
 
 
-
 def open_run_store(run_dir: Path, shown: str) -> str:
     """`run_tracking_uri`, its sqlite store re-rooted where the run folder was moved or copied:
     what a reader of a finished run opens, so its artifacts are found where the folder is now."""
@@ -173,7 +173,6 @@ def open_run_store(run_dir: Path, shown: str) -> str:
     if store is not None:
         reroot_artifacts(store)
     return uri
-
 
 
 def mlflow_ui_lines(shown: str, run_dir: Path) -> list[str]:
@@ -187,15 +186,18 @@ def mlflow_ui_lines(shown: str, run_dir: Path) -> list[str]:
         server = [f"mlflow ui: {shown} (the tracking server)"]
         return server if scheme == "databricks" else [*server, *_run_page_line(shown, run_dir)]
     if store is None:
-        return [f"mlflow ui: {_mlflow_command()} ui --backend-store-uri {shlex.quote(shown)}",
-                *_run_page_line(MLFLOW_UI_ADDRESS, run_dir)]
-    lines = [f"mlflow ui: {_mlflow_command()} ui --backend-store-uri {shlex.quote(f'sqlite:///{store.resolve()}')}",
-             *_run_page_line(MLFLOW_UI_ADDRESS, run_dir)]
+        return [
+            f"mlflow ui: {_mlflow_command()} ui --backend-store-uri {shlex.quote(shown)}",
+            *_run_page_line(MLFLOW_UI_ADDRESS, run_dir),
+        ]
+    lines = [
+        f"mlflow ui: {_mlflow_command()} ui --backend-store-uri {shlex.quote(f'sqlite:///{store.resolve()}')}",
+        *_run_page_line(MLFLOW_UI_ADDRESS, run_dir),
+    ]
     if store.resolve().parent == run_dir.resolve():
         shared = run_dir.resolve().parent / "mlflow.db"
         lines.append(f"to compare runs in one UI, give them one store: tracking.uri=sqlite:///{shared}")
     return lines
-
 
 
 def run_page_url(server: str, experiment_id: str, run_id: str) -> str:
@@ -208,7 +210,6 @@ def run_page_url(server: str, experiment_id: str, run_id: str) -> str:
     return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?{MODEL_TRAINING}"
 
 
-
 def _run_page_line(server: str, run_dir: Path) -> list[str]:
     summary = run_dir / "summary.json"
     found = json.loads(summary.read_text()) if summary.is_file() else {}
@@ -218,12 +219,10 @@ def _run_page_line(server: str, run_dir: Path) -> list[str]:
     return [f"the run, as model training: {page}"]
 
 
-
 def _mlflow_command() -> str:
     """The `mlflow` beside this Python (a virtual environment's), else the one on PATH."""
     beside = Path(sys.executable).parent / "mlflow"
     return shlex.quote(str(beside)) if beside.is_file() else "mlflow"
-
 
 
 def run_tracking_uri(run_dir: Path, shown: str) -> str:

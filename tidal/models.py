@@ -6,6 +6,7 @@ with HF_HUB_OFFLINE=1 once the cache holds it. Empty, it is the warm-started tin
 `model.cache_dir` under a hash of everything that shapes it. `tidal run` resolves it once and
 hands every process the folder.
 """
+
 from __future__ import annotations
 
 import re
@@ -34,8 +35,10 @@ def resolve_model_path(model: ModelConfig, task: TaskConfig, build: Builder | No
         build(model, task, path)
     if not (path / "config.json").is_file():
         hint = "" if model.path else " (build it with `tidal prepare CONFIG`, or set model.path)"
-        raise FileNotFoundError(f"model.path = {str(path)!r} is not a Hugging Face model folder "
-                                f"(no config.json) nor a Hub id (org/name){hint}")
+        raise FileNotFoundError(
+            f"model.path = {str(path)!r} is not a Hugging Face model folder "
+            f"(no config.json) nor a Hub id (org/name){hint}"
+        )
     return str(path)
 
 
@@ -49,9 +52,11 @@ def hub_snapshot(repo_id: str, revision: str) -> str:
         path = snapshot_download(repo_id, revision=revision or None)
     except LocalEntryNotFoundError as err:
         mode = "HF_HUB_OFFLINE=1 and " if constants.HF_HUB_OFFLINE else ""
-        raise FileNotFoundError(f"{where}: {mode}not in the Hugging Face cache {constants.HF_HUB_CACHE} and it "
-                                f"could not be downloaded ({type(err).__name__}); fetch it first with "
-                                f"`hf download {repo_id}`") from None
+        raise FileNotFoundError(
+            f"{where}: {mode}not in the Hugging Face cache {constants.HF_HUB_CACHE} and it "
+            f"could not be downloaded ({type(err).__name__}); fetch it first with "
+            f"`hf download {repo_id}`"
+        ) from None
     except (RepositoryNotFoundError, HfHubHTTPError) as err:
         raise FileNotFoundError(f"{where}: {str(err).splitlines()[0]}") from None
     if not (Path(path) / "config.json").is_file():

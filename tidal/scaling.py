@@ -18,6 +18,7 @@ sharing A, for the shared fit). It widens where the data say little, as when the
 the midpoint, and where a rule chose which early points to leave out (`fit_past_transient`): unless
 those points stand beyond the noise, the region holds the fit on every point too.
 """
+
 from __future__ import annotations
 
 import csv
@@ -84,7 +85,7 @@ class SigmoidFit:
         if self.region is None:
             raise ScalingFitError("this fit was made without intervals")
         log_c = _safe_log(np.atleast_1d(C))
-        A, R0, B, C_mid = (self.region[:, i:i + 1] for i in range(4))
+        A, R0, B, C_mid = (self.region[:, i : i + 1] for i in range(4))
         curves = R0 + (A - R0) * expit(B * (log_c[None] - np.log(C_mid)))  # [k, len(C)]
         return curves.min(axis=0), curves.max(axis=0)
 
@@ -118,9 +119,11 @@ class SigmoidFit:
         if past >= WELL_PAST_MIDPOINT:
             return None
         lo, hi = self.intervals["A"]
-        return (f"the fit saw compute up to {self.compute_max:.3g}, {self.compute_max / self.C_mid:.1f}x its midpoint "
-                f"{self.C_mid:.3g} (which may lie as far out as {self.intervals['C_mid'][1]:.3g}): A is not "
-                f"pinned down; read its interval [{lo:.3f}, {hi:.3f}], not {self.A:.3f}, or fit on more compute")
+        return (
+            f"the fit saw compute up to {self.compute_max:.3g}, {self.compute_max / self.C_mid:.1f}x its midpoint "
+            f"{self.C_mid:.3g} (which may lie as far out as {self.intervals['C_mid'][1]:.3g}): A is not "
+            f"pinned down; read its interval [{lo:.3f}, {hi:.3f}], not {self.A:.3f}, or fit on more compute"
+        )
 
 
 def _compute_to(params: np.ndarray, target: float) -> np.ndarray:
@@ -162,6 +165,7 @@ class HoldoutScore:
 
 # ---------------------------------------------------------------- input checks
 
+
 def _as_arrays(compute, pass_rate) -> tuple[np.ndarray, np.ndarray]:
     """Validated float arrays; rejects what no fit can use, naming the column."""
     try:
@@ -176,11 +180,14 @@ def _as_arrays(compute, pass_rate) -> tuple[np.ndarray, np.ndarray]:
         if bad:
             raise ScalingFitError(f"{name} has {bad} NaN/inf value(s) of {col.size}")
     if (c < 0).any():
-        raise ScalingFitError(f"non-positive compute: {int((c < 0).sum())} negative value(s), "
-                              f"smallest {c.min():g} (compute 0 is allowed only for R0)")
+        raise ScalingFitError(
+            f"non-positive compute: {int((c < 0).sum())} negative value(s), "
+            f"smallest {c.min():g} (compute 0 is allowed only for R0)"
+        )
     if ((r < 0) | (r > 1)).any():
-        raise ScalingFitError(f"pass_rate outside [0, 1]: {int(((r < 0) | (r > 1)).sum())} "
-                              f"value(s), range [{r.min():g}, {r.max():g}]")
+        raise ScalingFitError(
+            f"pass_rate outside [0, 1]: {int(((r < 0) | (r > 1)).sum())} value(s), range [{r.min():g}, {r.max():g}]"
+        )
     return c, r
 
 
@@ -203,17 +210,21 @@ def _prepare(compute, pass_rate, R0, min_compute) -> tuple[np.ndarray, np.ndarra
     c, r = c[keep], r[keep]
     if c.size < MIN_SIGMOID_POINTS:
         where = "" if min_compute is None else f" with compute >= {min_compute:g}"
-        raise ScalingFitError(f"too few points: {c.size} usable point(s){where} with compute > 0; "
-                              f"the sigmoid needs at least {MIN_SIGMOID_POINTS}")
+        raise ScalingFitError(
+            f"too few points: {c.size} usable point(s){where} with compute > 0; "
+            f"the sigmoid needs at least {MIN_SIGMOID_POINTS}"
+        )
     _check_not_flat(np.append(r, R0))
     if r.max() <= R0 + FLAT_TOL:
-        raise ScalingFitError(f"pass rate never rises above R0={R0:g} (best {r.max():g}): "
-                              "a rising sigmoid has nothing to fit")
+        raise ScalingFitError(
+            f"pass rate never rises above R0={R0:g} (best {r.max():g}): a rising sigmoid has nothing to fit"
+        )
     order = np.argsort(c)
     return c[order], r[order], float(R0)
 
 
 # ---------------------------------------------------------------- grid search core
+
 
 def _cmid_grid(compute: np.ndarray, num: int = NUM_CMID) -> np.ndarray:
     return np.geomspace(compute.min() / 10, compute.max() * 100, num)
@@ -225,14 +236,17 @@ def _b_grid(num: int = NUM_B) -> np.ndarray:
 
 def _intervals(region: np.ndarray) -> dict[str, tuple[float, float]]:
     """The range of A, B and C_mid over a [k, 4] (A, R0, B, C_mid) confidence region."""
-    return {name: (float(region[:, i].min()), float(region[:, i].max()))
-            for i, name in ((0, "A"), (2, "B"), (3, "C_mid"))}
+    return {
+        name: (float(region[:, i].min()), float(region[:, i].max())) for i, name in ((0, "A"), (2, "B"), (3, "C_mid"))
+    }
 
 
 # ---------------------------------------------------------------- public fits
 
-def fit_sigmoid(compute, pass_rate, *, R0: float | None = None, min_compute: float | None = None,
-                intervals: bool = True) -> SigmoidFit:
+
+def fit_sigmoid(
+    compute, pass_rate, *, R0: float | None = None, min_compute: float | None = None, intervals: bool = True
+) -> SigmoidFit:
     """ScaleRL fit by least squares, with profile-likelihood 90% intervals.
 
     R0 is fitted with the rest, the compute-0 measurement(s) counting as points (an evaluation of
@@ -245,9 +259,17 @@ def fit_sigmoid(compute, pass_rate, *, R0: float | None = None, min_compute: flo
     coarse = _scan(obs, _b_grid(), _cmid_grid(obs.c[obs.c > 0]))
     fine = _scan(obs, *_zoom(coarse, coarse.sse <= obs.level(coarse.best_sse)))
     A, B, C_mid, R0_, sse = _polish(obs, fine)
-    fit = SigmoidFit(A=A, B=B, C_mid=C_mid, R0=R0_, sse=sse, n_points=int((obs.c > 0).sum()),
-                     compute_max=float(obs.c.max()), skipped_below=min_compute or None,
-                     residual_dof=max(obs.c.size - obs.num_params, 0))
+    fit = SigmoidFit(
+        A=A,
+        B=B,
+        C_mid=C_mid,
+        R0=R0_,
+        sse=sse,
+        n_points=int((obs.c > 0).sum()),
+        compute_max=float(obs.c.max()),
+        skipped_below=min_compute or None,
+        residual_dof=max(obs.c.size - obs.num_params, 0),
+    )
     if intervals:
         # the fit itself is in its region, and so is the best grid cell (noiseless points leave nothing else)
         level = max(obs.level(min(sse, fine.best_sse)), fine.best_sse)
@@ -341,7 +363,7 @@ class _Scan:
     def region(self, level: float) -> np.ndarray:
         """[k, 4] (A, R0, B, C_mid): for every cell with a value inside `level`, both ends of its
         run of x inside (the curve at any compute is monotone in x, so its range is at the ends)."""
-        free = self.q0 - self.q1 ** 2 / self.q2
+        free = self.q0 - self.q1**2 / self.q2
         half = np.sqrt(np.maximum(level - free, 0.0) / self.q2)
         centre = self.q1 / self.q2
         lo, hi = np.maximum(centre - half, self.lo), np.minimum(centre + half, self.hi)
@@ -359,16 +381,28 @@ def _scan(obs: _Observations, b_values: np.ndarray, cmid_values: np.ndarray) -> 
         y = obs.r - obs.R0
         q2 = np.maximum((S * S).sum(1), tiny)
         zeros = np.zeros(S.shape[0])
-        return _Scan(b, c_mid, np.full(S.shape[0], y @ y), S @ y, q2, zeros + obs.R0, zeros, zeros,
-                     zeros + 1 - obs.R0, (b_values.size, cmid_values.size), True)
+        return _Scan(
+            b,
+            c_mid,
+            np.full(S.shape[0], y @ y),
+            S @ y,
+            q2,
+            zeros + obs.R0,
+            zeros,
+            zeros,
+            zeros + 1 - obs.R0,
+            (b_values.size, cmid_values.size),
+            True,
+        )
     T = 1 - S
     tt, ts, rt = np.maximum((T * T).sum(1), tiny), (T * S).sum(1), T @ obs.r
-    q0 = obs.r @ obs.r - rt ** 2 / tt
+    q0 = obs.r @ obs.r - rt**2 / tt
     q1 = S @ obs.r - rt * ts / tt
-    q2 = np.maximum((S * S).sum(1) - ts ** 2 / tt, tiny)
+    q2 = np.maximum((S * S).sum(1) - ts**2 / tt, tiny)
     lo = rt / np.maximum(T.sum(1), tiny)  # A above R0
-    return _Scan(b, c_mid, q0, q1, q2, rt / tt, ts / tt, lo, np.ones(S.shape[0]),
-                 (b_values.size, cmid_values.size), False)
+    return _Scan(
+        b, c_mid, q0, q1, q2, rt / tt, ts / tt, lo, np.ones(S.shape[0]), (b_values.size, cmid_values.size), False
+    )
 
 
 def _zoom(coarse: _Scan, inside: np.ndarray, num: int = 120) -> tuple[np.ndarray, np.ndarray]:
@@ -408,8 +442,9 @@ def _polish(obs: _Observations, fine: _Scan, A: float | None = None) -> tuple[fl
     return float(A_), float(B), float(C_mid), float(R0), float(cell_sse(one)[0])
 
 
-def fit_common_A(runs: dict, *, R0: dict | None = None, min_compute: float | None = None,
-                 intervals: bool = True) -> dict[str, SigmoidFit]:
+def fit_common_A(
+    runs: dict, *, R0: dict | None = None, min_compute: float | None = None, intervals: bool = True
+) -> dict[str, SigmoidFit]:
     """One asymptote A shared by all runs, B, C_mid and R0 per run (to compare B across runs), with
     profile-likelihood 90% intervals.
 
@@ -441,8 +476,9 @@ def fit_common_A(runs: dict, *, R0: dict | None = None, min_compute: float | Non
     fits = {}
     for name, o in obs.items():
         _, B, C_mid, R0_, sse = _polish(o, fine.scans[name], A)
-        fits[name] = SigmoidFit(A=A, B=B, C_mid=C_mid, R0=R0_, sse=sse, n_points=int((o.c > 0).sum()),
-                                compute_max=float(o.c.max()))
+        fits[name] = SigmoidFit(
+            A=A, B=B, C_mid=C_mid, R0=R0_, sse=sse, n_points=int((o.c > 0).sum()), compute_max=float(o.c.max())
+        )
     if intervals:
         # as in fit_sigmoid: the fit and the best grid point are inside, noiseless or not
         at = max(level(min(sum(f.sse for f in fits.values()), fine.best_sse)), fine.best_sse)
@@ -483,8 +519,10 @@ class _SharedA:
         probe = self.a[:: max(self.a.size // 16, 1)]
         upper = level(float(sum(scan.sse_at(probe).min(axis=1) for scan in self.scans.values()).min()))
         best = {name: scan.best_sse for name, scan in self.scans.items()}
-        return {name: np.flatnonzero(scan.sse <= upper - (sum(best.values()) - best[name]))
-                for name, scan in self.scans.items()}
+        return {
+            name: np.flatnonzero(scan.sse <= upper - (sum(best.values()) - best[name]))
+            for name, scan in self.scans.items()
+        }
 
     def summed(self, name: str) -> np.ndarray:
         """[A, candidates]: the summed SSE with run `name` in each of its cells, every other run at its best."""
@@ -535,14 +573,15 @@ def fit_power_law(compute, pass_rate) -> PowerLawFit:
     keep = (c > 0) & (r > 0)
     c, r = c[keep], r[keep]
     if c.size < MIN_POWER_POINTS:
-        raise ScalingFitError(f"too few points: {c.size} usable point(s) with compute > 0 and "
-                              f"pass_rate > 0; the power law needs at least {MIN_POWER_POINTS}")
+        raise ScalingFitError(
+            f"too few points: {c.size} usable point(s) with compute > 0 and "
+            f"pass_rate > 0; the power law needs at least {MIN_POWER_POINTS}"
+        )
     if np.ptp(np.log(c)) == 0:
         raise ScalingFitError("power law needs at least two distinct compute values")
     _check_not_flat(r)
     b, log_a = np.polyfit(np.log(c), np.log(r), 1)
-    fit = PowerLawFit(a=float(np.exp(log_a)), b=float(b), sse=0.0, n_points=int(c.size),
-                      compute_max=float(c.max()))
+    fit = PowerLawFit(a=float(np.exp(log_a)), b=float(b), sse=0.0, n_points=int(c.size), compute_max=float(c.max()))
     fit.sse = float(np.sum((r - fit.predict(c)) ** 2))
     return fit
 
@@ -644,12 +683,19 @@ def holdout_score(compute, pass_rate, fit_fraction: float = 0.5, **fit_kwargs) -
     late_c, late_r = c[~early][order], r[~early][order]
     predicted = np.asarray(fit.predict(late_c), dtype=float)
     errors = np.abs(predicted - late_r)
-    return HoldoutScore(fit=fit, heldout_compute=late_c, heldout_pass_rate=late_r, predicted=predicted,
-                        abs_errors=errors, final_abs_error=float(errors[-1]),
-                        mean_abs_error=float(errors.mean()))
+    return HoldoutScore(
+        fit=fit,
+        heldout_compute=late_c,
+        heldout_pass_rate=late_r,
+        predicted=predicted,
+        abs_errors=errors,
+        final_abs_error=float(errors[-1]),
+        mean_abs_error=float(errors.mean()),
+    )
 
 
 # ---------------------------------------------------------------- inputs and outputs
+
 
 def read_csv(path) -> tuple[np.ndarray, np.ndarray]:
     """(compute, pass_rate) from a CSV whose header names `compute` and `pass_rate`."""
@@ -668,8 +714,7 @@ def _read_rows(path: Path, reader: csv.DictReader) -> tuple[np.ndarray, np.ndarr
     compute, pass_rate = [], []
     missing = {"compute", "pass_rate"} - set(reader.fieldnames or [])
     if missing:
-        raise ScalingFitError(f"{path}: line 1: header lacks column(s) {sorted(missing)} "
-                              f"(has {reader.fieldnames})")
+        raise ScalingFitError(f"{path}: line 1: header lacks column(s) {sorted(missing)} (has {reader.fieldnames})")
     for row in reader:
         if not any((v or "").strip() for v in row.values() if isinstance(v, str)):
             continue  # blank line
@@ -677,8 +722,10 @@ def _read_rows(path: Path, reader: csv.DictReader) -> tuple[np.ndarray, np.ndarr
         try:
             c, r = float(row["compute"]), float(row["pass_rate"])
         except (TypeError, ValueError):
-            raise ScalingFitError(f"{path}: line {line}: bad row compute={row['compute']!r}, "
-                                  f"pass_rate={row['pass_rate']!r} (need two numbers)") from None
+            raise ScalingFitError(
+                f"{path}: line {line}: bad row compute={row['compute']!r}, "
+                f"pass_rate={row['pass_rate']!r} (need two numbers)"
+            ) from None
         if not (math.isfinite(c) and math.isfinite(r)):
             raise ScalingFitError(f"{path}: line {line}: NaN/inf in compute={c}, pass_rate={r}")
         compute.append(c)
@@ -704,8 +751,15 @@ def fit_table(fits: dict[str, SigmoidFit], power: dict[str, PowerLawFit] | None 
         header += ["power a", "power b", "power SSE"]
     rows = [header]
     for name, fit in fits.items():
-        row = [str(name), _span(fit, "A", ".3f"), _span(fit, "B", ".2f"), _span(fit, "C_mid", ".3g"),
-               f"{fit.R0:.3f}", f"{fit.sse:.2e}", str(fit.n_points)]
+        row = [
+            str(name),
+            _span(fit, "A", ".3f"),
+            _span(fit, "B", ".2f"),
+            _span(fit, "C_mid", ".3g"),
+            f"{fit.R0:.3f}",
+            f"{fit.sse:.2e}",
+            str(fit.n_points),
+        ]
         if power:
             p = power.get(name)
             row += [f"{p.a:.3g}", f"{p.b:.3f}", f"{p.sse:.2e}"] if p else ["-", "-", "-"]
@@ -723,8 +777,15 @@ def fit_notes(fits: dict[str, SigmoidFit]) -> str:
     return "\n".join(f"note: {name}: {note}" for name, fit in fits.items() if (note := fit.window_note()))
 
 
-def plot_fits(points: dict, fits: dict[str, SigmoidFit], path, power: dict[str, PowerLawFit] | None = None,
-              title: str = "", xlabel: str = "compute", target: float | None = None) -> Path:
+def plot_fits(
+    points: dict,
+    fits: dict[str, SigmoidFit],
+    path,
+    power: dict[str, PowerLawFit] | None = None,
+    title: str = "",
+    xlabel: str = "compute",
+    target: float | None = None,
+) -> Path:
     """PNG of measured points and fitted curves on a log compute axis, labelled by the keys of `points`
     (run names); solid over the compute each fit saw, dashed beyond it, shaded = the 90% interval; a
     target pass rate, when given, as a horizontal line."""
@@ -847,8 +908,9 @@ def draw_curve(ax, fit: SigmoidFit, lo: float, hi: float, color: str, name: str)
     return end < hi
 
 
-def points_from_mlflow(tracking_uri: str, run_ids, metric: str = "eval/pass_rate",
-                       compute_metric: str = "compute/flops") -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def points_from_mlflow(
+    tracking_uri: str, run_ids, metric: str = "eval/pass_rate", compute_metric: str = "compute/flops"
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """run name (or id) -> (compute, pass_rate), pairing each eval point with the compute logged at the
     same step, counted from the step-0 evaluation: the curve's R0 is that evaluation, at compute 0, so a
     compute axis that had already grown by then (compute/wall_s counts the start-up) is shifted back to
@@ -866,11 +928,15 @@ def points_from_mlflow(tracking_uri: str, run_ids, metric: str = "eval/pass_rate
         compute_by_step.setdefault(0, 0.0)
         missing = sorted(set(evals) - set(compute_by_step))
         if missing:
-            raise ScalingFitError(f"run {run_id} ({name}): {metric!r} at step(s) {missing[:5]} has no "
-                                  f"{compute_metric!r} logged at the same step")
+            raise ScalingFitError(
+                f"run {run_id} ({name}): {metric!r} at step(s) {missing[:5]} has no "
+                f"{compute_metric!r} logged at the same step"
+            )
         steps = sorted(evals)
-        points[name] = (np.array([compute_by_step[s] - compute_by_step[0] for s in steps], dtype=float),
-                        np.array([evals[s] for s in steps], dtype=float))
+        points[name] = (
+            np.array([compute_by_step[s] - compute_by_step[0] for s in steps], dtype=float),
+            np.array([evals[s] for s in steps], dtype=float),
+        )
     return points
 
 

@@ -4,6 +4,7 @@
 tokenizer.json) that both vLLM and transformers load. The supervised warm start that makes
 it useful lives in tidal.learner.tools.warmstart; the cache key covers everything that shapes it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,8 +39,14 @@ def max_positions(task_module) -> int:
     return int(getattr(task_module, "MAX_POSITIONS", DEFAULT_POSITIONS))
 
 
-def cache_key(tiny: TinyModelConfig, task: TaskConfig, alphabet: str, positions: int = DEFAULT_POSITIONS,
-              chat_template: str | None = None, teacher: str | None = None) -> str:
+def cache_key(
+    tiny: TinyModelConfig,
+    task: TaskConfig,
+    alphabet: str,
+    positions: int = DEFAULT_POSITIONS,
+    chat_template: str | None = None,
+    teacher: str | None = None,
+) -> str:
     """Hash of every input that shapes the warm-started model (architecture, SFT, task split)."""
     # only the task fields that shape the tiny task's prompts: keys added for other tasks must
     # not invalidate (and rebuild) every cached model; for the same reason the context length
@@ -53,8 +60,9 @@ def cache_key(tiny: TinyModelConfig, task: TaskConfig, alphabet: str, positions:
     described = asdict(tiny)
     if described["warmstart"]["stable_checks"] == 1:  # as every model before the key existed was built
         del described["warmstart"]["stable_checks"]
-    blob = json.dumps({"tiny": described, "task": shaping, "alphabet": alphabet, "format": 2, **extra},
-                      sort_keys=True, default=str)
+    blob = json.dumps(
+        {"tiny": described, "task": shaping, "alphabet": alphabet, "format": 2, **extra}, sort_keys=True, default=str
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -103,16 +111,26 @@ class OwnTask:
 def _answered(prompt, task: TaskConfig) -> tuple[str, str]:
     answer = prompt.payload.get("answer", prompt.payload.get(task.answer_field))
     if prompt.messages is not None or not isinstance(answer, (str, int, float)):
-        what = "is chat messages" if prompt.messages is not None else \
-            f"has no answer (payload 'answer' or column task.answer_field = {task.answer_field!r})"
-        raise ConfigError(f"config key 'model.path' = '': task {task.name!r} names no ALPHABET, so the tiny model is "
-                          f"warm-started to write each prompt's answer, and prompt {prompt.prompt_id} {what}; "
-                          f"{OWN_TASK_HELP}")
+        what = (
+            "is chat messages"
+            if prompt.messages is not None
+            else f"has no answer (payload 'answer' or column task.answer_field = {task.answer_field!r})"
+        )
+        raise ConfigError(
+            f"config key 'model.path' = '': task {task.name!r} names no ALPHABET, so the tiny model is "
+            f"warm-started to write each prompt's answer, and prompt {prompt.prompt_id} {what}; "
+            f"{OWN_TASK_HELP}"
+        )
     return prompt.text, str(answer)
 
 
-def build_tiny_model(tiny: TinyModelConfig, alphabet: str, seed: int, positions: int = DEFAULT_POSITIONS,
-                     chat_template: str | None = None):
+def build_tiny_model(
+    tiny: TinyModelConfig,
+    alphabet: str,
+    seed: int,
+    positions: int = DEFAULT_POSITIONS,
+    chat_template: str | None = None,
+):
     """A freshly initialised Qwen2ForCausalLM (fp32, tied embeddings) and its tokenizer (with the
     task's chat template, when it has one)."""
     import torch

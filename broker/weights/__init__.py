@@ -15,6 +15,7 @@ carries what the channels trust: a sha256 per byte range, checked before anythin
 keyed tag per tensor, checked on the GPU it lands on, before the engine serves from it), and for the
 network channels the learner's token, without which its weight port answers nothing.
 """
+
 from __future__ import annotations
 
 from tidal.broker.weights import file, gloo, nccl, tcp
@@ -34,14 +35,28 @@ from tidal.broker.weights.staging import orphaned_staging
 from tidal.broker.weights.tags import SCRATCH_BYTES as TAG_SCRATCH_BYTES
 from tidal.config import WeightsConfig, default_weights_dir
 
-TRANSPORTS: dict[str, Transport] = {t.name: t for t in (file.TRANSPORT, tcp.TRANSPORT, gloo.TRANSPORT,
-                                                          nccl.TRANSPORT)}
+TRANSPORTS: dict[str, Transport] = {t.name: t for t in (file.TRANSPORT, tcp.TRANSPORT, gloo.TRANSPORT, nccl.TRANSPORT)}
 default_dir = default_weights_dir  # where a run's weights live when weights.dir is empty (the config's rule)
 
 # the names code outside the weight channels uses: nothing else of theirs is imported from outside
-__all__ = ["RELOAD_LOGGER", "TAG_SCRATCH_BYTES", "TRANSPORTS", "EngineStuck", "InitInfo", "UpdateInfo",
-           "WeightPublisher", "WeightReceiver", "build_publisher", "build_receiver", "default_dir", "orphaned_staging",
-           "quiet_harmless_reload_warnings", "transport", "weight_layout", "without_aliases"]
+__all__ = [
+    "RELOAD_LOGGER",
+    "TAG_SCRATCH_BYTES",
+    "TRANSPORTS",
+    "EngineStuck",
+    "InitInfo",
+    "UpdateInfo",
+    "WeightPublisher",
+    "WeightReceiver",
+    "build_publisher",
+    "build_receiver",
+    "default_dir",
+    "orphaned_staging",
+    "quiet_harmless_reload_warnings",
+    "transport",
+    "weight_layout",
+    "without_aliases",
+]
 
 
 def transport(name: str) -> Transport:
@@ -50,8 +65,9 @@ def transport(name: str) -> Transport:
     return TRANSPORTS[name]
 
 
-def build_publisher(cfg: WeightsConfig, incarnation: str, run_name: str, run_dir: str,
-                    dtype: str | None = None) -> WeightPublisher:
+def build_publisher(
+    cfg: WeightsConfig, incarnation: str, run_name: str, run_dir: str, dtype: str | None = None
+) -> WeightPublisher:
     """`incarnation` names the learner process, so actors tell a resumed learner's versions apart;
     weights travel in `dtype`, what the actors serve (model.dtype)."""
     check_transport(cfg)

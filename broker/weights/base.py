@@ -1,5 +1,6 @@
 """The two sides of a weight channel; each transport's module implements both (and the worker's part).
 What every channel's worker side shares sits at the end."""
+
 from __future__ import annotations
 
 import abc
@@ -69,8 +70,10 @@ class Transport(abc.ABC):
     def load(self, model, model_config, info: UpdateInfo) -> str:
         """In a worker, for a channel without a group: load one update, every byte of it in hand and
         checked first; returns how it loaded."""
-        raise ValueError(f"weights over {self.name!r} arrive through a group formed beforehand "
-                         "(init_weight_transfer_engine with its spec): none is formed")
+        raise ValueError(
+            f"weights over {self.name!r} arrive through a group formed beforehand "
+            "(init_weight_transfer_engine with its spec): none is formed"
+        )
 
 
 @dataclass
@@ -108,13 +111,16 @@ def check_transport(update: WeightUpdate, expected: str) -> None:
 def check_token(update: WeightUpdate) -> None:
     """A network channel's announcement must carry the token its learner's weight port asks for."""
     if len(update.token) != TOKEN_BYTES:
-        raise ValueError(f"weights v{update.version}: the announcement carries no token for the learner's weight "
-                         f"port ({len(update.token)} bytes, expected {TOKEN_BYTES}): refused")
+        raise ValueError(
+            f"weights v{update.version}: the announcement carries no token for the learner's weight "
+            f"port ({len(update.token)} bytes, expected {TOKEN_BYTES}): refused"
+        )
 
 
 # ---- integrity: a sha256 per byte range (never one hash of a multi-GB whole) --------------------
 # The digests are announced over the broker, whose peers are authenticated; a checksum (crc32) would
 # let whoever writes the weights folder or sits on the data path alter bytes and keep it matching.
+
 
 def digest(data) -> bytes:
     """The sha256 of `data` (bytes-like); hashlib lets go of the GIL while it hashes a large buffer."""
@@ -123,9 +129,14 @@ def digest(data) -> bytes:
 
 def split_buckets(payload: memoryview, bucket_bytes: int) -> list[WeightBucket]:
     """`payload` cut into ranges of `bucket_bytes`, each with the sha256 of its bytes."""
-    return [WeightBucket(offset=start, nbytes=len(payload[start:start + bucket_bytes]),
-                         sha256=digest(payload[start:start + bucket_bytes]))
-            for start in range(0, len(payload), bucket_bytes)]
+    return [
+        WeightBucket(
+            offset=start,
+            nbytes=len(payload[start : start + bucket_bytes]),
+            sha256=digest(payload[start : start + bucket_bytes]),
+        )
+        for start in range(0, len(payload), bucket_bytes)
+    ]
 
 
 def digest_problem(data, bucket: WeightBucket, index: int) -> str | None:
@@ -133,8 +144,10 @@ def digest_problem(data, bucket: WeightBucket, index: int) -> str | None:
     got = digest(data)
     if got == bucket.sha256:
         return None
-    return (f"bytes [{bucket.offset}, {bucket.offset + bucket.nbytes}) (range {index}) have sha256 "
-            f"{got.hex()[:16]}…, the announcement says {bucket.sha256.hex()[:16]}…: altered or damaged")
+    return (
+        f"bytes [{bucket.offset}, {bucket.offset + bucket.nbytes}) (range {index}) have sha256 "
+        f"{got.hex()[:16]}…, the announcement says {bucket.sha256.hex()[:16]}…: altered or damaged"
+    )
 
 
 def bucket_problem(payload: memoryview, update: WeightUpdate) -> str | None:
@@ -145,8 +158,10 @@ def bucket_problem(payload: memoryview, update: WeightUpdate) -> str | None:
     if covered != len(payload):
         return f"{len(payload)} bytes, the announced ranges cover {covered}"
     with ThreadPoolExecutor(max_workers=4) as pool:
-        problems = pool.map(lambda ib: digest_problem(payload[ib[1].offset:ib[1].offset + ib[1].nbytes], ib[1], ib[0]),
-                            enumerate(update.buckets))
+        problems = pool.map(
+            lambda ib: digest_problem(payload[ib[1].offset : ib[1].offset + ib[1].nbytes], ib[1], ib[0]),
+            enumerate(update.buckets),
+        )
         return next((p for p in problems if p is not None), None)
 
 
@@ -156,7 +171,7 @@ RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
 def weight_layout(model) -> str:
-    """"reload" where loading a checkpoint's tensors is not a copy into the parameters: a kernel has
+    """ "reload" where loading a checkpoint's tensors is not a copy into the parameters: a kernel has
     moved some parameter's weights into a layout of its own and left the parameter empty (the CPU
     backend's packed linear layers), or a quantization method post-processes what is loaded (fp8
     and the like: raw weights copied in place would be served as they are); else "copy"."""
@@ -228,8 +243,10 @@ class StreamedLoad:
             return
         missing = sorted({name for name, _ in self.model.named_parameters()} - self.loaded)
         if missing:  # the learner sends every tensor: a short update is a bug, and must not pass quietly
-            raise ValueError(f"the weight update left {len(missing)} parameters of the engine's model unloaded "
-                             f"(e.g. {missing[:3]}); the engine now mixes two versions")
+            raise ValueError(
+                f"the weight update left {len(missing)} parameters of the engine's model unloaded "
+                f"(e.g. {missing[:3]}); the engine now mixes two versions"
+            )
 
     def abandon(self) -> None:
         if self.reload:
@@ -269,8 +286,10 @@ def load_into_model(model, weights, model_config, payload=None, key=None) -> str
     missing = sorted(expected - set(expected if loaded is None else loaded))
     if missing:  # the learner sends every tensor: a short update is a bug, and must not pass quietly
         _plan = None
-        raise ValueError(f"the weight update left {len(missing)} parameters of the engine's model unloaded "
-                         f"(e.g. {missing[:3]}); the engine now mixes two versions")
+        raise ValueError(
+            f"the weight update left {len(missing)} parameters of the engine's model unloaded "
+            f"(e.g. {missing[:3]}); the engine now mixes two versions"
+        )
     return "copy"
 
 
@@ -300,10 +319,14 @@ class CopyPlan:
 
         class Recorder(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                into_model = bool(args) and isinstance(args[0], torch.Tensor) \
-                    and args[0].untyped_storage().data_ptr() in targets
-                if into_model and func is torch.ops.aten.copy_.default \
-                        and args[1].untyped_storage().data_ptr() == source:
+                into_model = (
+                    bool(args) and isinstance(args[0], torch.Tensor) and args[0].untyped_storage().data_ptr() in targets
+                )
+                if (
+                    into_model
+                    and func is torch.ops.aten.copy_.default
+                    and args[1].untyped_storage().data_ptr() == source
+                ):
                     src = args[1]
                     copies.append((args[0], (src.dtype, src.storage_offset(), tuple(src.shape), tuple(src.stride()))))
                 elif into_model and func is torch.ops.aten.fill_.Scalar:  # e.g. an embedding's padded rows

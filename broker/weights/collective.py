@@ -25,6 +25,7 @@ process group of the training ranks. Nothing is kept on the actor beyond the pie
 transfer that fails part-way leaves the engine paused on a torn model until a whole version loads
 (requests in flight keep their place and tokens).
 """
+
 from __future__ import annotations
 
 import abc
@@ -153,6 +154,7 @@ class Watchdog:
 
 # ---- the learner's side ------------------------------------------------------------------------
 
+
 def control(token: bytes, op: int, arg: int) -> bytes:
     """A request to the learner's group server."""
     return CONTROL.pack(CONTROL_MAGIC, token, op, arg)
@@ -180,8 +182,11 @@ class GroupServer(WeightServer):
             while request is not None:
                 _, _, op, arg = CONTROL.unpack(request)
                 if not self.authentic(request) or op not in (JOIN, FETCH, STORE):
-                    conn.sendall(error_reply(server.BAD_REQUEST, f"not a tidal weight group request with this "
-                                                                 f"learner's token (op {op})"))
+                    conn.sendall(
+                        error_reply(
+                            server.BAD_REQUEST, f"not a tidal weight group request with this learner's token (op {op})"
+                        )
+                    )
                     return
                 if op == STORE:
                     self.plane.serve_store(conn, arg)
@@ -234,8 +239,13 @@ class GroupServer(WeightServer):
             with Watchdog(self.timeout_s, group.abort) as watchdog:
                 self.plane.send(group, served, watchdog.progress)
             if watchdog.fired:
-                conn.sendall(error_reply(server.FAILED, f"version {version}: no progress for {self.timeout_s:.0f} s "
-                                                        "(weights.tcp_timeout_s); the transfer was aborted"))
+                conn.sendall(
+                    error_reply(
+                        server.FAILED,
+                        f"version {version}: no progress for {self.timeout_s:.0f} s "
+                        "(weights.tcp_timeout_s); the transfer was aborted",
+                    )
+                )
                 return False
             conn.sendall(reply(server.OK))
             return True
@@ -279,13 +289,27 @@ class CollectivePublisher(WeightPublisher):
     def publish(self, named_tensors, version: int, entries=None) -> WeightUpdate:
         key = tags.new_key() if self.plane.tags else b""  # a key for this version alone
         tagger = tags.Tagger(key, self.plane.tag_device()) if key else None
-        payload, manifest = pack(named_tensors, self.dtype, partial(self.server.buffer_for, pin=self.plane.pin),
-                                 entries, tag=tagger.tag if tagger else None)
+        payload, manifest = pack(
+            named_tensors,
+            self.dtype,
+            partial(self.server.buffer_for, pin=self.plane.pin),
+            entries,
+            tag=tagger.tag if tagger else None,
+        )
         buckets = tensor_buckets(payload, manifest, self.bucket_bytes) if self.plane.checksums else []
         self.server.add(version, Served(payload, manifest, buckets))
-        return WeightUpdate(version=version, transport=self.plane.name, location=self.location, manifest=manifest,
-                            checksum="", incarnation=self.incarnation, buckets=buckets, token=self.server.token,
-                            tag_key=key, tags=tagger.digests() if tagger else [])
+        return WeightUpdate(
+            version=version,
+            transport=self.plane.name,
+            location=self.location,
+            manifest=manifest,
+            checksum="",
+            incarnation=self.incarnation,
+            buckets=buckets,
+            token=self.server.token,
+            tag_key=key,
+            tags=tagger.digests() if tagger else [],
+        )
 
     def retain(self, version: int) -> None:
         self.server.retain(version)
@@ -295,6 +319,7 @@ class CollectivePublisher(WeightPublisher):
 
 
 # ---- the actor's side ------------------------------------------------------------------------
+
 
 class Refused(ValueError):
     """The learner answered, and said no: the connection and the group stay as they are."""
@@ -349,13 +374,18 @@ class CollectiveReceiver(WeightReceiver):
             group = {**spec, "location": update.location, "token": update.token.hex()}
             # the workers form their side while the learner's connection thread forms its own
             try:
-                await asyncio.wait_for(engine.init_weight_transfer(
-                    {"transport": self.transport, "group": group, "timeout_s": self.cfg.tcp_timeout_s}),
-                    self.cfg.tcp_timeout_s * 2)
+                await asyncio.wait_for(
+                    engine.init_weight_transfer(
+                        {"transport": self.transport, "group": group, "timeout_s": self.cfg.tcp_timeout_s}
+                    ),
+                    self.cfg.tcp_timeout_s * 2,
+                )
             except TimeoutError:
-                raise EngineStuck(f"{where}: the engine's workers did not form their group within "
-                                  f"{self.cfg.tcp_timeout_s * 2:.0f} s (twice weights.tcp_timeout_s) and wait "
-                                  "on inside a call that cannot be cancelled; the actor must restart") from None
+                raise EngineStuck(
+                    f"{where}: the engine's workers did not form their group within "
+                    f"{self.cfg.tcp_timeout_s * 2:.0f} s (twice weights.tcp_timeout_s) and wait "
+                    "on inside a call that cannot be cancelled; the actor must restart"
+                ) from None
         except BaseException:
             self.leave()
             raise
@@ -384,8 +414,9 @@ class CollectiveTransport(Transport):
     def __init__(self, plane: type[Plane]):
         self.plane, self.name = plane, plane.name
 
-    def publisher(self, cfg: WeightsConfig, incarnation: str, dtype: str | None, owns_dir: bool = False
-                  ) -> WeightPublisher:
+    def publisher(
+        self, cfg: WeightsConfig, incarnation: str, dtype: str | None, owns_dir: bool = False
+    ) -> WeightPublisher:
         self.plane.check_learner()
         return CollectivePublisher(cfg, self.plane(cfg), incarnation, dtype)
 

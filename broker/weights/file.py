@@ -11,6 +11,7 @@ made first is refused, since whoever owns it reads every version and can plant l
 are written without following a link, so a link planted in a configured folder is never written
 through.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -60,10 +61,17 @@ def read_manifest(path: Path) -> list[TensorSpec]:
         (header_len,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(header_len))
     base = 8 + header_len
-    return [TensorSpec(name=name, dtype=meta["dtype"], shape=tuple(meta["shape"]),
-                       offset=base + meta["data_offsets"][0],
-                       nbytes=meta["data_offsets"][1] - meta["data_offsets"][0])
-            for name, meta in header.items() if name != "__metadata__"]
+    return [
+        TensorSpec(
+            name=name,
+            dtype=meta["dtype"],
+            shape=tuple(meta["shape"]),
+            offset=base + meta["data_offsets"][0],
+            nbytes=meta["data_offsets"][1] - meta["data_offsets"][0],
+        )
+        for name, meta in header.items()
+        if name != "__metadata__"
+    ]
 
 
 class FilePublisher(WeightPublisher):
@@ -95,9 +103,15 @@ class FilePublisher(WeightPublisher):
         write_new(tmp, data)
         os.replace(tmp, path)  # atomic: readers see the whole file or none (a link at `path` is replaced, not followed)
         self._prune(version)
-        return WeightUpdate(version=version, transport=NAME, location=str(path), manifest=read_manifest(path),
-                            checksum="", incarnation=self.incarnation,
-                            buckets=split_buckets(memoryview(data), self.bucket_bytes))
+        return WeightUpdate(
+            version=version,
+            transport=NAME,
+            location=str(path),
+            manifest=read_manifest(path),
+            checksum="",
+            incarnation=self.incarnation,
+            buckets=split_buckets(memoryview(data), self.bucket_bytes),
+        )
 
     def retain(self, version: int) -> None:
         self.retained = version
@@ -130,9 +144,11 @@ def own_folder(path: Path) -> None:
     found = os.lstat(path)
     if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.geteuid():
         what = "a directory" if stat.S_ISDIR(found.st_mode) else "not a directory"
-        raise ForeignFolder(f"the run's weights folder {path} exists, {what} of uid {found.st_uid}, not this "
-                            f"process's user (uid {os.geteuid()}): whoever made it could read every version; remove "
-                            "it or set weights.dir")
+        raise ForeignFolder(
+            f"the run's weights folder {path} exists, {what} of uid {found.st_uid}, not this "
+            f"process's user (uid {os.geteuid()}): whoever made it could read every version; remove "
+            "it or set weights.dir"
+        )
     os.chmod(path, 0o700)
 
 
@@ -188,8 +204,9 @@ def weight_file(update: WeightUpdate, weights_dir: str) -> Path:
     have the announced size."""
     path, root = Path(update.location).resolve(), Path(weights_dir).resolve()
     if not path.is_relative_to(root):
-        raise ValueError(f"weight file {update.location!r} (version {update.version}) is outside weights.dir "
-                         f"{str(root)!r}: refused")
+        raise ValueError(
+            f"weight file {update.location!r} (version {update.version}) is outside weights.dir {str(root)!r}: refused"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"weight file for version {update.version} is missing: {path}")
     expected = announced_size(update)
@@ -215,8 +232,9 @@ def announced_size(update: WeightUpdate) -> int:
 class _File(Transport):
     name = NAME
 
-    def publisher(self, cfg: WeightsConfig, incarnation: str, dtype: str | None, owns_dir: bool = False
-                  ) -> WeightPublisher:
+    def publisher(
+        self, cfg: WeightsConfig, incarnation: str, dtype: str | None, owns_dir: bool = False
+    ) -> WeightPublisher:
         return FilePublisher(cfg, incarnation, owns_dir=owns_dir, dtype=dtype)
 
     def receiver(self, cfg: WeightsConfig) -> WeightReceiver:

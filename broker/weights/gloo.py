@@ -10,6 +10,7 @@ and each worker reaches it through the learner's weight port, one authenticated 
 connection (`RemoteStore` ─► STORE ─► `GroupStore.serve`). A stranger can neither read nor write a
 key, and a group's keys are bounded in bytes and go with the group.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -43,8 +44,9 @@ def new_group(store, rank: int, world_size: int, timeout_s: float, host: str = "
 
     options = dist.ProcessGroupGloo._Options()
     options._timeout = datetime.timedelta(seconds=timeout_s)
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host) if host
-                        else dist.ProcessGroupGloo.create_default_device()]
+    options._devices = [
+        dist.ProcessGroupGloo.create_device(hostname=host) if host else dist.ProcessGroupGloo.create_default_device()
+    ]
     return dist.ProcessGroupGloo(store, rank, world_size, options)
 
 
@@ -71,6 +73,7 @@ def is_loopback(host: str) -> bool:
 
 # ---- a group's rendezvous keys, in the learner's memory ------------------------------------------
 
+
 class GroupStore:
     """One group's keys: the learner's rank uses `store` (a torch HashStore) directly; each worker's
     operations arrive through `serve`, checked and bounded in bytes."""
@@ -88,9 +91,14 @@ class GroupStore:
         """Read one operation from `conn`, apply it, answer."""
         op, key_bytes, value_bytes = STORE_OP.unpack(recv_exact(conn, STORE_OP.size))
         if not SET <= op <= DELETE or key_bytes > MAX_KEY_BYTES or value_bytes > MAX_VALUE_BYTES:
-            conn.sendall(error_reply(server.BAD_REQUEST, f"store operation {op} with a {key_bytes}-byte key and a "
-                                                         f"{value_bytes}-byte value (at most {MAX_KEY_BYTES} and "
-                                                         f"{MAX_VALUE_BYTES})"))
+            conn.sendall(
+                error_reply(
+                    server.BAD_REQUEST,
+                    f"store operation {op} with a {key_bytes}-byte key and a "
+                    f"{value_bytes}-byte value (at most {MAX_KEY_BYTES} and "
+                    f"{MAX_VALUE_BYTES})",
+                )
+            )
             return
         key = recv_exact(conn, key_bytes).decode(errors="replace")
         value = recv_exact(conn, value_bytes)
@@ -163,8 +171,9 @@ def remote_store_class():
                     self._call(WAIT, key, int(wait_s * 1000).to_bytes(8, "little"))
 
             def add(self, key, value) -> int:
-                return int.from_bytes(self._call(ADD, key, int(value).to_bytes(8, "little", signed=True)), "little",
-                                      signed=True)
+                return int.from_bytes(
+                    self._call(ADD, key, int(value).to_bytes(8, "little", signed=True)), "little", signed=True
+                )
 
             def check(self, keys) -> bool:
                 return all(self._call(CHECK, key) == b"\x01" for key in keys)
@@ -180,6 +189,7 @@ _remote_store_class = None
 
 
 # ---- the plane ------------------------------------------------------------------------------------
+
 
 class _LearnerGroup:
     def __init__(self, group, on_end):
@@ -226,15 +236,16 @@ class GlooPlane(Plane):
 
     def send(self, group: _LearnerGroup, served: Served, progress) -> None:
         for bucket in served.buckets:
-            broadcast(group.group, served.payload[bucket.offset:bucket.offset + bucket.nbytes])
+            broadcast(group.group, served.payload[bucket.offset : bucket.offset + bucket.nbytes])
             progress()
 
     @classmethod
     def join(cls, engine, init: InitInfo) -> GlooMember:
         spec = init.group
         learner_host, _ = server.parse_location(spec["location"])
-        store = remote_store_class()(spec["location"], bytes.fromhex(spec["token"]), int(spec["group_id"]),
-                                     init.timeout_s)
+        store = remote_store_class()(
+            spec["location"], bytes.fromhex(spec["token"]), int(spec["group_id"]), init.timeout_s
+        )
         # a learner on loopback keeps the whole group there: nothing of it listens on another interface
         host = "127.0.0.1" if is_loopback(learner_host) else ""
         group = new_group(store, 1 + engine.worker_rank, int(spec["world_size"]), init.timeout_s, host)

@@ -23,6 +23,7 @@ A new thread's current device is 0: the learner's connection threads are bound t
 device first; the workers receive on the thread vLLM runs them on, with vLLM's own device.
 NCCL_SOCKET_IFNAME (and NCCL's other variables) pick the network.
 """
+
 from __future__ import annotations
 
 import base64
@@ -40,6 +41,7 @@ NUM_BUFFERS = 2  # chunks in flight on each side: vLLM's double buffering
 
 # The three calls that need the NCCL library and a GPU: the unit tier's fake (tests/fake_nccl.py)
 # stands in for them, with NCCL's semantics.
+
 
 def unique_id() -> bytes:
     """A fresh ncclUniqueId, the rendezvous of one communicator."""
@@ -124,8 +126,9 @@ class SendSlot:
 
         self.nbytes = nbytes
         self.streams = [torch.cuda.Stream(device=device_index) for _ in range(NUM_BUFFERS)]
-        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=tensor_device(device_index))
-                        for _ in range(NUM_BUFFERS)]
+        self.buffers = [
+            torch.empty(nbytes, dtype=torch.uint8, device=tensor_device(device_index)) for _ in range(NUM_BUFFERS)
+        ]
 
 
 class NcclPlane(Plane):
@@ -146,8 +149,10 @@ class NcclPlane(Plane):
         import torch
 
         if not torch.cuda.is_available():
-            raise ValueError("config key 'weights.transport' = 'nccl' needs CUDA on the learner and the actors; "
-                             "on CPUs use gloo or tcp")
+            raise ValueError(
+                "config key 'weights.transport' = 'nccl' needs CUDA on the learner and the actors; "
+                "on CPUs use gloo or tcp"
+            )
 
     def device_index(self) -> int:
         import torch
@@ -165,13 +170,18 @@ class NcclPlane(Plane):
     @classmethod
     def check_announcement(cls, update: WeightUpdate) -> None:
         if len(update.tag_key) != tags.KEY_BYTES or len(update.tags) != len(update.manifest):
-            raise ValueError(f"weights v{update.version} by nccl: the announcement carries {len(update.tags)} tensor "
-                             f"tags for {len(update.manifest)} tensors and a {len(update.tag_key)}-byte key (expected "
-                             f"one each and {tags.KEY_BYTES}): refused, its bytes could not be checked")
+            raise ValueError(
+                f"weights v{update.version} by nccl: the announcement carries {len(update.tags)} tensor "
+                f"tags for {len(update.manifest)} tensors and a {len(update.tag_key)}-byte key (expected "
+                f"one each and {tags.KEY_BYTES}): refused, its bytes could not be checked"
+            )
 
     def mint(self, num_workers: int, bucket_bytes: int) -> dict:
-        return {"uid": base64.b64encode(unique_id()).decode(), "world_size": 1 + num_workers,
-                "buffer_bytes": bucket_bytes}
+        return {
+            "uid": base64.b64encode(unique_id()).decode(),
+            "world_size": 1 + num_workers,
+            "buffer_bytes": bucket_bytes,
+        }
 
     def form(self, spec: dict, timeout_s: float) -> _LearnerGroup:
         """The learner's side of a new group, formed on a thread of its own: NCCL's init waits for
@@ -190,12 +200,15 @@ class NcclPlane(Plane):
                 formed["error"] = err
             with self.lock:
                 self.warmup_streams.append(stream)  # done with it: the next group's warm-up may run there
+
         thread = threading.Thread(target=build, name="tidal-nccl-form", daemon=True)
         thread.start()
         thread.join(timeout_s)
         if thread.is_alive():
-            raise RuntimeError(f"the actor's workers did not form their group within {timeout_s:.0f} s "
-                               "(weights.tcp_timeout_s); NCCL's init cannot be cancelled, so one thread waits on")
+            raise RuntimeError(
+                f"the actor's workers did not form their group within {timeout_s:.0f} s "
+                "(weights.tcp_timeout_s); NCCL's init cannot be cancelled, so one thread waits on"
+            )
         if "error" in formed:
             raise RuntimeError(f"forming the group failed: {formed['error']}") from formed["error"]
         return _LearnerGroup(formed["comm"], int(spec["buffer_bytes"]))
@@ -229,8 +242,9 @@ class NcclPlane(Plane):
                 with torch.cuda.stream(stream):
                     at = 0
                     for spec in specs:
-                        buffer[at:at + spec.nbytes].copy_(served.payload[spec.offset:spec.offset + spec.nbytes],
-                                                          non_blocking=True)
+                        buffer[at : at + spec.nbytes].copy_(
+                            served.payload[spec.offset : spec.offset + spec.nbytes], non_blocking=True
+                        )
                         at += spec.nbytes
                     group.comm.broadcast(buffer[:total], src=0, stream=stream)
             for stream in slot.streams:
@@ -273,9 +287,16 @@ class NcclMember:
         self.vllm = _vllm_engine_class()(engine.config, engine.vllm_config, engine.device, _Loading(self))
         spec = init.group
         self.vllm.worker_rank = 1 + engine.worker_rank
-        self.vllm.init_transfer_engine(NCCLWeightTransferInitInfo(
-            nccl_unique_id_b64=spec["uid"], rank_offset=1, world_size=int(spec["world_size"]), packed=True,
-            packed_buffer_size_bytes=int(spec["buffer_bytes"]), packed_num_buffers=NUM_BUFFERS))
+        self.vllm.init_transfer_engine(
+            NCCLWeightTransferInitInfo(
+                nccl_unique_id_b64=spec["uid"],
+                rank_offset=1,
+                world_size=int(spec["world_size"]),
+                packed=True,
+                packed_buffer_size_bytes=int(spec["buffer_bytes"]),
+                packed_num_buffers=NUM_BUFFERS,
+            )
+        )
 
     def start(self) -> None:
         self.load.start()
@@ -285,15 +306,20 @@ class NcclMember:
         (one wait for the device). A tensor altered on the way fails the update: the model is torn,
         and the engine serves nothing until a version loads whole and checked."""
         manifest = update.manifest
-        info = {"names": [s.name for s in manifest], "dtype_names": [DTYPE_NAMES[s.dtype] for s in manifest],
-                "shapes": [list(s.shape) for s in manifest]}
+        info = {
+            "names": [s.name for s in manifest],
+            "dtype_names": [DTYPE_NAMES[s.dtype] for s in manifest],
+            "shapes": [list(s.shape) for s in manifest],
+        }
         self.tagger = tags.Tagger(update.tag_key)  # on the device the tensors land on
         try:
             with Watchdog(self.timeout_s, self.vllm.model_update_group.destroy) as self.watchdog:
                 self.vllm.receive_weights(self.vllm.parse_update_info(info))
             if self.watchdog.fired:
-                raise ConnectionError(f"weights v{update.version}: nothing arrived for {self.timeout_s:.0f} s "
-                                      "(weights.tcp_timeout_s); the transfer was aborted")
+                raise ConnectionError(
+                    f"weights v{update.version}: nothing arrived for {self.timeout_s:.0f} s "
+                    "(weights.tcp_timeout_s); the transfer was aborted"
+                )
             self._check_tags(update)
         except BaseException:
             self.load.abandon()
@@ -309,9 +335,11 @@ class NcclMember:
         got = self.tagger.digests()
         for spec, mine, announced in zip(update.manifest, got, update.tags):
             if mine != announced:
-                raise ValueError(f"weights v{update.version} by nccl: tensor {spec.name!r} arrived with tag "
-                                 f"{mine.hex()[:16]}…, the announcement says {announced.hex()[:16]}…: "
-                                 "altered on the way")
+                raise ValueError(
+                    f"weights v{update.version} by nccl: tensor {spec.name!r} arrived with tag "
+                    f"{mine.hex()[:16]}…, the announcement says {announced.hex()[:16]}…: "
+                    "altered on the way"
+                )
         if len(got) != len(update.manifest):
             raise ValueError(f"weights v{update.version} by nccl: {len(got)} of {len(update.manifest)} tensors arrived")
 
@@ -356,9 +384,14 @@ def _vllm_engine_class():
                 self.packed = init_info.packed
                 self.packed_buffer_size_bytes = init_info.packed_buffer_size_bytes
                 self.packed_num_buffers = init_info.packed_num_buffers
-                self.model_update_group = Abortable(communicator(
-                    init_info.nccl_unique_id_bytes, self.worker_rank, init_info.world_size,
-                    torch.accelerator.current_device_index()))
+                self.model_update_group = Abortable(
+                    communicator(
+                        init_info.nccl_unique_id_bytes,
+                        self.worker_rank,
+                        init_info.world_size,
+                        torch.accelerator.current_device_index(),
+                    )
+                )
 
         _engine_class = TidalNcclEngine
     return _engine_class

@@ -1,6 +1,7 @@
 """A version's payload: every tensor of the policy, in the dtype the actors serve, in one aligned
 buffer in the learner's host memory, described by a manifest (name, dtype, shape, byte range).
 The network channels serve it; the actors load views of it."""
+
 from __future__ import annotations
 
 import math
@@ -11,8 +12,18 @@ from tidal.broker.weights.base import digest
 
 ALIGN_BYTES = 64  # each tensor starts on a 64-byte boundary of the payload, as CPU kernels like
 # safetensors' dtype names, as the file channel's manifest writes them
-DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-               "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+DTYPE_NAMES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
 WIRE_NAMES = {v: k for k, v in DTYPE_NAMES.items()}
 
 
@@ -61,13 +72,13 @@ def pack(named_tensors: Mapping | Iterable, dtype: str | None = None, buffer_for
     for spec, (name, tensor) in zip(specs, named_tensors, strict=True):
         if name != spec.name:
             raise ValueError(f"weights packed out of order: {name!r} where {spec.name!r} was announced")
-        view = payload[spec.offset:spec.offset + spec.nbytes].view(torch_dtype(spec.dtype)).view(spec.shape)
+        view = payload[spec.offset : spec.offset + spec.nbytes].view(torch_dtype(spec.dtype)).view(spec.shape)
         if tag is not None:  # cast where it lies first, so that the tag is of the very bytes copied
             tensor = tensor.detach().to(view.dtype)
             tag(tensor)
         view.copy_(tensor.detach())  # converts dtype and device on the way
         end = spec.offset + spec.nbytes
-        payload[end:-(-end // ALIGN_BYTES) * ALIGN_BYTES] = 0  # padding
+        payload[end : -(-end // ALIGN_BYTES) * ALIGN_BYTES] = 0  # padding
     return payload, specs
 
 
@@ -101,9 +112,11 @@ def checked_size(version: int, manifest: list[TensorSpec], buckets: list[WeightB
     end = end if buckets else total
     for spec, expected in zip(manifest, specs):
         if (spec.offset, spec.nbytes) != (expected.offset, expected.nbytes) or spec.offset + spec.nbytes > end:
-            raise ValueError(f"weights v{version}: tensor {spec.name!r} ({spec.dtype} {list(spec.shape)}) at bytes "
-                             f"[{spec.offset}, {spec.offset + spec.nbytes}) does not fit a {end}-byte payload laid "
-                             "out as tidal lays one out")
+            raise ValueError(
+                f"weights v{version}: tensor {spec.name!r} ({spec.dtype} {list(spec.shape)}) at bytes "
+                f"[{spec.offset}, {spec.offset + spec.nbytes}) does not fit a {end}-byte payload laid "
+                "out as tidal lays one out"
+            )
     return end
 
 
@@ -111,8 +124,10 @@ def tensors_of(manifest: list[TensorSpec], payload, base: int = 0):
     """(name, view into `payload`) per tensor of the manifest, made as they are asked for (a
     replayed copy plan asks for none): nothing is copied. `payload` starts at byte `base` of the
     version's payload (a bucket of it)."""
-    return ((s.name, payload[s.offset - base:s.offset - base + s.nbytes].view(torch_dtype(s.dtype)).view(s.shape))
-            for s in manifest)
+    return (
+        (s.name, payload[s.offset - base : s.offset - base + s.nbytes].view(torch_dtype(s.dtype)).view(s.shape))
+        for s in manifest
+    )
 
 
 def tensor_buckets(payload, manifest: list[TensorSpec], bucket_bytes: int) -> list[WeightBucket]:

@@ -13,6 +13,7 @@ A stranger's connection gets nothing (no version list either) and never holds a 
 it cannot delay an honest actor. The accept loop outlives any error (no thread left, no descriptor
 left): it logs it, counts it, pauses a moment and serves on.
 """
+
 from __future__ import annotations
 
 import collections
@@ -116,8 +117,12 @@ class WeightServer:
         with self.lock:
             previous, self.retained = self.retained, version
             newest = max(self.versions, default=version)
-            if previous is not None and previous != version and previous in self.versions \
-                    and previous <= newest - self.keep:
+            if (
+                previous is not None
+                and previous != version
+                and previous in self.versions
+                and previous <= newest - self.keep
+            ):
                 self.retired.append(self.versions.pop(previous))
 
     def buffer_for(self, total: int, pin: bool = False):
@@ -159,8 +164,10 @@ class WeightServer:
                 except Exception:  # noqa: BLE001 - no descriptor or thread left, or a bug: serve on
                     self.accept_errors += 1
                     if self.accept_errors & (self.accept_errors - 1) == 0:  # the 1st, 2nd, 4th, ...: cannot flood
-                        log.exception("weight server: accepting a connection failed (%d failures so far); "
-                                      "it serves on", self.accept_errors)
+                        log.exception(
+                            "weight server: accepting a connection failed (%d failures so far); it serves on",
+                            self.accept_errors,
+                        )
                     time.sleep(ACCEPT_BACKOFF_S)
         finally:
             for conn in list(self.pending):
@@ -216,17 +223,25 @@ class WeightServer:
         self.selector.unregister(conn)
         del self.pending[conn]
         if not self.authentic(bytes(pending.received)):
-            self._refuse(conn, "unauthorized", UNAUTHORIZED,
-                         "the request does not carry this learner's weight token (it travels in the weight "
-                         "announcements): refused")
+            self._refuse(
+                conn,
+                "unauthorized",
+                UNAUTHORIZED,
+                "the request does not carry this learner's weight token (it travels in the weight "
+                "announcements): refused",
+            )
             return
         self._dispatch(conn, bytes(pending.received))
 
     def _dispatch(self, conn: socket.socket, opening: bytes) -> None:
         """An authenticated connection onto a handler thread of its own, while fewer than max_connections run."""
         if not self.slots.acquire(blocking=False):
-            self._refuse(conn, "busy", BUSY, f"the learner serves {self.max_connections} weight connections "
-                                             "already; try again later")
+            self._refuse(
+                conn,
+                "busy",
+                BUSY,
+                f"the learner serves {self.max_connections} weight connections already; try again later",
+            )
             return
         conn.setblocking(True)
         conn.settimeout(self.timeout_s)  # an actor that stops reading frees its thread
@@ -271,8 +286,9 @@ class WeightServer:
         except Exception:  # noqa: BLE001 - one actor's connection never takes the learner down
             with self.lock:
                 self.errors += 1
-            log.exception("weight server: the connection from %s failed; it was closed and the learner "
-                          "carries on", _peer(conn))
+            log.exception(
+                "weight server: the connection from %s failed; it was closed and the learner carries on", _peer(conn)
+            )
         finally:
             with self.lock:
                 self.connections.discard(conn)

@@ -1,6 +1,7 @@
 """A version staged in memory for an engine's workers, shared by the channels that fetch or read a whole
 payload before the pause (tcp, file): one file in /dev/shm, mapped by the actor and by each worker, reused
 for every version of the same size; the workers load its tensors in place."""
+
 from __future__ import annotations
 
 import os
@@ -18,9 +19,7 @@ def staging_dir() -> Path:
     return Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
 
 
-
 STAGED_PREFIX = "tidal-weights-"  # then the actor's pid, a random part, ".bin"
-
 
 
 def orphaned_staging() -> list[Path]:
@@ -38,7 +37,6 @@ def orphaned_staging() -> list[Path]:
         except PermissionError:
             pass  # alive, another user's
     return orphans
-
 
 
 class Staging:
@@ -79,9 +77,7 @@ class Staging:
         self.path, self.buffer, self.held = None, None, False
 
 
-
 _worker_map: tuple[str, object] | None = None  # in a vLLM worker: (staged path, its map), kept across updates
-
 
 
 def map_staged(path: str, total: int):
@@ -96,7 +92,6 @@ def map_staged(path: str, total: int):
             raise ValueError(f"staged weights {path} are {size} bytes, expected {total}")
         _worker_map = (path, torch.from_file(path, shared=True, size=total, dtype=torch.uint8))
     return _worker_map[1]
-
 
 
 def load_payload(model, model_config, update: WeightUpdate, payload) -> str:

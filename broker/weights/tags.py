@@ -17,6 +17,7 @@ Every step is exact int64 arithmetic (products of 31 bits by 30, sums that stay 
 the learner's tags, computed as it packs a version, and a worker's, computed on its GPU as each
 chunk arrives, agree bit for bit on any device.
 """
+
 from __future__ import annotations
 
 import secrets
@@ -42,7 +43,7 @@ def new_key() -> bytes:
 def lane_keys(key: bytes) -> list[int]:
     if len(key) != KEY_BYTES:
         raise ValueError(f"a tag key is {KEY_BYTES} bytes, not {len(key)}")
-    keys = [int.from_bytes(key[8 * i:8 * i + 8], "little") for i in range(LANES)]
+    keys = [int.from_bytes(key[8 * i : 8 * i + 8], "little") for i in range(LANES)]
     if not all(0 < k < P for k in keys):
         raise ValueError("a tag key's lanes must lie in [1, 2^61 - 1)")
     return keys
@@ -131,9 +132,17 @@ class Tagger:
 
         if self.block_powers.shape[1] < count:
             count = max(count, 2 * self.block_powers.shape[1])
-            self.block_powers = torch.stack([
-                torch.cat([torch.ones(1, dtype=torch.int64, device=self.device),
-                           _powers(pow(k, WORDS_PER_BLOCK, P), count - 1, self.device)]) for k in self.keys])
+            self.block_powers = torch.stack(
+                [
+                    torch.cat(
+                        [
+                            torch.ones(1, dtype=torch.int64, device=self.device),
+                            _powers(pow(k, WORDS_PER_BLOCK, P), count - 1, self.device),
+                        ]
+                    )
+                    for k in self.keys
+                ]
+            )
         return self.block_powers[:, :count]
 
     def tag(self, tensor) -> None:
@@ -146,7 +155,7 @@ class Tagger:
         step = 2 * WORDS_PER_BLOCK * BLOCKS_AT_ONCE  # bytes a pass: whole blocks, never the whole tensor at once
         sums = []
         for start in range(0, max(len(data), 1), step):
-            w = words(data[start:start + step])
+            w = words(data[start : start + step])
             blocks = max(1, -(-len(w) // WORDS_PER_BLOCK))
             w = torch.nn.functional.pad(w, (0, blocks * WORDS_PER_BLOCK - len(w)))[None].view(1, blocks, -1)
             low, high = (w * self.low).sum(-1), (w * self.high).sum(-1)  # [LANES, blocks]: < 2^62, < 2^61
@@ -173,6 +182,6 @@ def reference_tag(data: bytes, key: bytes) -> bytes:
         acc, power = 0, 1
         for i in range(0, len(data), 2):
             power = power * k % P
-            acc = (acc + int.from_bytes(data[i:i + 2], "little") * power) % P
+            acc = (acc + int.from_bytes(data[i : i + 2], "little") * power) % P
         out += acc.to_bytes(8, "little")
     return out

@@ -15,6 +15,7 @@ byte is fetched and checked before the load starts: a load cannot be undone half
 fetch leaves the engine on its current weights. The token and the digests travel only in the
 announcement, over the authenticated broker: a peer without it is refused before it learns anything.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -50,6 +51,7 @@ def bucket_request(token: bytes, version: int, index: int) -> bytes:
 
 # ---- the learner's side ------------------------------------------------------------------------
 
+
 class TcpServer(WeightServer):
     """A request names (version, bucket) and carries the token; the reply is that bucket's bytes, or
     an error text."""
@@ -60,8 +62,9 @@ class TcpServer(WeightServer):
         request: bytes | None = opening
         while request is not None:
             if not self.authentic(request):
-                conn.sendall(error_reply(server.UNAUTHORIZED, "not a tidal weight request with this learner's "
-                                                              "token: refused"))
+                conn.sendall(
+                    error_reply(server.UNAUTHORIZED, "not a tidal weight request with this learner's token: refused")
+                )
                 return
             _, _, version, index = REQUEST.unpack(request)
             self._send_bucket(conn, version, index)
@@ -78,7 +81,7 @@ class TcpServer(WeightServer):
         try:
             bucket = served.buckets[index]
             conn.sendall(REPLY.pack(MAGIC, OK, bucket.nbytes))
-            conn.sendall(served.view[bucket.offset:bucket.offset + bucket.nbytes])
+            conn.sendall(served.view[bucket.offset : bucket.offset + bucket.nbytes])
         finally:
             self.release(served)
 
@@ -98,8 +101,16 @@ class TcpPublisher(WeightPublisher):
         view = memoryview(payload.numpy())
         buckets = split_buckets(view, self.bucket_bytes)
         self.server.add(version, Served(payload, manifest, buckets, view))
-        return WeightUpdate(version=version, transport=NAME, location=self.location, manifest=manifest,
-                            checksum="", incarnation=self.incarnation, buckets=buckets, token=self.server.token)
+        return WeightUpdate(
+            version=version,
+            transport=NAME,
+            location=self.location,
+            manifest=manifest,
+            checksum="",
+            incarnation=self.incarnation,
+            buckets=buckets,
+            token=self.server.token,
+        )
 
     def retain(self, version: int) -> None:
         self.server.retain(version)
@@ -109,6 +120,7 @@ class TcpPublisher(WeightPublisher):
 
 
 # ---- fetching: in the actor (prefetch) or in each vLLM worker ---------------------------------
+
 
 def fetch(update: WeightUpdate, into: memoryview, timeout_s: float) -> None:
     """Every bucket of `update` from the learner into `into` (the payload's size), each checked
@@ -121,11 +133,13 @@ def fetch(update: WeightUpdate, into: memoryview, timeout_s: float) -> None:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small requests go out at once
             for index, bucket in enumerate(update.buckets):
-                fetch_bucket(sock, update, index, into[bucket.offset:bucket.offset + bucket.nbytes])
+                fetch_bucket(sock, update, index, into[bucket.offset : bucket.offset + bucket.nbytes])
                 done += 1
     except OSError as err:  # refused, reset, timed out, cut short
-        raise ConnectionError(f"weights v{update.version} from the learner at {update.location}: {err} "
-                              f"(after {done} of {len(update.buckets)} buckets)") from err
+        raise ConnectionError(
+            f"weights v{update.version} from the learner at {update.location}: {err} "
+            f"(after {done} of {len(update.buckets)} buckets)"
+        ) from err
 
 
 def fetch_bucket(sock: socket.socket, update: WeightUpdate, index: int, into: memoryview) -> None:
@@ -146,6 +160,7 @@ def fetch_bucket(sock: socket.socket, update: WeightUpdate, index: int, into: me
 
 # ---- the actor's side ------------------------------------------------------------------------
 
+
 class TcpReceiver(WeightReceiver):
     def __init__(self, cfg: WeightsConfig):
         self.cfg = cfg
@@ -164,8 +179,9 @@ class TcpReceiver(WeightReceiver):
             try:
                 buffer = staging.buffer_for(total)
                 await asyncio.to_thread(fetch, update, memoryview(buffer.numpy()), timeout_s)
-                paused = await engine.transfer_weights(update.version,
-                                                       update_info(NAME, update, str(staging.path), timeout_s))
+                paused = await engine.transfer_weights(
+                    update.version, update_info(NAME, update, str(staging.path), timeout_s)
+                )
             except BaseException:
                 staging.failed()
                 raise
@@ -174,6 +190,7 @@ class TcpReceiver(WeightReceiver):
 
 
 # ---- inside each vLLM worker ------------------------------------------------------------------
+
 
 def load_received(model, model_config, info: UpdateInfo) -> str:
     """Load one update into `model`: from the staged payload, or fetched here when nothing was
@@ -194,8 +211,9 @@ def load_received(model, model_config, info: UpdateInfo) -> str:
 class _Tcp(Transport):
     name = NAME
 
-    def publisher(self, cfg: WeightsConfig, incarnation: str, dtype: str | None, owns_dir: bool = False
-                  ) -> WeightPublisher:
+    def publisher(
+        self, cfg: WeightsConfig, incarnation: str, dtype: str | None, owns_dir: bool = False
+    ) -> WeightPublisher:
         return TcpPublisher(cfg, incarnation, dtype)
 
     def receiver(self, cfg: WeightsConfig) -> WeightReceiver:

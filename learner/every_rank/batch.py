@@ -16,6 +16,7 @@ A micro-batch has one of three layouts (`learner.packing`):
   which pays where prompts are long against completions.
 `learner/packing_efficiency` is the share of computed positions that hold a real token.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -64,20 +65,23 @@ def group_advantages(groups: list[RolloutGroup], norm: AdvantageNorm, all_sum: R
         flat = np.concatenate(centred) if centred else np.zeros(0)
         count, total, total_sq = all_sum(np.array([flat.size, flat.sum(), np.square(flat).sum()]))
         mean = total / max(count, 1)
-        std = np.sqrt(max(total_sq / max(count, 1) - mean ** 2, 0.0))
+        std = np.sqrt(max(total_sq / max(count, 1) - mean**2, 0.0))
         return [a / (std + 1e-6) for a in centred]
     if norm is AdvantageNorm.group:
         return [a / (a.std() + 1e-6) for a in centred]
     return centred
 
 
-def aggregation_weights(masks: list[list[np.ndarray]], how: Aggregation,
-                        all_sum: Reduce = _one_rank) -> list[list[np.ndarray]]:
+def aggregation_weights(
+    masks: list[list[np.ndarray]], how: Aggregation, all_sum: Reduce = _one_rank
+) -> list[list[np.ndarray]]:
     """Per-token weights (masks[group][sample] -> weights) so that sum(w * loss_t) over every rank is
     the aggregate. Samples and prompts without a trainable token do not count."""
     tokens = [[int(m.sum()) for m in g] for g in masks]
-    local = np.array([sum(map(sum, tokens)), sum(n > 0 for g in tokens for n in g), sum(sum(g) > 0 for g in tokens)],
-                     dtype=np.float64)
+    local = np.array(
+        [sum(map(sum, tokens)), sum(n > 0 for g in tokens for n in g), sum(sum(g) > 0 for g in tokens)],
+        dtype=np.float64,
+    )
     num_tokens, num_samples, num_groups = (max(float(x), 1.0) for x in all_sum(local))
     if how is Aggregation.token_mean:
         return [[m / num_tokens for m in g] for g in masks]
@@ -87,8 +91,12 @@ def aggregation_weights(masks: list[list[np.ndarray]], how: Aggregation,
     return [[m / (max(sum(ns), 1) * num_groups) for m in g] for g, ns in zip(masks, tokens)]
 
 
-def build_rows(groups: list[RolloutGroup], token_masks: list[list[np.ndarray]], advantages: list[np.ndarray],
-               weights: list[list[np.ndarray]]) -> list[Row]:
+def build_rows(
+    groups: list[RolloutGroup],
+    token_masks: list[list[np.ndarray]],
+    advantages: list[np.ndarray],
+    weights: list[list[np.ndarray]],
+) -> list[Row]:
     """One Row per sample; advantages[group][sample], weights[group][sample] -> [completion_len]."""
     rows = []
     for index, (g, adv, masks, ws) in enumerate(zip(groups, advantages, token_masks, weights, strict=True)):
@@ -96,8 +104,18 @@ def build_rows(groups: list[RolloutGroup], token_masks: list[list[np.ndarray]], 
         for (s, tokens, logprobs), a, m, w in zip(g.unpack(), adv, masks, ws, strict=True):
             # tokens the actor injected (forced interruptions) are read as context, never trained on
             keep = np.asarray(m, dtype=bool) & ~s.injected_mask()
-            rows.append(Row(np.concatenate([prompt, tokens.astype(np.int64)]), len(prompt), logprobs,
-                            s.versions(), keep, float(a), np.where(keep, w, 0.0).astype(np.float64), group=index))
+            rows.append(
+                Row(
+                    np.concatenate([prompt, tokens.astype(np.int64)]),
+                    len(prompt),
+                    logprobs,
+                    s.versions(),
+                    keep,
+                    float(a),
+                    np.where(keep, w, 0.0).astype(np.float64),
+                    group=index,
+                )
+            )
     return rows
 
 
@@ -155,8 +173,7 @@ def _sequences(rows: list[Row], layout: str) -> list[tuple[int, list[Row]]]:
     groups: dict[int, list[Row]] = {}
     for r in rows:
         groups.setdefault(r.group, []).append(r)
-    return [(members[0].num_prompt_tokens + sum(r.shared_len for r in members), members)
-            for members in groups.values()]
+    return [(members[0].num_prompt_tokens + sum(r.shared_len for r in members), members) for members in groups.values()]
 
 
 @dataclass
@@ -201,12 +218,13 @@ def collate(rows: list[Row], layout: str = "padded") -> MicroBatch:
         ids = np.zeros((len(rows), max(lengths)), dtype=np.int64)
         attn = np.zeros_like(ids)
         for i, r in enumerate(rows):
-            ids[i, :lengths[i]], attn[i, :lengths[i]] = r.input_ids, 1
+            ids[i, : lengths[i]], attn[i, : lengths[i]] = r.input_ids, 1
         positions = None
     # t-1 predicts t
     predict_at = [start + np.arange(r.num_prompt_tokens, len(r.input_ids)) - 1 for start, r in zip(starts, rows)]
-    return _micro_batch(rows, ids, None if attn is None else torch.from_numpy(attn), positions, predict_at,
-                        sum(lengths))
+    return _micro_batch(
+        rows, ids, None if attn is None else torch.from_numpy(attn), positions, predict_at, sum(lengths)
+    )
 
 
 def _collate_shared(rows: list[Row]) -> MicroBatch:
@@ -230,7 +248,7 @@ def _collate_shared(rows: list[Row]) -> MicroBatch:
             positions[b, start:end] = np.arange(prompt_len, prompt_len + r.shared_len)
             # the first completion token is predicted by the prompt's last position, each later one by its own
             # segment's position before it
-            steps = np.concatenate([[prompt_len - 1], np.arange(start, end)])[:len(r.input_ids) - prompt_len]
+            steps = np.concatenate([[prompt_len - 1], np.arange(start, end)])[: len(r.input_ids) - prompt_len]
             predict_at.append(b * width + steps)
             start = end
             ordered.append(r)
@@ -241,30 +259,47 @@ def _collate_shared(rows: list[Row]) -> MicroBatch:
     mask = ((key == 0) | (key == query)) & causal & (query != -1)
     mask |= torch.eye(width, dtype=torch.bool)  # padding attends to itself
     place = {id(r): i for i, r in enumerate(rows)}
-    return _micro_batch(ordered, ids, mask[:, None], torch.from_numpy(positions), predict_at,
-                        sum(length for length, _ in sequences), [place[id(r)] for r in ordered])
+    return _micro_batch(
+        ordered,
+        ids,
+        mask[:, None],
+        torch.from_numpy(positions),
+        predict_at,
+        sum(length for length, _ in sequences),
+        [place[id(r)] for r in ordered],
+    )
 
 
-def _micro_batch(rows: list[Row], ids: np.ndarray, attention_mask: torch.Tensor | None,
-                 position_ids: torch.Tensor | None, predict_at: list[np.ndarray], num_real_tokens: int,
-                 index: list[int] | None = None) -> MicroBatch:
+def _micro_batch(
+    rows: list[Row],
+    ids: np.ndarray,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    predict_at: list[np.ndarray],
+    num_real_tokens: int,
+    index: list[int] | None = None,
+) -> MicroBatch:
     """The per-token tensors of `rows` (in this order), beside the layout's inputs; `index`: each row's
     place in the caller's list (sample_index counts in that list), when the layout reordered them."""
     cat = np.concatenate
-    completions = [r.input_ids[r.num_prompt_tokens:] for r in rows]
+    completions = [r.input_ids[r.num_prompt_tokens :] for r in rows]
     index = range(len(rows)) if index is None else index
     return MicroBatch(
-        input_ids=torch.from_numpy(ids), attention_mask=attention_mask, position_ids=position_ids,
+        input_ids=torch.from_numpy(ids),
+        attention_mask=attention_mask,
+        position_ids=position_ids,
         predict_at=torch.from_numpy(cat(predict_at).astype(np.int64)),
         targets=torch.from_numpy(cat(completions)),
         behavior_logprobs=torch.from_numpy(cat([r.behavior_logprobs for r in rows]).astype(np.float32)),
-        advantages=torch.from_numpy(cat([np.full(len(r.behavior_logprobs), r.advantage, dtype=np.float32)
-                                         for r in rows])),
+        advantages=torch.from_numpy(
+            cat([np.full(len(r.behavior_logprobs), r.advantage, dtype=np.float32) for r in rows])
+        ),
         weights=torch.from_numpy(cat([r.token_weight for r in rows])),
         versions=torch.from_numpy(cat([r.versions for r in rows])),
         token_mask=torch.from_numpy(cat([r.token_mask for r in rows])),
         sample_index=torch.from_numpy(cat([np.full(len(c), i, dtype=np.int64) for i, c in zip(index, completions)])),
         num_real_tokens=num_real_tokens,
-        prox_logprobs=None if any(r.prox_logprobs is None for r in rows)
+        prox_logprobs=None
+        if any(r.prox_logprobs is None for r in rows)
         else torch.from_numpy(cat([r.prox_logprobs for r in rows]).astype(np.float32)),
     )

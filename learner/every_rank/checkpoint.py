@@ -29,6 +29,7 @@ is tried; when none verifies the learner refuses to start (NoValidCheckpoint), u
 fresh, which sets them aside. Everything is read with safetensors and JSON: a planted file cannot
 run code.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,9 +71,11 @@ class NoValidCheckpoint(DamagedCheckpoint):
 
     def __init__(self, directory: Path, damage: list[str]):
         self.damage = damage
-        super().__init__(f"no checkpoint in {directory} verifies ({'; '.join(damage)}); a run over them would "
-                         "start again from step 0, clearing its broker streams and ledger: repair or remove them, "
-                         "or pass --resume fresh to do that")
+        super().__init__(
+            f"no checkpoint in {directory} verifies ({'; '.join(damage)}); a run over them would "
+            "start again from step 0, clearing its broker streams and ledger: repair or remove them, "
+            "or pass --resume fresh to do that"
+        )
 
 
 def read_state(path: Path) -> dict:
@@ -94,8 +97,10 @@ def verify(path: Path, manifest: str = MANIFEST, hashes: bool = True) -> None:
     for name, (size, _) in listed.items():
         file = path / name
         if not file.is_file() or file.stat().st_size != size:
-            raise DamagedCheckpoint(f"{path.name}/{name}: missing or {file.stat().st_size if file.is_file() else 0} "
-                                    f"bytes, the manifest says {size}")
+            raise DamagedCheckpoint(
+                f"{path.name}/{name}: missing or {file.stat().st_size if file.is_file() else 0} "
+                f"bytes, the manifest says {size}"
+            )
     for name in _required(path, manifest):
         if name not in listed:
             raise DamagedCheckpoint(f"{path.name}/{name}: not listed in {manifest}")
@@ -128,8 +133,14 @@ def _read_manifest(path: Path, manifest: str) -> dict[str, tuple[int, str]]:
     for name, entry in listed.items():
         if Path(name).is_absolute() or ".." in Path(name).parts or not name:
             raise DamagedCheckpoint(f"{path.name}/{manifest}: {name!r} is not a file inside the checkpoint")
-        if not (isinstance(entry, list) and len(entry) == 2 and type(entry[0]) is int and entry[0] >= 0
-                and isinstance(entry[1], str) and len(entry[1]) == 64):
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 2
+            and type(entry[0]) is int
+            and entry[0] >= 0
+            and isinstance(entry[1], str)
+            and len(entry[1]) == 64
+        ):
             raise DamagedCheckpoint(f"{path.name}/{manifest}: the entry of {name!r} is not [size, sha256]")
     return listed
 
@@ -143,8 +154,11 @@ def _required(path: Path, manifest: str) -> list[str]:
     if not rank.isdigit():
         raise DamagedCheckpoint(f"{path.name}/{manifest}: not a rank's manifest")
     rank = int(rank)
-    shards = sorted(str(p.relative_to(path)) for part in ("model", "optimizer")
-                    for p in (path / part).glob(f"shard-{rank + 1:05d}-*"))
+    shards = sorted(
+        str(p.relative_to(path))
+        for part in ("model", "optimizer")
+        for p in (path / part).glob(f"shard-{rank + 1:05d}-*")
+    )
     if rank == 0:
         for part in ("model", "optimizer"):
             if not any(s.startswith(part + "/") for s in shards):
@@ -185,8 +199,23 @@ def _check_contents(path: Path, name: str) -> None:
                 raise ValueError("holds no CPU random state")
 
 
-SAFETENSORS_ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
-                          "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+SAFETENSORS_ITEM_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 
 
 def safetensors_header(file: Path) -> dict:
@@ -210,8 +239,13 @@ def safetensors_header(file: Path) -> dict:
 
 def _lies_within(tensor, data_bytes: int) -> bool:
     """A safetensors header entry of a known dtype whose bytes, as many as its shape needs, lie in the data."""
-    if not (isinstance(tensor, dict) and tensor.get("dtype") in SAFETENSORS_ITEM_BYTES and _sizes(tensor.get("shape"))
-            and _sizes(tensor.get("data_offsets")) and len(tensor["data_offsets"]) == 2):
+    if not (
+        isinstance(tensor, dict)
+        and tensor.get("dtype") in SAFETENSORS_ITEM_BYTES
+        and _sizes(tensor.get("shape"))
+        and _sizes(tensor.get("data_offsets"))
+        and len(tensor["data_offsets"]) == 2
+    ):
         return False
     start, end = tensor["data_offsets"]
     item_bytes = SAFETENSORS_ITEM_BYTES[tensor["dtype"]]
@@ -227,8 +261,13 @@ def check_trainer_meta(meta) -> None:
     Python and NumPy random states, each of a shape they load from; ValueError naming the first that is not."""
     if not isinstance(meta, dict):
         raise ValueError(f"a JSON {type(meta).__name__}, not a table")
-    for key, kind in (("optimizer", dict), ("shapes", dict), ("scheduler", dict), ("python_random", list),
-                      ("numpy_random", list)):
+    for key, kind in (
+        ("optimizer", dict),
+        ("shapes", dict),
+        ("scheduler", dict),
+        ("python_random", list),
+        ("numpy_random", list),
+    ):
         if not isinstance(meta.get(key), kind):
             raise ValueError(f"{key!r} is missing or not a JSON {kind.__name__}")
     for name, shape in meta["shapes"].items():
@@ -351,8 +390,10 @@ class Checkpointer:
         from safetensors.torch import save_file
 
         save_file(random_state(), str(tmp / f"rng-rank{rank}.safetensors"))
-        mine = [tmp / f"rng-rank{rank}.safetensors",
-                *(f for part in ("model", "optimizer") for f in (tmp / part).glob(f"shard-{rank + 1:05d}-*"))]
+        mine = [
+            tmp / f"rng-rank{rank}.safetensors",
+            *(f for part in ("model", "optimizer") for f in (tmp / part).glob(f"shard-{rank + 1:05d}-*")),
+        ]
         _seal_files(tmp, mine, rank_manifest(rank))
         if acc.is_main_process:
             rest |= {"python_random": _python_random(), "numpy_random": _numpy_random()}
@@ -362,8 +403,9 @@ class Checkpointer:
         acc.wait_for_everyone()
         # the folder's owner renames it: the lowest rank that wrote into it (rank 0; on a machine that shares
         # no disk with it, that machine's first)
-        owner = rank == min(int(p.name.removeprefix("MANIFEST-rank").removesuffix(".json"))
-                            for p in tmp.glob("MANIFEST-rank*.json"))
+        owner = rank == min(
+            int(p.name.removeprefix("MANIFEST-rank").removesuffix(".json")) for p in tmp.glob("MANIFEST-rank*.json")
+        )
         acc.wait_for_everyone()
         self.lineage = [name for name in self.lineage if name != final.name] + [final.name]
         self.stale.discard(final.name)
@@ -391,7 +433,7 @@ class Checkpointer:
     def _prune(self) -> None:
         """Keep the `checkpoint.keep` newest of this learner's lineage (the one it resumed from stays until
         that many newer ones are complete); older folders go, the stale ones stay."""
-        kept = self.lineage[-max(self.cfg.keep, 1):]
+        kept = self.lineage[-max(self.cfg.keep, 1) :]
         for old in folders(self.directory):
             if step_of(old) < step_of(self.directory / kept[0]) and old.name not in self.stale:
                 shutil.rmtree(old, ignore_errors=True)
@@ -407,8 +449,10 @@ class Checkpointer:
         plan = None
         if acc.is_main_process:  # rank 0's choice was found among these, each damaged one named once then
             found, damage = survey(self.directory, warn=False)
-            plan = {"names": [p.name for p in found if path is not None and step_of(p) <= step_of(path)],
-                    "fresh": fresh_if_damaged}
+            plan = {
+                "names": [p.name for p in found if path is not None and step_of(p) <= step_of(path)],
+                "fresh": fresh_if_damaged,
+            }
         plan = json.loads(broadcast_bytes(json.dumps(plan).encode() if plan else None, device))
         for name in plan["names"]:
             ok = self._verify(self.directory / name, check_state, damage)
@@ -422,8 +466,12 @@ class Checkpointer:
             raise NoValidCheckpoint(self.directory, damage if acc.is_main_process else ["see rank 0's log"])
         if acc.is_main_process:
             moved = set_aside(self.directory, [p.name for p in folders(self.directory)])
-            log.warning("--resume fresh: no checkpoint in %s verifies; set aside as %s, starting at step 0 with "
-                        "empty broker streams and ledger", self.directory, ", ".join(p.name for p in moved))
+            log.warning(
+                "--resume fresh: no checkpoint in %s verifies; set aside as %s, starting at step 0 with "
+                "empty broker streams and ledger",
+                self.directory,
+                ", ".join(p.name for p in moved),
+            )
         acc.wait_for_everyone()
         return self._continue_from(None)
 
@@ -451,13 +499,17 @@ class Checkpointer:
         shapes = json.loads((path / "trainer.json").read_bytes())["shapes"]
         adapter = self.trainer.lora
         if any(is_adapter(name) for name in shapes) != (adapter is not None):
-            raise DamagedCheckpoint(f"{path.name}: saved by a run {'without' if adapter else 'with'} a LoRA adapter, "
-                                    f"this learner has learner.lora.rank = {adapter.rank if adapter else 0}: resume "
-                                    "with the run's own learner.lora")
+            raise DamagedCheckpoint(
+                f"{path.name}: saved by a run {'without' if adapter else 'with'} a LoRA adapter, "
+                f"this learner has learner.lora.rank = {adapter.rank if adapter else 0}: resume "
+                "with the run's own learner.lora"
+            )
         for name, tensor in trained_state(self.trainer.policy).items():
             if shapes.get(name) != list(tensor.shape):
-                raise DamagedCheckpoint(f"{path.name}/trainer.json: {name!r} has shape {shapes.get(name)}, this "
-                                        f"model's is {list(tensor.shape)}")
+                raise DamagedCheckpoint(
+                    f"{path.name}/trainer.json: {name!r} has shape {shapes.get(name)}, this "
+                    f"model's is {list(tensor.shape)}"
+                )
         held: dict[str, int] = {}
         for file in sorted(f for part in ("model", "optimizer") for f in (path / part).glob("*")):
             try:
@@ -466,15 +518,22 @@ class Checkpointer:
                 raise DamagedCheckpoint(f"{path.name}/{file.relative_to(path)}: {err}") from None
             for name, tensor in header.items():
                 whole = shapes.get(name)
-                if whole is None or len(whole) != len(tensor["shape"]) or any(
-                        d > w for d, w in zip(tensor["shape"], whole)):
-                    raise DamagedCheckpoint(f"{path.name}/{file.relative_to(path)}: {name!r} of shape "
-                                            f"{tensor['shape']} is no part of a tensor of shape {whole}")
+                if (
+                    whole is None
+                    or len(whole) != len(tensor["shape"])
+                    or any(d > w for d, w in zip(tensor["shape"], whole))
+                ):
+                    raise DamagedCheckpoint(
+                        f"{path.name}/{file.relative_to(path)}: {name!r} of shape "
+                        f"{tensor['shape']} is no part of a tensor of shape {whole}"
+                    )
                 held[name] = held.get(name, 0) + math.prod(tensor["shape"])
         missing = [name for name, whole in shapes.items() if held.get(name, 0) != math.prod(whole)]
         if self.accelerator.num_processes == 1 and missing:
-            raise DamagedCheckpoint(f"{path.name}: its shards hold {held.get(missing[0], 0)} of the "
-                                    f"{math.prod(shapes[missing[0]])} elements of {missing[0]!r}")
+            raise DamagedCheckpoint(
+                f"{path.name}: its shards hold {held.get(missing[0], 0)} of the "
+                f"{math.prod(shapes[missing[0]])} elements of {missing[0]!r}"
+            )
 
     def _continue_from(self, path: Path | None) -> Path | None:
         """Pruning from here on keeps `path` until newer ones are complete, and leaves what is newer alone."""
@@ -496,8 +555,11 @@ class Checkpointer:
         from safetensors.torch import load_file
 
         acc = self.accelerator
-        header = {"meta": json.loads((path / "trainer.json").read_text()), "state": read_state(path)} \
-            if acc.is_main_process else None
+        header = (
+            {"meta": json.loads((path / "trainer.json").read_text()), "state": read_state(path)}
+            if acc.is_main_process
+            else None
+        )
         header = json.loads(broadcast_bytes(json.dumps(header).encode() if header else None, acc.device))
         meta = header["meta"]
         self.trainer.load_state(path, meta)

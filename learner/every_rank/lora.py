@@ -13,6 +13,7 @@ Its tensors go by three names:
     pushed and exported    base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight  (PEFT's saved names)
     merged                 model.layers.3.self_attn.q_proj.weight = W + (alpha / r) B A  (the model's own)
 """
+
 from __future__ import annotations
 
 import math
@@ -41,9 +42,15 @@ def peft_config(cfg: LoraConfig, base_model: str | None = None):
     """learner.lora as peft's LoraConfig (what adapter_config.json holds)."""
     from peft import LoraConfig as PeftLoraConfig
 
-    return PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                          target_modules=list(cfg.target_modules), layers_to_transform=list(cfg.layers) or None,
-                          task_type="CAUSAL_LM", base_model_name_or_path=base_model)
+    return PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
+        layers_to_transform=list(cfg.layers) or None,
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_model,
+    )
 
 
 def attach(policy, cfg: LoraConfig, adapter_dtype: str, head_dtype: str | None = None) -> None:

@@ -15,6 +15,7 @@ geometric mean). From it come, for every loss alike:
 The masks read the step-start policy (the proximal logprobs where a step makes several updates), so
 one step drops the same tokens in every update.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -64,19 +65,29 @@ def behaviour_ratios(policy_logprobs: torch.Tensor, inputs: LossInputs, cfg: Los
     return ratios_of(policy_logprobs, inputs.behavior_logprobs, inputs.sample_index, inputs.token_mask, cfg)
 
 
-def ratios_of(policy_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, sample_index: torch.Tensor | None,
-              token_mask: torch.Tensor | None, cfg: LossConfig) -> Ratios:
+def ratios_of(
+    policy_logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    sample_index: torch.Tensor | None,
+    token_mask: torch.Tensor | None,
+    cfg: LossConfig,
+) -> Ratios:
     """`behaviour_ratios` from its parts (the step's statistics form the same ratios)."""
     log_token = (policy_logprobs.detach() - behavior_logprobs).float()
     index = sample_index if sample_index is not None else torch.zeros_like(log_token, dtype=torch.long)
-    trained = (token_mask if token_mask is not None else torch.ones_like(log_token, dtype=torch.bool))
+    trained = token_mask if token_mask is not None else torch.ones_like(log_token, dtype=torch.bool)
     trained = trained.to(log_token.dtype)
     num_samples = int(index.max()) + 1 if index.numel() else 0
     sums = log_token.new_zeros(num_samples).index_add(0, index, log_token * trained)  # [samples]
     counts = trained.new_zeros(num_samples).index_add(0, index, trained).clamp(min=1)  # [samples]
     log_sequence, log_geometric = sums[index], (sums / counts)[index]
-    return Ratios(log_token, log_sequence, log_geometric, _inside(log_token, cfg.token_mask),
-                  _inside(log_geometric, cfg.sequence_mask))
+    return Ratios(
+        log_token,
+        log_sequence,
+        log_geometric,
+        _inside(log_token, cfg.token_mask),
+        _inside(log_geometric, cfg.sequence_mask),
+    )
 
 
 def _inside(log_ratio: torch.Tensor, band: tuple[float, float]) -> torch.Tensor:
@@ -85,8 +96,9 @@ def _inside(log_ratio: torch.Tensor, band: tuple[float, float]) -> torch.Tensor:
     return (ratio >= low) & (ratio <= high)
 
 
-def behaviour_weight(log_token: torch.Tensor, log_sequence: torch.Tensor, cap: float,
-                     cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def behaviour_weight(
+    log_token: torch.Tensor, log_sequence: torch.Tensor, cap: float, cfg: LossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight, over the cap) [tokens]: the ratio at learner.loss.ratio_level, truncated to `cap` or
     masked above it by learner.loss.ratio_mode; finite at any log ratio."""
     log_ratio = log_token if cfg.ratio_level is RatioLevel.token else log_sequence

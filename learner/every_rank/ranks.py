@@ -12,6 +12,7 @@ Every rank issues these collectives from one place, the step runner (steps.py), 
 `RankGroup.collective`: the ranks first swap which collective each is at, so a rank out of step
 fails at once, naming what each rank called, instead of waiting in a collective no peer joins.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -85,14 +86,19 @@ class RankGroup:
     def send(self, groups: list[RolloutGroup], masks: list[list[np.ndarray]]) -> None:
         if not self.active:
             return
-        wire = _WireBatch(groups, [[np.packbits(m).tobytes() for m in ms] for ms in masks],
-                          [[int(m.size) for m in ms] for ms in masks])
+        wire = _WireBatch(
+            groups,
+            [[np.packbits(m).tobytes() for m in ms] for ms in masks],
+            [[int(m.size) for m in ms] for ms in masks],
+        )
         broadcast_bytes(msgspec.msgpack.encode(wire), self.device)
 
     def recv(self) -> tuple[list[RolloutGroup], list[list[np.ndarray]]]:
         wire = msgspec.msgpack.decode(broadcast_bytes(None, self.device), type=_WireBatch)
-        masks = [[np.unpackbits(np.frombuffer(b, dtype=np.uint8))[:n].astype(bool) for b, n in zip(bs, ns)]
-                 for bs, ns in zip(wire.masks, wire.lengths)]
+        masks = [
+            [np.unpackbits(np.frombuffer(b, dtype=np.uint8))[:n].astype(bool) for b, n in zip(bs, ns)]
+            for bs, ns in zip(wire.masks, wire.lengths)
+        ]
         return wire.groups, masks
 
     @contextlib.contextmanager
@@ -120,12 +126,14 @@ class RankGroup:
 
     def _positions(self, here: Position) -> list[Position]:
         """Every rank's position: one all_gather of three integers."""
-        mine = torch.tensor([here.count, COLLECTIVES.index(here.what), here.version], dtype=torch.int64,
-                            device=self.device)
+        mine = torch.tensor(
+            [here.count, COLLECTIVES.index(here.what), here.version], dtype=torch.int64, device=self.device
+        )
         everyone = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(everyone, mine)
-        return [Position(count, COLLECTIVES[what], version)
-                for count, what, version in torch.stack(everyone).tolist()]  # one copy to the host
+        return [
+            Position(count, COLLECTIVES[what], version) for count, what, version in torch.stack(everyone).tolist()
+        ]  # one copy to the host
 
 
 def check_in_step(positions: list[Position]) -> None:
@@ -133,14 +141,16 @@ def check_in_step(positions: list[Position]) -> None:
     sees the same list, so every rank raises the same error)."""
     for rank, position in enumerate(positions):
         if position != positions[0]:
-            raise RanksOutOfStep(f"learner ranks out of step: rank {rank} called {position} while rank 0 called "
-                                 f"{positions[0]}")
+            raise RanksOutOfStep(
+                f"learner ranks out of step: rank {rank} called {position} while rank 0 called {positions[0]}"
+            )
 
 
 # ---- collectives from rank 0 (one process: no-ops) ------------------------------------------------
 # The learner's ranks may sit on different machines with nothing shared on disk: what only rank 0
 # reads (a checkpoint) reaches the others through these, and what every rank holds (its random
 # state) reaches rank 0 for writing. Tensors travel on the process group's device (NCCL: CUDA).
+
 
 class _TensorHeader(msgspec.Struct):
     names: list[str]
@@ -154,8 +164,11 @@ def broadcast_bytes(frame: bytes | None, device) -> bytes:
         return frame
     size = torch.tensor([len(frame) if frame is not None else 0], dtype=torch.int64, device=device)
     dist.broadcast(size, src=0)
-    buf = (torch.from_numpy(np.frombuffer(frame, dtype=np.uint8).copy()).to(device) if frame is not None
-           else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
+    buf = (
+        torch.from_numpy(np.frombuffer(frame, dtype=np.uint8).copy()).to(device)
+        if frame is not None
+        else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    )
     dist.broadcast(buf, src=0)
     return buf.cpu().numpy().tobytes()
 
@@ -217,8 +230,11 @@ def _converted_entries(policy, entries: tuple, split) -> list | None:
     for 350 tensors), or None where nothing changes."""
     key = (id(policy), entries)
     if key not in _conversions:
-        converted = [pair for name, dtype, shape in entries
-                     for pair in split(name, torch.empty(shape, dtype=dtype, device="meta"))]
+        converted = [
+            pair
+            for name, dtype, shape in entries
+            for pair in split(name, torch.empty(shape, dtype=dtype, device="meta"))
+        ]
         same = [name for name, _ in converted] == [name for name, _, _ in entries]
         _conversions[key] = None if same else [(name, t.dtype, tuple(t.shape)) for name, t in converted]
     return _conversions[key]
@@ -228,14 +244,25 @@ def broadcast_tensors(named: dict | None, device) -> dict:
     """Rank 0's named tensors on every rank, in host memory, one tensor at a time (the others pass None)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return named
-    frame = None if named is None else msgspec.msgpack.encode(_TensorHeader(
-        list(named), [str(t.dtype).removeprefix("torch.") for t in named.values()],
-        [list(t.shape) for t in named.values()]))
+    frame = (
+        None
+        if named is None
+        else msgspec.msgpack.encode(
+            _TensorHeader(
+                list(named),
+                [str(t.dtype).removeprefix("torch.") for t in named.values()],
+                [list(t.shape) for t in named.values()],
+            )
+        )
+    )
     header = msgspec.msgpack.decode(broadcast_bytes(frame, device), type=_TensorHeader)
     out = {}
     for name, dtype, shape in zip(header.names, header.dtypes, header.shapes):
-        t = (named[name].contiguous().to(device) if named is not None
-             else torch.empty(shape, dtype=getattr(torch, dtype), device=device))
+        t = (
+            named[name].contiguous().to(device)
+            if named is not None
+            else torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        )
         dist.broadcast(t, src=0)
         out[name] = t.cpu()
     return out

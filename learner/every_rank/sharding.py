@@ -11,6 +11,7 @@ collectives below, which every rank must call at the same point: a weight push g
 a time, in the dtype the actors serve, for rank 0 to copy into its payload. A checkpoint is written
 by every rank, each its own shards (learner/every_rank/state_files.py), so no rank ever holds the whole model.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,8 +27,15 @@ log = logging.getLogger(__name__)
 PREFIX = "policy."  # the policy's names inside the module the trainer shards (PolicyLogprobs)
 
 
-def shard(module: torch.nn.Module, layers: torch.nn.ModuleList, head: torch.nn.Module | None, cfg: FsdpConfig,
-          device: torch.device, mixed_precision: str = "no", head_dtype: torch.dtype | None = torch.float32):
+def shard(
+    module: torch.nn.Module,
+    layers: torch.nn.ModuleList,
+    head: torch.nn.Module | None,
+    cfg: FsdpConfig,
+    device: torch.device,
+    mixed_precision: str = "no",
+    head_dtype: torch.dtype | None = torch.float32,
+):
     """Shard `module` in place over the ranks: each of `layers` its own unit, `head` (an untied LM head,
     or None) its own unit in `head_dtype`, the rest the root's. Under learner.mixed_precision bf16 the
     units gather their parameters in bf16 and reduce gradients in fp32 (the master weights stay fp32)."""
@@ -48,8 +56,11 @@ def shard(module: torch.nn.Module, layers: torch.nn.ModuleList, head: torch.nn.M
         policy = MixedPrecisionPolicy(param_dtype=head_dtype or half, reduce_dtype=torch.float32)
         fully_shard(head, reshard_after_forward=False, mp_policy=policy, **kwargs)
     # the root holds the embedding (and a tied head): under the fp32 head it stays fp32 too
-    root = {"mp_policy": MixedPrecisionPolicy(param_dtype=head_dtype, reduce_dtype=torch.float32)} \
-        if half and head is None and head_dtype is not None else body
+    root = (
+        {"mp_policy": MixedPrecisionPolicy(param_dtype=head_dtype, reduce_dtype=torch.float32)}
+        if half and head is None and head_dtype is not None
+        else body
+    )
     fully_shard(module, **kwargs, **root)
     return module
 
@@ -101,11 +112,19 @@ def load_pretrained(module: torch.nn.Module, model_path: str, device: torch.devi
     state = {name: own[k] for name, k in names.items()}
     missing = sorted(set(state) - checkpoint_names(model_path))
     if missing:
-        log.info("%s names %d of the policy's tensors otherwise (e.g. %s): rank 0 loads it whole and sends each "
-                 "rank its shards", model_path, len(missing), missing[0])
+        log.info(
+            "%s names %d of the policy's tensors otherwise (e.g. %s): rank 0 loads it whole and sends each "
+            "rank its shards",
+            model_path,
+            len(missing),
+            missing[0],
+        )
         whole = whole_on_rank0(model_path, next(iter(state.values())).dtype)
-        set_model_state_dict(module, {names.get(k, PREFIX + k): v for k, v in whole.items()},
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
+        set_model_state_dict(
+            module,
+            {names.get(k, PREFIX + k): v for k, v in whole.items()},
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False),
+        )
         return
     dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(model_path))
     set_model_state_dict(module, {names[k]: v for k, v in state.items()}, options=StateDictOptions(strict=False))
@@ -159,13 +178,20 @@ def gathered_weights(module, dtype: str | None, select=None):
     def cast(value):
         return value.to(target) if target is not None and value.is_floating_point() else value
 
-    entries = [(name.removeprefix(PREFIX), target if target is not None and value.is_floating_point() else value.dtype,
-                tuple(value.shape)) for name, value in state.items()]
+    entries = [
+        (
+            name.removeprefix(PREFIX),
+            target if target is not None and value.is_floating_point() else value.dtype,
+            tuple(value.shape),
+        )
+        for name, value in state.items()
+    ]
 
     def pairs():
         for name, value in state.items():
             value = cast(on_gpu(value))
             yield name.removeprefix(PREFIX), value.full_tensor() if isinstance(value, DTensor) else value
+
     return entries, pairs()
 
 

@@ -14,6 +14,7 @@ layout (a sharded run resumed unsharded, or on other ranks) reads from a folder 
 part, and a part missing for what a rank holds is an error naming the tensor, never a tensor loaded
 in part.
 """
+
 from __future__ import annotations
 
 import math
@@ -46,8 +47,12 @@ def save(module, optimizer, directory: Path) -> dict:
     model, optim = _model_state(module), get_optimizer_state_dict(module, optimizer, options=OPTIMIZER)
     tensors = {k: v for k, v in optim.items() if torch.is_tensor(v)}
     for part, state in (("model", model), ("optimizer", tensors)):
-        dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(str(directory / part), save_distributed=True),
-                 planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True), no_dist=not _distributed())
+        dcp.save(
+            state,
+            storage_writer=dcp.HuggingFaceStorageWriter(str(directory / part), save_distributed=True),
+            planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
+            no_dist=not _distributed(),
+        )
     hyper = {k: list(v) if isinstance(v, tuple) else v for k, v in optim.items() if not torch.is_tensor(v)}
     return {"optimizer": hyper, "shapes": {k: list(v.shape) for k, v in (model | tensors).items()}}
 
@@ -137,13 +142,20 @@ def _read(state: dict, path: Path, shapes: dict, alone: bool, group=None) -> Non
             for name, value in state.items():
                 local = value.to_local() if hasattr(value, "to_local") else value
                 if read.get(name, 0) != local.numel():
-                    raise ValueError(f"{path}: the parts here hold {read.get(name, 0)} of the {local.numel()} elements "
-                                     f"this rank needs of {name!r}; resuming on another layout (or machines) needs "
-                                     "every rank's part of the checkpoint in one folder")
+                    raise ValueError(
+                        f"{path}: the parts here hold {read.get(name, 0)} of the {local.numel()} elements "
+                        f"this rank needs of {name!r}; resuming on another layout (or machines) needs "
+                        "every rank's part of the checkpoint in one folder"
+                    )
             return plan
 
-    dcp.load(state, storage_reader=WholeShapes(str(path)), planner=Complete(), process_group=group,
-             no_dist=alone or not _distributed())
+    dcp.load(
+        state,
+        storage_reader=WholeShapes(str(path)),
+        planner=Complete(),
+        process_group=group,
+        no_dist=alone or not _distributed(),
+    )
 
 
 def _distributed() -> bool:

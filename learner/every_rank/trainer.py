@@ -6,6 +6,7 @@ weight (fp32 accumulation), so [tokens x vocab] logits are never materialized. E
 given the same step batch and trains on its share; aggregation weights and advantage
 statistics use counts summed over all ranks, so N ranks make the same update as one.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,8 +36,9 @@ from tidal.learner.every_rank.batch import (
 from tidal.learner.every_rank.loss import LossInputs, policy_loss, ratios_of
 
 
-def load_policy(model_path: str, param_dtype: str, attention: str = "sdpa", compute_dtype: str | None = None,
-                empty: bool = False):
+def load_policy(
+    model_path: str, param_dtype: str, attention: str = "sdpa", compute_dtype: str | None = None, empty: bool = False
+):
     """The policy with its parameters in `param_dtype` (the master weights the optimizer updates; under
     learner.lora the frozen base's: `policy_dtype`), computing in `compute_dtype` (default: `param_dtype`).
     `empty`: built without weights, its parameters on the meta device (a sharded learner loads each rank's
@@ -51,8 +53,9 @@ def load_policy(model_path: str, param_dtype: str, attention: str = "sdpa", comp
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):
-        policy = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype,
-                                                  attn_implementation=implementation)
+        policy = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(model_path), dtype=dtype, attn_implementation=implementation
+        )
     policy.tie_weights()  # built empty, the head is not yet the embedding's parameter
     return policy
 
@@ -71,16 +74,18 @@ def attention_implementation(attention: str, compute_dtype: str = "bfloat16") ->
     import importlib.util
 
     half = compute_dtype in ("bfloat16", "float16")
-    return "flash_attention_2" if half and torch.cuda.is_available() and importlib.util.find_spec("flash_attn") \
-        else "sdpa"
+    return (
+        "flash_attention_2" if half and torch.cuda.is_available() and importlib.util.find_spec("flash_attn") else "sdpa"
+    )
 
 
 def decoder_layers(policy) -> torch.nn.ModuleList:
     """The policy's stack of decoder layers, each one FSDP unit when the learner shards it."""
     layers = getattr(getattr(policy, "model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"learner.fsdp.enabled: {type(policy).__name__} has no decoder layer list at "
-                         "`model.layers` to shard")
+        raise ValueError(
+            f"learner.fsdp.enabled: {type(policy).__name__} has no decoder layer list at `model.layers` to shard"
+        )
     return layers
 
 
@@ -89,8 +94,10 @@ def micro_batch_layout(packing: str, policy) -> str:
     (flash-attn) and elsewhere leaves each step to pick between padded and shared (`Trainer.step`)."""
     attention = getattr(policy.config, "_attn_implementation", "")
     if packing == "shared" and attention == "flash_attention_2":
-        raise ValueError("learner.packing = shared needs attention that takes a mask; flash_attention_2 does "
-                         "not: use learner.attention = sdpa or learner.packing = packed")
+        raise ValueError(
+            "learner.packing = shared needs attention that takes a mask; flash_attention_2 does "
+            "not: use learner.attention = sdpa or learner.packing = packed"
+        )
     if packing != "auto":
         return packing
     return "packed" if attention == "flash_attention_2" else "auto"
@@ -126,8 +133,14 @@ class Sampler:
         return self.top_k > 0 or self.top_p < 1.0
 
 
-def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, sampler: Sampler,
-                  backend: str, served_dtype: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    sampler: Sampler,
+    backend: str,
+    served_dtype: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprob, entropy) [tokens] of `targets` under `sampler` on the LM head `weight` [V, D] and `hidden`
     [tokens, D], outside any autocast of the body, so mixed precision never rounds a logprob. By default in
     the weights' own dtype (fp32 master weights: the fp32 head); with `served_dtype` (model.head = served)
@@ -142,8 +155,9 @@ def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
         hidden = hidden.to(weight.dtype)
         if not sampler.truncates:
             return fused_logprobs(hidden, weight, targets, sampler.temperature, backend=backend)
-        floor, inside = sampler_floor(hidden.detach(), weight.detach(), targets, sampler.temperature,
-                                      sampler.top_k, sampler.top_p)
+        floor, inside = sampler_floor(
+            hidden.detach(), weight.detach(), targets, sampler.temperature, sampler.top_k, sampler.top_p
+        )
         logp, entropy = fused_logprobs(hidden, weight, targets, sampler.temperature, backend=backend, floor=floor)
         return torch.where(inside, logp, OUTSIDE_SUPPORT_LOGPROB), entropy
 
@@ -171,8 +185,9 @@ class PolicyLogprobs(torch.nn.Module):
     the sampler's, or the whole Sampler (top-k, top-p).
     """
 
-    def __init__(self, policy, temperature: float | Sampler, backend: str, head: str = "fp32",
-                 served_dtype: str | None = None):
+    def __init__(
+        self, policy, temperature: float | Sampler, backend: str, head: str = "fp32", served_dtype: str | None = None
+    ):
         super().__init__()
         self.policy = policy
         self.sampler = temperature if isinstance(temperature, Sampler) else Sampler(float(temperature))
@@ -188,16 +203,17 @@ class PolicyLogprobs(torch.nn.Module):
         self.policy.lm_head = LogprobHead(head.weight, self.sampler, self.backend, self.served_dtype)
         return self.policy.lm_head
 
-    def forward(self, input_ids, attention_mask, predict_at, targets,
-                position_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, input_ids, attention_mask, predict_at, targets, position_ids=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # packed rows come without an attention mask: the position ids restarting at 0 separate them
-        hidden = self.policy.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                   use_cache=False).last_hidden_state  # [B, L, D]; a cache would hide packing
+        hidden = self.policy.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state  # [B, L, D]; a cache would hide packing
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, predict_at)  # [tokens, D]
         if isinstance(self.policy.lm_head, LogprobHead):
             return self.policy.lm_head(hidden, targets)
-        return head_logprobs(hidden, self.policy.lm_head.weight, targets, self.sampler, self.backend,
-                             self.served_dtype)
+        return head_logprobs(hidden, self.policy.lm_head.weight, targets, self.sampler, self.backend, self.served_dtype)
 
 
 def effective_lr(cfg: LearnerConfig) -> float:
@@ -243,8 +259,16 @@ def allocate_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: LearnerConfig, model, accelerator, temperature: float | Sampler, head: str = "fp32",
-                 served_dtype: str | None = None, model_path: str | None = None):
+    def __init__(
+        self,
+        cfg: LearnerConfig,
+        model,
+        accelerator,
+        temperature: float | Sampler,
+        head: str = "fp32",
+        served_dtype: str | None = None,
+        model_path: str | None = None,
+    ):
         """`temperature`: the actors' sampler (a Sampler), or its temperature alone (no top-k / top-p).
         `model_path`: where an empty (meta-device) `model`'s weights are, each rank loading its shard.
         Under learner.lora the model is frozen and given its adapter here, before it is sharded."""
@@ -256,16 +280,29 @@ class Trainer:
         module = PolicyLogprobs(model, temperature, cfg.kernel_backend, head, served_dtype)
         self.sharded = cfg.fsdp.enabled
         if self.sharded:
-            module = sharding.shard(module, decoder_layers(model), module.separate_head(), cfg.fsdp,
-                                    accelerator.device, cfg.mixed_precision, head_dtype=sharding.head_dtype(head))
+            module = sharding.shard(
+                module,
+                decoder_layers(model),
+                module.separate_head(),
+                cfg.fsdp,
+                accelerator.device,
+                cfg.mixed_precision,
+                head_dtype=sharding.head_dtype(head),
+            )
             if model_path is not None:
-                sharding.load_pretrained(module, model_path, accelerator.device,
-                                         offload=sharding.offloaded(cfg.fsdp, accelerator.device))
+                sharding.load_pretrained(
+                    module, model_path, accelerator.device, offload=sharding.offloaded(cfg.fsdp, accelerator.device)
+                )
         if self.lora is not None:
             lora.initialize(module, cfg.seed)
         trained = [p for p in module.parameters() if p.requires_grad]  # under learner.lora the adapter alone
-        optim = torch.optim.AdamW(trained, lr=effective_lr(cfg), betas=tuple(cfg.optim.betas),
-                                  eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+        optim = torch.optim.AdamW(
+            trained,
+            lr=effective_lr(cfg),
+            betas=tuple(cfg.optim.betas),
+            eps=cfg.optim.eps,
+            weight_decay=cfg.optim.weight_decay,
+        )
         allocate_state(optim)
         # Not passed to accelerator.prepare: Accelerate's scheduler wrapper advances once per rank
         # per step, which would make the schedule depend on the number of ranks.
@@ -293,6 +330,7 @@ class Trainer:
 
         def on_host(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to("cpu", getattr(torch, dtype))
+
         if self.lora is None:
             return {name: on_host(t) for name, t in tensors}
         return lora.merged_and_adapter(tensors, self.lora.scaling, on_host)
@@ -306,8 +344,10 @@ class Trainer:
         if self.lora is None:
             return self._tensors(dtype)
         entries, tensors = self._tensors(dtype, lora.is_adapter)
-        return ([(lora.peft_name(name), d, shape) for name, d, shape in entries],
-                ((lora.peft_name(name), t) for name, t in tensors))
+        return (
+            [(lora.peft_name(name), d, shape) for name, d, shape in entries],
+            ((lora.peft_name(name), t) for name, t in tensors),
+        )
 
     def _tensors(self, dtype: str | None, select=None):
         """`weights`' (entries, pairs) of the policy's tensors under the module's names (those `select`
@@ -341,16 +381,26 @@ class Trainer:
     def policy(self):
         return self.accelerator.unwrap_model(self.model).policy
 
-    def step(self, groups: list[RolloutGroup], token_masks: list[list[np.ndarray]], version: int, *,
-             local_batch: bool = False) -> dict[str, float]:
+    def step(
+        self,
+        groups: list[RolloutGroup],
+        token_masks: list[list[np.ndarray]],
+        version: int,
+        *,
+        local_batch: bool = False,
+    ) -> dict[str, float]:
         """One step (epochs x mini-batches optimizer updates); the metrics describe the batch as seen at
         step start (version `version`). Every rank passes the same step batch and trains on its share;
         with local_batch=True each rank passes its own groups instead."""
         start = time.perf_counter()
         minibatches = self._build_minibatches(groups, token_masks, local_batch)
         if self.layout == "auto":  # whichever layout computes fewer positions for this step's rows
-            self.step_layout = min(("padded", "shared"), key=lambda layout: sum(
-                computed_positions(rows, self.cfg.micro_batch_tokens, layout) for rows in minibatches))
+            self.step_layout = min(
+                ("padded", "shared"),
+                key=lambda layout: sum(
+                    computed_positions(rows, self.cfg.micro_batch_tokens, layout) for rows in minibatches
+                ),
+            )
         self.model.train()
         stats = _StepStats(version, self.cfg.loss)
         for rows in minibatches:
@@ -364,8 +414,10 @@ class Trainer:
         summary = stats.summary(self._all_sum, self._all_max, self.num_updates)
         self.last_tokens = stats.token_sample()
         return summary | {
-            "learner/grad_norm": float(np.mean(grad_norms)), "optim/lr": float(lr),
-            "learner/num_updates": float(self.num_updates), "timing/train_step_s": elapsed,
+            "learner/grad_norm": float(np.mean(grad_norms)),
+            "optim/lr": float(lr),
+            "learner/num_updates": float(self.num_updates),
+            "timing/train_step_s": elapsed,
             "learner/tokens_per_s": summary["learner/computed_tokens"] / elapsed,
             "learner/shared_prompt_layout": float(self.step_layout == "shared"),
         }
@@ -378,12 +430,15 @@ class Trainer:
         # Every rank must take part in every update (DDP syncs each one): all ranks check, then all raise.
         fewest = self._all_reduce([min(len(part) for part in plan)], "MIN")[0]
         if fewest < 1:
-            raise ValueError(f"a rank has no group in some mini-batch: {len(groups)} groups on rank "
-                             f"{self.accelerator.process_index} for learner.loss.minibatches_per_step="
-                             f"{len(plan)} x {self.accelerator.num_processes} rank(s); raise learner.groups_per_step")
+            raise ValueError(
+                f"a rank has no group in some mini-batch: {len(groups)} groups on rank "
+                f"{self.accelerator.process_index} for learner.loss.minibatches_per_step="
+                f"{len(plan)} x {self.accelerator.num_processes} rank(s); raise learner.groups_per_step"
+            )
         mine = sorted(i for part in plan for i in part)
-        advantages = dict(zip(mine, group_advantages([groups[i] for i in mine], self.cfg.advantage_norm,
-                                                     self._all_sum)))
+        advantages = dict(
+            zip(mine, group_advantages([groups[i] for i in mine], self.cfg.advantage_norm, self._all_sum))
+        )
         out = []
         for part in plan:
             masks = [token_masks[i] for i in part]
@@ -446,8 +501,15 @@ class Trainer:
         prox = mb.prox_logprobs
         if prox is None and self.cfg.loss.type is LossType.ppo:
             prox = logp.detach()  # a single update starts from the step-start weights: these are the proximal logprobs
-        return LossInputs(logp, mb.behavior_logprobs, mb.advantages, mb.weights.float(), prox_logprobs=prox,
-                          sample_index=mb.sample_index, token_mask=mb.token_mask)
+        return LossInputs(
+            logp,
+            mb.behavior_logprobs,
+            mb.advantages,
+            mb.weights.float(),
+            prox_logprobs=prox,
+            sample_index=mb.sample_index,
+            token_mask=mb.token_mask,
+        )
 
     def _optimizer_step(self) -> float:
         max_norm = self.cfg.optim.max_grad_norm
@@ -484,9 +546,30 @@ class _StepStats:
     """Per-rank sums of the step's off-policy statistics (docs/metrics.md), reduced over all ranks
     into metrics at the end."""
 
-    SUMS = ("tokens", "rho", "rho_sq", "kl", "entropy", "lag", "clipped", "clip_tokens", "loss", "computed",
-            "real", "fresh", "samples", "adv", "adv_sq", "outside", "token_masked", "sequence_masked_tokens",
-            "sequences", "sequences_masked", "seq_ratio", "fresh_log_rho")
+    SUMS = (
+        "tokens",
+        "rho",
+        "rho_sq",
+        "kl",
+        "entropy",
+        "lag",
+        "clipped",
+        "clip_tokens",
+        "loss",
+        "computed",
+        "real",
+        "fresh",
+        "samples",
+        "adv",
+        "adv_sq",
+        "outside",
+        "token_masked",
+        "sequence_masked_tokens",
+        "sequences",
+        "sequences_masked",
+        "seq_ratio",
+        "fresh_log_rho",
+    )
     # minima are kept as maxima of their negatives
     MAXES = ("rho_max", "lag_max", "fresh_max", "neg_rho_min", "seq_ratio_max", "neg_seq_ratio_min")
 
@@ -539,7 +622,8 @@ class _StepStats:
         s["sequence_masked_tokens"] += int((~ratios.sequence_kept)[keep].sum())
         num_rows = int(mb.sample_index.max()) + 1 if mb.sample_index.numel() else 0
         trained = torch.zeros(num_rows, dtype=torch.bool, device=keep.device).index_put_(
-            (mb.sample_index[keep],), torch.ones_like(keep[keep]))  # [rows] with a trained token
+            (mb.sample_index[keep],), torch.ones_like(keep[keep])
+        )  # [rows] with a trained token
         per_row = torch.zeros(num_rows, dtype=torch.float64, device=keep.device)
         per_row[mb.sample_index[keep]] = ratios.log_geometric[keep].double()  # every token of a row holds the same
         masked = torch.zeros(num_rows, dtype=torch.bool, device=keep.device)
@@ -555,9 +639,9 @@ class _StepStats:
     def _sample_tokens(self, lag: torch.Tensor, behavior: torch.Tensor, learner: torch.Tensor) -> None:
         """This rank's share for the figures: every token's lag, and a few logprob pairs."""
         counts = np.bincount(lag.long().cpu().numpy(), minlength=self.lag_counts.size)
-        counts[:self.lag_counts.size] += self.lag_counts
+        counts[: self.lag_counts.size] += self.lag_counts
         self.lag_counts = counts
-        pick = self.rng.permutation(lag.numel())[:self.PAIRS_PER_MICRO_BATCH]
+        pick = self.rng.permutation(lag.numel())[: self.PAIRS_PER_MICRO_BATCH]
         both = torch.stack([behavior.float(), learner.float()])[:, torch.from_numpy(pick).to(lag.device)]
         self.pairs.append(both.cpu().numpy())
 
@@ -592,7 +676,7 @@ class _StepStats:
             "learner/computed_tokens": s["computed"],
             "learner/forward_only_tokens": float(all_sum([self.num_forward_only_tokens])[0]),
             "learner/packing_efficiency": s["real"] / max(s["computed"], 1.0),
-            "learner/advantage_std": math.sqrt(max(s["adv_sq"] / max(s["samples"], 1.0) - adv_mean ** 2, 0.0)),
+            "learner/advantage_std": math.sqrt(max(s["adv_sq"] / max(s["samples"], 1.0) - adv_mean**2, 0.0)),
             "offpolicy/rho_mean": s["rho"] / n,
             "offpolicy/rho_max": m["rho_max"] if s["tokens"] else 0.0,
             "offpolicy/rho_min": -m["neg_rho_min"] if s["tokens"] else 0.0,

@@ -5,6 +5,7 @@ FLOPs: 2 N per generated or prompt token on the actors, 6 N per token the learne
 (the live actors and the learner's ranks), integrated since the start. Totals survive a resume,
 so the axes continue where the checkpoint left them.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,9 +50,13 @@ class Accounting:
         self.last_axis_time = now
         t, n = self.totals, self.num_params
         flops = 2 * n * (t["gen_tokens"] + t["prompt_tokens"]) + 6 * n * t["computed_tokens"]
-        return {"compute/samples": float(t["samples"]), "compute/gen_tokens": float(t["gen_tokens"]),
-                "compute/flops": float(flops), "compute/device_hours": self.device_seconds / 3600,
-                "compute/wall_s": now - self.start_time}
+        return {
+            "compute/samples": float(t["samples"]),
+            "compute/gen_tokens": float(t["gen_tokens"]),
+            "compute/flops": float(flops),
+            "compute/device_hours": self.device_seconds / 3600,
+            "compute/wall_s": now - self.start_time,
+        }
 
     def add_step(self, stats: Counter, computed_tokens: int) -> dict[str, float]:
         """Fold one step's counts into the totals; returns the step's rollout and staleness metrics."""
@@ -82,8 +87,12 @@ class Accounting:
         return time.monotonic() - self.start_time
 
     def state_dict(self) -> dict:
-        return {"totals": dict(self.totals), "by_actor": dict(self.by_actor), "device_seconds": self.device_seconds,
-                "wall_s": self.wall_s()}
+        return {
+            "totals": dict(self.totals),
+            "by_actor": dict(self.by_actor),
+            "device_seconds": self.device_seconds,
+            "wall_s": self.wall_s(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.totals, self.by_actor = Counter(state["totals"]), Counter(state["by_actor"])
@@ -98,12 +107,14 @@ def episode_metrics(stats: Counter) -> dict[str, float]:
     episodes = stats["episodes"]
     if not episodes:
         return {}
-    return {"episode/turns_mean": stats["episode_turns"] / episodes,
-            "episode/tool_calls_mean": stats["tool_calls"] / episodes,
-            "episode/tool_error_rate": stats["tool_errors"] / max(stats["tool_calls"], 1),
-            "episode/tool_timeout_rate": stats["tool_timeouts"] / max(stats["tool_calls"], 1),
-            "episode/env_failed_frac": stats["env_errors"] / episodes,
-            "episode/env_s_mean": stats["env_ms"] / 1000 / episodes}
+    return {
+        "episode/turns_mean": stats["episode_turns"] / episodes,
+        "episode/tool_calls_mean": stats["tool_calls"] / episodes,
+        "episode/tool_error_rate": stats["tool_errors"] / max(stats["tool_calls"], 1),
+        "episode/tool_timeout_rate": stats["tool_timeouts"] / max(stats["tool_calls"], 1),
+        "episode/env_failed_frac": stats["env_errors"] / episodes,
+        "episode/env_s_mean": stats["env_ms"] / 1000 / episodes,
+    }
 
 
 def reward_component_metrics(stats: Counter) -> dict[str, float]:

@@ -6,6 +6,7 @@ bounds it. Tokens over the bound are handled by `staleness.on_violation`: drop t
 those tokens out of the loss, or keep them (counted either way). Tokens the actor injected
 (forced interruptions) are never trained and never count as stale.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,9 +28,9 @@ FAILING_RUN = 512  # this many training episodes failing in a row stop the run: 
 RAISED = re.compile(r"^(.* raised \w+)(: .*)?$")  # "<what> raised <Error>: <its message>"
 
 
-
-def staleness_masks(lags: list[np.ndarray], max_lag: int, on_violation: OnViolation,
-                    generated: list[np.ndarray] | None = None) -> tuple[list[np.ndarray] | None, int]:
+def staleness_masks(
+    lags: list[np.ndarray], max_lag: int, on_violation: OnViolation, generated: list[np.ndarray] | None = None
+) -> tuple[list[np.ndarray] | None, int]:
     """Token masks (True = trained; one bool array per sample) under the bound `max_lag` on each
     token's lag (int [completion_len] per sample), and the count of generated tokens over it.
     `generated` (bool, same shapes; default all) excludes tokens the actor injected, which are never
@@ -56,8 +57,15 @@ class StepBatch:
 
 
 class Admission:
-    def __init__(self, staleness: StalenessConfig, zero_variance_filter: bool, book: GroupBook,
-                 on_rewards: Callable[[int, list[float]], None], pass_threshold: float = 1.0, pass_on: str = ""):
+    def __init__(
+        self,
+        staleness: StalenessConfig,
+        zero_variance_filter: bool,
+        book: GroupBook,
+        on_rewards: Callable[[int, list[float]], None],
+        pass_threshold: float = 1.0,
+        pass_on: str = "",
+    ):
         self.staleness = staleness
         self.zero_variance_filter = zero_variance_filter
         self.book = book
@@ -73,8 +81,10 @@ class Admission:
     def failure_summary(self) -> dict:
         """The training episodes that failed and were scored 0, with their most frequent reasons (each
         names the reward function or environment, and the user's file and line where it raised)."""
-        return {"count": sum(self.failures.values()),
-                "reasons": [(self._reason(kind), n) for kind, n in self.failures.most_common(3)]}
+        return {
+            "count": sum(self.failures.values()),
+            "reasons": [(self._reason(kind), n) for kind, n in self.failures.most_common(3)],
+        }
 
     def _reason(self, kind: str) -> str:
         """A kind's failure as it was; where its messages differ, the kind with two of them, so that one
@@ -94,8 +104,12 @@ class Admission:
         # every received group is evidence of the prompt's pass rate, discarded ones included
         self.on_rewards(self._released_prompt_id(group), [pass_score(s, self.pass_on) for s in group.samples])
         generated = [~s.injected_mask() for s in group.samples]  # interruption text is never trained
-        masks, num_stale = staleness_masks([version - s.versions() for s in group.samples],
-                                           self.staleness.max_lag, self.staleness.on_violation, generated)
+        masks, num_stale = staleness_masks(
+            [version - s.versions() for s in group.samples],
+            self.staleness.max_lag,
+            self.staleness.on_violation,
+            generated,
+        )
         batch.stats["stale_tokens"] += num_stale
         if masks is None:
             batch.stats["dropped_stale"] += 1
@@ -128,9 +142,11 @@ class Admission:
                 self.failure_other.setdefault(kind, s.episode.env_error)
         if self.failing_in_a_row >= FAILING_RUN:
             example, times = self.failure_summary()["reasons"][0]
-            raise EpisodesFailing(f"the last {self.failing_in_a_row} training episodes all failed (each scored 0, so "
-                                  "their groups teach nothing): fix the reward or environment; the most frequent "
-                                  f"reason ({times} times):\n{example}")
+            raise EpisodesFailing(
+                f"the last {self.failing_in_a_row} training episodes all failed (each scored 0, so "
+                "their groups teach nothing): fix the reward or environment; the most frequent "
+                f"reason ({times} times):\n{example}"
+            )
 
     def _check_reward_scale(self, group: RolloutGroup) -> None:
         """Warn once when rewards other than 0 and 1 meet the default threshold 1.0, which assumes them:
@@ -141,10 +157,13 @@ class Admission:
         if other is None:
             return
         self.warned_reward_scale = True
-        notice.warning("task rewards are not all 0 or 1 (prompt %d got %.4g) and task.pass_threshold is 1.0: a sample "
-                    "counts as a pass only at a reward >= 1.0 (rollout/pass_rate, eval/pass_rate, the curriculum); "
-                    "set task.pass_threshold to the reward a solved sample earns if that is not it",
-                    group.prompt_id, other)
+        notice.warning(
+            "task rewards are not all 0 or 1 (prompt %d got %.4g) and task.pass_threshold is 1.0: a sample "
+            "counts as a pass only at a reward >= 1.0 (rollout/pass_rate, eval/pass_rate, the curriculum); "
+            "set task.pass_threshold to the reward a solved sample earns if that is not it",
+            group.prompt_id,
+            other,
+        )
 
     def _released_prompt_id(self, group: RolloutGroup) -> int:
         """The prompt the book released this group for: the curriculum never takes a rollout's word for

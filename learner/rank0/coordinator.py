@@ -8,6 +8,7 @@ the step that used them has bumped the version, which makes max_lag = 0 synchron
 group is lives in the `GroupBook`; which prompts are still worth sampling in the `Curriculum`.
 Held-out prompts go out as eval groups, which carry the version they evaluate.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,9 +47,16 @@ class DispatchPlan:
 
 def release_of(group: PromptGroup, index: int) -> Release:
     """The record a group's rollout is checked against, stamped with the time it goes out."""
-    return Release(index, group.min_version, group.n, prompt_digest(group.prompt_tokens.data), group.eval_version,
-                   prompt_id=group.prompt_id, interrupted_max_tokens=longest_interrupted(group.sampling),
-                   released_at=time.time())
+    return Release(
+        index,
+        group.min_version,
+        group.n,
+        prompt_digest(group.prompt_tokens.data),
+        group.eval_version,
+        prompt_id=group.prompt_id,
+        interrupted_max_tokens=longest_interrupted(group.sampling),
+        released_at=time.time(),
+    )
 
 
 def longest_interrupted(sampling: SamplingParams) -> int:
@@ -58,9 +66,17 @@ def longest_interrupted(sampling: SamplingParams) -> int:
 
 
 class Coordinator:
-    def __init__(self, plan: DispatchPlan, train: list[Prompt], val: list[Prompt],
-                 encode: Callable[[Prompt], list[int]], transport: LearnerTransport, book: GroupBook,
-                 curriculum: CurriculumConfig | None = None, pass_threshold: float = 1.0):
+    def __init__(
+        self,
+        plan: DispatchPlan,
+        train: list[Prompt],
+        val: list[Prompt],
+        encode: Callable[[Prompt], list[int]],
+        transport: LearnerTransport,
+        book: GroupBook,
+        curriculum: CurriculumConfig | None = None,
+        pass_threshold: float = 1.0,
+    ):
         self.plan = plan
         self.train = train
         self.val = val
@@ -104,7 +120,8 @@ class Coordinator:
                 f"{cfg.min_samples} samples, a pass being a reward >= task.pass_threshold = {self.pass_threshold}) "
                 f"and no group is left in flight at version {self.version}: nothing to "
                 "train on. Lower learner.max_steps, raise curriculum.retire_pass_rate or task.pass_threshold, "
-                "or set curriculum.enabled=false")
+                "or set curriculum.enabled=false"
+            )
 
     # ---- called by the training loop ---------------------------------------------------------
 
@@ -115,11 +132,15 @@ class Coordinator:
             if judged is None:
                 return
             samples, pass_rate = judged
-            self.book.ledger.record("retired", prompt_id=prompt_id, pass_rate=pass_rate, samples=samples,
-                                    version=self.version)
+            self.book.ledger.record(
+                "retired", prompt_id=prompt_id, pass_rate=pass_rate, samples=samples, version=self.version
+            )
             if self.curriculum.exhausted:
-                log.warning("curriculum: all %d training prompts are retired at version %d; no more groups "
-                            "are dispatched", len(self.curriculum.prompt_ids), self.version)
+                log.warning(
+                    "curriculum: all %d training prompts are retired at version %d; no more groups are dispatched",
+                    len(self.curriculum.prompt_ids),
+                    self.version,
+                )
                 self.book.ledger.record("curriculum_exhausted", version=self.version)
 
     @property
@@ -135,8 +156,10 @@ class Coordinator:
 
     def dispatch_eval(self, version: int) -> dict[str, Release]:
         """Send every held-out prompt for evaluation at `version`; returns what went out, by group id."""
-        groups = [self._group(p, f"{self.plan.run_id}-eval{version}-{i}", version, eval_version=version)
-                  for i, p in enumerate(self.val)]
+        groups = [
+            self._group(p, f"{self.plan.run_id}-eval{version}-{i}", version, eval_version=version)
+            for i, p in enumerate(self.val)
+        ]
         self.transport.submit_prompts(groups)
         return {g.group_id: release_of(g, i) for i, g in enumerate(groups)}
 
@@ -147,8 +170,11 @@ class Coordinator:
             while True:
                 with self._cond:
                     # an exhausted curriculum releases nothing more: the learner ends the run in check()
-                    self._cond.wait_for(lambda: self._stop or (len(self.book.outstanding) < self.window
-                                                               and not self.curriculum.exhausted))
+                    self._cond.wait_for(
+                        lambda: (
+                            self._stop or (len(self.book.outstanding) < self.window and not self.curriculum.exhausted)
+                        )
+                    )
                     if self._stop:
                         return
                     groups = [self._next_train_group() for _ in range(self.window - len(self.book.outstanding))]
@@ -177,11 +203,17 @@ class Coordinator:
     def _group(self, prompt: Prompt, group_id: str, min_version: int, eval_version: int | None = None) -> PromptGroup:
         is_eval = eval_version is not None
         return PromptGroup(
-            run_id=self.plan.run_id, group_id=group_id, prompt_id=prompt.prompt_id,
-            prompt_tokens=int32s(self.encode(prompt)), task=self.plan.task, payload=prompt.payload,
+            run_id=self.plan.run_id,
+            group_id=group_id,
+            prompt_id=prompt.prompt_id,
+            prompt_tokens=int32s(self.encode(prompt)),
+            task=self.plan.task,
+            payload=prompt.payload,
             n=self.plan.eval_n if is_eval else self.plan.n,
             sampling=self.plan.eval_sampling if is_eval else self.plan.sampling,
-            min_version=min_version, eval_version=eval_version)
+            min_version=min_version,
+            eval_version=eval_version,
+        )
 
     def _shuffled(self, epoch: int) -> np.ndarray:
         order = list(range(len(self.train)))
@@ -193,9 +225,15 @@ class Coordinator:
     def state_dict(self) -> dict:
         """Everything a resumed learner needs, with the ledger offset taken under the same lock."""
         with self._cond:
-            return {"epoch": self.epoch, "cursor": self.cursor, "num_released": self.num_released,
-                    "version": self.version, **self.book.state_dict(),
-                    "curriculum": self.curriculum.state_dict(), "ledger_offset": self.book.ledger.offset()}
+            return {
+                "epoch": self.epoch,
+                "cursor": self.cursor,
+                "num_released": self.num_released,
+                "version": self.version,
+                **self.book.state_dict(),
+                "curriculum": self.curriculum.state_dict(),
+                "ledger_offset": self.book.ledger.offset(),
+            }
 
     def load_state_dict(self, state: dict) -> None:
         with self._cond:
@@ -218,8 +256,9 @@ class Coordinator:
         """After a restart: queue the groups outstanding at the checkpoint again, and only those (the
         transport withdraws what the dead process released after the checkpoint)."""
         with self._cond:
-            groups = [self._group(self.train[r.index], group_id, r.min_version)
-                      for group_id, r in self.book.outstanding.items()]
+            groups = [
+                self._group(self.train[r.index], group_id, r.min_version)
+                for group_id, r in self.book.outstanding.items()
+            ]
         self.transport.resubmit_prompts(groups)
         return len(groups)
-

@@ -9,6 +9,7 @@ a pass rate >= `curriculum.retire_pass_rate` retires it for good, also after a r
 prompt is retired nothing more is released, and the learner ends the run (`CurriculumExhausted`)
 once the groups in flight are consumed.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable

@@ -8,6 +8,7 @@ by value), so memory stays flat however long the run. The samples are not checkp
 resume the figures describe what this process trained on (the pass-rate curve comes from MLflow
 and covers the whole run).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,6 +33,8 @@ log = redacting_logger(__name__)  # a figure that failed to reach MLflow names i
 TITLE_WIDTH = 60  # characters per line of a panel's small-print title: a half-width panel holds about this many
 MAX_REWARD_BARS = 12  # distinct rewards drawn a bar each; more are binned
 PRINT_SAMPLES_ENV = "TIDAL_PRINT_SAMPLES"  # rollouts of each rollout table the learner also writes to its log
+
+
 class Reservoir:
     """A uniform sample of at most `size` values from a stream of any length."""
 
@@ -51,16 +54,26 @@ class Reservoir:
             self.seen += 1
 
     def sample(self) -> np.ndarray:
-        return self.values[:min(self.seen, self.size)]
+        return self.values[: min(self.seen, self.size)]
 
 
 class Diagnostics:
     """Collects what the tables and figures show, and hands them to the tracker."""
 
-    def __init__(self, tracker, decode: Callable[[np.ndarray], str], run_dir: Path, completions_per_eval: int,
-                 max_lag: int, reservoir: int = 4096, pass_threshold: float = 1.0, pass_on: str = "",
-                 rollout_table_every: int = TrackingConfig.rollout_table_every,
-                 rollout_table_rows: int = TrackingConfig.rollout_table_rows, print_samples: int | None = None):
+    def __init__(
+        self,
+        tracker,
+        decode: Callable[[np.ndarray], str],
+        run_dir: Path,
+        completions_per_eval: int,
+        max_lag: int,
+        reservoir: int = 4096,
+        pass_threshold: float = 1.0,
+        pass_on: str = "",
+        rollout_table_every: int = TrackingConfig.rollout_table_every,
+        rollout_table_rows: int = TrackingConfig.rollout_table_rows,
+        print_samples: int | None = None,
+    ):
         self.tracker, self.decode, self.run_dir = tracker, decode, run_dir
         self.rollout_table_every, self.rollout_table_rows = rollout_table_every, rollout_table_rows
         self.print_samples = _print_samples_from_env() if print_samples is None else print_samples
@@ -79,7 +92,7 @@ class Diagnostics:
         """Which of an evaluation's groups its table shows: the first in dispatch order, so the
         table does not favour the prompts that finish fastest."""
         if self.completions_per_eval > 0:
-            self.shown[version] = set(group_ids[:math.ceil(self.completions_per_eval / max(n, 1))])
+            self.shown[version] = set(group_ids[: math.ceil(self.completions_per_eval / max(n, 1))])
             self.rows[version] = []
 
     def on_eval_group(self, group: RolloutGroup, arrived_at: int) -> None:
@@ -88,13 +101,21 @@ class Diagnostics:
         prompt = self.decode(group.prompt_tokens.numpy("i4", "prompt_tokens"))
         for sample, tokens, _ in group.unpack():
             versions = [v for v, _, _ in sample.version_spans] or [group.eval_version]
-            self.rows[group.eval_version].append({
-                "prompt": prompt, "completion": self.decode(tokens),
-                "reward": sample.task_reward, "passed": pass_score(sample, self.pass_on) >= self.pass_threshold,
-                "finish_reason": sample.finish_reason, "tokens": sample.num_tokens,
-                "versions": _versions_text(versions), "lag": arrived_at - min(versions),
-                "actor": group.actor_id, "group_id": group.group_id,
-                **(self.episode_columns(sample, tokens) if sample.episode is not None else {})})
+            self.rows[group.eval_version].append(
+                {
+                    "prompt": prompt,
+                    "completion": self.decode(tokens),
+                    "reward": sample.task_reward,
+                    "passed": pass_score(sample, self.pass_on) >= self.pass_threshold,
+                    "finish_reason": sample.finish_reason,
+                    "tokens": sample.num_tokens,
+                    "versions": _versions_text(versions),
+                    "lag": arrived_at - min(versions),
+                    "actor": group.actor_id,
+                    "group_id": group.group_id,
+                    **(self.episode_columns(sample, tokens) if sample.episode is not None else {}),
+                }
+            )
 
     def episode_columns(self, sample, tokens: np.ndarray) -> dict:
         """An episode's turns one by one: what the model wrote and what the environment (its messages
@@ -104,14 +125,25 @@ class Diagnostics:
         for begin, end in [*sample.injected_spans, (sample.num_tokens, sample.num_tokens)]:
             if begin > start:
                 turn = versions[start:begin]
-                pieces.append({"by": "model", "text": self.decode(tokens[start:begin]),
-                               "versions": sorted({int(v) for v in turn})})
+                pieces.append(
+                    {
+                        "by": "model",
+                        "text": self.decode(tokens[start:begin]),
+                        "versions": sorted({int(v) for v in turn}),
+                    }
+                )
             if end > begin:
                 pieces.append({"by": "environment", "text": self.decode(tokens[begin:end])})
             start = end
         e = sample.episode
-        return {"turns": e.turns, "tool_calls": e.tool_calls, "tool_errors": e.tool_errors,
-                "tool_timeouts": e.tool_timeouts, "env_error": e.env_error, "conversation": pieces}
+        return {
+            "turns": e.turns,
+            "tool_calls": e.tool_calls,
+            "tool_errors": e.tool_errors,
+            "tool_timeouts": e.tool_timeouts,
+            "env_error": e.env_error,
+            "conversation": pieces,
+        }
 
     def eval_done(self, version: int) -> None:
         """Log the evaluation's table: eval/completions-step-<version>.json in the MLflow run."""
@@ -149,15 +181,16 @@ class Diagnostics:
         for g, picked in _pick_rollouts(groups, self.rollout_table_rows, seed=step).items():
             group, arrays = groups[g], groups[g].unpack()
             prompt = self.decode(group.prompt_tokens.numpy("i4", "prompt_tokens"))
-            rows += [self._rollout_row(step, version, group, arrays[i], prompt, float(advantages[g][i]))
-                     for i in picked]
+            rows += [
+                self._rollout_row(step, version, group, arrays[i], prompt, float(advantages[g][i])) for i in picked
+            ]
         if not rows:
             return rows
         keys = dict.fromkeys(key for row in rows for key in row)  # reward components: where a task gives them
         self.tracker.log_table({key: [row.get(key) for row in rows] for key in keys}, f"rollouts/step-{step:06d}.json")
         with open(self.run_dir / ROLLOUTS_FILE, "a") as f:
             f.write(json.dumps({"step": step, "rows": rows}) + "\n")
-        for row in rows[:self.print_samples]:
+        for row in rows[: self.print_samples]:
             log.info("%s", rollout_text(row))
         return rows
 
@@ -165,12 +198,21 @@ class Diagnostics:
         sample, tokens, _ = arrays
         versions = [v for v, _, _ in sample.version_spans] or [version]
         components = getattr(sample, "reward_components", None) or {}  # the task's reward functions, by name
-        return {"step": step, "prompt": prompt, "completion": self.decode(tokens), "reward": sample.reward,
-                "task_reward": sample.task_reward, **{f"reward/{k}": float(v) for k, v in components.items()},
-                "advantage": advantage, "versions": _versions_text(versions),
-                "lag": version - min(versions),  # the learner's version at step start less the oldest token's
-                "finish_reason": sample.finish_reason, "tokens": sample.num_tokens,
-                "actor": group.actor_id, "group_id": group.group_id}
+        return {
+            "step": step,
+            "prompt": prompt,
+            "completion": self.decode(tokens),
+            "reward": sample.reward,
+            "task_reward": sample.task_reward,
+            **{f"reward/{k}": float(v) for k, v in components.items()},
+            "advantage": advantage,
+            "versions": _versions_text(versions),
+            "lag": version - min(versions),  # the learner's version at step start less the oldest token's
+            "finish_reason": sample.finish_reason,
+            "tokens": sample.num_tokens,
+            "actor": group.actor_id,
+            "group_id": group.group_id,
+        }
 
     # ---- figures --------------------------------------------------------------------------------
 
@@ -183,9 +225,12 @@ class Diagnostics:
         folder.mkdir(parents=True, exist_ok=True)
         trained = (first_step, version)  # the steps the samples behind the stream's figures come from
         paths = []
-        for name, draw in (("pass_rate", self._pass_rate), ("token_lag", lambda: self._token_lag(trained)),
-                           ("logprob_mismatch", lambda: self._mismatch(trained)),
-                           ("rewards_lengths", lambda: self._rewards_lengths(trained))):
+        for name, draw in (
+            ("pass_rate", self._pass_rate),
+            ("token_lag", lambda: self._token_lag(trained)),
+            ("logprob_mismatch", lambda: self._mismatch(trained)),
+            ("rewards_lengths", lambda: self._rewards_lengths(trained)),
+        ):
             try:
                 fig = draw()
             except Exception as err:  # a figure is worth a warning, never the run
@@ -239,15 +284,23 @@ class Diagnostics:
         lags = sorted(self.lags)
         # linear counts, each bar labelled: on a log axis a bar of 30 tokens looked a third as tall as one of 10^5
         bars = ax.bar(lags, [self.lags[lag] for lag in lags], width=0.8)
-        ax.bar_label(bars, labels=[_count_text(self.lags[lag]) for lag in lags], fontsize=7,
-                     rotation=90 if len(lags) > 12 else 0, padding=2)
+        ax.bar_label(
+            bars,
+            labels=[_count_text(self.lags[lag]) for lag in lags],
+            fontsize=7,
+            rotation=90 if len(lags) > 12 else 0,
+            padding=2,
+        )
         ax.margins(y=0.12)  # room above the tallest bar for its label
         ax.axvline(self.max_lag + 0.5, color="C3", ls="--", label=f"staleness.max_lag = {self.max_lag}")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # a lag is a whole number of versions
         total = sum(self.lags.values())
         mean = sum(lag * c for lag, c in self.lags.items()) / total
-        ax.set(xlabel="token lag (learner version - token's version)", ylabel="trained tokens",
-               title=f"token lag over {total:,} trained tokens (mean {mean:.2f})")
+        ax.set(
+            xlabel="token lag (learner version - token's version)",
+            ylabel="trained tokens",
+            title=f"token lag over {total:,} trained tokens (mean {mean:.2f})",
+        )
         ax.legend(fontsize=7)
         return fig
 
@@ -259,11 +312,17 @@ class Diagnostics:
         scatter.scatter(b, lp, s=3, alpha=0.3)
         lo = float(min(b.min(), lp.min()))
         scatter.plot([lo, 0], [lo, 0], "k--", lw=0.8)
-        scatter.set(xlabel="behaviour logprob (actor)", ylabel="learner logprob at step start",
-                    title=f"{b.size:,} sampled tokens")
+        scatter.set(
+            xlabel="behaviour logprob (actor)",
+            ylabel="learner logprob at step start",
+            title=f"{b.size:,} sampled tokens",
+        )
         diff.hist(lp - b, bins=60)
-        diff.set(xlabel="log rho = learner - behaviour", ylabel="tokens",
-                 title=f"mean |log rho| = {np.abs(lp - b).mean():.3g}")
+        diff.set(
+            xlabel="log rho = learner - behaviour",
+            ylabel="tokens",
+            title=f"mean |log rho| = {np.abs(lp - b).mean():.3g}",
+        )
         return fig
 
     def _rewards_lengths(self, trained: tuple[int, int]):

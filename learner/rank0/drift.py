@@ -6,6 +6,7 @@ geometric mean over them). When it strays from 1 for several steps in a row, eve
 loss makes is biased by it, so the run says so once, in the learner's log, naming the settings that
 can cause it; MLflow carries the figure as `offpolicy/fresh_ratio`.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,14 +24,20 @@ def likely_causes(cfg: RunConfig) -> list[str]:
     """The settings of `cfg` that make the actors score otherwise than the learner, most likely first."""
     causes = []
     if cfg.learner.mixed_precision != "no":
-        causes.append(f"learner.mixed_precision={cfg.learner.mixed_precision}: the learner's forward pass runs in "
-                      f"half precision while the actors serve {cfg.model.dtype}")
+        causes.append(
+            f"learner.mixed_precision={cfg.learner.mixed_precision}: the learner's forward pass runs in "
+            f"half precision while the actors serve {cfg.model.dtype}"
+        )
     if cfg.model.dtype != "float32" and cfg.model.head == "fp32":
-        causes.append(f"model.dtype={cfg.model.dtype} with model.head=fp32: the actors serve rounded weights and the "
-                      "learner scores its fp32 master weights; model.head=served scores what they serve")
-    causes.append("the engines compute otherwise than the learner (actor.vllm.* settings, a quantized or half-"
-                  "precision engine, other attention kernels), or an actor serves weights other than the version it "
-                  "reports (weights.*)")
+        causes.append(
+            f"model.dtype={cfg.model.dtype} with model.head=fp32: the actors serve rounded weights and the "
+            "learner scores its fp32 master weights; model.head=served scores what they serve"
+        )
+    causes.append(
+        "the engines compute otherwise than the learner (actor.vllm.* settings, a quantized or half-"
+        "precision engine, other attention kernels), or an actor serves weights other than the version it "
+        "reports (weights.*)"
+    )
     return causes
 
 
@@ -50,7 +57,13 @@ class FreshRatioWatch:
         if self.in_a_row < self.steps or self.warned:
             return
         self.warned = True
-        notice.warning("the learner and the actors score the same weights differently: at version %d the fresh tokens' "
-                    "ratio (offpolicy/fresh_ratio, lag 0) was %.4f, off 1 by more than %.0f%% for %d steps in a row, "
-                    "so every off-policy correction is biased by it. Likely: %s. See docs/corrections.md",
-                    version, ratio, 100 * self.tolerance, self.in_a_row, "; or ".join(self.causes))
+        notice.warning(
+            "the learner and the actors score the same weights differently: at version %d the fresh tokens' "
+            "ratio (offpolicy/fresh_ratio, lag 0) was %.4f, off 1 by more than %.0f%% for %d steps in a row, "
+            "so every off-policy correction is biased by it. Likely: %s. See docs/corrections.md",
+            version,
+            ratio,
+            100 * self.tolerance,
+            self.in_a_row,
+            "; or ".join(self.causes),
+        )

@@ -10,6 +10,7 @@ evaluation at V is made by V alone: while one is under way the learner announces
 the learner refused (a reward outside task.reward_range, ...) is not logged: its pass rate would count
 only the groups that were kept.
 """
+
 from __future__ import annotations
 
 import logging
@@ -59,8 +60,9 @@ class Evaluations:
         pending = self.expected.get(group.eval_version)
         if pending is None or group.group_id not in pending:
             return None  # a duplicate or a leftover of an earlier run
-        self.off_version_samples += sum(any(v != group.eval_version for v, start, end in s.version_spans if end > start)
-                                        for s in group.samples)
+        self.off_version_samples += sum(
+            any(v != group.eval_version for v, start, end in s.version_spans if end > start) for s in group.samples
+        )
         del pending[group.group_id]
         self.rewards[group.eval_version].extend(s.task_reward for s in group.samples)
         self.scores[group.eval_version].extend(pass_score(s, self.pass_on) for s in group.samples)
@@ -75,8 +77,11 @@ class Evaluations:
                 if refused:
                     self.refused.setdefault(version, Counter())[refused] += 1
                 else:
-                    log.warning("eval group %s was dead-lettered; the eval at version %d is computed without it",
-                                group_id, version)
+                    log.warning(
+                        "eval group %s was dead-lettered; the eval at version %d is computed without it",
+                        group_id,
+                        version,
+                    )
                 if not pending and (self.rewards[version] or self.refused.get(version)):
                     return self._complete(version)
         return None
@@ -104,8 +109,17 @@ class Evaluator:
     comes back, log each completed pass rate and mean reward on the compute axes. A pass is what the
     coordinator's curriculum counts as one too (task.pass_threshold)."""
 
-    def __init__(self, coordinator, metrics_log, accounting, transport, validator=None, diagnostics=None,
-                 pass_threshold: float = 1.0, pass_on: str = ""):
+    def __init__(
+        self,
+        coordinator,
+        metrics_log,
+        accounting,
+        transport,
+        validator=None,
+        diagnostics=None,
+        pass_threshold: float = 1.0,
+        pass_on: str = "",
+    ):
         self.coordinator, self.metrics_log, self.accounting = coordinator, metrics_log, accounting
         self.transport, self.validator, self.diagnostics = transport, validator, diagnostics
         self.evals = Evaluations(pass_threshold=pass_threshold, pass_on=pass_on)
@@ -144,8 +158,14 @@ class Evaluator:
         elif done is not None:
             version, pass_rate = done
             reward_mean = self.evals.reward_means[version]
-            log.info("eval at version %d: val pass rate %.3f (%s >= %g), mean reward %.3f", version, pass_rate,
-                     self.evals.pass_on or "reward", self.evals.pass_threshold, reward_mean)
+            log.info(
+                "eval at version %d: val pass rate %.3f (%s >= %g), mean reward %.3f",
+                version,
+                pass_rate,
+                self.evals.pass_on or "reward",
+                self.evals.pass_threshold,
+                reward_mean,
+            )
             axis = self.accounting.compute_axis(len(self.transport.actors()))
             self.metrics_log.log({"eval/pass_rate": pass_rate, "eval/reward_mean": reward_mean} | axis, step=version)
             if self.diagnostics is not None:
@@ -156,9 +176,14 @@ class Evaluator:
         refused = self.evals.refused[version]
         total = self.evals.sizes.get(version, 0)
         reasons = ", ".join(f"{n} for {why}" for why, n in refused.most_common())
-        log.warning("the evaluation at version %d is not logged: the learner refused %d of its %d groups (%s), and a "
-                    "pass rate over the rest would be biased; see the warning that names the setting", version,
-                    sum(refused.values()), total, reasons)
+        log.warning(
+            "the evaluation at version %d is not logged: the learner refused %d of its %d groups (%s), and a "
+            "pass rate over the rest would be biased; see the warning that names the setting",
+            version,
+            sum(refused.values()),
+            total,
+            reasons,
+        )
         self.metrics_log.log({"eval/refused_groups": float(sum(refused.values()))}, step=version)
         if self.diagnostics is not None:
             self.diagnostics.eval_done(version)

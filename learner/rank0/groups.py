@@ -12,6 +12,7 @@ claims and discards; the step loop marks groups trained. Every change is a ledge
 grows with what is in flight, not with the run: a consumed group is remembered (to tell a late
 copy from a forgery) only among the last `remember` ones. Thread-safe.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -132,8 +133,12 @@ class GroupBook:
 
     def state_dict(self) -> dict:
         with self.cond:
-            return {"outstanding": {k: asdict(v) for k, v in self.outstanding.items()},
-                    "consumed": list(self.consumed), "dead": list(self.dead), "counts": dict(self.counts)}
+            return {
+                "outstanding": {k: asdict(v) for k, v in self.outstanding.items()},
+                "consumed": list(self.consumed),
+                "dead": list(self.dead),
+                "counts": dict(self.counts),
+            }
 
     def load_state_dict(self, state: dict) -> None:
         with self.cond:

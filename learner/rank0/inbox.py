@@ -2,6 +2,7 @@
 once a second, actor joins into the ledger and dead letters to whoever owns the group; the health
 file touched. Actors that stay quiet for `learner.rollout_timeout_s` fail the run, naming them.
 """
+
 from __future__ import annotations
 
 import time
@@ -18,8 +19,15 @@ RECV_WAIT_S = 0.5  # one wait for a rollout: the caller re-checks its own state 
 
 
 class Inbox:
-    def __init__(self, transport: LearnerTransport, ledger: Ledger, accounting: Accounting, timeout_s: float,
-                 health_file: str, on_dead_letter: Callable[[str], None]):
+    def __init__(
+        self,
+        transport: LearnerTransport,
+        ledger: Ledger,
+        accounting: Accounting,
+        timeout_s: float,
+        health_file: str,
+        on_dead_letter: Callable[[str], None],
+    ):
         self.transport = transport
         self.ledger = ledger
         self.accounting = accounting
@@ -39,8 +47,10 @@ class Inbox:
         group = self.transport.recv_rollout(timeout_s=RECV_WAIT_S)
         if group is None:
             if time.monotonic() - self.last_arrival > self.timeout_s:
-                raise TimeoutError(f"waiting for {what}: no rollout arrived for {self.timeout_s:.0f} s "
-                                   f"(learner.rollout_timeout_s; live actors: {sorted(self.transport.actors())})")
+                raise TimeoutError(
+                    f"waiting for {what}: no rollout arrived for {self.timeout_s:.0f} s "
+                    f"(learner.rollout_timeout_s; live actors: {sorted(self.transport.actors())})"
+                )
             return None
         self.last_arrival = time.monotonic()
         self.accounting.received(group.actor_id)
@@ -53,7 +63,12 @@ class Inbox:
             return
         self.next_poll = time.monotonic() + BROKER_POLL_S
         for join in self.transport.take_joins():
-            self.ledger.record("actor_joined", actor=join.actor_id, version=join.version, announced=join.announced,
-                               learner_version=version)
+            self.ledger.record(
+                "actor_joined",
+                actor=join.actor_id,
+                version=join.version,
+                announced=join.announced,
+                learner_version=version,
+            )
         for group_id in self.transport.take_dead_letters():
             self.on_dead_letter(group_id)

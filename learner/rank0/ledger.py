@@ -13,6 +13,7 @@ describes the lineage of the live model. A crash can leave a torn last line: the
 it with a warning (what came before is kept); a line that does not read anywhere else is damage,
 named by line number.
 """
+
 from __future__ import annotations
 
 import json
@@ -57,15 +58,21 @@ def repair(path: Path, keep_bytes: int | None = None) -> None:
         if keep_bytes is not None and size > keep_bytes:
             size = f.truncate(keep_bytes)
         elif keep_bytes is not None and size < keep_bytes:
-            log.warning("%s holds %d bytes, the checkpoint covers %d: the events of the last %d bytes are lost",
-                        path, size, keep_bytes, keep_bytes - size)
+            log.warning(
+                "%s holds %d bytes, the checkpoint covers %d: the events of the last %d bytes are lost",
+                path,
+                size,
+                keep_bytes,
+                keep_bytes - size,
+            )
         start = _last_line_start(f, size)
         f.seek(start)
         last = f.read()
         if last and _record(last) is None:
             f.truncate(start)
-            log.warning("%s: dropped a torn last line of %d bytes (the learner stopped while writing it)",
-                        path, len(last))
+            log.warning(
+                "%s: dropped a torn last line of %d bytes (the learner stopped while writing it)", path, len(last)
+            )
         elif last:
             f.write(b"\n")  # a whole record that lost its newline
     if keep_bytes:
@@ -78,8 +85,12 @@ def _name_damaged_lines(path: Path) -> None:
     with open(path, "rb") as f:
         damaged = [number for number, line in enumerate(f, 1) if line.strip() and _record(line) is None]
     if damaged:
-        log.warning("%s: %d lines are not JSON records (lines %s): the ledger is damaged there", path,
-                    len(damaged), ", ".join(map(str, damaged[:10])) + (", ..." if len(damaged) > 10 else ""))
+        log.warning(
+            "%s: %d lines are not JSON records (lines %s): the ledger is damaged there",
+            path,
+            len(damaged),
+            ", ".join(map(str, damaged[:10])) + (", ..." if len(damaged) > 10 else ""),
+        )
 
 
 def _last_line_start(f, size: int, chunk_bytes: int = 1 << 16) -> int:

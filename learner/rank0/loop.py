@@ -15,6 +15,7 @@
 collectives; none of them is collective. A resumed learner starts from a checkpoint's version, and
 its metrics reach MLflow exactly once (`MetricsLog`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -76,20 +77,35 @@ class Learner:
         self.cfg, self.eval_cfg, self.parts = cfg, eval_cfg, parts
         self.trainer, self.coordinator, self.book = parts.trainer, parts.coordinator, parts.book
         self.transport, self.checkpointer = parts.transport, parts.checkpointer
-        self.steps = StepRunner(parts.trainer, parts.checkpointer, parts.ranks, parts.push, parts.publisher,
-                                cfg.max_steps)
+        self.steps = StepRunner(
+            parts.trainer, parts.checkpointer, parts.ranks, parts.push, parts.publisher, cfg.max_steps
+        )
         self.accounting = Accounting(self.trainer.num_params, parts.ranks.world if parts.ranks else 1)
         self.metrics_log = MetricsLog(parts.tracker, self.checkpointer.periodic)
         self.fresh_ratio = FreshRatioWatch(list(parts.drift_causes))
         # progress lines as often as the tracker's config says; none without a tracker (unit tests of parts)
         every = parts.tracker.log_every_steps if parts.tracker is not None else 0
         self.progress = ProgressLog(every, cfg.max_steps, parts.num_actors)
-        self.evaluator = Evaluator(self.coordinator, self.metrics_log, self.accounting, self.transport, parts.validator,
-                                   parts.diagnostics, parts.admission.pass_threshold, parts.admission.pass_on)
+        self.evaluator = Evaluator(
+            self.coordinator,
+            self.metrics_log,
+            self.accounting,
+            self.transport,
+            parts.validator,
+            parts.diagnostics,
+            parts.admission.pass_threshold,
+            parts.admission.pass_on,
+        )
         self.evals = self.evaluator.evals
         self.held = HeldAnnouncements(self.evaluator, self.announce_now)
-        self.inbox = Inbox(self.transport, self.book.ledger, self.accounting, cfg.rollout_timeout_s, cfg.health_file,
-                           on_dead_letter=self.on_dead_letter)
+        self.inbox = Inbox(
+            self.transport,
+            self.book.ledger,
+            self.accounting,
+            cfg.rollout_timeout_s,
+            cfg.health_file,
+            on_dead_letter=self.on_dead_letter,
+        )
         self.resumed: dict | None = None  # the checkpoint state this learner continues from
         self.stopped_early = ""  # why the run ended before learner.max_steps, if it did
 
@@ -118,8 +134,12 @@ class Learner:
                 if version == self.version:
                     self.held.evaluate()  # lost with the old process; its version is the one resumed
                 else:  # its weights are gone: any other version's samples would be logged as its
-                    log.warning("the evaluation at version %d was under way when the run stopped; it is not "
-                                "made again (the resumed run serves version %d)", version, self.version)
+                    log.warning(
+                        "the evaluation at version %d was under way when the run stopped; it is not "
+                        "made again (the resumed run serves version %d)",
+                        version,
+                        self.version,
+                    )
         self.coordinator.start()
 
     def collect(self) -> StepBatch | None:
@@ -172,8 +192,12 @@ class Learner:
             self.transport.commit()  # no resume point to wait for
 
     def checkpoint_state(self) -> dict:
-        return {"mlflow_run_id": self.parts.tracker.run_id, "coordinator": self.coordinator.state_dict(),
-                "learner": learner_state(self.accounting, self.evals), "unlogged": self.metrics_log.unlogged}
+        return {
+            "mlflow_run_id": self.parts.tracker.run_id,
+            "coordinator": self.coordinator.state_dict(),
+            "learner": learner_state(self.accounting, self.evals),
+            "unlogged": self.metrics_log.unlogged,
+        }
 
     def on_saved(self) -> None:
         """Acknowledge to the broker and log to MLflow everything the checkpoint covers."""
@@ -246,18 +270,25 @@ class Learner:
     def step_metrics(self, batch: StepBatch, train: dict[str, float]) -> dict[str, float]:
         rollout = self.accounting.add_step(batch.stats, int(train["learner/computed_tokens"]))
         watch = self.parts.validator.watch if self.parts.validator is not None else None
-        return train | rollout | {
-            "eval/multi_version_samples_total": float(self.evals.multi_version_samples),
-            "eval/off_version_samples_total": float(self.evals.off_version_samples),
-            "eval/hold_s_total": self.held.held_s,
-            "curriculum/retired_prompts": float(self.coordinator.num_retired_prompts),
-            "broker/duplicate_groups": float(self.book.counts["duplicates"]),
-            "broker/dead_lettered_groups": float(self.book.counts["dead_lettered"]),
-            "learner/rejected_groups": float(sum(v for k, v in self.book.counts.items()
-                                                 if k.startswith(("rejected/", "discarded/invalid/")))),
-            "learner/version": float(self.version),
-        } | (watch.step_metrics() if watch is not None else {}) | self.transport.metrics() \
+        return (
+            train
+            | rollout
+            | {
+                "eval/multi_version_samples_total": float(self.evals.multi_version_samples),
+                "eval/off_version_samples_total": float(self.evals.off_version_samples),
+                "eval/hold_s_total": self.held.held_s,
+                "curriculum/retired_prompts": float(self.coordinator.num_retired_prompts),
+                "broker/duplicate_groups": float(self.book.counts["duplicates"]),
+                "broker/dead_lettered_groups": float(self.book.counts["dead_lettered"]),
+                "learner/rejected_groups": float(
+                    sum(v for k, v in self.book.counts.items() if k.startswith(("rejected/", "discarded/invalid/")))
+                ),
+                "learner/version": float(self.version),
+            }
+            | (watch.step_metrics() if watch is not None else {})
+            | self.transport.metrics()
             | self.accounting.compute_axis(len(self.transport.actors()))
+        )
 
     def restore(self, state: dict) -> None:
         """Continue from a checkpoint's tidal state (the step runner restored the model and optimizer)."""
@@ -268,13 +299,23 @@ class Learner:
     def summary(self) -> dict:
         results, tracker = self.evals.results, self.parts.tracker
         broker = self.transport.metrics()
-        return {"val_pass_rate_initial": results.get(0), "val_pass_rate_final": results.get(self.version),
-                "val_pass_rate_by_version": {str(k): v for k, v in sorted(results.items())},
-                "steps": self.version, "samples": self.accounting.totals["samples"],
-                "gen_tokens": self.accounting.totals["gen_tokens"], "wall_s": self.accounting.wall_s(),
-                "mlflow_run_id": tracker.run_id, "mlflow_uri": tracker.shown_uri,
-                "rejected_frames": broker["broker/rejected_frames"], "broker": broker,  # as at shutdown
-                "eval_off_version_samples": self.evals.off_version_samples, "eval_hold_s": self.held.held_s,
-                "stopped_early": self.stopped_early, "groups_by_actor": dict(self.accounting.by_actor),
-                "episode_failures": self.parts.admission.failure_summary(),
-                "groups": dict(self.book.counts), "outstanding_groups": sorted(self.book.outstanding)}
+        return {
+            "val_pass_rate_initial": results.get(0),
+            "val_pass_rate_final": results.get(self.version),
+            "val_pass_rate_by_version": {str(k): v for k, v in sorted(results.items())},
+            "steps": self.version,
+            "samples": self.accounting.totals["samples"],
+            "gen_tokens": self.accounting.totals["gen_tokens"],
+            "wall_s": self.accounting.wall_s(),
+            "mlflow_run_id": tracker.run_id,
+            "mlflow_uri": tracker.shown_uri,
+            "rejected_frames": broker["broker/rejected_frames"],
+            "broker": broker,  # as at shutdown
+            "eval_off_version_samples": self.evals.off_version_samples,
+            "eval_hold_s": self.held.held_s,
+            "stopped_early": self.stopped_early,
+            "groups_by_actor": dict(self.accounting.by_actor),
+            "episode_failures": self.parts.admission.failure_summary(),
+            "groups": dict(self.book.counts),
+            "outstanding_groups": sorted(self.book.outstanding),
+        }

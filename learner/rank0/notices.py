@@ -1,6 +1,7 @@
 """Lines a user must see while a run goes on (a reward scale the learner refuses, a ratio that drifts):
 logged by the learner under the `tidal.notice` logger, which goes to its log like any other and to
 run_dir/notices.log, which `tidal run` follows and prints on the console."""
+
 from __future__ import annotations
 
 import logging

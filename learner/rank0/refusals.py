@@ -9,6 +9,7 @@ learner's log and on the console (the `tidal.notice` logger, which `tidal run` s
 share refused is a metric (`learner/refused_frac`). When more than STOP_FRAC of the last
 learner.refusal_patience_steps steps' worth of groups were refused, the run stops with that line.
 """
+
 from __future__ import annotations
 
 from collections import Counter, deque
@@ -21,7 +22,7 @@ STOP_FRAC = 0.5  # most of what arrives is refused: the run learns from what is 
 # reason -> what to do about it (a reason not named here is an actor of another run or version)
 FIX = {
     "reward": "widen task.reward_range to hold every sample's reward (the reward functions' weighted sum), or "
-              "rescale the rewards",
+    "rescale the rewards",
     "reward_component": "rename the reward function or the value the environment's score() returns",
     "length": "the actors sample more than sampling.max_tokens: start them with this run's config",
     "token_id": "the actors serve a larger vocabulary than the learner's model: give both the same model.path",
@@ -79,13 +80,16 @@ class RefusalWatch:
         refused = Counter(r for r in self.recent if r is not None)
         if sum(refused.values()) > STOP_FRAC * len(self.recent):
             top, count = refused.most_common(1)[0]
-            raise RolloutsRefused(f"{self.line(top, count, len(self.recent))}; "
-                                  "stopping the run (learner.refusal_patience_steps)")
+            raise RolloutsRefused(
+                f"{self.line(top, count, len(self.recent))}; stopping the run (learner.refusal_patience_steps)"
+            )
 
     def line(self, reason: str, count: int, of: int) -> str:
         seen = f" ({self.details[reason]})" if self.details.get(reason) else ""
-        return (f"the learner refused {count} of the last {of} rollout groups ({count / of:.0%}) for '{reason}'"
-                f"{seen}: {FIX.get(reason, OTHER_RUN)}")
+        return (
+            f"the learner refused {count} of the last {of} rollout groups ({count / of:.0%}) for '{reason}'"
+            f"{seen}: {FIX.get(reason, OTHER_RUN)}"
+        )
 
     def step_metrics(self) -> dict[str, float]:
         """The share of the groups checked since the last step that were refused."""

@@ -5,6 +5,7 @@ step's metrics reach MLflow only once a checkpoint covers that step; the checkpo
 ones not yet logged, and a resumed learner logs those MLflow does not have yet (a crash between
 a save and the logging would lose them otherwise). No step is logged twice.
 """
+
 from __future__ import annotations
 
 from tidal.learner.rank0.accounting import Accounting
@@ -40,8 +41,12 @@ class MetricsLog:
 
 
 def learner_state(accounting: Accounting, evals: Evaluations) -> dict:
-    return {**accounting.state_dict(), "evals": evals.results, "evals_pending": evals.pending_versions(),
-            "eval_multi_version": evals.multi_version_samples}
+    return {
+        **accounting.state_dict(),
+        "evals": evals.results,
+        "evals_pending": evals.pending_versions(),
+        "eval_multi_version": evals.multi_version_samples,
+    }
 
 
 def restore_learner_state(state: dict, accounting: Accounting, evals: Evaluations) -> list[int]:
@@ -55,10 +60,25 @@ def restore_learner_state(state: dict, accounting: Accounting, evals: Evaluation
 NUMBER = (int, float)
 RESUMED_FIELDS = {  # what a resumed learner reads of a checkpoint's tidal state, by where it sits
     "": {"version": int, "mlflow_run_id": (str, type(None)), "coordinator": dict, "learner": dict, "unlogged": list},
-    "coordinator": {"epoch": int, "cursor": int, "num_released": int, "version": int, "ledger_offset": int,
-                    "outstanding": dict, "consumed": list, "dead": list, "counts": dict},
-    "learner": {"totals": dict, "by_actor": dict, "device_seconds": NUMBER, "wall_s": NUMBER, "evals": dict,
-                "eval_multi_version": int},
+    "coordinator": {
+        "epoch": int,
+        "cursor": int,
+        "num_released": int,
+        "version": int,
+        "ledger_offset": int,
+        "outstanding": dict,
+        "consumed": list,
+        "dead": list,
+        "counts": dict,
+    },
+    "learner": {
+        "totals": dict,
+        "by_actor": dict,
+        "device_seconds": NUMBER,
+        "wall_s": NUMBER,
+        "evals": dict,
+        "eval_multi_version": int,
+    },
 }
 
 
@@ -72,7 +92,8 @@ def check_resume_state(state) -> None:
         for key, kind in fields.items():
             if not isinstance(table.get(key), kind) or isinstance(table.get(key), bool):
                 kinds = kind if isinstance(kind, tuple) else (kind,)
-                raise ValueError(f"{'.'.join(filter(None, (where, key)))} is missing or not "
-                                 f"{' or '.join(k.__name__ for k in kinds)}")
+                raise ValueError(
+                    f"{'.'.join(filter(None, (where, key)))} is missing or not {' or '.join(k.__name__ for k in kinds)}"
+                )
     if state["coordinator"]["ledger_offset"] < 0 or not all(k.lstrip("-").isdigit() for k in state["learner"]["evals"]):
         raise ValueError("coordinator.ledger_offset is negative or learner.evals is not keyed by version")

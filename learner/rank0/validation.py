@@ -11,6 +11,7 @@ timings could not have been measured since the release. Whatever passes is somet
 can train on. Rejections are counted by reason and logged at the 1st, 10th, 100th ... occurrence;
 none is fatal by itself (a RefusalWatch stops the run when most groups are refused).
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,8 +54,14 @@ def logprob_floor(vocab_size: int) -> float:
 
 
 class Validator:
-    def __init__(self, vocab_size: int, max_tokens: int, reward_range: tuple[float, float], clock=time.time,
-                 watch: RefusalWatch | None = None):
+    def __init__(
+        self,
+        vocab_size: int,
+        max_tokens: int,
+        reward_range: tuple[float, float],
+        clock=time.time,
+        watch: RefusalWatch | None = None,
+    ):
         self.vocab_size = vocab_size
         self.max_tokens = max_tokens
         self.reward_range = reward_range
@@ -72,8 +79,14 @@ class Validator:
             self.rejected[reason] += 1
             count = self.rejected[reason]
             if power_of_ten(count):
-                log.warning("rejected rollout %s from %s: %s%s (#%d)", group.group_id[:80], group.actor_id, reason,
-                            f" ({self.detail})" if self.detail else "", count)
+                log.warning(
+                    "rejected rollout %s from %s: %s%s (#%d)",
+                    group.group_id[:80],
+                    group.actor_id,
+                    reason,
+                    f" ({self.detail})" if self.detail else "",
+                    count,
+                )
         if self.watch is not None:
             self.watch.observe(reason, self.detail)
         return reason
@@ -91,8 +104,9 @@ class Validator:
             reason = self._completion(s, release)
             if reason is not None:
                 return reason
-        return self._arrays(group) or self._versions_and_rewards(group, release, version) or \
-            self._timings(group, release)
+        return (
+            self._arrays(group) or self._versions_and_rewards(group, release, version) or self._timings(group, release)
+        )
 
     def _completion(self, s: Sample, release: Release) -> str | None:
         """A completion's length and finish reason, as an actor makes them (tidal.actor.length_control,
@@ -128,8 +142,10 @@ class Validator:
             if versions and (min(versions) < release.min_version or max(versions) > version):
                 return "version"
             if not (low <= s.reward <= high and low <= s.task_reward <= high):
-                self.detail = (f"a reward of {s.reward:g} (task reward {s.task_reward:g}) outside "
-                               f"task.reward_range = [{low:g}, {high:g}]")
+                self.detail = (
+                    f"a reward of {s.reward:g} (task reward {s.task_reward:g}) outside "
+                    f"task.reward_range = [{low:g}, {high:g}]"
+                )
                 return "reward"
             odd = next((name for name in s.reward_components if not COMPONENT_NAME.fullmatch(name)), None)
             if odd is not None:  # it would be a metric's name (rewards/<name>/mean): one a store refuses stops a run

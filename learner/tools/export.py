@@ -9,6 +9,7 @@ RUN_DIR [--step N]` exports any checkpoint (verified against its manifest first)
 or with `--merge` the merged model. Into a folder that is new or empty unless told `--force`. A folder
 is replaced only once the new export is complete beside it.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,11 @@ def export_adapter(tensors: dict[str, torch.Tensor], cfg: LoraConfig, base_model
     from transformers import AutoTokenizer
 
     def write(tmp: Path) -> None:
-        save_file({k: v.detach().to("cpu", getattr(torch, dtype)).contiguous() for k, v in tensors.items()},
-                  str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        save_file(
+            {k: v.detach().to("cpu", getattr(torch, dtype)).contiguous() for k, v in tensors.items()},
+            str(tmp / ADAPTER_WEIGHTS),
+            metadata={"format": "pt"},
+        )
         lora.peft_config(cfg, base_model).save_pretrained(str(tmp))
         AutoTokenizer.from_pretrained(base_model).save_pretrained(tmp)
 
@@ -108,12 +112,16 @@ def check_export_folder(out: Path, run_dir: Path, force: bool) -> None:
     entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
     if entries and not force:
-        raise ValueError(f"{out} is not empty ({len(entries)} entries: {shown}): pass --force to replace its "
-                         "contents, or --out a new folder")
+        raise ValueError(
+            f"{out} is not empty ({len(entries)} entries: {shown}): pass --force to replace its "
+            "contents, or --out a new folder"
+        )
     if entries and not {"config.json", ADAPTER_CONFIG} & set(entries):  # --force replaces an earlier export only
-        raise ValueError(f"{out} is not a model folder (no config.json, nor an adapter's {ADAPTER_CONFIG}; "
-                         f"{len(entries)} entries: {shown}): --force replaces only an earlier export; --out a new "
-                         "folder")
+        raise ValueError(
+            f"{out} is not a model folder (no config.json, nor an adapter's {ADAPTER_CONFIG}; "
+            f"{len(entries)} entries: {shown}): --force replaces only an earlier export; --out a new "
+            "folder"
+        )
 
 
 class FinalExport:
@@ -166,8 +174,9 @@ def load_checkpoint_policy(checkpoint: Path, model_path: str, adapter: LoraConfi
     return policy
 
 
-def export_checkpoint(run_dir: Path, step: int | None, out: Path | None, force: bool = False,
-                      merge: bool = False) -> Path:
+def export_checkpoint(
+    run_dir: Path, step: int | None, out: Path | None, force: bool = False, merge: bool = False
+) -> Path:
     """`tidal export`: a run's checkpoint at `step` (default: the newest) as a model folder at `out`
     (default RUN_DIR/model-step-<N>), which must be new or empty unless `force`. A LoRA run's is its
     adapter in PEFT's format (default RUN_DIR/adapter-step-<N>), or with `merge` the model with the
@@ -179,8 +188,10 @@ def export_checkpoint(run_dir: Path, step: int | None, out: Path | None, force: 
     cfg = load_config(run_dir / "config.yaml")
     adapter = cfg.learner.lora if cfg.learner.lora.enabled else None
     if merge and adapter is None:
-        raise ValueError(f"--merge: {run_dir} trained no LoRA adapter (learner.lora.rank = 0): its export is the "
-                         "whole model already; leave --merge out")
+        raise ValueError(
+            f"--merge: {run_dir} trained no LoRA adapter (learner.lora.rank = 0): its export is the "
+            "whole model already; leave --merge out"
+        )
     if step is None:
         checkpoint = latest_valid(run_dir / "checkpoints")
         if checkpoint is None:
@@ -210,8 +221,12 @@ def export_checkpoint(run_dir: Path, step: int | None, out: Path | None, force: 
 def load_line(folder: Path, adapter: LoraConfig | None = None, base_model: str = "") -> str:
     """How to load an export (an adapter of `base_model` when `adapter` is given), in one line for the console."""
     if adapter is None:
-        return (f"load it: AutoModelForCausalLM.from_pretrained('{folder}') and AutoTokenizer.from_pretrained("
-                f"'{folder}'), or vllm serve {folder}")
-    return (f"load it: peft's AutoPeftModelForCausalLM.from_pretrained('{folder}') (the base from its "
-            f"adapter_config.json) and AutoTokenizer.from_pretrained('{folder}'), or vllm serve {base_model} "
-            f"--enable-lora --max-lora-rank {adapter.rank} --lora-modules adapter={folder}")
+        return (
+            f"load it: AutoModelForCausalLM.from_pretrained('{folder}') and AutoTokenizer.from_pretrained("
+            f"'{folder}'), or vllm serve {folder}"
+        )
+    return (
+        f"load it: peft's AutoPeftModelForCausalLM.from_pretrained('{folder}') (the base from its "
+        f"adapter_config.json) and AutoTokenizer.from_pretrained('{folder}'), or vllm serve {base_model} "
+        f"--enable-lora --max-lora-rank {adapter.rank} --lora-modules adapter={folder}"
+    )

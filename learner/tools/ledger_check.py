@@ -7,6 +7,7 @@ released. A resumed learner cuts the ledger back to its checkpoint, so the ledge
 the live model and the check holds across resumes. While a run goes on (no summary yet, or one older
 than the ledger), groups without a fate are in flight, not lost.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,16 +34,27 @@ class LedgerCheck:
     violations: list[str] = field(default_factory=list)
 
     def tallies(self) -> dict[str, int]:
-        return {"released": self.released, "trained": self.trained, "discarded": sum(self.discarded.values()),
-                "dead": self.dead_lettered, "outstanding": self.outstanding, "duplicates": self.duplicates}
+        return {
+            "released": self.released,
+            "trained": self.trained,
+            "discarded": sum(self.discarded.values()),
+            "dead": self.dead_lettered,
+            "outstanding": self.outstanding,
+            "duplicates": self.duplicates,
+        }
 
     def lines(self) -> list[str]:
         reasons = ", ".join(f"{n} {r}" for r, n in sorted(self.discarded.items())) or "none"
-        state = (f"{self.outstanding} outstanding at the end" if self.finished
-                 else f"{self.in_flight} in flight (the run has not finished)")
-        lines = [f"{self.released} training groups released over {self.steps} steps: {self.trained} trained once, "
-                 f"{sum(self.discarded.values())} discarded ({reasons}), {self.dead_lettered} dead-lettered, {state}; "
-                 f"{self.duplicates} later copies dropped"]
+        state = (
+            f"{self.outstanding} outstanding at the end"
+            if self.finished
+            else f"{self.in_flight} in flight (the run has not finished)"
+        )
+        lines = [
+            f"{self.released} training groups released over {self.steps} steps: {self.trained} trained once, "
+            f"{sum(self.discarded.values())} discarded ({reasons}), {self.dead_lettered} dead-lettered, {state}; "
+            f"{self.duplicates} later copies dropped"
+        ]
         if not self.violations:
             return [*lines, "exactly once: every released group met one fate, none was trained twice"]
         return [*lines, *(f"VIOLATION: {v}" for v in self.violations)]
@@ -86,8 +98,10 @@ def check_ledger(run_dir: Path) -> LedgerCheck:
         ("discarded more than once", {i for i, n in discards.items() if n > 1}),
         ("both trained and discarded", set(trained) & set(discarded)),
         ("trained or discarded but never released", (set(trained) | set(discarded)) - set(released)),
-        ("outstanding at the end but trained, discarded or dead-lettered",
-         outstanding & (set(trained) | set(discarded) | dead)),
+        (
+            "outstanding at the end but trained, discarded or dead-lettered",
+            outstanding & (set(trained) | set(discarded) | dead),
+        ),
     ]
     fateless = set(released) - set(trained) - set(discarded) - dead - outstanding
     if summary is not None:

@@ -8,6 +8,7 @@ fails the exact-match reward when sampling, like a pretrained model that knows a
 not the output format; RL has to teach it to stop, a gain that shows within minutes on CPU. The
 result is cached under `model.cache_dir/<hash of everything that shapes it>`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,8 +42,13 @@ def build_tiny(model: ModelConfig, task: TaskConfig, path: Path, progress=print)
     if getattr(task_mod, "ALPHABET", None) is None:
         return build_own_tiny(model, OwnTask.of(task_mod, task), path, progress)
     split = task_mod.load_prompts(task)
-    net, tokenizer = build_tiny_model(model.tiny, task_mod.ALPHABET, model.tiny.warmstart.seed,
-                                      max_positions(task_mod), getattr(task_mod, "CHAT_TEMPLATE", None))
+    net, tokenizer = build_tiny_model(
+        model.tiny,
+        task_mod.ALPHABET,
+        model.tiny.warmstart.seed,
+        max_positions(task_mod),
+        getattr(task_mod, "CHAT_TEMPLATE", None),
+    )
     demonstrate = getattr(task_mod, "demonstration", None)
     if demonstrate is not None:
         teacher = Teacher(tokenizer, task, demonstrate)
@@ -58,14 +64,15 @@ def build_own_tiny(model: ModelConfig, own: OwnTask, path: Path, progress) -> No
     the held-out ones exactly (the task's own reward may want more; RL teaches that)."""
     net, tokenizer = build_tiny_model(model.tiny, own.alphabet, model.tiny.warmstart.seed, own.positions)
     prompts = [Prompt(i, text, {"answer": answer}) for i, (text, answer) in enumerate(own.pairs)]
-    train, val = prompts[:own.num_train], prompts[own.num_train:] or prompts[:own.num_train]
+    train, val = prompts[: own.num_train], prompts[own.num_train :] or prompts[: own.num_train]
     exact = lambda text, payload: float(text == payload["answer"])  # noqa: E731
     warm_start(net, tokenizer, train, val, exact, stray_suffix(own.alphabet), model.tiny.warmstart, progress)
     save_model(net, tokenizer, path)
 
 
-def warm_start(net, tokenizer, train: list[Prompt], val: list[Prompt], reward, slip: Slip, cfg: WarmStartConfig,
-               progress) -> float:
+def warm_start(
+    net, tokenizer, train: list[Prompt], val: list[Prompt], reward, slip: Slip, cfg: WarmStartConfig, progress
+) -> float:
     """SFT on `train` (a `cfg.format_noise` share of answers with the teacher's slip) until greedy decoding
     passes cfg.target_greedy_pass_rate of `val` at cfg.stable_checks checks in a row; returns that greedy
     pass rate."""
@@ -75,16 +82,22 @@ def warm_start(net, tokenizer, train: list[Prompt], val: list[Prompt], reward, s
     optim = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.99))
     start, greedy, in_a_row = time.monotonic(), 0.0, 0
     for step in range(1, cfg.max_steps + 1):
-        batch = [Prompt(p.prompt_id, p.text, {**p.payload, "answer": slip(p.payload["answer"], rng)})
-                 if rng.random() < cfg.format_noise else p for p in (rng.choice(train) for _ in range(cfg.batch_size))]
+        batch = [
+            Prompt(p.prompt_id, p.text, {**p.payload, "answer": slip(p.payload["answer"], rng)})
+            if rng.random() < cfg.format_noise
+            else p
+            for p in (rng.choice(train) for _ in range(cfg.batch_size))
+        ]
         loss = sft_loss(net, tokenizer, batch)
         loss.backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
         if step % cfg.check_every == 0:
             greedy = pass_rate(net, tokenizer, val, reward, temperature=0.0, max_new_tokens=max_new)
-            progress(f"warm start step {step}: loss {loss.item():.3f}, greedy val pass rate {greedy:.3f} "
-                     f"({time.monotonic() - start:.0f} s)")
+            progress(
+                f"warm start step {step}: loss {loss.item():.3f}, greedy val pass rate {greedy:.3f} "
+                f"({time.monotonic() - start:.0f} s)"
+            )
             in_a_row = in_a_row + 1 if greedy >= cfg.target_greedy_pass_rate else 0
             if in_a_row >= cfg.stable_checks:
                 break
@@ -123,8 +136,9 @@ class Teacher:
         return self.encode(prompt), completion, trained
 
 
-def warm_start_episodes(net, teacher: Teacher, train: list[Prompt], val: list[Prompt], cfg: WarmStartConfig,
-                        progress) -> float:
+def warm_start_episodes(
+    net, teacher: Teacher, train: list[Prompt], val: list[Prompt], cfg: WarmStartConfig, progress
+) -> float:
     """SFT on demonstrated episodes of `train` (a `cfg.format_noise` share of them sloppy) until the
     model, fed each held-out episode up to each of its turns, writes every turn of a `cfg.target_greedy_
     pass_rate` share of them greedily as the teacher does (then a greedy episode passes: the environment
@@ -134,16 +148,20 @@ def warm_start_episodes(net, teacher: Teacher, train: list[Prompt], val: list[Pr
     checks = [teacher(p, rng, sloppy=False) for p in val]
     start, greedy, in_a_row = time.monotonic(), 0.0, 0
     for step in range(1, cfg.max_steps + 1):
-        batch = [teacher(p, rng, sloppy=rng.random() < cfg.format_noise)
-                 for p in (rng.choice(train) for _ in range(cfg.batch_size))]
+        batch = [
+            teacher(p, rng, sloppy=rng.random() < cfg.format_noise)
+            for p in (rng.choice(train) for _ in range(cfg.batch_size))
+        ]
         loss = -_completion_logprobs(net, teacher.tokenizer, batch).mean()  # per trained token
         loss.backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
         if step % cfg.check_every == 0:
             greedy = _teacher_forced_exact(net, teacher.tokenizer, checks)
-            progress(f"warm start step {step}: loss {loss.item():.3f}, held-out episodes written exactly "
-                     f"{greedy:.3f} ({time.monotonic() - start:.0f} s)")
+            progress(
+                f"warm start step {step}: loss {loss.item():.3f}, held-out episodes written exactly "
+                f"{greedy:.3f} ({time.monotonic() - start:.0f} s)"
+            )
             in_a_row = in_a_row + 1 if greedy >= cfg.target_greedy_pass_rate else 0
             if in_a_row >= cfg.stable_checks:
                 break
@@ -160,8 +178,8 @@ def _completion_hidden(net, tokenizer, seqs) -> tuple[torch.Tensor, torch.Tensor
     predict_at, targets, counts = [], [], []
     for i, (prompt, completion, trained) in enumerate(seqs):
         full = prompt + completion
-        ids[i, :len(full)] = torch.tensor(full)
-        attn[i, :len(full)] = 1
+        ids[i, : len(full)] = torch.tensor(full)
+        attn[i, : len(full)] = 1
         mine = [j for j in range(len(completion)) if trained[j]]
         predict_at += [i * max_len + len(prompt) + j - 1 for j in mine]
         targets += [completion[j] for j in mine]
@@ -184,7 +202,7 @@ def _teacher_forced_exact(net, tokenizer, seqs, batch: int = 64) -> float:
     """Share of `seqs` whose every trained token is the model's greedy choice given what precedes it."""
     exact = 0
     for i in range(0, len(seqs), batch):
-        hidden, targets, counts = _completion_hidden(net, tokenizer, seqs[i:i + batch])
+        hidden, targets, counts = _completion_hidden(net, tokenizer, seqs[i : i + batch])
         right = (net.lm_head(hidden).argmax(-1) == targets).tolist()
         for count in counts:
             exact += all(right[:count])
@@ -195,15 +213,19 @@ def _teacher_forced_exact(net, tokenizer, seqs, batch: int = 64) -> float:
 def stray_suffix(alphabet: str) -> Slip:
     """The default slip (a task may define its own, `teacher_slip`): one or two stray characters of the
     task's alphabet after the right answer."""
+
     def slip(answer: str, rng: random.Random) -> str:
         return answer + "".join(rng.choice(alphabet) for _ in range(rng.choice((1, 2))))
+
     return slip
 
 
 def sft_loss(net, tokenizer, batch: list[Prompt], chunk_tokens: int = 4096) -> torch.Tensor:
     """Mean token NLL of answer + <eos> given the prompt (prompt tokens are not trained)."""
-    seqs = [(encode_prompt(tokenizer, p.text), encode_prompt(tokenizer, p.payload["answer"]) + [tokenizer.eos_token_id])
-            for p in batch]
+    seqs = [
+        (encode_prompt(tokenizer, p.text), encode_prompt(tokenizer, p.payload["answer"]) + [tokenizer.eos_token_id])
+        for p in batch
+    ]
     return -_completion_logprobs(net, tokenizer, [(p, a, [True] * len(a)) for p, a in seqs], chunk_tokens).mean()
 
 
@@ -232,12 +254,15 @@ def pass_rate(net, tokenizer, prompts: list[Prompt], reward, temperature: float,
         for _ in range(max_new_tokens):
             result = net(input_ids=step_ids, past_key_values=cache, use_cache=True)
             logits, cache = result.logits[:, -1].float(), result.past_key_values  # [B, V]
-            step_ids = (logits.argmax(-1, keepdim=True) if temperature == 0
-                        else torch.multinomial((logits / temperature).softmax(-1), 1))
+            step_ids = (
+                logits.argmax(-1, keepdim=True)
+                if temperature == 0
+                else torch.multinomial((logits / temperature).softmax(-1), 1)
+            )
             out = torch.cat([out, step_ids], dim=1)
-            if (out[:, ids.shape[1]:] == tokenizer.eos_token_id).any(dim=1).all():
+            if (out[:, ids.shape[1] :] == tokenizer.eos_token_id).any(dim=1).all():
                 break  # every row has ended
-        for p, row in zip(group, out[:, ids.shape[1]:].tolist()):
-            row = row[:row.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in row else row
+        for p, row in zip(group, out[:, ids.shape[1] :].tolist()):
+            row = row[: row.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in row else row
             total += reward(tokenizer.decode(row, skip_special_tokens=True), p.payload)
     return total / max(len(prompts), 1)

@@ -8,6 +8,7 @@ Each run reconciles the learner's ledger: every training group the coordinator r
 trained on exactly once, discarded once at arrival, dead-lettered, or is still outstanding at
 the end; no group was trained twice. Recovery times are printed (run with -s to see them).
 """
+
 import contextlib
 import json
 import os
@@ -31,10 +32,19 @@ TINY = str(ROOT / "configs/tiny.yaml")
 
 
 def start_run(run_dir: Path, overrides: list[str], resume: bool = False) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tidal", "run", TINY, f"run_dir={run_dir}", *overrides,
-           *(["--resume"] if resume else [])]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "tidal",
+        "run",
+        TINY,
+        f"run_dir={run_dir}",
+        *overrides,
+        *(["--resume"] if resume else []),
+    ]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def ledger(run_dir: Path) -> list[dict]:
@@ -101,8 +111,9 @@ def stop(proc: subprocess.Popen) -> None:
 
 def reconcile(run_dir: Path) -> dict:
     """Every released training group is accounted for exactly once (`tidal ledger check`); returns the tallies."""
-    check = subprocess.run([sys.executable, "-m", "tidal", "ledger", "check", str(run_dir)], cwd=ROOT,
-                           capture_output=True, text=True)
+    check = subprocess.run(
+        [sys.executable, "-m", "tidal", "ledger", "check", str(run_dir)], cwd=ROOT, capture_output=True, text=True
+    )
     assert check.returncode == 0, check.stdout + check.stderr
     result = check_ledger(run_dir)
     assert result.finished, "\n".join(result.lines())
@@ -179,24 +190,37 @@ def test_async_run_with_two_actors_survives_junk_frames_and_a_killed_actor(tmp_p
     run_dir, max_lag = tmp_path / "async", 2
     # an evaluation every 5 steps: no version lands inside one (newer ones wait for it to end), and between
     # them weights land while training requests are in flight
-    proc = start_run(run_dir, ["actor.replicas=2", f"staleness.max_lag={max_lag}", f"learner.max_steps={ASYNC_STEPS}",
-                               "eval.every=5", "broker.max_message_bytes=1048576", "broker.actor_timeout_s=4",
-                               "actor.restart_backoff_s=0.5"])
+    proc = start_run(
+        run_dir,
+        [
+            "actor.replicas=2",
+            f"staleness.max_lag={max_lag}",
+            f"learner.max_steps={ASYNC_STEPS}",
+            "eval.every=5",
+            "broker.max_message_bytes=1048576",
+            "broker.actor_timeout_s=4",
+            "actor.restart_backoff_s=0.5",
+        ],
+    )
     junk = threading.Thread(target=send_junk, args=(run_dir,), daemon=True)
     junk.start()
     victim, killed_at = kill_an_actor(run_dir, proc)
     out = finish(proc, run_dir)
     junk.join(timeout=30)
     restart_s, summary, tallies = check_finished_run(run_dir, proc, out, victim, killed_at, steps=ASYNC_STEPS)
-    print(f"\nzmq: {victim} back (restarted, weights loaded, hello) {restart_s:.1f} s after SIGKILL; "
-          f"groups by actor {summary['groups_by_actor']}; ledger {tallies}")
+    print(
+        f"\nzmq: {victim} back (restarted, weights loaded, hello) {restart_s:.1f} s after SIGKILL; "
+        f"groups by actor {summary['groups_by_actor']}; ledger {tallies}"
+    )
     steps = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "learner/loss" in m]
     # no weight update lands inside an evaluation: each is made by the version it is logged at, alone. (On
     # this task's few-token completions only evaluations were long enough to span an update; updates that
     # land on requests in flight are tests/integration/test_engine.py's)
     in_flight = sum(m["rollout/multi_version_samples"] for m in steps)
-    print(f"training samples spanning two or more weight versions: {in_flight}; "
-          f"newer versions held back for evaluations: {summary['eval_hold_s']:.1f} s")
+    print(
+        f"training samples spanning two or more weight versions: {in_flight}; "
+        f"newer versions held back for evaluations: {summary['eval_hold_s']:.1f} s"
+    )
     assert steps[-1]["eval/off_version_samples_total"] == 0 == summary["eval_off_version_samples"]
     assert steps[-1]["eval/multi_version_samples_total"] == 0
     assert max(m["offpolicy/lag_max"] for m in steps) <= max_lag
@@ -209,8 +233,11 @@ def test_async_run_with_two_actors_survives_junk_frames_and_a_killed_actor(tmp_p
     # oversized one never passed ZMQ_MAXMSGSIZE); the rest are the thawed actor's late copies of groups
     # dispatched again meanwhile, refused as no longer granted to it. Late copies may still arrive after the
     # last step's metrics were written, so the summary (taken at shutdown) is the complete count.
-    by_reason = lambda metrics: {k.removeprefix("broker/rejected/"): v for k, v in metrics.items()  # noqa: E731
-                                 if k.startswith("broker/rejected/")}
+    by_reason = lambda metrics: {
+        k.removeprefix("broker/rejected/"): v
+        for k, v in metrics.items()  # noqa: E731
+        if k.startswith("broker/rejected/")
+    }
     rejected, logged = by_reason(summary["broker"]), by_reason(steps[-1])
     # (and a work request it may send before its heartbeat re-introduces it, once the learner expired it)
     assert rejected.pop("malformed") == 1 and set(rejected) <= {"ungranted", "unknown_actor"}, rejected
@@ -249,8 +276,11 @@ def send_junk(run_dir: Path) -> None:
     # sending, the frame was once lost uncounted in CI, likely still queued behind a CURVE handshake that
     # the busy learner had not finished
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (run_dir / "summary.json").exists() \
-            and "broker/rejected/malformed" not in metrics.read_text():
+    while (
+        time.monotonic() < deadline
+        and not (run_dir / "summary.json").exists()
+        and "broker/rejected/malformed" not in metrics.read_text()
+    ):
         time.sleep(0.5)
     ctx.destroy(linger=0)
 
@@ -288,15 +318,14 @@ def assert_mlflow_shows_the_run(summary):
     assert {"logs/learner.log", "logs/actor-0.log", "logs/actor-1.log"} <= listed("logs")
     assert listed("eval") == {f"eval/completions-step-{v:06d}.json" for v in evaluated}
     last = f"figures/step-{ASYNC_STEPS:06d}"
-    assert listed(last) == {f"{last}/{name}.png" for name in
-                                             ("pass_rate", "token_lag", "logprob_mismatch", "rewards_lengths")}
+    assert listed(last) == {
+        f"{last}/{name}.png" for name in ("pass_rate", "token_lag", "logprob_mismatch", "rewards_lengths")
+    }
     mlflow.set_tracking_uri(summary["mlflow_uri"])  # load_table searches through the fluent API's store
-    table = client.load_table(run.info.experiment_id, f"eval/completions-step-{ASYNC_STEPS:06d}.json",
-                              run_ids=[run_id])
+    table = client.load_table(run.info.experiment_id, f"eval/completions-step-{ASYNC_STEPS:06d}.json", run_ids=[run_id])
     assert len(table) >= 8 and table["completion"].str.len().max() > 0
     assert set(table["reward"]) <= {0.0, 1.0} and (table["lag"] >= 0).all()
     assert set(map(str, table["versions"])) == {str(ASYNC_STEPS)}, set(map(str, table["versions"]))
-
 
 
 def test_redis_killed_actor_and_redis_restart_lose_nothing(tmp_path):
@@ -304,9 +333,18 @@ def test_redis_killed_actor_and_redis_restart_lose_nothing(tmp_path):
     (tmp_path / "redis").mkdir()
     server = RedisServer(tmp_path / "redis").start()
     run_dir = tmp_path / "run"
-    proc = start_run(run_dir, ["actor.replicas=2", "learner.max_steps=24", "eval.every=0", "broker.type=redis",
-                               f"broker.redis.url={server.url}", "broker.redis.claim_idle_ms=4000",
-                               "actor.restart_backoff_s=0.5"])
+    proc = start_run(
+        run_dir,
+        [
+            "actor.replicas=2",
+            "learner.max_steps=24",
+            "eval.every=0",
+            "broker.type=redis",
+            f"broker.redis.url={server.url}",
+            "broker.redis.claim_idle_ms=4000",
+            "actor.restart_backoff_s=0.5",
+        ],
+    )
     try:
         victim, killed_at = kill_an_actor(run_dir, proc)
         step_before = steps_done(run_dir)
@@ -314,15 +352,18 @@ def test_redis_killed_actor_and_redis_restart_lose_nothing(tmp_path):
         time.sleep(1.0)  # Redis is away for a moment; everyone retries
         server.start()
         back_at = time.time()
-        resumed_at = wait_for("training after the Redis restart", lambda: steps_done(run_dir) > step_before + 1,
-                              proc, run_dir)
+        resumed_at = wait_for(
+            "training after the Redis restart", lambda: steps_done(run_dir) > step_before + 1, proc, run_dir
+        )
         out = finish(proc, run_dir)
     finally:
         server.stop()
     restart_s, summary, tallies = check_finished_run(run_dir, proc, out, victim, killed_at, steps=24)
-    print(f"\nredis: {victim} back {restart_s:.1f} s after SIGKILL; "
-          f"training went on {resumed_at - back_at:.1f} s after "
-          f"redis-server was back; groups by actor {summary['groups_by_actor']}; ledger {tallies}")
+    print(
+        f"\nredis: {victim} back {restart_s:.1f} s after SIGKILL; "
+        f"training went on {resumed_at - back_at:.1f} s after "
+        f"redis-server was back; groups by actor {summary['groups_by_actor']}; ledger {tallies}"
+    )
 
 
 def test_killed_learner_resumes_with_the_same_mlflow_run_and_no_step_twice(tmp_path):
@@ -330,12 +371,20 @@ def test_killed_learner_resumes_with_the_same_mlflow_run_and_no_step_twice(tmp_p
 
     require_redis_server()
     run_dir = tmp_path / "resume"
-    overrides = ["learner.max_steps=14", "eval.every=5", "checkpoint.every=1", "broker.type=redis",
-                 "broker.redis.embedded=true"]
+    overrides = [
+        "learner.max_steps=14",
+        "eval.every=5",
+        "checkpoint.every=1",
+        "broker.type=redis",
+        "broker.redis.embedded=true",
+    ]
     proc = start_run(run_dir, overrides)
     wait_for("step 6", lambda: steps_done(run_dir) >= 6, proc, run_dir)
-    learner_pid = int(subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "tidal learner"], capture_output=True,
-                                     text=True).stdout.split()[0])
+    learner_pid = int(
+        subprocess.run(
+            ["pgrep", "-f", "-P", str(proc.pid), "tidal learner"], capture_output=True, text=True
+        ).stdout.split()[0]
+    )
     launched = child_pids(proc.pid)
     os.kill(learner_pid, signal.SIGKILL)
     killed_at = time.time()
@@ -347,9 +396,12 @@ def test_killed_learner_resumes_with_the_same_mlflow_run_and_no_step_twice(tmp_p
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
 
     resumed = start_run(run_dir, overrides, resume=True)
-    first_step_at = wait_for("the first step after the resume",
-                             lambda: any(e["event"] == "trained" and e["time"] > killed_at for e in ledger(run_dir)),
-                             resumed, run_dir)
+    first_step_at = wait_for(
+        "the first step after the resume",
+        lambda: any(e["event"] == "trained" and e["time"] > killed_at for e in ledger(run_dir)),
+        resumed,
+        run_dir,
+    )
     out = finish(resumed, run_dir)
     assert resumed.returncode == 0, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -363,5 +415,7 @@ def test_killed_learner_resumes_with_the_same_mlflow_run_and_no_step_twice(tmp_p
     trained_steps = [e["step"] for e in ledger(run_dir) if e["event"] == "trained"]
     assert trained_steps == list(range(1, 15))
     tallies = reconcile(run_dir)
-    print(f"\nresume: killed after {checkpoints[-1]}; first step of the resumed learner "
-          f"{first_step_at - killed_at:.1f} s after the kill (includes restarting every process); ledger {tallies}")
+    print(
+        f"\nresume: killed after {checkpoints[-1]}; first step of the resumed learner "
+        f"{first_step_at - killed_at:.1f} s after the kill (includes restarting every process); ledger {tallies}"
+    )

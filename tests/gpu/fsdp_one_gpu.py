@@ -8,6 +8,7 @@ GPU checks of its memory and precision: `python fsdp_one_gpu.py MODE OUT_JSON`, 
               gathered for a push after the step (each shard gathered on the GPU)
 
 Each takes one step of a random Qwen2 of SHAPE and writes its peak CUDA memory and gradient norm."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,8 +19,15 @@ from pathlib import Path
 
 import torch
 
-SHAPE = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 24, "num_attention_heads": 16,
-         "num_key_value_heads": 2, "vocab_size": 32000, "tie_word_embeddings": False}
+SHAPE = {
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "vocab_size": 32000,
+    "tie_word_embeddings": False,
+}
 
 
 def main() -> None:
@@ -32,8 +40,12 @@ def main() -> None:
 
     mode, out = sys.argv[1], Path(sys.argv[2])
     base = learner_config(LossType.cispo, Aggregation.prompt_mean, 4096, 1, num_groups=4)
-    cfg = dataclasses.replace(base, kernel_backend="auto", mixed_precision="bf16" if mode == "mixed" else "no",
-                              fsdp=FsdpConfig(enabled=True, cpu_offload=mode == "offload"))
+    cfg = dataclasses.replace(
+        base,
+        kernel_backend="auto",
+        mixed_precision="bf16" if mode == "mixed" else "no",
+        fsdp=FsdpConfig(enabled=True, cpu_offload=mode == "offload"),
+    )
     accelerator = build_accelerator(cfg)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**SHAPE, max_position_embeddings=512, attn_implementation="sdpa"))
@@ -53,9 +65,18 @@ def main() -> None:
     peak = torch.cuda.max_memory_allocated() - start
     entries, pairs = trainer.weights("bfloat16")
     pushed = sum(1 for _, tensor in pairs if tensor.dtype == torch.bfloat16 and tensor.is_cuda)
-    out.write_text(json.dumps({"mode": mode, "params": sum(math.prod(shape) for _, _, shape in entries),
-                               "peak_bytes": peak, "grad_norm": metrics["learner/grad_norm"],
-                               "pushed_on_gpu": pushed, "tensors": len(entries)}))
+    out.write_text(
+        json.dumps(
+            {
+                "mode": mode,
+                "params": sum(math.prod(shape) for _, _, shape in entries),
+                "peak_bytes": peak,
+                "grad_norm": metrics["learner/grad_norm"],
+                "pushed_on_gpu": pushed,
+                "tensors": len(entries),
+            }
+        )
+    )
     accelerator.end_training()
 
 

@@ -1,4 +1,5 @@
 """The Triton kernels on a real GPU, at real tile sizes, against the naive reference."""
+
 import pytest
 import torch
 
@@ -9,8 +10,7 @@ from conftest import assert_kernel_matches_reference, kernel_inputs, run_kernel
 def test_gpu_triton_matches_reference_at_real_tile_sizes(dtype):
     hidden, weight, targets = kernel_inputs(300, 256, 5003, dtype, "cuda")
     mask = torch.rand(300, device="cuda") > 0.2
-    assert_kernel_matches_reference("triton", hidden, weight, targets, 0.7, mask=mask,
-                              vocab_size=5000)
+    assert_kernel_matches_reference("triton", hidden, weight, targets, 0.7, mask=mask, vocab_size=5000)
 
 
 def test_gpu_triton_gradients_are_deterministic():

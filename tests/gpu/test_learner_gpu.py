@@ -1,6 +1,7 @@
 """The learner on CUDA: a bf16 mixed-precision step moves every weight that has a gradient (fp32
 master weights), matches the same step in fp32 on the CPU closely, and two ranks over NCCL make the
 update one rank does."""
+
 import json
 import os
 import subprocess
@@ -35,18 +36,28 @@ def test_a_bf16_step_on_cuda_moves_every_weight_and_tracks_fp32(fresh_accelerato
     total = sum(v.numel() for v in initial.values())
     moved = sum(int((params[k] != v).sum()) for k, v in initial.items())
     assert moved > 0.99 * total
-    agree = sum(int((torch.sign(params[k] - v) == torch.sign(reference_params[k] - v)).sum())
-                for k, v in initial.items())
+    agree = sum(
+        int((torch.sign(params[k] - v) == torch.sign(reference_params[k] - v)).sum()) for k, v in initial.items()
+    )
     assert agree > 0.9 * total  # each weight moves the way the fp32 step on the CPU moves it
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_two_ranks_over_nccl_make_the_same_update_as_one(tmp_path):
     port = free_port()  # outside the ephemeral range: a child binds it later
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-           str(SCRIPT), str(tmp_path), "--cuda"]
-    done = subprocess.run(cmd, env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(port),
+        str(SCRIPT),
+        str(tmp_path),
+        "--cuda",
+    ]
+    done = subprocess.run(cmd, env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     from accelerate import Accelerator
 
@@ -62,8 +73,18 @@ def one_gpu_fsdp(mode: str, tmp_path: Path) -> dict:
     """fsdp_one_gpu.py's numbers for `mode`, run under torchrun with one rank."""
     port = free_port()  # outside the ephemeral range: a child binds it later
     out = tmp_path / f"{mode}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(port),
-           str(Path(__file__).with_name("fsdp_one_gpu.py")), mode, str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "1",
+        "--master-port",
+        str(port),
+        str(Path(__file__).with_name("fsdp_one_gpu.py")),
+        mode,
+        str(out),
+    ]
     tests = str(Path(__file__).parents[1])
     env = os.environ | {"PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -76,8 +97,13 @@ def test_fsdp_mixed_precision_keeps_no_half_precision_copy_of_the_model(tmp_path
     FSDP2's mixed precision gathers each unit in bf16 and frees it. The peak of one step, both ways."""
     mixed, autocast = one_gpu_fsdp("mixed", tmp_path), one_gpu_fsdp("autocast", tmp_path)
     saved = autocast["peak_bytes"] - mixed["peak_bytes"]
-    gpu_check_report("F9-peak-memory", params=mixed["params"], mixed_precision_peak_gib=mixed["peak_bytes"] / 2**30,
-                     autocast_peak_gib=autocast["peak_bytes"] / 2**30, saved_bytes_per_param=saved / mixed["params"])
+    gpu_check_report(
+        "F9-peak-memory",
+        params=mixed["params"],
+        mixed_precision_peak_gib=mixed["peak_bytes"] / 2**30,
+        autocast_peak_gib=autocast["peak_bytes"] / 2**30,
+        saved_bytes_per_param=saved / mixed["params"],
+    )
     assert mixed["peak_bytes"] < autocast["peak_bytes"]
 
 
@@ -102,8 +128,9 @@ def test_auto_attention_takes_flash_attn_only_for_half_precision():
     model.save_pretrained(folder)
     policy = load_policy(str(folder), "float32", "auto").cuda()
     ids = torch.tensor([[2, 3, 4, 5]], device="cuda")
-    logp, _ = PolicyLogprobs(policy, 1.0, "auto")(ids, torch.ones_like(ids), torch.arange(3, device="cuda"),
-                                                  torch.tensor([3, 4, 5], device="cuda"))
+    logp, _ = PolicyLogprobs(policy, 1.0, "auto")(
+        ids, torch.ones_like(ids), torch.arange(3, device="cuda"), torch.tensor([3, 4, 5], device="cuda")
+    )
     assert torch.isfinite(logp).all()
 
 
@@ -114,7 +141,7 @@ def test_the_fp32_head_and_fp32_sums_track_each_other_and_bf16_logits_do_not():
     torch.manual_seed(0)
     tokens, dim, vocab = 2048, 3584, 152064
     hidden = torch.randn(tokens, dim, device="cuda").bfloat16().float()  # the body computes in bf16
-    weight = torch.randn(vocab, dim, device="cuda") * dim ** -0.5 * 3  # logits of magnitude ~10-30
+    weight = torch.randn(vocab, dim, device="cuda") * dim**-0.5 * 3  # logits of magnitude ~10-30
     targets = torch.randint(0, vocab, (tokens,), device="cuda")
 
     def logprobs(logits):
@@ -124,7 +151,9 @@ def test_the_fp32_head_and_fp32_sums_track_each_other_and_bf16_logits_do_not():
     fp32 = logprobs(hidden @ weight.T)
     bf16_logits = logprobs(torch.nn.functional.linear(hidden.bfloat16(), weight.bfloat16()))
     fp32_sums = logprobs(torch.mm(hidden.bfloat16(), weight.bfloat16().T, out_dtype=torch.float32))
-    gaps = {name: float((value - exact).abs().max()) for name, value in
-            (("fp32_head", fp32), ("bf16_logits", bf16_logits), ("bf16_weights_fp32_sums", fp32_sums))}
+    gaps = {
+        name: float((value - exact).abs().max())
+        for name, value in (("fp32_head", fp32), ("bf16_logits", bf16_logits), ("bf16_weights_fp32_sums", fp32_sums))
+    }
     gpu_check_report("N1-head-gaps", **{f"max_abs_logprob_gap_{k}": v for k, v in gaps.items()})
     assert gaps["fp32_head"] < 1e-3 and gaps["bf16_weights_fp32_sums"] < gaps["bf16_logits"] / 4

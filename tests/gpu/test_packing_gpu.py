@@ -1,5 +1,6 @@
 """On a GPU with flash-attn: packed micro-batches (variable-length attention, no padding) give the
 logprobs padded ones do, in bf16, within 1e-3."""
+
 import importlib.util
 
 import pytest
@@ -10,8 +11,9 @@ from tidal.learner.every_rank.batch import build_rows, collate
 from tidal.learner.every_rank.trainer import PolicyLogprobs
 from tidal.tiny import build_tiny_model
 
-needs_flash_attn = pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None,
-                                      reason="flash-attn is not installed")
+needs_flash_attn = pytest.mark.skipif(
+    importlib.util.find_spec("flash_attn") is None, reason="flash-attn is not installed"
+)
 
 
 @needs_flash_attn
@@ -20,8 +22,12 @@ def test_packed_flash_attention_matches_padded_sdpa_in_bf16():
 
     model, _ = build_tiny_model(TINY, ALPHABET, seed=0)
     groups, masks = step_batch(8)
-    rows = build_rows(groups, masks, [np.zeros(len(g.samples)) for g in groups],
-                      [[np.ones(s.num_tokens) for s in g.samples] for g in groups])
+    rows = build_rows(
+        groups,
+        masks,
+        [np.zeros(len(g.samples)) for g in groups],
+        [[np.ones(s.num_tokens) for s in g.samples] for g in groups],
+    )
     results = {}
     for attention, layout in (("sdpa", "padded"), ("flash_attention_2", "packed")):
         model.config._attn_implementation = attention

@@ -7,6 +7,7 @@ loads each chunk whole (F1). Two GPUs (NCCL refuses two ranks on one GPU): a lea
 worker process on GPU 1 with real communicators: the worker receives on its own device (F2); a worker
 killed mid-transfer costs the learner one timeout and nothing else (F4); the learner's training
 kernels do not wait behind a transfer (S2)."""
+
 import asyncio
 import base64
 import json
@@ -61,13 +62,20 @@ def test_every_chunk_is_loaded_after_it_lands_on_the_stream_it_came_on(monkeypat
     torch.cuda.set_stream(torch.cuda.Stream())  # vLLM makes a stream of its own current in each worker
     generator = torch.Generator(device="cuda").manual_seed(0)
     state = {f"layers.{i}.w": torch.randn(1024, 1024, device="cuda", generator=generator) for i in range(6)}
-    model = SimpleNamespace(named_parameters=lambda: iter(()), modules=lambda: iter(()), parameters=lambda: iter(()),
-                            loaded={})
+    model = SimpleNamespace(
+        named_parameters=lambda: iter(()), modules=lambda: iter(()), parameters=lambda: iter(()), loaded={}
+    )
     model.load_weights = lambda weights: model.loaded.update((k, t.clone()) for k, t in weights) or set()
     monkeypatch.setattr(nccl, "communicator", lambda *_: LateCommunicator(chunks_of(state, 4 << 20)))
-    engine = SimpleNamespace(config=None, device=torch.device("cuda", 0), model=model, load_target=model,
-                             model_config=None, worker_rank=0,
-                             vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(rank=0), model_config=None))
+    engine = SimpleNamespace(
+        config=None,
+        device=torch.device("cuda", 0),
+        model=model,
+        load_target=model,
+        model_config=None,
+        worker_rank=0,
+        vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(rank=0), model_config=None),
+    )
     uid = base64.b64encode(bytes(128)).decode()  # the stub communicator needs no rendezvous
     member = nccl.NcclPlane.join(engine, InitInfo("nccl", {"uid": uid, "world_size": 2, "buffer_bytes": 4 << 20}, 30))
     manifest, _ = payload.layout((k, "F32", tuple(v.shape)) for k, v in state.items())
@@ -104,8 +112,12 @@ def test_tags_on_the_gpu_agree_with_the_cpu_and_cost_little_beside_a_transfer():
         on_gpu.tag(tensor)
     on_gpu.digests()
     seconds = time.perf_counter() - start
-    gpu_check_report("W1-tensor-tags", gib=sum(t.nbytes for t in tensors) / 2**30, seconds=seconds,
-                     gib_per_s=sum(t.nbytes for t in tensors) / 2**30 / seconds)
+    gpu_check_report(
+        "W1-tensor-tags",
+        gib=sum(t.nbytes for t in tensors) / 2**30,
+        seconds=seconds,
+        gib_per_s=sum(t.nbytes for t in tensors) / 2**30 / seconds,
+    )
 
 
 WORKER = """
@@ -152,8 +164,13 @@ def two_gpu_group(publisher, die_after: int = 0):
     conn.sendall(collective.control(publisher.server.token, collective.JOIN, 1))  # the announcement carries it
     spec = json.loads(server.read_reply(conn, "join"))
     env = os.environ | ({"DIE_AFTER": str(die_after)} if die_after else {})
-    worker = subprocess.Popen([sys.executable, "-c", WORKER, json.dumps({"group": spec})], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=env)
+    worker = subprocess.Popen(
+        [sys.executable, "-c", WORKER, json.dumps({"group": spec})],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     assert worker.stdout.readline().strip() == "joined"
     return worker, conn
 
@@ -163,9 +180,20 @@ def fetch(worker, conn, update) -> None:
 
     conn.sendall(collective.control(update.token, collective.FETCH, update.version))
     server.read_reply(conn, "fetch")
-    worker.stdin.write(json.dumps({"version": update.version, "manifest": [
-        {"name": s.name, "dtype": s.dtype, "shape": list(s.shape), "offset": s.offset, "nbytes": s.nbytes}
-        for s in update.manifest], "tag_key": update.tag_key.hex(), "tags": [t.hex() for t in update.tags]}) + "\n")
+    worker.stdin.write(
+        json.dumps(
+            {
+                "version": update.version,
+                "manifest": [
+                    {"name": s.name, "dtype": s.dtype, "shape": list(s.shape), "offset": s.offset, "nbytes": s.nbytes}
+                    for s in update.manifest
+                ],
+                "tag_key": update.tag_key.hex(),
+                "tags": [t.hex() for t in update.tags],
+            }
+        )
+        + "\n"
+    )
     worker.stdin.flush()
 
 
@@ -258,10 +286,12 @@ def test_a_receive_through_the_channel_reaches_an_actor_engine_scripted_on_gpu_1
     torch.cuda.set_device(0)
     cfg = weights_config("nccl", bucket_mib=8)
     publisher = CollectivePublisher(cfg, nccl.NcclPlane(cfg), "inc")
-    engine = ScriptedEngine(None, worker_setup=lambda: (torch.cuda.set_device(1),
-                                                        torch.cuda.set_stream(torch.cuda.Stream())),
-                            vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(rank=0), model_config=None),
-                            device=torch.device("cuda", 1))
+    engine = ScriptedEngine(
+        None,
+        worker_setup=lambda: (torch.cuda.set_device(1), torch.cuda.set_stream(torch.cuda.Stream())),
+        vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(rank=0), model_config=None),
+        device=torch.device("cuda", 1),
+    )
     try:
         state = {"w": torch.randn(1024, 1024)}
         asyncio.run(build_receiver(cfg).apply(publisher.publish(state, 1), engine))

@@ -9,6 +9,7 @@ folders of their own (`rank<r>-disk/`), as on machines that share no disk: they 
 With `--hsdp` (two torchrun "machines" of two ranks each: replicated over them, sharded within) the
 first case alone, sharded, as `hsdp.pt` and `hsdp-resumed.pt`, and the mesh's shape in `hsdp.json`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,13 +29,21 @@ STEPS = 3
 # the two ranks unequal numbers of micro-batches, so the weightless repeats that keep them in step are exercised;
 # the LoRA case shards a frozen base beside an adapter on some of its layers' linear layers
 CASES = {
-    "cispo_uneven_micro_batches": ((LossType.cispo, Aggregation.prompt_mean, 24, 1, 5), FsdpConfig(enabled=True),
-                                   LoraConfig()),
-    "ppo_2updates_checkpointed": ((LossType.ppo, Aggregation.token_mean, 10_000, 2),
-                                  FsdpConfig(enabled=True, reshard_after_forward=False, activation_checkpointing=True),
-                                  LoraConfig()),
-    "lora_cispo": ((LossType.cispo, Aggregation.prompt_mean, 10_000, 1), FsdpConfig(enabled=True),
-                   LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"), layers=(1,))),
+    "cispo_uneven_micro_batches": (
+        (LossType.cispo, Aggregation.prompt_mean, 24, 1, 5),
+        FsdpConfig(enabled=True),
+        LoraConfig(),
+    ),
+    "ppo_2updates_checkpointed": (
+        (LossType.ppo, Aggregation.token_mean, 10_000, 2),
+        FsdpConfig(enabled=True, reshard_after_forward=False, activation_checkpointing=True),
+        LoraConfig(),
+    ),
+    "lora_cispo": (
+        (LossType.cispo, Aggregation.prompt_mean, 10_000, 1),
+        FsdpConfig(enabled=True),
+        LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"), layers=(1,)),
+    ),
 }
 
 
@@ -72,8 +81,11 @@ def main() -> None:
     torch.set_num_threads(1)
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
-    runs = [(next(iter(CASES)), True, "hsdp")] if args.hsdp else \
-        [(case, sharded, f"{case}{tag}") for case in CASES for sharded, tag in ((True, ""), (False, "-ddp"))]
+    runs = (
+        [(next(iter(CASES)), True, "hsdp")]
+        if args.hsdp
+        else [(case, sharded, f"{case}{tag}") for case in CASES for sharded, tag in ((True, ""), (False, "-ddp"))]
+    )
     for case, sharded, tag in runs:  # the same checks for the unsharded (DDP) learner
         straight = train(trainer_for(case, accelerator, sharded), 0, STEPS)
         first = trainer_for(case, accelerator, sharded)

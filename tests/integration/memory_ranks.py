@@ -3,6 +3,7 @@ its shard's size. Run it under `torchrun --nproc-per-node N` (gloo on CPU): `pyt
 MODEL_DIR OUT_DIR` builds the learner as `tidal learner` does (the policy empty, each rank reading its
 own rows of MODEL_DIR's weights), takes one step, saves a checkpoint, and writes every rank's numbers
 to OUT_DIR/memory-rank<r>.json. The model folder comes from `write_model` (a Qwen2 of `SHAPE`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,8 +14,15 @@ from pathlib import Path
 
 import torch
 
-SHAPE = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 6, "num_attention_heads": 12,
-         "num_key_value_heads": 4, "vocab_size": 8000, "tie_word_embeddings": False}
+SHAPE = {
+    "hidden_size": 768,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "vocab_size": 8000,
+    "tie_word_embeddings": False,
+}
 
 
 def write_model(folder: Path) -> int:
@@ -91,18 +99,27 @@ def main() -> None:
     rank = accelerator.process_index
     rss = PeakMemory()
     # what every rank did before building empty: the whole model, in fp32, before sharding it
-    whole_bytes, whole = rss.phase(lambda: AutoModelForCausalLM.from_pretrained(str(args.model_dir),
-                                                                               dtype=torch.float32))
+    whole_bytes, whole = rss.phase(
+        lambda: AutoModelForCausalLM.from_pretrained(str(args.model_dir), dtype=torch.float32)
+    )
     del whole
-    cfg = dataclasses.replace(learner_config(LossType.cispo, Aggregation.prompt_mean, 64, 1, num_groups=2),
-                              fsdp=FsdpConfig(enabled=True))
+    cfg = dataclasses.replace(
+        learner_config(LossType.cispo, Aggregation.prompt_mean, 64, 1, num_groups=2), fsdp=FsdpConfig(enabled=True)
+    )
     # AdamW's state, which the trainer takes as it starts, measured as a phase of its own
     from tidal.learner.every_rank import trainer as trainer_module
 
     allocate, optimizers = trainer_module.allocate_state, []
     trainer_module.allocate_state = optimizers.append
-    build_bytes, trainer = rss.phase(lambda: Trainer(cfg, load_policy(str(args.model_dir), "float32", empty=True),
-                                                      accelerator, 1.0, model_path=str(args.model_dir)))
+    build_bytes, trainer = rss.phase(
+        lambda: Trainer(
+            cfg,
+            load_policy(str(args.model_dir), "float32", empty=True),
+            accelerator,
+            1.0,
+            model_path=str(args.model_dir),
+        )
+    )
     state_bytes, _ = rss.phase(lambda: allocate(*optimizers))
     shard_bytes = sum(p.to_local().numel() * 4 for p in trainer.model.parameters())
     check_loaded(trainer, args.model_dir)
@@ -111,10 +128,20 @@ def main() -> None:
     checkpointer = Checkpointer(CheckpointConfig(), args.out_dir / "checkpoints", accelerator, trainer)
     save_bytes, _ = rss.phase(lambda: checkpointer.save(1, {}))
     rss.done.set()
-    (args.out_dir / f"memory-rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "shard_bytes": shard_bytes, "whole_load_peak_bytes": whole_bytes, "build_peak_bytes": build_bytes,
-        "state_peak_bytes": state_bytes,
-        "step_peak_bytes": step_bytes, "checkpoint_peak_bytes": save_bytes, "at": time.time()}))
+    (args.out_dir / f"memory-rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "rank": rank,
+                "shard_bytes": shard_bytes,
+                "whole_load_peak_bytes": whole_bytes,
+                "build_peak_bytes": build_bytes,
+                "state_peak_bytes": state_bytes,
+                "step_peak_bytes": step_bytes,
+                "checkpoint_peak_bytes": save_bytes,
+                "at": time.time(),
+            }
+        )
+    )
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

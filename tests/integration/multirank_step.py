@@ -4,6 +4,7 @@ Run it under `torchrun --nproc-per-node N` (gloo on CPU; `--cuda`: NCCL, a GPU p
 parameters after each case's step (`<case>.pt`) and the metrics (`<case>.json`) to OUT_DIR;
 every rank that refuses a step batch too small to share writes `too_few_groups_rank<r>.txt`.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -8,6 +8,7 @@ The trainer and the checkpointer are stand-ins that make the real ones' collecti
 DDP's gradient sync, one per tensor for FSDP's gathers, a barrier around a save, a broadcast of rank
 0's checkpoint state), so each case takes milliseconds unless something waits.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -29,10 +30,21 @@ from tidal.learner.steps import Follower, StepRunner  # noqa: E402
 
 TIMEOUT_S = 3.0  # the process group's: a rank left waiting fails after this
 MAX_STEPS = 2
-METHODS = {Collective.RESTORE: "restore", Collective.BATCH: "exchange", Collective.TRAIN: "train",
-           Collective.PUSH: "publish", Collective.SAVE: "save", Collective.EXPORT: "export"}
-CASES = ["in step", *(f"skip {w.name}" for w in Collective), *(f"raise {w.name}" for w in Collective),
-         "save before push", "skip EXPORT and stay"]
+METHODS = {
+    Collective.RESTORE: "restore",
+    Collective.BATCH: "exchange",
+    Collective.TRAIN: "train",
+    Collective.PUSH: "publish",
+    Collective.SAVE: "save",
+    Collective.EXPORT: "export",
+}
+CASES = [
+    "in step",
+    *(f"skip {w.name}" for w in Collective),
+    *(f"raise {w.name}" for w in Collective),
+    "save before push",
+    "skip EXPORT and stay",
+]
 
 
 class InjectedFault(Exception):
@@ -93,8 +105,11 @@ def inject(runner: StepRunner, case: str) -> None:
         runner.publish = lambda role: (runner.save(role), publish(role))[1]
     elif kind == "skip":
         what = Collective[name.split()[0]]
-        neutral = {Collective.BATCH: lambda batch: StepBatch(*step_batch(2)), Collective.TRAIN: lambda batch: {},
-                   Collective.PUSH: lambda role: 0.0}
+        neutral = {
+            Collective.BATCH: lambda batch: StepBatch(*step_batch(2)),
+            Collective.TRAIN: lambda batch: {},
+            Collective.PUSH: lambda role: 0.0,
+        }
         setattr(runner, METHODS[what], neutral.get(what, lambda *args: None))
     elif kind == "raise":
         what = Collective[name]
@@ -108,8 +123,7 @@ def inject(runner: StepRunner, case: str) -> None:
 
 def run_case(rank: int, case: str, store_dir: Path) -> dict:
     store = dist.FileStore(str(store_dir / case.replace(" ", "-")), 2)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     ranks = RankGroup(SimpleNamespace(process_index=rank, num_processes=2, device=torch.device("cpu")))
     runner = StepRunner(Trainer(), Checkpointer(), ranks, WeightPush("float32"), None, MAX_STEPS)
     role = (Collector if rank == 0 else Follower)(runner, HealthFile(""))
@@ -122,8 +136,7 @@ def run_case(rank: int, case: str, store_dir: Path) -> dict:
         runner.run(role)
     except Exception as err:
         outcome = {"error": type(err).__name__, "message": str(err), "notes": getattr(err, "__notes__", [])}
-    outcome |= {"seconds": time.perf_counter() - start, "version": runner.version,
-                "collectives": ranks.num_collectives}
+    outcome |= {"seconds": time.perf_counter() - start, "version": runner.version, "collectives": ranks.num_collectives}
     if rank == 1 and case.endswith("and stay"):
         time.sleep(TIMEOUT_S + 1)  # in the group, joining nothing: rank 0 waits out the timeout
     dist.destroy_process_group()

@@ -4,6 +4,7 @@ sharded_load.py MODEL_DIR OUT_JSON [--lora]` builds the policy on the meta devic
 ranks, loads MODEL_DIR's weights and has rank 0 write whether every tensor equals transformers' own load;
 with --lora the policy carries an adapter (LORA) too, and rank 0 also writes whether its starting values
 are an unsharded policy's."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,17 +33,22 @@ def main() -> None:
     lora = LORA if "--lora" in sys.argv[3:] else LoraConfig()
     torch.set_num_threads(1)
     accelerator = Accelerator(cpu=True)
-    cfg = dataclasses.replace(learner_config(LossType.cispo, Aggregation.prompt_mean, 10_000, 1),
-                              fsdp=FsdpConfig(enabled=True), lora=lora)
-    trainer = Trainer(cfg, load_policy(model_dir, "float32", "sdpa", empty=True), accelerator, temperature=1.0,
-                      model_path=model_dir)
+    cfg = dataclasses.replace(
+        learner_config(LossType.cispo, Aggregation.prompt_mean, 10_000, 1), fsdp=FsdpConfig(enabled=True), lora=lora
+    )
+    trainer = Trainer(
+        cfg, load_policy(model_dir, "float32", "sdpa", empty=True), accelerator, temperature=1.0, model_path=model_dir
+    )
     loaded = trainer.export_state("float32")  # a LoRA policy's: merged (B = 0: the base), and the adapter
     if accelerator.is_main_process:
         expected = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
         adapter = unsharded_adapter(model_dir, lora, cfg.seed) if lora.enabled else {}
         wrong = sorted(k for k, v in (expected | adapter).items() if k not in loaded or not torch.equal(loaded[k], v))
-        out.write_text(json.dumps({"tensors": len(expected), "adapter_tensors": len(adapter), "wrong": wrong,
-                                   "names": sorted(loaded)}))
+        out.write_text(
+            json.dumps(
+                {"tensors": len(expected), "adapter_tensors": len(adapter), "wrong": wrong, "names": sorted(loaded)}
+            )
+        )
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

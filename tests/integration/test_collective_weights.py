@@ -3,6 +3,7 @@ an actor's engine joins the learner once, forms its group, and receives each ver
 broadcast, a bucket of whole tensors at a time, loaded as it lands; a refused version leaves the
 group in step; a damaged bucket or a learner gone mid-transfer leaves the engine torn (paused) until
 a whole version loads; a worker killed mid-transfer costs only its own group."""
+
 import asyncio
 import json
 import os
@@ -57,8 +58,11 @@ def test_a_refused_version_leaves_the_group_in_step_and_a_damaged_one_leaves_the
     engine, receiver = ScriptedEngine(tokenizer), build_receiver(config())
     asyncio.run(receiver.apply(update, engine))
     member = engine.worker.member
-    with pytest.raises(ValueError, match=r"weights v9 .* by gloo: refused by the learner: version 9 is not served "
-                                         r"here \(served: \[3\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"weights v9 .* by gloo: refused by the learner: version 9 is not served "
+        r"here \(served: \[3\]\)",
+    ):
         asyncio.run(receiver.apply(msgspec.structs.replace(update, version=9), engine))
     assert engine.worker.member is member and not engine.torn  # nothing moved: the group carries on
     moved = publisher.publish({k: v + 1 for k, v in state.items()}, version=4)
@@ -77,8 +81,9 @@ def test_a_learner_gone_mid_transfer_tears_the_engine_and_a_new_learner_process_
     engine, receiver = ScriptedEngine(tokenizer), build_receiver(config())
 
     def dies_after_one_bucket(self, group, served, progress):  # the learner's process ends mid-version
-        gloo.broadcast(group.group, served.payload[:served.buckets[0].nbytes])
+        gloo.broadcast(group.group, served.payload[: served.buckets[0].nbytes])
         group.abort()
+
     monkeypatch.setattr(gloo.GlooPlane, "send", dies_after_one_bucket)
     with pytest.raises(ConnectionError, match=rf"weights v3 from the learner at {update.location} by gloo"):
         asyncio.run(receiver.apply(update, engine))
@@ -140,8 +145,12 @@ def test_a_worker_killed_mid_transfer_costs_only_its_own_group(served):
     publisher, _, state, tokenizer = served
     big = {"w": torch.randn(64, 4096)}  # 1 MiB: 256 buckets, so the kill lands mid-version
     update = publisher.publish(big, version=5)
-    worker = subprocess.run([sys.executable, "-c", DIES_AFTER_ONE_BUCKET], input=msgspec.json.encode(update),
-                            capture_output=True, timeout=60)
+    worker = subprocess.run(
+        [sys.executable, "-c", DIES_AFTER_ONE_BUCKET],
+        input=msgspec.json.encode(update),
+        capture_output=True,
+        timeout=60,
+    )
     assert worker.returncode == -signal.SIGKILL and b"one bucket in" in worker.stdout, worker.stderr.decode()[-2000:]
     deadline = time.monotonic() + 10
     while publisher.server.connections and time.monotonic() < deadline:
@@ -165,9 +174,12 @@ def test_a_stalled_peer_is_aborted_after_the_timeout_and_the_learner_serves_on(s
     from types import SimpleNamespace
 
     from tidal.broker.weights.base import InitInfo
+
     peer = SimpleNamespace(worker_rank=0, model=None, load_target=None, model_config=None)
-    gloo.GlooPlane.join(peer,  # the peer's own side waits
-                        InitInfo("gloo", {**spec, "location": update.location, "token": update.token.hex()}, 30.0))
+    gloo.GlooPlane.join(
+        peer,  # the peer's own side waits
+        InitInfo("gloo", {**spec, "location": update.location, "token": update.token.hex()}, 30.0),
+    )
     conn.sendall(collective.control(update.token, collective.FETCH, update.version))
     server.read_reply(conn, "fetch")
     conn.settimeout(30)
@@ -209,13 +221,13 @@ def test_actors_that_join_at_once_form_their_groups_at_once_each_with_its_own_ke
 
     async def together():
         await asyncio.gather(*(receiver.apply(update, engine) for receiver, engine in zip(receivers, engines)))
+
     asyncio.run(together())
     assert all(e.swaps == [3] and all(torch.equal(e.loaded[k], state[k]) for k in e.loaded) for e in engines)
     assert len(publisher.server.groups) == 3 and len(publisher.plane.stores) == 3
 
 
-def test_a_bug_in_one_connections_thread_is_logged_and_counted_and_the_learner_serves_on(served, monkeypatch,
-                                                                                         caplog):
+def test_a_bug_in_one_connections_thread_is_logged_and_counted_and_the_learner_serves_on(served, monkeypatch, caplog):
     publisher, update, state, tokenizer = served
     mint = publisher.plane.mint
     monkeypatch.setattr(publisher.plane, "mint", lambda *a: {}["no such key"])
@@ -231,8 +243,9 @@ def test_a_bug_in_one_connections_thread_is_logged_and_counted_and_the_learner_s
     assert engine.swaps == [3]
 
 
-def test_a_torn_engine_tries_the_same_version_again_and_an_unreachable_learner_never_stops_the_actor(served,
-                                                                                                    monkeypatch):
+def test_a_torn_engine_tries_the_same_version_again_and_an_unreachable_learner_never_stops_the_actor(
+    served, monkeypatch
+):
     """A transfer that fails part-way leaves the engine paused: with no newer announcement coming (the
     learner waits for this actor's rollouts) the actor tries the same version again, backing off, and
     the learner being unreachable meanwhile never counts toward the failures that stop an actor."""
@@ -249,8 +262,9 @@ def test_a_torn_engine_tries_the_same_version_again_and_an_unreachable_learner_n
         tries.append(1)
         if len(tries) > 2:
             return send(self, group, served, progress)
-        gloo.broadcast(group.group, served.payload[:served.buckets[0].nbytes])
+        gloo.broadcast(group.group, served.payload[: served.buckets[0].nbytes])
         raise RuntimeError("the learner's side failed")
+
     monkeypatch.setattr(gloo.GlooPlane, "send", fails_twice)
 
     async def until_loaded():
@@ -260,6 +274,7 @@ def test_a_torn_engine_tries_the_same_version_again_and_an_unreachable_learner_n
         while not actor.stats["weight_updates"] and not applying.done():
             await asyncio.sleep(0.05)
         applying.cancel()
+
     asyncio.run(asyncio.wait_for(until_loaded(), 60))
     assert len(tries) == 3 and engine.swaps == [3] and not engine.torn
     assert actor.stats["weight_load_failures"] == 2 and actor.retry_s == loop.RETRY_TORN_S[0]
@@ -284,6 +299,7 @@ def test_workers_that_never_form_their_group_stop_the_actor_to_be_restarted(serv
 
     async def never(init_info):
         await asyncio.sleep(3600)
+
     monkeypatch.setattr(engine, "init_weight_transfer", never)
     actor = loop.Actor(ActorConfig(), engine, transport=None, receiver=build_receiver(config(tcp_timeout_s=0.5)))
     actor.note_announcement(update)

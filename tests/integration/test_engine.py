@@ -9,6 +9,7 @@ and what the learner publishes over the tcp weight channel must reach it exactly
 
 The weight-channel tests come last and put the exported weights back (as version 0) when they are done.
 """
+
 import asyncio
 
 import msgspec
@@ -35,8 +36,11 @@ def exported(tmp_path_factory, tiny_model_path):
     from tidal.learner.tools.export import export_checkpoint, load_checkpoint_policy
 
     run_dir = tmp_path_factory.mktemp("export") / "run"
-    cfg = resolve(load_config(ROOT / "configs/tiny.yaml", [f"model.path={tiny_model_path}", f"run_dir={run_dir}",
-                                                           "learner.optim.lr=0.01"]))
+    cfg = resolve(
+        load_config(
+            ROOT / "configs/tiny.yaml", [f"model.path={tiny_model_path}", f"run_dir={run_dir}", "learner.optim.lr=0.01"]
+        )
+    )
     write_config(cfg, run_dir)
     accelerator = Accelerator(cpu=True)
     trainer = Trainer(cfg.learner, load_policy(cfg.model.path, "float32"), accelerator, temperature=1.0)
@@ -85,8 +89,9 @@ def _on_policy_step(folder, policy, engine, served: SamplingParams, learner_samp
         prompt = tokenize(folder, text)
         completions = on_engine(engine, engine.sample(prompt, 16, served, request_id=f"nucleus-{served.top_p}-{i}"))
         samples = [to_sample(c, float(j % 2), served) for j, c in enumerate(completions)]
-        rollouts.append(RolloutGroup.pack(samples, group_id=f"g{i}", prompt_id=i, actor_id="a",
-                                          prompt_tokens=int32s(prompt)))
+        rollouts.append(
+            RolloutGroup.pack(samples, group_id=f"g{i}", prompt_id=i, actor_id="a", prompt_tokens=int32s(prompt))
+        )
     cfg = load_config(ROOT / "configs/tiny.yaml", ["learner.groups_per_step=2", "learner.kernel_backend=torch"])
     trainer = Trainer(cfg.learner, copy.deepcopy(policy), Accelerator(cpu=True), temperature=learner_sampler)
     masks = [[np.ones(s.num_tokens, dtype=bool) for s in g.samples] for g in rollouts]
@@ -104,9 +109,11 @@ def test_under_top_k_and_top_p_an_on_policy_step_reads_ratio_one(exported, engin
     served = SamplingParams(0.9, top_p, 6, (), top_k=top_k)
     exact = _on_policy_step(folder, policy, engine, served, Sampler(0.9, top_k, top_p))
     whole = _on_policy_step(folder, policy, engine, served, Sampler(0.9))
-    print(f"\ntop_k {top_k} top_p {top_p}: rho_mean {exact['offpolicy/rho_mean']:.6f}, fresh max |diff| "
-          f"{exact['offpolicy/fresh_logprob_max_abs_diff']:.2e} (whole vocabulary: rho_mean "
-          f"{whole['offpolicy/rho_mean']:.3f}, {whole['offpolicy/fresh_logprob_max_abs_diff']:.3f})")
+    print(
+        f"\ntop_k {top_k} top_p {top_p}: rho_mean {exact['offpolicy/rho_mean']:.6f}, fresh max |diff| "
+        f"{exact['offpolicy/fresh_logprob_max_abs_diff']:.2e} (whole vocabulary: rho_mean "
+        f"{whole['offpolicy/rho_mean']:.3f}, {whole['offpolicy/fresh_logprob_max_abs_diff']:.3f})"
+    )
     assert exact["offpolicy/fresh_tokens"] == exact["learner/num_tokens"] > 100
     assert exact["offpolicy/fresh_logprob_max_abs_diff"] <= 1e-4
     assert exact["offpolicy/rho_mean"] == pytest.approx(1.0, abs=1e-4)
@@ -123,13 +130,27 @@ def test_interruptions_on_the_real_engine_line_up_with_the_model(exported, engin
     eos = policy.config.eos_token_id
     interrupt = InterruptParams(tuple(tokenize(folder, "==")), "==", 1, 2, 3)
     sampling = SamplingParams(1.0, 1.0, 7, (eos,), interrupt)
-    group = PromptGroup(run_id="r", group_id="r-int", prompt_id=0, prompt_tokens=int32s(prompt), task="arithmetic",
-                        payload={"answer": "46"}, n=8, sampling=sampling, min_version=0)
+    group = PromptGroup(
+        run_id="r",
+        group_id="r-int",
+        prompt_id=0,
+        prompt_tokens=int32s(prompt),
+        task="arithmetic",
+        payload={"answer": "46"},
+        n=8,
+        sampling=sampling,
+        min_version=0,
+    )
     completions = on_engine(engine, generate(engine, group))
 
     assert sum(bool(c.injected_spans) for c in completions) >= 1  # budgets of 1-2 tokens cut "46<eos>" short
-    rollout = RolloutGroup.pack([to_sample(c, 0.0, sampling) for c in completions], group_id="r-int", prompt_id=0,
-                                actor_id="a", prompt_tokens=int32s(prompt))
+    rollout = RolloutGroup.pack(
+        [to_sample(c, 0.0, sampling) for c in completions],
+        group_id="r-int",
+        prompt_id=0,
+        actor_id="a",
+        prompt_tokens=int32s(prompt),
+    )
     rollout.check()
     for s, tokens, logprobs in rollout.unpack():
         mine = learner_logprobs(policy, prompt, tokens)
@@ -156,8 +177,17 @@ def test_episodes_on_the_real_engine_line_up_with_the_model(exported, engine):
     prompt = tokenize(folder, "12+34=")
     again = tokenize(folder, "==")
     sampling = SamplingParams(1.0, 1.0, 24, (policy.config.eos_token_id,))
-    group = PromptGroup(run_id="r", group_id="r-episodes", prompt_id=0, prompt_tokens=int32s(prompt),
-                        task="arithmetic", payload={"answer": "046"}, n=4, sampling=sampling, min_version=0)
+    group = PromptGroup(
+        run_id="r",
+        group_id="r-episodes",
+        prompt_id=0,
+        prompt_tokens=int32s(prompt),
+        task="arithmetic",
+        payload={"answer": "046"},
+        n=4,
+        sampling=sampling,
+        min_version=0,
+    )
     episodes = Episodes(AskAgain(), EnvConfig(), engine.tokenizer, chat_template=False)
     results = on_engine(engine, episodes.run(engine, group))
 
@@ -175,6 +205,7 @@ def test_episodes_on_the_real_engine_line_up_with_the_model(exported, engine):
 
 
 # ---- the network weight channels, through vLLM's weight-transfer API ---------------------------
+
 
 def channel(transport="tcp", **keys):
     from tidal.broker.weights import build_publisher, build_receiver
@@ -225,8 +256,10 @@ def test_a_version_published_over_tcp_reaches_the_engine_exactly_while_a_request
     finally:
         publisher.close()
     spans = [(int(s.version), s.start, s.end) for s in out.weight_versions]
-    print(f"\ntcp v7 ({tcp_payload_mib(update):.1f} MiB, {len(update.buckets)} buckets): learner push {push_s:.4f} s, "
-          f"engine paused {paused_s:.4f} s; in-flight request spans {spans}")
+    print(
+        f"\ntcp v7 ({tcp_payload_mib(update):.1f} MiB, {len(update.buckets)} buckets): learner push {push_s:.4f} s, "
+        f"engine paused {paused_s:.4f} s; in-flight request spans {spans}"
+    )
     assert len(spans) == 2 and spans[0][:2] == (0, 0) and spans[1][0] == 7 and 8 <= spans[1][1] < spans[1][2] == 58
     assert engine.version == 7
     assert_serves(engine, folder, new_policy, 7, "tcp-after")
@@ -246,8 +279,11 @@ def test_a_learner_that_dies_mid_transfer_leaves_the_engine_serving_its_weights(
         on_engine(engine, receiver.apply(publisher.publish(policy.state_dict(), version=8), engine))
         doomed = publisher.publish(perturbed(policy, seed=9).state_dict(), version=9)
         dying = DyingWeightServer(publisher.server.versions[9].view, doomed.buckets, cut_at=1, sent=1000)
-        with pytest.raises(Exception, match=rf"weights v9 from the learner at {dying.location}: connection closed "
-                                            r"after 1000 of 1048576 bytes \(after 1 of \d+ buckets\)") as failed:
+        with pytest.raises(
+            Exception,
+            match=rf"weights v9 from the learner at {dying.location}: connection closed "
+            r"after 1000 of 1048576 bytes \(after 1 of \d+ buckets\)",
+        ) as failed:
             on_engine(engine, receiver.apply(msgspec.structs.replace(doomed, location=dying.location), engine))
         print(f"\nprefetch={prefetch}: {type(failed.value).__name__}: {failed.value}")
         assert engine.version == 8
@@ -269,8 +305,10 @@ def test_a_version_broadcast_over_gloo_reaches_the_engine_exactly_while_a_reques
         update = publisher.publish(new_policy.state_dict(), version=10)
         out, paused_s = on_engine(engine, update_in_flight(engine, tokenize(folder, "12+34="), receiver, update, 8))
         spans = [(int(s.version), s.start, s.end) for s in out.weight_versions]
-        print(f"\ngloo v10 ({tcp_payload_mib(update):.1f} MiB, {len(update.buckets)} buckets, group formed on its "
-              f"first update): engine paused {paused_s:.4f} s; in-flight request spans {spans}")
+        print(
+            f"\ngloo v10 ({tcp_payload_mib(update):.1f} MiB, {len(update.buckets)} buckets, group formed on its "
+            f"first update): engine paused {paused_s:.4f} s; in-flight request spans {spans}"
+        )
         assert len(spans) == 2 and spans[1][0] == 10 and 8 <= spans[1][1] < spans[1][2] == 58
         assert_serves(engine, folder, new_policy, 10, "gloo-after")
         with pytest.raises(Exception, match=r"weights v11 .* by gloo: refused by the learner: version 11 is not"):
@@ -287,7 +325,8 @@ def test_a_version_broadcast_over_gloo_reaches_the_engine_exactly_while_a_reques
 
 
 def test_a_learner_gone_mid_broadcast_leaves_the_engine_paused_until_a_restarted_learner_makes_it_whole(
-        exported, engine, monkeypatch):
+    exported, engine, monkeypatch
+):
     """gloo: the learner sends one bucket of v13 into the engine and dies. The model is torn (some
     tensors new, some old), so the engine stays paused with its request in flight; a restarted learner's
     v14 makes it whole, and the request goes on under v14 from where it stopped."""
@@ -298,8 +337,9 @@ def test_a_learner_gone_mid_broadcast_leaves_the_engine_paused_until_a_restarted
     publisher, receiver = channel("gloo", tcp_timeout_s=2.0)
 
     def dies_after_one_bucket(self, group, served, progress):
-        gloo.broadcast(group.group, served.payload[:served.buckets[0].nbytes])
+        gloo.broadcast(group.group, served.payload[: served.buckets[0].nbytes])
         group.abort()
+
     monkeypatch.setattr(gloo.GlooPlane, "send", dies_after_one_bucket)
     prompt = tokenize(folder, "12+34=")
 
@@ -319,8 +359,9 @@ def test_a_learner_gone_mid_broadcast_leaves_the_engine_paused_until_a_restarted
                 assert engine.torn and await engine._llm.is_paused()  # nothing sampled from the torn model
                 publisher.close()
                 monkeypatch.undo()
-                restarted = build_publisher(WeightsConfig(transport="gloo", bucket_mib=1, tcp_timeout_s=10.0),
-                                            "inc-2", "run", "/unused")
+                restarted = build_publisher(
+                    WeightsConfig(transport="gloo", bucket_mib=1, tcp_timeout_s=10.0), "inc-2", "run", "/unused"
+                )
                 try:
                     await receiver.apply(restarted.publish(new_policy.state_dict(), 14), engine)
                 finally:

@@ -2,6 +2,7 @@
 channels (learner.lora): requests in flight go on under each new adapter, the engine's logprobs are
 the learner's (the base with peft's adapter), one adapter is held however many versions pass, and a
 failed update leaves the previous one serving."""
+
 import asyncio
 
 import msgspec
@@ -76,8 +77,9 @@ async def update_in_flight(engine, prompt, receiver, update, after_tokens: int):
 
     params = VllmSamplingParams(max_tokens=40, ignore_eos=True, logprobs=0)
     swap, last = None, None
-    async for out in engine._llm.generate({"prompt_token_ids": prompt}, params, request_id=f"lora-v{update.version}",
-                                          lora_request=engine._lora):
+    async for out in engine._llm.generate(
+        {"prompt_token_ids": prompt}, params, request_id=f"lora-v{update.version}", lora_request=engine._lora
+    ):
         last = out.outputs[0]
         if swap is None and len(last.token_ids) >= after_tokens:
             swap = asyncio.ensure_future(receiver.apply(update, engine))
@@ -104,8 +106,10 @@ def test_each_adapter_version_replaces_the_last_under_requests_in_flight(engine,
     spans = [(int(s.version), s.start, s.end) for s in out.weight_versions]
     adapter_bytes = sum(s.nbytes for s in update.manifest)
     full_bytes = sum(p.numel() * 4 for p in base.parameters())
-    print(f"\n{transport} adapter v{version}: {adapter_bytes / 1024:.0f} KiB ({len(update.manifest)} tensors) against "
-          f"{full_bytes / 1024:.0f} KiB for the model; engine paused {paused_s:.4f} s; spans {spans}")
+    print(
+        f"\n{transport} adapter v{version}: {adapter_bytes / 1024:.0f} KiB ({len(update.manifest)} tensors) against "
+        f"{full_bytes / 1024:.0f} KiB for the model; engine paused {paused_s:.4f} s; spans {spans}"
+    )
     assert all(".lora_A.weight" in s.name or ".lora_B.weight" in s.name for s in update.manifest)
     assert len(spans) == 2 and spans[1][0] == version and 8 <= spans[1][1] < spans[1][2] == 40
     served(engine, policy, version, f"lora-after-{transport}")
@@ -148,8 +152,13 @@ def test_an_exported_adapter_folder_is_served_by_vllm_with_the_learners_logprobs
     from tidal.learner.tools.export import export_adapter
 
     policy, tensors = adapted(base, seed=40)
-    folder = export_adapter(tensors, LoraConfig(rank=RANK, alpha=ALPHA, target_modules=TARGETS), tiny_model_path,
-                            tmp_path / "adapter", "float32")
+    folder = export_adapter(
+        tensors,
+        LoraConfig(rank=RANK, alpha=ALPHA, target_modules=TARGETS),
+        tiny_model_path,
+        tmp_path / "adapter",
+        "float32",
+    )
     serving = engine_on_a_thread(tiny_model_path, adapter_rank=RANK)
     engine = next(serving)
     try:
@@ -158,11 +167,23 @@ def test_an_exported_adapter_folder_is_served_by_vllm_with_the_learners_logprobs
         async def sample():
             params = VllmSamplingParams(n=8, max_tokens=6, ignore_eos=True, logprobs=0, temperature=1.0)
             request = LoRARequest("exported", 5, str(folder))
-            return [out async for out in engine._llm.generate({"prompt_token_ids": prompt}, params,
-                                                              request_id="exported", lora_request=request)][-1]
+            return [
+                out
+                async for out in engine._llm.generate(
+                    {"prompt_token_ids": prompt}, params, request_id="exported", lora_request=request
+                )
+            ][-1]
+
         out = on_engine(engine, sample())
     finally:
         next(serving, None)
-    worst = max(float(np.abs(np.array([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)])
-                             - learner_logprobs(policy, prompt, np.array(c.token_ids))).max()) for c in out.outputs)
+    worst = max(
+        float(
+            np.abs(
+                np.array([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)])
+                - learner_logprobs(policy, prompt, np.array(c.token_ids))
+            ).max()
+        )
+        for c in out.outputs
+    )
     assert worst <= 1e-4, worst

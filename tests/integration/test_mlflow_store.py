@@ -1,6 +1,7 @@
 """A run folder's MLflow store (sqlite, artifacts beside it) survives being moved or copied: its
 artifacts are found where the folder is now, read through the paths tidal reads them by. And a
 store several runs share keeps its artifacts beside it, not in the first run's folder."""
+
 import json
 import os
 import shutil
@@ -49,8 +50,13 @@ def written(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     shared = f"sqlite:///{root / 'shared' / 'mlflow.db'}"
     runs = [(str(root / name), "") for name in OWN] + [(str(root / "shared" / n), shared) for n in ("a", "b")]
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME")}
-    done = subprocess.run([sys.executable, "-c", WRITE_RUNS, json.dumps(runs), str(root / "empty.db")],
-                          capture_output=True, text=True, env=env, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", WRITE_RUNS, json.dumps(runs), str(root / "empty.db")],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     ids = json.loads(done.stdout.strip().splitlines()[-1])
     return root, {str(Path(k).relative_to(root)): v for k, v in ids.items()}
@@ -115,8 +121,10 @@ def test_a_copied_run_folder_keeps_its_own_artifacts(written, tmp_path):
     tracker.finish({"steps": 2})
     assert (copy / "artifacts" / run_id / "artifacts" / "after-copy.json").is_file()
     assert not (original / "artifacts" / run_id / "artifacts" / "after-copy.json").exists()
-    assert recorded_artifact_uri(original / "mlflow.db", run_id) == \
-        (original / "artifacts" / run_id / "artifacts").resolve().as_uri()
+    assert (
+        recorded_artifact_uri(original / "mlflow.db", run_id)
+        == (original / "artifacts" / run_id / "artifacts").resolve().as_uri()
+    )
 
 
 def test_tidal_fit_and_the_bench_read_a_moved_store(written, tmp_path, monkeypatch):
@@ -145,8 +153,10 @@ def test_a_store_written_before_re_rooting_is_re_rooted_once_its_old_folder_is_g
     db.close()
     moved = Path(shutil.move(root / "legacy", tmp_path / "after"))
     open_run_store(moved, "")
-    assert recorded_artifact_uri(moved / "mlflow.db", ids["legacy"]) == \
-        (moved / "artifacts" / ids["legacy"] / "artifacts").resolve().as_uri()
+    assert (
+        recorded_artifact_uri(moved / "mlflow.db", ids["legacy"])
+        == (moved / "artifacts" / ids["legacy"] / "artifacts").resolve().as_uri()
+    )
 
 
 def recorded_artifact_uri(store: Path, run_id: str) -> str:
@@ -173,8 +183,9 @@ def test_an_experiment_with_artifacts_elsewhere_is_left_alone(written, tmp_path)
     experiment_id = mlflow.create_experiment("theirs", artifact_location=elsewhere.as_uri())
     (store.parent / "artifacts").mkdir()
     reroot_artifacts(store)
-    assert mlflow.MlflowClient(f"sqlite:///{store}").get_experiment(experiment_id).artifact_location == \
-        elsewhere.as_uri()
+    assert (
+        mlflow.MlflowClient(f"sqlite:///{store}").get_experiment(experiment_id).artifact_location == elsewhere.as_uri()
+    )
 
 
 def test_a_shared_store_keeps_artifacts_beside_it_and_moves_with_its_folder(written, tmp_path):
@@ -197,9 +208,12 @@ def test_the_summary_shows_a_ready_to_paste_mlflow_ui_line(tmp_path):
     run_dir = tmp_path / "runs" / "demo"
     own = mlflow_ui_lines(f"sqlite:///{run_dir / 'mlflow.db'}", run_dir)
     assert own[0].startswith("mlflow ui: ") and own[0].endswith(
-        f" ui --backend-store-uri sqlite:///{(run_dir / 'mlflow.db').resolve()}")
-    assert own[1] == f"to compare runs in one UI, give them one store: " \
-                     f"tracking.uri=sqlite:///{(tmp_path / 'runs' / 'mlflow.db').resolve()}"
+        f" ui --backend-store-uri sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+    )
+    assert (
+        own[1] == f"to compare runs in one UI, give them one store: "
+        f"tracking.uri=sqlite:///{(tmp_path / 'runs' / 'mlflow.db').resolve()}"
+    )
     shared = mlflow_ui_lines(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}", run_dir)
     assert len(shared) == 1  # already shared: nothing to suggest
     assert mlflow_ui_lines("http://mlflow:5000", run_dir) == ["mlflow ui: http://mlflow:5000 (the tracking server)"]

@@ -64,8 +64,10 @@ def test_a_moe_policy_reaches_the_engine_under_its_checkpoint_names(moe, engine,
         assert "model.layers.1.mlp.experts.3.up_proj.weight" in names and not any("gate_up" in n for n in names)
         paused = on_engine(engine, receiver.apply(update, engine))
         worst = serves(engine, new, 7)
-        print(f"\n{transport}: {len(update.manifest)} tensors, engine paused {paused:.3f} s; engine against "
-              f"learner after the update: max |logprob difference| {worst:.2e}")
+        print(
+            f"\n{transport}: {len(update.manifest)} tensors, engine paused {paused:.3f} s; engine against "
+            f"learner after the update: max |logprob difference| {worst:.2e}"
+        )
         assert worst < 1e-4
         entries, pairs = checkpoint_pairs(policy)  # the folder's weights back, for the next test
         on_engine(engine, receiver.apply(publisher.publish(pairs, 8, entries), engine))
@@ -89,10 +91,26 @@ def test_a_sharded_learner_loads_a_moe_whose_checkpoint_names_its_experts_one_by
     from test_multirank import free_port
 
     script, out = Path(__file__).with_name("sharded_load.py"), tmp_path / "loaded.json"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                           "127.0.0.1", "--master-port", str(free_port()), str(script), str(moe[0]), str(out)],
-                          env=os.environ | {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            str(script),
+            str(moe[0]),
+            str(out),
+        ],
+        env=os.environ | {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     loaded = json.loads(out.read_text())
     assert loaded["wrong"] == [] and "model.layers.0.mlp.experts.gate_up_proj" in loaded["names"]

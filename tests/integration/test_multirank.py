@@ -1,5 +1,6 @@
 """Two CPU ranks (torchrun, gloo) make the same update as one: DDP syncs the gradients and the
 loss is normalised by counts over both ranks."""
+
 import json
 import os
 import shutil
@@ -21,8 +22,19 @@ def test_two_ranks_make_the_same_update_as_one(tmp_path):
     from accelerate import Accelerator
 
     env = os.environ | {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(SCRIPT), str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(SCRIPT),
+        str(tmp_path),
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     accelerator = Accelerator(cpu=True)
@@ -34,9 +46,18 @@ def test_two_ranks_make_the_same_update_as_one(tmp_path):
         for key, value in expected.items():
             torch.testing.assert_close(params[key], value, atol=1e-5, rtol=0, msg=f"{name}: {key}")
         # metrics are reduced over both ranks: the same as one rank's
-        for key in ("learner/loss", "learner/entropy", "learner/num_tokens", "learner/advantage_std",
-                    "offpolicy/rho_mean", "offpolicy/rho_max", "offpolicy/clipped_frac", "offpolicy/lag_mean",
-                    "offpolicy/mismatch_kl", "learner/grad_norm"):
+        for key in (
+            "learner/loss",
+            "learner/entropy",
+            "learner/num_tokens",
+            "learner/advantage_std",
+            "offpolicy/rho_mean",
+            "offpolicy/rho_max",
+            "offpolicy/clipped_frac",
+            "offpolicy/lag_mean",
+            "offpolicy/mismatch_kl",
+            "learner/grad_norm",
+        ):
             assert metrics[key] == pytest.approx(expected_metrics[key], rel=1e-5, abs=1e-6), f"{name}: {key}"
     for rank in (0, 1):
         assert "learner.groups_per_step" in (tmp_path / f"too_few_groups_rank{rank}.txt").read_text()
@@ -45,19 +66,44 @@ def test_two_ranks_make_the_same_update_as_one(tmp_path):
 # a sharded learner on two "machines" (two `tidal learner` commands, run folders apart) with one vLLM
 # actor whose engine receives every version by gloo through a group of its own with rank 0 (the GPU
 # overlay's nccl path, on CPU): about a minute and a half on 2 cores
-def test_a_sharded_learner_on_two_nodes_trains_with_only_its_shards_on_the_second_nodes_disk(tmp_path,
-                                                                                             tiny_model_path):
+def test_a_sharded_learner_on_two_nodes_trains_with_only_its_shards_on_the_second_nodes_disk(tmp_path, tiny_model_path):
     root = Path(__file__).parents[2]
     run_dir, node1_dir = tmp_path / "node0-run", tmp_path / "node1-run"
-    common = ["learner.num_ranks=2", "learner.nodes=2", "learner.master_addr=127.0.0.1",
-              f"learner.master_port={free_port()}", "learner.fsdp.enabled=true", "learner.max_steps=8",
-              "eval.every=0", "checkpoint.every=4", "weights.transport=gloo"]  # as on Kubernetes: no shared folder
-    node1 = subprocess.Popen([sys.executable, "-m", "tidal", "learner", str(root / "configs/tiny.yaml"),
-                              f"run_dir={node1_dir}", "learner.node_rank=1", *common], cwd=root,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    common = [
+        "learner.num_ranks=2",
+        "learner.nodes=2",
+        "learner.master_addr=127.0.0.1",
+        f"learner.master_port={free_port()}",
+        "learner.fsdp.enabled=true",
+        "learner.max_steps=8",
+        "eval.every=0",
+        "checkpoint.every=4",
+        "weights.transport=gloo",
+    ]  # as on Kubernetes: no shared folder
+    node1 = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tidal",
+            "learner",
+            str(root / "configs/tiny.yaml"),
+            f"run_dir={node1_dir}",
+            "learner.node_rank=1",
+            *common,
+        ],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
-        done = subprocess.run([sys.executable, "-m", "tidal", "run", str(root / "configs/tiny.yaml"),
-                               f"run_dir={run_dir}", *common], cwd=root, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [sys.executable, "-m", "tidal", "run", str(root / "configs/tiny.yaml"), f"run_dir={run_dir}", *common],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         node1_log = node1.communicate(timeout=120)[0]
     finally:
         node1.kill()
@@ -69,10 +115,15 @@ def test_a_sharded_learner_on_two_nodes_trains_with_only_its_shards_on_the_secon
     # to its own disk: the second node's run folder holds its rank's part of each and nothing else
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000004", "step-000008"]
     assert (run_dir / "model" / "config.json").is_file()
-    part = ["MANIFEST-rank1.json", "model/shard-00002-model-00001-of-00001.safetensors",
-            "optimizer/shard-00002-model-00001-of-00001.safetensors", "rng-rank1.safetensors"]
-    assert sorted(str(p.relative_to(node1_dir)) for p in node1_dir.rglob("*") if p.is_file()) == \
-        [f"checkpoints/step-{step:06d}/{name}" for step in (4, 8) for name in part]
+    part = [
+        "MANIFEST-rank1.json",
+        "model/shard-00002-model-00001-of-00001.safetensors",
+        "optimizer/shard-00002-model-00001-of-00001.safetensors",
+        "rng-rank1.safetensors",
+    ]
+    assert sorted(str(p.relative_to(node1_dir)) for p in node1_dir.rglob("*") if p.is_file()) == [
+        f"checkpoints/step-{step:06d}/{name}" for step in (4, 8) for name in part
+    ]
     # every version reached the actor's worker by broadcast from rank 0 (both ranks gathering each tensor in
     # turn, never the whole model), the first before it took work: the actor's logprobs match the learner's on
     # tokens of the current version
@@ -88,8 +139,19 @@ def test_a_sharded_learner_makes_the_updates_of_one_rank_and_ranks_resume_exactl
     from accelerate import Accelerator
     from fsdp_steps import CASES, STEPS, checkpointer, train, trainer_for
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(SCRIPT.with_name("fsdp_steps.py")), str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(SCRIPT.with_name("fsdp_steps.py")),
+        str(tmp_path),
+    ]
     env = os.environ | {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -108,7 +170,9 @@ def test_a_sharded_learner_makes_the_updates_of_one_rank_and_ranks_resume_exactl
         rank1 = tmp_path / f"rank1-disk-{case}" / "step-000001"
         assert sorted(str(p.relative_to(rank1)) for p in rank1.rglob("*.safetensors")) == [
             "model/shard-00002-model-00001-of-00001.safetensors",
-            "optimizer/shard-00002-model-00001-of-00001.safetensors", "rng-rank1.safetensors"]
+            "optimizer/shard-00002-model-00001-of-00001.safetensors",
+            "rng-rank1.safetensors",
+        ]
         assert not list(tmp_path.glob(f"rank1-disk-{case}-ddp/step-000001/*/shard-*"))  # DDP: rank 0 writes it all
         # the parts put together in one folder, one rank without FSDP continues from it
         shutil.copytree(rank1, checkpoint, dirs_exist_ok=True)
@@ -120,16 +184,37 @@ def test_a_sharded_learner_makes_the_updates_of_one_rank_and_ranks_resume_exactl
 
 # two "machines" of two ranks (4 torchrun processes), replicated over them and sharded within (HSDP),
 # each rank with a disk of its own: about 40 s on 2 cores
-def test_a_learner_replicated_over_machines_resumes_exactly_with_the_second_machines_disks_holding_no_shards(
-        tmp_path):
+def test_a_learner_replicated_over_machines_resumes_exactly_with_the_second_machines_disks_holding_no_shards(tmp_path):
     from fsdp_steps import STEPS
 
     port, env = free_port(), os.environ | {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-                               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                               str(SCRIPT.with_name("fsdp_steps.py")), str(tmp_path), "--hsdp"],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for node in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "2",
+                "--node-rank",
+                str(node),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                str(SCRIPT.with_name("fsdp_steps.py")),
+                str(tmp_path),
+                "--hsdp",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
     try:
         logs = [node.communicate(timeout=600)[0] for node in nodes]
     finally:
@@ -143,7 +228,9 @@ def test_a_learner_replicated_over_machines_resumes_exactly_with_the_second_mach
     for rank in (2, 3):
         disk = tmp_path / f"rank{rank}-disk-hsdp" / "step-000001"
         assert sorted(str(p.relative_to(disk)) for p in disk.rglob("*") if p.is_file()) == [
-            f"MANIFEST-rank{rank}.json", f"rng-rank{rank}.safetensors"]
+            f"MANIFEST-rank{rank}.json",
+            f"rng-rank{rank}.safetensors",
+        ]
 
 
 # a sharded learner's ranks never hold the whole model in host memory: about 20 s on 2 cores
@@ -151,20 +238,36 @@ def test_each_sharded_rank_builds_steps_and_checkpoints_within_a_few_times_its_s
     from memory_ranks import write_model
 
     model_bytes = write_model(tmp_path / "model")  # 50M parameters: 200 MB in fp32
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(SCRIPT.with_name("memory_ranks.py")), str(tmp_path / "model"),
-           str(tmp_path)]
-    env = os.environ | {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-                        "PYTHONPATH": os.pathsep.join([str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(SCRIPT.with_name("memory_ranks.py")),
+        str(tmp_path / "model"),
+        str(tmp_path),
+    ]
+    env = os.environ | {
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     for rank in (0, 1):
         m = json.loads((tmp_path / f"memory-rank{rank}.json").read_text())
         mb = {k: round(v / 1e6) for k, v in m.items() if k.endswith("_bytes")}
-        print(f"\nrank {rank}: shard {mb['shard_bytes']} MB of a {model_bytes / 1e6:.0f} MB model; peak growth loading "
-              f"it whole {mb['whole_load_peak_bytes']} MB, building {mb['build_peak_bytes']}, AdamW's state "
-              f"{mb['state_peak_bytes']}, stepping "
-              f"{mb['step_peak_bytes']}, checkpointing {mb['checkpoint_peak_bytes']}")
+        print(
+            f"\nrank {rank}: shard {mb['shard_bytes']} MB of a {model_bytes / 1e6:.0f} MB model; peak growth loading "
+            f"it whole {mb['whole_load_peak_bytes']} MB, building {mb['build_peak_bytes']}, AdamW's state "
+            f"{mb['state_peak_bytes']}, stepping "
+            f"{mb['step_peak_bytes']}, checkpointing {mb['checkpoint_peak_bytes']}"
+        )
         assert m["shard_bytes"] == model_bytes // 2
         assert m["whole_load_peak_bytes"] >= model_bytes  # what each rank held when it loaded the model whole
         assert m["build_peak_bytes"] < 0.6 * model_bytes  # its shard, never the model
@@ -181,16 +284,27 @@ def test_each_sharded_rank_builds_steps_and_checkpoints_within_a_few_times_its_s
 
 # a LoRA policy built on the meta device and loaded sharded from a model folder, as `tidal learner` builds
 # one: about 10 s on 2 cores
-def test_a_sharded_lora_policy_loads_its_base_by_the_models_names_and_starts_its_adapter_as_one_rank_would(
-        tmp_path):
+def test_a_sharded_lora_policy_loads_its_base_by_the_models_names_and_starts_its_adapter_as_one_rank_would(tmp_path):
     from conftest import ALPHABET, TINY
     from tidal.tiny import build_tiny_model, save_model
 
     model, tokenizer = build_tiny_model(TINY, ALPHABET, seed=0)
     save_model(model, tokenizer, tmp_path / "model")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(SCRIPT.with_name("sharded_load.py")), str(tmp_path / "model"),
-           str(tmp_path / "loaded.json"), "--lora"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(SCRIPT.with_name("sharded_load.py")),
+        str(tmp_path / "model"),
+        str(tmp_path / "loaded.json"),
+        "--lora",
+    ]
     env = os.environ | {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -1,5 +1,6 @@
 """Two gloo ranks out of step fail at once, naming the collective, instead of hanging: every collective
 of the step runner in turn, skipped, raised in, or moved on rank 1 (rank_faults.py)."""
+
 import json
 import os
 import subprocess
@@ -15,8 +16,16 @@ SCRIPT = Path(__file__).with_name("rank_faults.py")
 
 def run_both_ranks(out_dir: Path) -> list[dict]:
     env = os.environ | {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen([sys.executable, str(SCRIPT), str(rank), str(out_dir)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(rank), str(out_dir)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     try:
         logs = [rank.communicate(timeout=120)[0] for rank in ranks]  # a hang fails here
     finally:
@@ -38,8 +47,14 @@ def test_a_rank_out_of_step_fails_fast_naming_the_collective(tmp_path):
     # in step: a restore, the starting push, two steps of batch, train and push, the due and the final save,
     # the export
     for ranks in (rank0, rank1):
-        assert ranks["in step"] | {"seconds": 0} == {"error": None, "message": "", "notes": [], "seconds": 0,
-                                                     "version": 2, "collectives": 11}
+        assert ranks["in step"] | {"seconds": 0} == {
+            "error": None,
+            "message": "",
+            "notes": [],
+            "seconds": 0,
+            "version": 2,
+            "collectives": 11,
+        }
     for case in CASES:
         if case != "skip EXPORT and stay":  # nothing else waits for the process group's timeout
             assert rank0[case]["seconds"] < TIMEOUT_S and rank1[case]["seconds"] < TIMEOUT_S, case
@@ -56,8 +71,10 @@ def test_a_rank_out_of_step_fails_fast_naming_the_collective(tmp_path):
     for what in Collective:
         case = f"raise {what.name}"
         assert rank1[case]["error"] == "InjectedFault", case
-        assert rank1[case]["notes"] == [f"raised on learner rank 1 inside {what.value} (collective "
-                                        f"#{rank1[case]['collectives']}, version {rank1[case]['version']})"], case
+        assert rank1[case]["notes"] == [
+            f"raised on learner rank 1 inside {what.value} (collective "
+            f"#{rank1[case]['collectives']}, version {rank1[case]['version']})"
+        ], case
         assert rank0[case]["error"] is not None and noted(rank0[case]), case
     # rank 1 ends without the final export: rank 0 fails when rank 1 leaves the group, or, where rank 1
     # stays in it, after the process group's timeout, never later

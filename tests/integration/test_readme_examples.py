@@ -1,6 +1,7 @@
 """Every example of the README whose first line names its file and command runs as written: the file is
 written into an empty folder with JSON Lines rows of the shape the README shows, and the command runs
 there, shortened (one step, a short warm start of the task's own tiny model)."""
+
 import json
 import re
 import subprocess
@@ -48,8 +49,13 @@ def test_a_readme_example_runs_as_written(tmp_path, file, command, source):
             (tmp_path / word.split("=", 1)[1]).write_text(rows())
     assert command[0] == "tidal"
     # the installed command, not `python -m` (which would put the folder on the path itself)
-    cmd = [str(Path(sys.executable).parent / "tidal"), *command[1:], *SHORTENED, "run_dir=run",
-           f"model.cache_dir={tmp_path / 'models'}"]
+    cmd = [
+        str(Path(sys.executable).parent / "tidal"),
+        *command[1:],
+        *SHORTENED,
+        "run_dir=run",
+        f"model.cache_dir={tmp_path / 'models'}",
+    ]
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"{' '.join(command)}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
     summary = json.loads((tmp_path / "run/summary.json").read_text())

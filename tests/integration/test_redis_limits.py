@@ -1,6 +1,7 @@
 """The Redis transport against a real redis-server with a small maxmemory: what actors write is
 trimmed by the learner, a full Redis is back-pressure (not an error), a learner restarted on a full
 AOF comes up and trims, and what one peer sends costs bounded bytes and log lines."""
+
 import asyncio
 import logging
 import threading
@@ -24,8 +25,14 @@ NUM_JUNK = 48  # 1.5 MiB of junk
 
 
 def learner(server, fresh=True, max_actors=1024) -> RedisLearnerTransport:
-    return RedisLearnerTransport(RedisConfig(url=server.url, block_ms=50), WireCodec(1 << 20), "t",
-                                 actor_timeout_s=5, fresh=fresh, max_actors=max_actors)
+    return RedisLearnerTransport(
+        RedisConfig(url=server.url, block_ms=50),
+        WireCodec(1 << 20),
+        "t",
+        actor_timeout_s=5,
+        fresh=fresh,
+        max_actors=max_actors,
+    )
 
 
 def fill(r: redis.Redis, key: str) -> int:
@@ -111,12 +118,16 @@ def test_hellos_are_logged_on_change_only_and_new_ids_are_bounded(redis_server, 
     engine = {"model": "m" * 1000, "pid": "1"}
     with caplog.at_level(logging.INFO, logger="tidal.broker.base"):
         for _ in range(50):  # the same hello again and again
-            r.xadd("tidal:t:heartbeats", {"m": codec.encode(Heartbeat(actor_id="a0", version=0, engine=engine,
-                                                                      outstanding=[], hello=True))})
+            r.xadd(
+                "tidal:t:heartbeats",
+                {"m": codec.encode(Heartbeat(actor_id="a0", version=0, engine=engine, outstanding=[], hello=True))},
+            )
         side.actors()
         for i in range(1, 6):  # fresh ids beyond the table's bound
-            r.xadd("tidal:t:heartbeats", {"m": codec.encode(Heartbeat(actor_id=f"a{i}", version=0, engine={},
-                                                                      outstanding=[], hello=True))})
+            r.xadd(
+                "tidal:t:heartbeats",
+                {"m": codec.encode(Heartbeat(actor_id=f"a{i}", version=0, engine={}, outstanding=[], hello=True))},
+            )
         assert sorted(side.actors()) == ["a0", "a1", "a2"]
     joined = [rec.getMessage() for rec in caplog.records if "joined" in rec.getMessage()]
     assert sum(m.startswith("actor a0 ") for m in joined) == 1

@@ -1,5 +1,6 @@
 """Redis Streams transport against a real redis-server: acknowledgement, redelivery, takeover,
 dead letters, trimming, reconnection and credentials."""
+
 import asyncio
 import os
 import time
@@ -80,8 +81,13 @@ def test_an_episodes_rollout_crosses_redis_whole(redis_server):
     async def actor():
         t = RedisActorTransport(cfg, WireCodec(1 << 20), "a0", "t")
         [group] = await t.request_work(8, timeout_s=2.0)
-        sent = RolloutGroup.pack([sample([(0, 3), (1, 6)], 1.0, injected_spans=[(2, 4), (6, 7)], episode=episode)],
-                                 group_id=group.group_id, prompt_id=0, actor_id="a0", prompt_tokens=group.prompt_tokens)
+        sent = RolloutGroup.pack(
+            [sample([(0, 3), (1, 6)], 1.0, injected_spans=[(2, 4), (6, 7)], episode=episode)],
+            group_id=group.group_id,
+            prompt_id=0,
+            actor_id="a0",
+            prompt_tokens=group.prompt_tokens,
+        )
         await t.send_rollout(sent)
         await t.r.aclose()
         return sent
@@ -111,8 +117,7 @@ def test_silent_actors_prompts_are_claimed_and_heartbeats_keep_them(redis_server
         assert await work(cfg, "dead", max_samples=4, reply=False) == ["r-1"]
         for _ in range(4):
             await asyncio.sleep(0.15)
-            await alive.heartbeat(Heartbeat(actor_id="alive", version=0, engine={},
-                                            outstanding=[held[0].group_id]))
+            await alive.heartbeat(Heartbeat(actor_id="alive", version=0, engine={}, outstanding=[held[0].group_id]))
         other = RedisActorTransport(cfg, WireCodec(1 << 20), "other", "t")
         claimed = await other.request_work(100, timeout_s=0.5)
         await alive.r.aclose()
@@ -225,11 +230,13 @@ def test_survives_a_redis_restart_and_gives_up_after_the_timeout(redis_server):
 
 def test_password_comes_from_the_environment_and_acl_users_work(tmp_path, monkeypatch):
     require_redis_server()
-    server = RedisServer(tmp_path, extra=("--user", "default", "off", "--user", "learner", "on", ">s3cret",
-                                          "~tidal:*", "+@all")).start()
+    server = RedisServer(
+        tmp_path, extra=("--user", "default", "off", "--user", "learner", "on", ">s3cret", "~tidal:*", "+@all")
+    ).start()
     try:
-        cfg = RedisConfig(url=server.url, username="learner", password_env="TEST_REDIS_PW", block_ms=100,
-                          reconnect_timeout_s=1)
+        cfg = RedisConfig(
+            url=server.url, username="learner", password_env="TEST_REDIS_PW", block_ms=100, reconnect_timeout_s=1
+        )
         monkeypatch.setenv("TEST_REDIS_PW", "s3cret")
         learner(cfg).submit_prompts([prompt(0)])
         monkeypatch.setenv("TEST_REDIS_PW", "wrong")
@@ -277,8 +284,9 @@ def test_rollouts_finished_together_go_out_in_one_pipeline_and_share_its_failure
             await write(frames)
 
         t._outbox._write = counted
-        results = await asyncio.gather(*(t.send_rollout(reply_for(g, t.actor_id)) for g in groups),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(t.send_rollout(reply_for(g, t.actor_id)) for g in groups), return_exceptions=True
+        )
         t._outbox._write = write
         return results, writes
 
@@ -379,8 +387,16 @@ class VersionSeven:
     version = 7
 
     async def sample(self, prompt_tokens, n, params, request_id, max_tokens=None):
-        return [Completion(np.asarray([3, 1], dtype=np.int32), np.asarray([-0.5, -0.1], dtype=np.float32),
-                           [(self.version, 0, 2)], "3", "stop") for _ in range(n)]
+        return [
+            Completion(
+                np.asarray([3, 1], dtype=np.int32),
+                np.asarray([-0.5, -0.1], dtype=np.float32),
+                [(self.version, 0, 2)],
+                "3",
+                "stop",
+            )
+            for _ in range(n)
+        ]
 
 
 def test_a_resumed_learner_withdraws_groups_released_after_its_checkpoint(redis_server):
@@ -402,8 +418,13 @@ def test_a_resumed_learner_withdraws_groups_released_after_its_checkpoint(redis_
 
     async def restarted_actor():
         episodes = Episodes(SingleTurn(lambda text, payload: 1.0), EnvConfig(), tokenizer=None, chat_template=False)
-        actor = Actor(ActorConfig(id="a0", max_inflight=8), VersionSeven(), RedisActorTransport(
-            cfg, WireCodec(1 << 20), "a0", "t"), receiver=None, episodes=episodes)
+        actor = Actor(
+            ActorConfig(id="a0", max_inflight=8),
+            VersionSeven(),
+            RedisActorTransport(cfg, WireCodec(1 << 20), "a0", "t"),
+            receiver=None,
+            episodes=episodes,
+        )
         filling = actor.spawn(actor.fill_slots())
         got = await asyncio.to_thread(drain, again, 2)
         for task in [filling, *actor.tasks]:

@@ -5,6 +5,7 @@ A synchronous run (max_lag = 0) that must learn, stopped by killing its only act
 asynchronous run with two actors (in-flight updates, bounded lag, logprob parity, junk frames, a
 killed actor restarted) is in tests/fault/test_fault_tolerance.py.
 """
+
 import json
 import subprocess
 import sys
@@ -30,9 +31,19 @@ def test_a_synchronous_run_learns_then_an_actor_out_of_restarts_stops_it(tmp_pat
     import signal
 
     run_dir = tmp_path / "sync"
-    cmd = [sys.executable, "-m", "tidal", "run", str(ROOT / "configs/tiny.yaml"), f"run_dir={run_dir}",
-           "staleness.max_lag=0", "learner.max_steps=1000", "eval.every=16", "actor.max_restarts=0",
-           "actor.vllm.cpu_linear=packed"]  # the default layout's layer-wise reload (the demo copies in place)
+    cmd = [
+        sys.executable,
+        "-m",
+        "tidal",
+        "run",
+        str(ROOT / "configs/tiny.yaml"),
+        f"run_dir={run_dir}",
+        "staleness.max_lag=0",
+        "learner.max_steps=1000",
+        "eval.every=16",
+        "actor.max_restarts=0",
+        "actor.vllm.cpu_linear=packed",
+    ]  # the default layout's layer-wise reload (the demo copies in place)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 360
     while len(found := evals(run_dir)) < 2 or max(found.values()) <= found[0] + 0.05:
@@ -41,8 +52,13 @@ def test_a_synchronous_run_learns_then_an_actor_out_of_restarts_stops_it(tmp_pat
         time.sleep(0.5)
     print(f"val pass rate by step: {found}")
     launched_pids = child_pids(proc.pid)
-    actor_pid = int(next(line.split("pid': '")[1].split("'")[0] for line in
-                         (run_dir / "logs/learner.log").read_text().splitlines() if "actor actor-0 joined" in line))
+    actor_pid = int(
+        next(
+            line.split("pid': '")[1].split("'")[0]
+            for line in (run_dir / "logs/learner.log").read_text().splitlines()
+            if "actor actor-0 joined" in line
+        )
+    )
     os.kill(actor_pid, signal.SIGKILL)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1
@@ -83,14 +99,28 @@ def test_rewards_outside_their_range_are_said_on_the_console_and_stop_the_run(tm
     with the setting to change, and the run stops (exit 1) once most of two steps' worth of groups were
     refused."""
     run_dir = tmp_path / "refused"
-    cmd = [sys.executable, "-m", "tidal", "run", "tiny", f"run_dir={run_dir}", "task.kwargs.partial_credit=0.5",
-           "task.reward_range=[0.6,1.0]", "learner.refusal_patience_steps=2", "learner.max_steps=50"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tidal",
+        "run",
+        "tiny",
+        f"run_dir={run_dir}",
+        "task.kwargs.partial_credit=0.5",
+        "task.reward_range=[0.6,1.0]",
+        "learner.refusal_patience_steps=2",
+        "learner.max_steps=50",
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     console = done.stdout + done.stderr
     assert done.returncode == 1, console[-3000:]
     said = [line for line in console.splitlines() if line.startswith("[learner] the learner refused")]
-    assert said and "for 'reward' (a reward of 0.5 (task reward 0.5) outside task.reward_range = [0.6, 1]): widen " \
-                    "task.reward_range" in said[0], console[-3000:]
+    assert (
+        said
+        and "for 'reward' (a reward of 0.5 (task reward 0.5) outside task.reward_range = [0.6, 1]): widen "
+        "task.reward_range"
+        in said[0]
+    ), console[-3000:]
     assert "stopping the run (learner.refusal_patience_steps)" in console
     assert evals(run_dir) == {}  # no pass rate over what was left (tests/unit/test_validation.py: never one)
     print("\n".join(said[:1] + [line for line in console.splitlines() if "stopping the run" in line]))

@@ -1,4 +1,5 @@
 """Eval curves read back from a real MLflow store for `tidal fit --runs`."""
+
 import numpy as np
 import pytest
 

@@ -1,5 +1,6 @@
 """What a run shows besides scalars: completion tables at evaluations, figures at checkpoints,
 drawn from bounded samples; logged into a real MLflow store (sqlite in a temporary folder)."""
+
 import json
 import threading
 import time
@@ -31,9 +32,14 @@ def decode(ids) -> str:
 
 
 def eval_group(i: int, version: int, reward: float) -> RolloutGroup:
-    return RolloutGroup.pack([sample([(version, 2), (version + 1, 1)], reward), sample([(version, 3)], 0.0)],
-                             group_id=f"eval{version}-{i}", prompt_id=i, actor_id="actor-1",
-                             prompt_tokens=int32s([1, 10]), eval_version=version)
+    return RolloutGroup.pack(
+        [sample([(version, 2), (version + 1, 1)], reward), sample([(version, 3)], 0.0)],
+        group_id=f"eval{version}-{i}",
+        prompt_id=i,
+        actor_id="actor-1",
+        prompt_tokens=int32s([1, 10]),
+        eval_version=version,
+    )
 
 
 def test_eval_table_shows_the_first_dispatched_groups_with_their_versions(tracker, tmp_path):
@@ -126,8 +132,9 @@ def logged_run(cfg) -> int:
         flops = 1e9 * step
         rate = 0.1 + 0.6 / (1 + (3e10 * (1 + lag / 8) / max(flops, 1.0)) ** 1.5)
         rate = 0.2 if apart and step >= 65 else rate
-        tracker.log_metrics({"eval/pass_rate": rate, "compute/flops": flops,
-                             "compute/wall_s": 10 + step / (1 + lag / 4)}, step=step)
+        tracker.log_metrics(
+            {"eval/pass_rate": rate, "compute/flops": flops, "compute/wall_s": 10 + step / (1 + lag / 4)}, step=step
+        )
     tracker.finish({})
     return 0
 
@@ -140,8 +147,21 @@ def test_a_sweep_is_one_parent_run_with_a_child_per_point_and_the_fit(tmp_path, 
 
     monkeypatch.setattr(tidal.ops.launcher, "launch", logged_run)
     out = tmp_path / "sweep"
-    assert main(["sweep", "tiny", "staleness.max_lag=0,4", "tracking.system_metrics_interval_s=0",
-                 "--out", str(out), "--target", "0.5"]) == 0
+    assert (
+        main(
+            [
+                "sweep",
+                "tiny",
+                "staleness.max_lag=0,4",
+                "tracking.system_metrics_interval_s=0",
+                "--out",
+                str(out),
+                "--target",
+                "0.5",
+            ]
+        )
+        == 0
+    )
     # per FLOP lag 0 climbs sooner, per second lag 4: its steps are faster (47.6 s against 35.7 s to 0.5)
     printed = capsys.readouterr().out
     assert "pick: staleness.max_lag=4, predicted to reach 0.5 soonest (35.7 [" in printed
@@ -161,8 +181,12 @@ def test_a_sweep_is_one_parent_run_with_a_child_per_point_and_the_fit(tmp_path, 
     assert {"fit/staleness.max_lag_0/A", "fit/staleness.max_lag_4/B"} <= set(parent.data.metrics)
 
     # `tidal fit --runs` on the same runs: a new run beside them, linked both ways
-    assert main(["fit", "--tracking-uri", client.tracking_uri, "--runs", *runs.values(),
-                 "--out", str(tmp_path / "fit.png")]) == 0
+    assert (
+        main(
+            ["fit", "--tracking-uri", client.tracking_uri, "--runs", *runs.values(), "--out", str(tmp_path / "fit.png")]
+        )
+        == 0
+    )
     assert "shared A" in capsys.readouterr().out
     fit_id = client.get_run(next(iter(runs.values()))).data.tags["tidal.fit_run_id"]
     fit = client.get_run(fit_id)
@@ -180,13 +204,26 @@ def test_a_lag_by_lr_sweep_reports_each_lags_largest_stable_lr(tmp_path, monkeyp
 
     monkeypatch.setattr(tidal.ops.launcher, "launch", logged_run)
     out = tmp_path / "sweep"
-    assert main(["sweep", "tiny", "staleness.max_lag=0,4", "learner.optim.lr=1e-3,1e-2",
-                 "tracking.system_metrics_interval_s=0", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "sweep",
+                "tiny",
+                "staleness.max_lag=0,4",
+                "learner.optim.lr=1e-3,1e-2",
+                "tracking.system_metrics_interval_s=0",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "the largest stable lr falls like 1/(max_lag + 1)" in printed  # 1e-2 at lag 0, 1e-3 at lag 4
     client = MlflowClient(f"sqlite:///{(out / 'mlflow.db').resolve()}")
-    parent = client.get_run(client.get_run(json.loads((out / "runs.json").read_text()).popitem()[1])
-                            .data.tags["mlflow.parentRunId"])
+    parent = client.get_run(
+        client.get_run(json.loads((out / "runs.json").read_text()).popitem()[1]).data.tags["mlflow.parentRunId"]
+    )
     assert {"stability.png", "stability.txt"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
 
 
@@ -261,8 +298,11 @@ def test_credentials_in_the_config_reach_mlflow_redacted(tracker, tmp_path):
     from tidal.config import RedisConfig, RunConfig
 
     cfg = RunConfig()
-    cfg = replace(cfg, tracking=replace(cfg.tracking, uri="https://bob:hunter22@mlflow.example/?token=t0k3n"),
-                  broker=replace(cfg.broker, redis=RedisConfig(url="redis://learner:hunter22@redis:6379/0")))
+    cfg = replace(
+        cfg,
+        tracking=replace(cfg.tracking, uri="https://bob:hunter22@mlflow.example/?token=t0k3n"),
+        broker=replace(cfg.broker, redis=RedisConfig(url="redis://learner:hunter22@redis:6379/0")),
+    )
     tracker.log_config(cfg)
     client = MlflowClient(tracker.uri)
     params = client.get_run(tracker.run_id).data.params
@@ -314,8 +354,10 @@ def probed_run(cfg) -> int:
     for step in range(cfg.learner.max_steps + 1):
         if step:
             wall += 0.1 + 0.01 * b + (1.0 if step > 1 and (step - 1) % cfg.eval.every == 0 else 0.0)
-        tracker.log_metrics({"compute/wall_s": wall, "compute/samples": step * b * cfg.sampling.n,
-                             "timing/train_step_s": 0.005 * b}, step=step)
+        tracker.log_metrics(
+            {"compute/wall_s": wall, "compute/samples": step * b * cfg.sampling.n, "timing/train_step_s": 0.005 * b},
+            step=step,
+        )
     tracker.finish({})
     return 0
 
@@ -327,8 +369,15 @@ def test_plan_batch_probes_each_batch_and_times_the_target_from_an_earlier_run(t
     from tidal.ops.cli import main
 
     # an earlier run at 16 groups, evaluated every 5 steps, first at 0.7 at step 20: about 17.5 steps
-    cfg = load_config(["tiny"], ["learner.groups_per_step=16", "eval.every=5", "tracking.system_metrics_interval_s=0",
-                                 f"run_dir={tmp_path / 'earlier'}"])
+    cfg = load_config(
+        ["tiny"],
+        [
+            "learner.groups_per_step=16",
+            "eval.every=5",
+            "tracking.system_metrics_interval_s=0",
+            f"run_dir={tmp_path / 'earlier'}",
+        ],
+    )
     (tmp_path / "earlier").mkdir()
     tracker = Tracker(cfg.tracking, tmp_path / "earlier", "earlier")
     tracker.log_config(cfg)
@@ -336,10 +385,30 @@ def test_plan_batch_probes_each_batch_and_times_the_target_from_an_earlier_run(t
         tracker.log_metrics({"eval/pass_rate": rate}, step=step)
     tracker.finish({})
     monkeypatch.setattr(tidal.ops.launcher, "launch", probed_run)
-    assert main(["plan-batch", "tiny", "tracking.system_metrics_interval_s=0", "--batch-sizes", "8,16",
-                 "--eval-every-groups", "80", "--target", "0.7", "--tracking-uri", tracker.uri,
-                 "--runs", tracker.run_id, "--probe-dir", str(tmp_path / "probes"),
-                 "--out", str(tmp_path / "plan.png")]) == 0
+    assert (
+        main(
+            [
+                "plan-batch",
+                "tiny",
+                "tracking.system_metrics_interval_s=0",
+                "--batch-sizes",
+                "8,16",
+                "--eval-every-groups",
+                "80",
+                "--target",
+                "0.7",
+                "--tracking-uri",
+                tracker.uri,
+                "--runs",
+                tracker.run_id,
+                "--probe-dir",
+                str(tmp_path / "probes"),
+                "--out",
+                str(tmp_path / "plan.png"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     # S = 17.5 x 16 x 8 = 2,240 samples: 35 steps at B=8 (an evaluation every 10: seen at 40), 17.5 at 16
     # (every 5: seen at 20); 0.18 s and 0.26 s a step, 1 s for each of the 3 evaluations before
@@ -356,8 +425,10 @@ def test_a_new_run_is_named_after_its_task_and_its_config(tmp_path):
     from tidal.config import load_config
     from tidal.learner.rank0.tracking import Tracker
 
-    cfg = load_config(["tiny"], ["task.name=count", "tracking.system_metrics_interval_s=0",
-                                 f"tracking.uri=sqlite:///{tmp_path}/store.db"])
+    cfg = load_config(
+        ["tiny"],
+        ["task.name=count", "tracking.system_metrics_interval_s=0", f"tracking.uri=sqlite:///{tmp_path}/store.db"],
+    )
     tracker = Tracker(cfg.tracking, tmp_path, cfg.name)
     tracker.log_config(cfg)
     tracker.finish({})
@@ -380,9 +451,24 @@ def mlflow_server(tmp_path_factory):
     port = free_port()  # outside the ephemeral range: a child binds it later
     log = open(folder / "server.log", "w")
     server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{folder}/server.db", "--artifacts-destination", str(folder / "artifacts"),
-         "--workers", "1"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            str(Path(sys.executable).parent / "mlflow"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{folder}/server.db",
+            "--artifacts-destination",
+            str(folder / "artifacts"),
+            "--workers",
+            "1",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     uri, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 240
     while not _answers(requests, f"{uri}/health"):
         assert server.poll() is None and time.monotonic() < deadline, (folder / "server.log").read_text()[-2000:]
@@ -416,8 +502,15 @@ def test_a_run_on_a_tracking_server_is_checked_named_and_linked_as_model_trainin
     from tidal.mlflow_store import mlflow_ui_lines
     from tidal.ops.reachable import check_reachable
 
-    cfg = load_config(["tiny"], ["task.name=count", "tracking.system_metrics_interval_s=0",
-                                 f"tracking.uri={mlflow_server}", "tracking.experiment=team"])
+    cfg = load_config(
+        ["tiny"],
+        [
+            "task.name=count",
+            "tracking.system_metrics_interval_s=0",
+            f"tracking.uri={mlflow_server}",
+            "tracking.experiment=team",
+        ],
+    )
     assert check_reachable(cfg) == [f"MLflow server {mlflow_server}: answers (200 from /health)"]
     tracker = Tracker(cfg.tracking, tmp_path, cfg.name)
     tracker.log_config(cfg)
@@ -428,8 +521,9 @@ def test_a_run_on_a_tracking_server_is_checked_named_and_linked_as_model_trainin
     assert run.info.run_name == "count-tiny"
     assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
     lines = mlflow_ui_lines(mlflow_server, tmp_path)
-    page = (f"{mlflow_server}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
-            "?workflowType=machine_learning")
+    page = (
+        f"{mlflow_server}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}?workflowType=machine_learning"
+    )
     assert lines == [f"mlflow ui: {mlflow_server} (the tracking server)", f"the run, as model training: {page}"]
     answer = requests.get(page, timeout=10)  # the part after # is the UI's own: the server serves the UI there
     assert answer.status_code == 200 and "<html" in answer.text.lower()

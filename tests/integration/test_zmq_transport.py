@@ -1,6 +1,7 @@
 """ZeroMQ transport over real sockets: prompt grants, weight announcements, rollouts, bad frames,
 and peers that are not who they say: never introduced, a second connection under a live id,
 rollouts for groups granted to someone else, floods, oversized frames, and CURVE keys."""
+
 import asyncio
 import time
 
@@ -29,8 +30,9 @@ def learner_side():
 
 def actor_config(learner: ZmqLearnerTransport, **zmq) -> BrokerConfig:
     p = learner.ports
-    return BrokerConfig(zmq=ZmqConfig(control_port=p["control"], rollout_port=p["rollout"], weights_port=p["weights"],
-                                      **zmq))
+    return BrokerConfig(
+        zmq=ZmqConfig(control_port=p["control"], rollout_port=p["rollout"], weights_port=p["weights"], **zmq)
+    )
 
 
 def actor(learner, actor_id: str, **zmq) -> ZmqActorTransport:
@@ -63,7 +65,8 @@ def test_an_unreachable_learner_never_blocks_the_actor(caplog):
     waited, groups, asked = asyncio.run(scenario())
     assert waited < 1 and groups == [] and 0.15 < asked < 2
     assert [r.message for r in caplog.records].count(
-        "the learner takes no control messages (unreachable?): Heartbeat dropped, and every one until it does") == 1
+        "the learner takes no control messages (unreachable?): Heartbeat dropped, and every one until it does"
+    ) == 1
 
 
 def test_a_learner_side_closed_twice_closes_once():
@@ -206,6 +209,7 @@ def test_groups_of_a_silent_or_restarted_actor_are_dispatched_again():
 
 # ---- peers that are not who they say --------------------------------------------------------------
 
+
 def raw_dealer(ctx, learner, identity: bytes) -> zmq.Socket:
     """A connection under the routing id `<identity>/nonce-0`, or `identity` itself where it holds a slash."""
     sock = ctx.socket(zmq.DEALER)
@@ -281,8 +285,9 @@ def test_a_learner_that_reads_nothing_holds_only_its_high_water_mark():
         groups = await t.request_work(200, timeout_s=5)
         big = (3,) * 65_536  # 512 KiB a frame, as in a flood that once grew the learner past 1 GiB
         for g in groups:  # queued at once: an actor holds no more than it was granted
-            frame = rollout(tokens=big, logprobs=(-0.1,) * len(big), spans=((0, 0, len(big)),), group_id=g.group_id,
-                            actor_id="a")
+            frame = rollout(
+                tokens=big, logprobs=(-0.1,) * len(big), spans=((0, 0, len(big)),), group_id=g.group_id, actor_id="a"
+            )
             await asyncio.wait_for(t.send_rollout(frame), 0.5)
         await asyncio.sleep(0.5)  # time to move all the learner's side would take
         t.close()  # what the actor still held goes with it
@@ -294,7 +299,7 @@ def test_a_learner_that_reads_nothing_holds_only_its_high_water_mark():
         received.append(got.group_id)
     side.close()
     assert len(granted) == 200 and 0 < len(received) < 120
-    assert received == granted[:len(received)]  # whole and in order
+    assert received == granted[: len(received)]  # whole and in order
 
 
 def test_curve_binds_each_actor_to_its_key(tmp_path):
@@ -333,8 +338,19 @@ def test_oversized_hellos_and_heartbeats_are_refused_and_hold_nothing():
     many = [f"r-{i}" for i in range(100_000)]  # about 1 MB: above broker.max_control_bytes, dropped by the socket
     big.send(codec.encode(Heartbeat(actor_id="big", version=0, engine={}, outstanding=many, hello=True)))
     huge_id = raw_dealer(ctx, learner_side, b"y" * 200)
-    huge_id.send(msgspec.msgpack.encode({"kind": "heartbeat", "schema_version": SCHEMA_VERSION, "actor_id": "y" * 200,
-                                         "version": 0, "engine": {}, "outstanding": [], "hello": True}))
+    huge_id.send(
+        msgspec.msgpack.encode(
+            {
+                "kind": "heartbeat",
+                "schema_version": SCHEMA_VERSION,
+                "actor_id": "y" * 200,
+                "version": 0,
+                "engine": {},
+                "outstanding": [],
+                "hello": True,
+            }
+        )
+    )
     time.sleep(0.5)
     m = learner_side.metrics()
     assert m["broker/live_actors"] == 0 and learner_side.take_joins() == []
@@ -353,9 +369,14 @@ def test_a_work_request_the_learner_lost_is_asked_again(monkeypatch):
         await t.heartbeat(hello("a"))
         assert await t.request_work(4, timeout_s=0.1) == []  # nothing to grant yet: the request stays open
         first.close()  # ... and is lost with the learner
-        second = ZmqLearnerTransport(BrokerConfig(zmq=ZmqConfig(control_port=ports["control"],
-                                                                rollout_port=ports["rollout"],
-                                                                weights_port=ports["weights"])), WireCodec(1 << 20))
+        second = ZmqLearnerTransport(
+            BrokerConfig(
+                zmq=ZmqConfig(
+                    control_port=ports["control"], rollout_port=ports["rollout"], weights_port=ports["weights"]
+                )
+            ),
+            WireCodec(1 << 20),
+        )
         second.submit_prompts([prompt(0)])
         await t.heartbeat(hello("a"))
         deadline, groups = time.monotonic() + 10, []

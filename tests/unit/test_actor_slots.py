@@ -1,4 +1,5 @@
 """How much work an actor holds: the engine's batch (actor.max_inflight) and a queue beyond it."""
+
 import asyncio
 from types import SimpleNamespace
 
@@ -19,9 +20,19 @@ class Prompts:
         groups = []
         while max_samples >= 8:
             self.granted += 1
-            groups.append(PromptGroup(run_id="r", group_id=f"g{self.granted}", prompt_id=self.granted,
-                                      prompt_tokens=int32s([1, 2]), task="t", payload={}, n=8,
-                                      sampling=SamplingParams(), min_version=0))
+            groups.append(
+                PromptGroup(
+                    run_id="r",
+                    group_id=f"g{self.granted}",
+                    prompt_id=self.granted,
+                    prompt_tokens=int32s([1, 2]),
+                    task="t",
+                    payload={},
+                    n=8,
+                    sampling=SamplingParams(),
+                    min_version=0,
+                )
+            )
             max_samples -= 8
         await asyncio.sleep(0)
         return groups

@@ -1,4 +1,5 @@
 """Which announcements an actor loads: newer versions, and any version of a new learner process."""
+
 from types import SimpleNamespace
 
 from tidal.actor.loop import Actor
@@ -7,8 +8,9 @@ from tidal.config import ActorConfig
 
 
 def update(version: int, incarnation: str) -> WeightUpdate:
-    return WeightUpdate(version=version, transport="file", location="/w", manifest=[], checksum="c",
-                        incarnation=incarnation)
+    return WeightUpdate(
+        version=version, transport="file", location="/w", manifest=[], checksum="c", incarnation=incarnation
+    )
 
 
 def test_a_resumed_learners_lower_versions_replace_an_abandoned_lineage():

@@ -1,6 +1,7 @@
 """Adapter updates (learner.lora) through every weight channel's worker side: the adapter's tensors
 land in the worker's stash, never in the model; a version counts only once it arrived whole, and
 what is not an adapter's (or an adapter sent to an engine without LoRA) is refused by name."""
+
 import asyncio
 
 import msgspec

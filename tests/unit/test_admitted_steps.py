@@ -7,6 +7,7 @@ and admission as in the learner's loop, then through a real step of the tiny mod
 loss, aggregation, packing and staleness rule. A share of the cases is poisoned (empty completions,
 logprobs below the floor, another prompt's id) and must be refused instead.
 """
+
 import copy
 import dataclasses
 import math
@@ -68,6 +69,7 @@ def lowest_logprob(vocab_size: int) -> float:
 
 # ---- random cases --------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class Case:
     learner: LearnerConfig
@@ -84,18 +86,35 @@ def random_case(rng: random.Random, vocab_size: int) -> Case:
     if max_tokens >= 5 and rng.random() < 0.4:
         interrupt = InterruptParams((rng.randrange(vocab_size),) * rng.randint(1, 2), "==", 1, 2, 1)
     sampling = SamplingParams(temperature=rng.choice([0.5, 1.0, 2.0]), max_tokens=max_tokens, interrupt=interrupt)
-    loss = LossConfig(type=rng.choice(list(LossType)), aggregation=rng.choice(list(Aggregation)),
-                      minibatches_per_step=rng.randint(1, 2), epochs_per_step=rng.randint(1, 2))
-    learner = LearnerConfig(groups_per_step=4, micro_batch_tokens=rng.choice([4, 16, 64, 8192]),
-                            advantage_norm=rng.choice(list(AdvantageNorm)), kernel_backend="torch",
-                            packing=rng.choice(["auto", "padded", "shared", "packed"]), loss=loss,
-                            optim=OptimConfig(lr=1e-2, max_grad_norm=rng.choice([0.0, 1.0])))
+    loss = LossConfig(
+        type=rng.choice(list(LossType)),
+        aggregation=rng.choice(list(Aggregation)),
+        minibatches_per_step=rng.randint(1, 2),
+        epochs_per_step=rng.randint(1, 2),
+    )
+    learner = LearnerConfig(
+        groups_per_step=4,
+        micro_batch_tokens=rng.choice([4, 16, 64, 8192]),
+        advantage_norm=rng.choice(list(AdvantageNorm)),
+        kernel_backend="torch",
+        packing=rng.choice(["auto", "padded", "shared", "packed"]),
+        loss=loss,
+        optim=OptimConfig(lr=1e-2, max_grad_norm=rng.choice([0.0, 1.0])),
+    )
     staleness = StalenessConfig(max_lag=rng.randint(0, 2), on_violation=rng.choice(list(OnViolation)))
     groups = []
     for g in range(rng.randint(1, 4)):
-        released = PromptGroup(run_id="r", group_id=f"r-{g}", prompt_id=100 + g, task="arithmetic", payload={},
-                               prompt_tokens=int32s([rng.randrange(vocab_size) for _ in range(rng.randint(1, 6))]),
-                               n=rng.randint(1, 4), sampling=sampling, min_version=VERSION - rng.randint(0, 4))
+        released = PromptGroup(
+            run_id="r",
+            group_id=f"r-{g}",
+            prompt_id=100 + g,
+            task="arithmetic",
+            payload={},
+            prompt_tokens=int32s([rng.randrange(vocab_size) for _ in range(rng.randint(1, 6))]),
+            n=rng.randint(1, 4),
+            sampling=sampling,
+            min_version=VERSION - rng.randint(0, 4),
+        )
         poisoned = rng.random() < POISON_SHARE
         groups.append((released, random_rollout(rng, released, vocab_size, poisoned), poisoned))
     return Case(learner, staleness, rng.random() < 0.5, sampling.temperature, max_tokens, groups)
@@ -107,13 +126,20 @@ def random_rollout(rng: random.Random, released: PromptGroup, vocab_size: int, p
     episode = rng.choice([None, None, Episode(turns=2, tool_calls=1, env_seconds=gen_seconds)])
     samples = [random_sample(rng, released, vocab_size, equal, episode) for _ in range(released.n)]
     prompt_id = poison(rng, samples, released) if poisoned else released.prompt_id
-    return RolloutGroup.pack(samples, group_id=released.group_id, prompt_id=prompt_id, actor_id="actor-0",
-                             prompt_tokens=released.prompt_tokens, gen_seconds=gen_seconds,
-                             queue_seconds=rng.choice([0.0, 0.25]))
+    return RolloutGroup.pack(
+        samples,
+        group_id=released.group_id,
+        prompt_id=prompt_id,
+        actor_id="actor-0",
+        prompt_tokens=released.prompt_tokens,
+        gen_seconds=gen_seconds,
+        queue_seconds=rng.choice([0.0, 0.25]),
+    )
 
 
-def random_sample(rng: random.Random, released: PromptGroup, vocab_size: int, equal: float | None,
-                  episode: Episode | None) -> SampleArrays:
+def random_sample(
+    rng: random.Random, released: PromptGroup, vocab_size: int, equal: float | None, episode: Episode | None
+) -> SampleArrays:
     budget, interrupt = released.sampling.max_tokens, released.sampling.interrupt
     length = rng.choice([1, budget, rng.randint(1, budget)])
     finish = rng.choice(["stop", "length"] + (["interrupted"] * 2 if interrupt else []))
@@ -139,8 +165,16 @@ def random_sample(rng: random.Random, released: PromptGroup, vocab_size: int, eq
     spans = [(v, a, b) for v, a, b in ((old, 0, cut), (rng.randint(old, VERSION), cut, length)) if b > a]
     reward = equal if equal is not None else rng.choice([-1.0, 0.0, 1.0, rng.uniform(*REWARD_RANGE)])
     raw = rng.choice([None, reward, rng.choice(REWARD_RANGE)])
-    return SampleArrays.of(tokens, logprobs, version_spans=spans, reward=reward, finish_reason=finish,
-                           injected_spans=injected, raw_reward=raw, episode=episode)
+    return SampleArrays.of(
+        tokens,
+        logprobs,
+        version_spans=spans,
+        reward=reward,
+        finish_reason=finish,
+        injected_spans=injected,
+        raw_reward=raw,
+        episode=episode,
+    )
 
 
 def poison(rng: random.Random, samples: list[SampleArrays], released: PromptGroup) -> int:
@@ -160,6 +194,7 @@ def poison(rng: random.Random, samples: list[SampleArrays], released: PromptGrou
 
 
 # ---- through the learner's pipeline ----------------------------------------------------------------
+
 
 def admit(case: Case, vocab_size: int, ledger_path) -> tuple[StepBatch, list[tuple[str, str | None]]]:
     """Release, claim, validate and admit each group as the learner's loop does; returns the batch and
@@ -187,8 +222,9 @@ def admit(case: Case, vocab_size: int, ledger_path) -> tuple[StepBatch, list[tup
 def train(case: Case, batch: StepBatch, model, accelerator) -> dict[str, float]:
     """One step of a fresh copy of `model` on the admitted batch (a mini-batch needs a group)."""
     minibatches = min(case.learner.loss.minibatches_per_step, len(batch.groups))
-    cfg = dataclasses.replace(case.learner, loss=dataclasses.replace(case.learner.loss,
-                                                                     minibatches_per_step=minibatches))
+    cfg = dataclasses.replace(
+        case.learner, loss=dataclasses.replace(case.learner.loss, minibatches_per_step=minibatches)
+    )
     trainer = Trainer(cfg, copy.deepcopy(model), accelerator, temperature=case.temperature)
     return trainer.step(batch.groups, batch.token_masks, VERSION)
 
@@ -219,27 +255,44 @@ def test_every_admitted_batch_trains_with_finite_metrics(first_seed, tiny_model,
 
 # ---- the two rollouts that used to pass and break a step ----------------------------------------------
 
+
 def one_group(tokens_per_sample: list[int], logprob: float, rewards=(1.0, 0.0)) -> tuple[PromptGroup, RolloutGroup]:
-    released = PromptGroup(run_id="r", group_id="r-0", prompt_id=3, prompt_tokens=int32s([2, 3]), task="arithmetic",
-                           payload={}, n=len(tokens_per_sample), sampling=SamplingParams(max_tokens=8),
-                           min_version=VERSION)
-    samples = [SampleArrays.of([4] * n, [logprob] * n, version_spans=[(VERSION, 0, n)] if n else [], reward=r,
-                               finish_reason="length") for n, r in zip(tokens_per_sample, rewards)]
-    return released, RolloutGroup.pack(samples, group_id="r-0", prompt_id=3, actor_id="actor-0",
-                                       prompt_tokens=released.prompt_tokens)
+    released = PromptGroup(
+        run_id="r",
+        group_id="r-0",
+        prompt_id=3,
+        prompt_tokens=int32s([2, 3]),
+        task="arithmetic",
+        payload={},
+        n=len(tokens_per_sample),
+        sampling=SamplingParams(max_tokens=8),
+        min_version=VERSION,
+    )
+    samples = [
+        SampleArrays.of(
+            [4] * n, [logprob] * n, version_spans=[(VERSION, 0, n)] if n else [], reward=r, finish_reason="length"
+        )
+        for n, r in zip(tokens_per_sample, rewards)
+    ]
+    return released, RolloutGroup.pack(
+        samples, group_id="r-0", prompt_id=3, actor_id="actor-0", prompt_tokens=released.prompt_tokens
+    )
 
 
 def step_on(group: RolloutGroup, loss: LossType, model, accelerator) -> dict[str, float]:
-    cfg = LearnerConfig(groups_per_step=1, micro_batch_tokens=4, kernel_backend="torch", packing="padded",
-                        loss=LossConfig(type=loss))
+    cfg = LearnerConfig(
+        groups_per_step=1, micro_batch_tokens=4, kernel_backend="torch", packing="padded", loss=LossConfig(type=loss)
+    )
     masks = [[np.ones(s.num_tokens, dtype=bool) for s in group.samples]]
     return Trainer(cfg, copy.deepcopy(model), accelerator, temperature=1.0).step([group], masks, VERSION)
 
 
 def test_a_completion_without_tokens_is_refused_and_a_step_survives_one(tiny_model, accelerator):
     released, group = one_group([0, 3], logprob=-1.0)
-    assert Validator(tiny_model.config.vocab_size, 8, REWARD_RANGE).check(group, release_of(released, 0),
-                                                                          VERSION) == "empty_completion"
+    assert (
+        Validator(tiny_model.config.vocab_size, 8, REWARD_RANGE).check(group, release_of(released, 0), VERSION)
+        == "empty_completion"
+    )
     # unvalidated, it makes a micro-batch of no token (rows sorted by length): the step still runs
     metrics = step_on(group, LossType.cispo, tiny_model, accelerator)
     assert metrics["learner/num_samples"] == 2 and metrics["learner/num_tokens"] == 3

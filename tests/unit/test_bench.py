@@ -1,4 +1,5 @@
 """The bench scripts' arithmetic on made-up histories: time to a target, ratios to max_lag 0."""
+
 import importlib.util
 import json
 import sys
@@ -23,9 +24,11 @@ def _bench_async():
 
 def _history(rates: list[float], seconds_per_eval: float) -> dict:
     steps = range(0, 10 * len(rates), 10)
-    return {"eval/pass_rate": dict(zip(steps, rates)),
-            "compute/wall_s": {s: 5.0 + seconds_per_eval * s / 10 for s in steps},  # 5 s of start-up
-            "compute/samples": {s: 128.0 * s for s in steps}}
+    return {
+        "eval/pass_rate": dict(zip(steps, rates)),
+        "compute/wall_s": {s: 5.0 + seconds_per_eval * s / 10 for s in steps},  # 5 s of start-up
+        "compute/samples": {s: 128.0 * s for s in steps},
+    }
 
 
 def test_time_to_target_counts_from_the_step_0_evaluation():
@@ -42,12 +45,21 @@ def test_summary_ratios_to_max_lag_0_and_to_trl_with_intervals():
     # with it, max_lag 4 takes as long per evaluation as max_lag 0 without (it samples twice as much)
     for lag, keep_filter, seconds in ((0, False, 4.0), (4, False, 2.0), (4, True, 4.0), (None, False, 6.0)):
         for seed in range(3):
-            run = {"task": "long", "system": "tidal" if lag is not None else "trl", "max_lag": lag,
-                   "filter": keep_filter, "seed": seed, "history": _history([0.3, 0.6, 0.8 + 0.01 * seed],
-                                                                          seconds + 0.1 * seed)}
+            run = {
+                "task": "long",
+                "system": "tidal" if lag is not None else "trl",
+                "max_lag": lag,
+                "filter": keep_filter,
+                "seed": seed,
+                "history": _history([0.3, 0.6, 0.8 + 0.01 * seed], seconds + 0.1 * seed),
+            }
             run |= time_to_target(run["history"], 0.75)
-            run |= {"time_per_step_s": run["wall_s"] / run["steps"], "whole_s": 30.0 + run["wall_s"],
-                    "samples_generated": 3840.0 * (2 if keep_filter else 1), "samples_trained": 3840.0}
+            run |= {
+                "time_per_step_s": run["wall_s"] / run["steps"],
+                "whole_s": 30.0 + run["wall_s"],
+                "samples_generated": 3840.0 * (2 if keep_filter else 1),
+                "samples_trained": 3840.0,
+            }
             runs.append(run | {"time_to_0.5_s": time_to_target(run["history"], 0.5)["time_to_target_s"]})
     lines = {line["variant"]: line for line in bench.summarize(runs, 0.75, [0.5], np.random.default_rng(0))}
     assert list(lines) == ["trl", "k0-nofilter", "k4", "k4-nofilter"]
@@ -81,17 +93,27 @@ def test_variant_names_read_back_and_a_wrong_one_is_named():
 
 
 def test_a_compute_axis_keeps_the_step_end_not_the_evaluation_that_completed_later():
-    logged = [SimpleNamespace(step=10, value=40.0), SimpleNamespace(step=10, value=43.0),
-              SimpleNamespace(step=20, value=45.0)]  # step 10's end, then its evaluation's completion
+    logged = [
+        SimpleNamespace(step=10, value=40.0),
+        SimpleNamespace(step=10, value=43.0),
+        SimpleNamespace(step=20, value=45.0),
+    ]  # step 10's end, then its evaluation's completion
     assert by_step("compute/wall_s", logged) == {10: 40.0, 20: 45.0}
-    assert by_step("eval/pass_rate", [SimpleNamespace(step=10, value=0.5), SimpleNamespace(step=10, value=0.6)]) \
-        == {10: 0.6}
+    assert by_step("eval/pass_rate", [SimpleNamespace(step=10, value=0.5), SimpleNamespace(step=10, value=0.6)]) == {
+        10: 0.6
+    }
 
 
 def test_a_bench_started_again_reads_the_runs_it_kept_instead_of_running_them(tmp_path, monkeypatch):
     bench = _bench_async()
-    kept = {"history": {"eval/pass_rate": {"0": 0.3, "10": 0.8}, "compute/wall_s": {"0": 1.0, "10": 3.0},
-                        "compute/samples": {"0": 0, "10": 1280}}, "whole_s": 20.0}
+    kept = {
+        "history": {
+            "eval/pass_rate": {"0": 0.3, "10": 0.8},
+            "compute/wall_s": {"0": 1.0, "10": 3.0},
+            "compute/samples": {"0": 0, "10": 1280},
+        },
+        "whole_s": 20.0,
+    }
     for name in ("tiny-k2-nofilter-s0", "tiny-trl-s0"):
         (tmp_path / f"{name}.json").write_text(json.dumps(kept))
     monkeypatch.setattr(bench, "timed_tidal_run", lambda *a: pytest.fail("a kept tidal run ran again"))

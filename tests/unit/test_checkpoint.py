@@ -1,5 +1,6 @@
 """Checkpoints survive crashes and unpickle nothing: a save lands whole or not at all, resume falls
 back past a damaged checkpoint with one warning, and a resumed step equals an uninterrupted one."""
+
 import logging
 import pickle
 import random
@@ -54,7 +55,7 @@ def test_a_resumed_trainer_continues_bit_for_bit(saved, accelerator):
 
 def damage(path, how: str) -> None:
     data = path.read_bytes()
-    path.write_bytes(data[:len(data) // 2] if how == "truncate" else b"\x00" * len(data))
+    path.write_bytes(data[: len(data) // 2] if how == "truncate" else b"\x00" * len(data))
 
 
 @pytest.mark.parametrize("how", ["truncate", "zero"])
@@ -98,8 +99,10 @@ def test_a_save_interrupted_by_a_crash_leaves_the_previous_one_whole(saved, acce
 def test_loading_unpickles_nothing(saved, accelerator, monkeypatch):
     directory, *_ = saved
     (directory / "step-000002" / "planted.pkl").write_bytes(pickle.dumps(SimpleNamespace()))  # not in the manifest
+
     def refuse(*args, **kwargs):
         raise AssertionError("a checkpoint load must not unpickle")
+
     monkeypatch.setattr(pickle, "load", refuse)
     monkeypatch.setattr(pickle, "loads", refuse)
     monkeypatch.setattr(torch, "load", refuse)

@@ -2,6 +2,7 @@
 warning naming it; when none verifies, a resume refuses to start (naming each) unless told
 `--resume fresh`; pruning keeps the checkpoint a learner continues from; a torn ledger line is
 repaired; `tidal export` never empties a folder it was not told to."""
+
 import json
 import logging
 import shutil
@@ -24,8 +25,10 @@ MODEL = "model/shard-00001-model-00001-of-00001.safetensors"
 OPTIMIZER = "optimizer/shard-00001-model-00001-of-00001.safetensors"
 FILES = [MANIFEST, RANK0, "trainer.json", "tidal_state.json", "rng-rank0.safetensors", MODEL, OPTIMIZER]
 # what a warning may name for damage to a file: the file, or for a manifest, a file whose entry it garbled
-NAMED = {MANIFEST: (MANIFEST, "trainer.json", "tidal_state.json"),
-         RANK0: (RANK0, "rng-rank0.safetensors", MODEL, OPTIMIZER)}
+NAMED = {
+    MANIFEST: (MANIFEST, "trainer.json", "tidal_state.json"),
+    RANK0: (RANK0, "rng-rank0.safetensors", MODEL, OPTIMIZER),
+}
 
 
 def build_trainer(accelerator) -> Trainer:
@@ -35,10 +38,27 @@ def build_trainer(accelerator) -> Trainer:
 
 def resumable_state(version: int) -> dict:
     """tidal's state as a learner saves it (the fields a resume reads)."""
-    coordinator = {"epoch": 0, "cursor": 4 * version, "num_released": 4 * version, "version": version,
-                   "ledger_offset": 0, "outstanding": {}, "consumed": [], "dead": [], "counts": {}, "curriculum": {}}
-    learner = {"totals": {"samples": 8}, "by_actor": {}, "device_seconds": 0.0, "wall_s": 1.0, "evals": {"0": 0.5},
-               "evals_pending": [], "eval_multi_version": 0}
+    coordinator = {
+        "epoch": 0,
+        "cursor": 4 * version,
+        "num_released": 4 * version,
+        "version": version,
+        "ledger_offset": 0,
+        "outstanding": {},
+        "consumed": [],
+        "dead": [],
+        "counts": {},
+        "curriculum": {},
+    }
+    learner = {
+        "totals": {"samples": 8},
+        "by_actor": {},
+        "device_seconds": 0.0,
+        "wall_s": 1.0,
+        "evals": {"0": 0.5},
+        "evals_pending": [],
+        "eval_multi_version": 0,
+    }
     return {"mlflow_run_id": "r", "coordinator": coordinator, "learner": learner, "unlogged": []}
 
 
@@ -99,10 +119,11 @@ def safetensors_bytes(tensors: dict) -> bytes:
 BYTES = {
     "missing": lambda p: p.unlink(),
     "empty": lambda p: p.write_bytes(b""),
-    "truncated": lambda p: p.write_bytes(p.read_bytes()[:p.stat().st_size // 2]),
+    "truncated": lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]),
     "zeroed": lambda p: p.write_bytes(b"\x00" * p.stat().st_size),
     "one byte flipped": lambda p: p.write_bytes(
-        (lambda b: b[:len(b) // 2] + bytes([b[len(b) // 2] ^ 1]) + b[len(b) // 2 + 1:])(p.read_bytes())),
+        (lambda b: b[: len(b) // 2] + bytes([b[len(b) // 2] ^ 1]) + b[len(b) // 2 + 1 :])(p.read_bytes())
+    ),
     "garbage": lambda p: p.write_bytes(b"{not json" * 7),
     "JSON nested past the parser's depth": lambda p: p.write_bytes(b"[" * 100_000 + b"]" * 100_000),
 }
@@ -115,14 +136,16 @@ def test_damaged_bytes_of_any_file_fall_back_with_one_warning(run, accelerator, 
     with caplog.at_level(logging.WARNING):
         chosen, _ = resume(run, accelerator, trainer)
     assert chosen == run / "checkpoints" / "step-000001"
-    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "step-000002" in
-                r.getMessage()]
+    warnings = [
+        r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "step-000002" in r.getMessage()
+    ]
     assert len(warnings) == 1 and "damaged" in warnings[0], warnings
     assert any(named in warnings[0] for named in NAMED.get(name, (name,))), warnings[0]
 
 
 # ---- damage a manifest's sizes and hashes cannot see: a manifest of the wrong shape, or files -------------------
 # ---- rewritten with their manifest (what a crash in the middle of an older tidal's save, or a hand, leaves) ------
+
 
 def _entry_without_digest(listed):
     name = next(iter(listed))
@@ -173,11 +196,13 @@ def _resealed_bytes(name, data):
     def damage(checkpoint):
         (checkpoint / name).write_bytes(data(checkpoint / name))
         reseal(checkpoint, RANK0, name)
+
     return damage
 
 
 def _model_tensors(change):
     """The model shard rewritten as safetensors with `change` made to its tensors, and resealed."""
+
     def damage(checkpoint):
         from safetensors.torch import load_file
 
@@ -185,61 +210,112 @@ def _model_tensors(change):
         change(tensors)
         (checkpoint / MODEL).write_bytes(safetensors_bytes(tensors))
         reseal(checkpoint, RANK0, MODEL)
+
     return damage
 
 
 def _planted(name):
     def damage(checkpoint):
         shutil.copy(checkpoint / MODEL, checkpoint / name)
+
     return damage
 
 
 RESEALED = {  # how: (damage, what the warning names)
     "trainer.json: a list": (lambda c: rewrite_json(c, "trainer.json", lambda meta: []), "not a table"),
     "trainer.json: an empty table": (lambda c: rewrite_json(c, "trainer.json", lambda meta: {}), "'optimizer'"),
-    "trainer.json: no shapes": (lambda c: rewrite_json(c, "trainer.json", lambda m: {**m, "shapes": None}),
-                                "'shapes'"),
-    "trainer.json: a shape of text": (lambda c: rewrite_json(c, "trainer.json", lambda m: {**m, "shapes": {
-        "w": ["32"]}}), "shapes['w']"),
-    "trainer.json: another model's shapes": (lambda c: rewrite_json(c, "trainer.json", _another_model),
-                                             "this model's is"),
-    "trainer.json: a short Python random state": (lambda c: rewrite_json(c, "trainer.json", _python_random_short),
-                                                  "random state"),
-    "trainer.json: a NumPy random state of text": (lambda c: rewrite_json(c, "trainer.json", _numpy_random_text),
-                                                   "random state"),
-    "trainer.json: no scheduler step": (lambda c: rewrite_json(c, "trainer.json", lambda m: {**m, "scheduler": {}}),
-                                        "scheduler"),
-    "trainer.json: betas of text": (lambda c: rewrite_json(c, "trainer.json", lambda m: {**m, "optimizer": {
-        **m["optimizer"], next(k for k in m["optimizer"] if k.endswith(".betas")): "0.9"}}), ".betas"),
+    "trainer.json: no shapes": (lambda c: rewrite_json(c, "trainer.json", lambda m: {**m, "shapes": None}), "'shapes'"),
+    "trainer.json: a shape of text": (
+        lambda c: rewrite_json(c, "trainer.json", lambda m: {**m, "shapes": {"w": ["32"]}}),
+        "shapes['w']",
+    ),
+    "trainer.json: another model's shapes": (
+        lambda c: rewrite_json(c, "trainer.json", _another_model),
+        "this model's is",
+    ),
+    "trainer.json: a short Python random state": (
+        lambda c: rewrite_json(c, "trainer.json", _python_random_short),
+        "random state",
+    ),
+    "trainer.json: a NumPy random state of text": (
+        lambda c: rewrite_json(c, "trainer.json", _numpy_random_text),
+        "random state",
+    ),
+    "trainer.json: no scheduler step": (
+        lambda c: rewrite_json(c, "trainer.json", lambda m: {**m, "scheduler": {}}),
+        "scheduler",
+    ),
+    "trainer.json: betas of text": (
+        lambda c: rewrite_json(
+            c,
+            "trainer.json",
+            lambda m: {
+                **m,
+                "optimizer": {**m["optimizer"], next(k for k in m["optimizer"] if k.endswith(".betas")): "0.9"},
+            },
+        ),
+        ".betas",
+    ),
     "tidal_state.json: a list": (lambda c: rewrite_json(c, "tidal_state.json", lambda s: []), "version"),
-    "tidal_state.json: another version": (lambda c: rewrite_json(c, "tidal_state.json",
-                                                                 lambda s: {**s, "version": 7}), "version 2"),
-    "tidal_state.json: a version of text": (lambda c: rewrite_json(c, "tidal_state.json",
-                                                                   lambda s: {**s, "version": "2"}), "version 2"),
-    "tidal_state.json: no ledger offset": (lambda c: rewrite_json(c, "tidal_state.json", lambda s: {
-        **s, "coordinator": {k: v for k, v in s["coordinator"].items() if k != "ledger_offset"}}),
-        "coordinator.ledger_offset"),
-    "tidal_state.json: learner state a list": (lambda c: rewrite_json(c, "tidal_state.json",
-                                                                      lambda s: {**s, "learner": []}), "learner"),
-    "tidal_state.json: a run id that is a number": (lambda c: rewrite_json(c, "tidal_state.json", lambda s: {
-        **s, "mlflow_run_id": 5}), "mlflow_run_id"),
+    "tidal_state.json: another version": (
+        lambda c: rewrite_json(c, "tidal_state.json", lambda s: {**s, "version": 7}),
+        "version 2",
+    ),
+    "tidal_state.json: a version of text": (
+        lambda c: rewrite_json(c, "tidal_state.json", lambda s: {**s, "version": "2"}),
+        "version 2",
+    ),
+    "tidal_state.json: no ledger offset": (
+        lambda c: rewrite_json(
+            c,
+            "tidal_state.json",
+            lambda s: {**s, "coordinator": {k: v for k, v in s["coordinator"].items() if k != "ledger_offset"}},
+        ),
+        "coordinator.ledger_offset",
+    ),
+    "tidal_state.json: learner state a list": (
+        lambda c: rewrite_json(c, "tidal_state.json", lambda s: {**s, "learner": []}),
+        "learner",
+    ),
+    "tidal_state.json: a run id that is a number": (
+        lambda c: rewrite_json(c, "tidal_state.json", lambda s: {**s, "mlflow_run_id": 5}),
+        "mlflow_run_id",
+    ),
     "model: zeroed, its manifest emptied": (_zeroed_model_empty_manifest, f"{RANK0}: lists no files"),
-    "model: zeroed and resealed": (_resealed_bytes(MODEL, lambda p: b"\x00" * p.stat().st_size),
-                                   f"{MODEL}: not a safetensors file"),
-    "model: a tensor of another shape": (_model_tensors(lambda t: t.update({"model.norm.weight": torch.zeros(31)})),
-                                         "31 of the 32 elements of 'model.norm.weight'"),
-    "model: a tensor left out": (_model_tensors(lambda t: t.pop("model.norm.weight")),
-                                 "0 of the 32 elements of 'model.norm.weight'"),
-    "model: a tensor of no name the policy has": (_model_tensors(lambda t: t.update({"planted": torch.zeros(2)})),
-                                                  "'planted' of shape [2] is no part"),
-    "optimizer: cut short and resealed": (_resealed_bytes(OPTIMIZER, lambda p: p.read_bytes()[:-64]),
-                                          f"{OPTIMIZER}: tensor"),
-    "rng: another tensor, resealed": (_resealed_bytes("rng-rank0.safetensors", lambda p: safetensors_bytes(
-        {"x": torch.zeros(3)})), "no CPU random state"),
-    "rng: a short CPU state, resealed": (_resealed_bytes("rng-rank0.safetensors", lambda p: safetensors_bytes(
-        {"torch_cpu": torch.zeros(7, dtype=torch.uint8)})), "no CPU random state"),
-    "model: a shard no manifest lists": (_planted("model/shard-00001-model-planted.safetensors"),
-                                         "model-planted.safetensors: listed in no"),
+    "model: zeroed and resealed": (
+        _resealed_bytes(MODEL, lambda p: b"\x00" * p.stat().st_size),
+        f"{MODEL}: not a safetensors file",
+    ),
+    "model: a tensor of another shape": (
+        _model_tensors(lambda t: t.update({"model.norm.weight": torch.zeros(31)})),
+        "31 of the 32 elements of 'model.norm.weight'",
+    ),
+    "model: a tensor left out": (
+        _model_tensors(lambda t: t.pop("model.norm.weight")),
+        "0 of the 32 elements of 'model.norm.weight'",
+    ),
+    "model: a tensor of no name the policy has": (
+        _model_tensors(lambda t: t.update({"planted": torch.zeros(2)})),
+        "'planted' of shape [2] is no part",
+    ),
+    "optimizer: cut short and resealed": (
+        _resealed_bytes(OPTIMIZER, lambda p: p.read_bytes()[:-64]),
+        f"{OPTIMIZER}: tensor",
+    ),
+    "rng: another tensor, resealed": (
+        _resealed_bytes("rng-rank0.safetensors", lambda p: safetensors_bytes({"x": torch.zeros(3)})),
+        "no CPU random state",
+    ),
+    "rng: a short CPU state, resealed": (
+        _resealed_bytes(
+            "rng-rank0.safetensors", lambda p: safetensors_bytes({"torch_cpu": torch.zeros(7, dtype=torch.uint8)})
+        ),
+        "no CPU random state",
+    ),
+    "model: a shard no manifest lists": (
+        _planted("model/shard-00001-model-planted.safetensors"),
+        "model-planted.safetensors: listed in no",
+    ),
     "optimizer: a file of no rank": (_planted("optimizer/extra.safetensors"), "extra.safetensors: listed in no"),
     "rank manifest: missing": (lambda c: (c / RANK0).unlink(), f"{RANK0}: FileNotFoundError"),
 }
@@ -271,6 +347,7 @@ def test_the_whole_checkpoint_verifies_as_saved(run, accelerator, trainer, caplo
 
 
 # ---- when none verifies -----------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("how", ["cheap", "hashed"])  # found at listing (a missing file) or when hashed
 def test_when_every_checkpoint_is_damaged_auto_refuses_naming_each(run, accelerator, trainer, how):
@@ -312,6 +389,7 @@ def test_no_checkpoint_at_all_still_starts_fresh_under_auto(tmp_path, accelerato
 
 # ---- pruning --------------------------------------------------------------------------------------------------
 
+
 def test_pruning_after_a_fallback_keeps_what_the_learner_continues_from(run, accelerator, trainer):
     """keep=1: the damaged newest name must not make the learner prune its own new checkpoint."""
     checkpoints = run / "checkpoints"
@@ -326,6 +404,7 @@ def test_pruning_after_a_fallback_keeps_what_the_learner_continues_from(run, acc
 
 
 # ---- the ledger -----------------------------------------------------------------------------------------------
+
 
 def test_a_torn_last_ledger_line_is_dropped_on_resume_and_everything_before_kept(tmp_path, caplog):
     path = tmp_path / "ledger.jsonl"
@@ -356,11 +435,13 @@ def test_a_torn_ledger_line_in_the_middle_is_named(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         Ledger(path, truncate_to=path.stat().st_size).close()  # a resume names it, and keeps every line
     assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
-        "1 lines are not JSON records (lines 2): the ledger is damaged there"]
+        "1 lines are not JSON records (lines 2): the ledger is damaged there"
+    ]
     assert path.read_bytes().count(b"\n") == 3
 
 
 # ---- tidal export ---------------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def exportable(run, tmp_path):

@@ -1,5 +1,6 @@
 """What a user meets around the edges: output piped into a reader that stops early (`| head`) ends
 quietly, and an exported model's files have the modes the user's umask gives every other file."""
+
 import os
 import stat
 import subprocess
@@ -15,12 +16,19 @@ def tidal_into_a_closed_pipe(*args: str, unbuffered: bool, errors_too: bool = Fa
     """`tidal ARGS | true`, made certain: the pipe's reading end is closed before tidal writes."""
     read_end, write_end = os.pipe()
     os.close(read_end)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"} | ({"PYTHONUNBUFFERED": "1"} if unbuffered
-                                                                             else {})
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"} | (
+        {"PYTHONUNBUFFERED": "1"} if unbuffered else {}
+    )
     try:
-        return subprocess.run([sys.executable, "-m", "tidal", *args], stdout=write_end,
-                              stderr=write_end if errors_too else subprocess.PIPE, text=True, env=env, cwd=ROOT,
-                              timeout=60)
+        return subprocess.run(
+            [sys.executable, "-m", "tidal", *args],
+            stdout=write_end,
+            stderr=write_end if errors_too else subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=60,
+        )
     finally:
         os.close(write_end)
 

@@ -1,5 +1,6 @@
 """A finished sample's text, decoded once per group, is the text vLLM's own detokenizer writes
 token by token (a decode stream primed with the prompt, special tokens skipped)."""
+
 import random
 
 import pytest
@@ -9,8 +10,13 @@ from transformers import PreTrainedTokenizerFast
 
 from tidal.actor.engine import batch_decoder, completion_texts
 
-CORPUS = ["the sum of 12 and 34 is 46", "naïve café au lait, déjà vu", "日本語のテキスト と 数字 42",
-          "  leading spaces and\ttabs\nnew lines", "<eos> ends a sample"]
+CORPUS = [
+    "the sum of 12 and 34 is 46",
+    "naïve café au lait, déjà vu",
+    "日本語のテキスト と 数字 42",
+    "  leading spaces and\ttabs\nnew lines",
+    "<eos> ends a sample",
+]
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +26,12 @@ def tokenizer():
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.train_from_iterator(
+        CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
 
 
@@ -41,9 +51,10 @@ def test_group_decoding_matches_the_streamed_text_of_every_sample(tokenizer):
         line = rng.choice(lines)
         # a prompt is tokenized text, so it ends on a whole character
         cut = rng.choice([i for i in range(1, len(line)) if not tokenizer.decode(line[:i]).endswith("\ufffd")])
-        completions = [line[cut:cut + rng.randint(0, 12)] for _ in range(4)]
-        completions += [[rng.choice(whole) for _ in range(rng.randint(0, 8))] + [tokenizer.eos_token_id]
-                        for _ in range(4)]
+        completions = [line[cut : cut + rng.randint(0, 12)] for _ in range(4)]
+        completions += [
+            [rng.choice(whole) for _ in range(rng.randint(0, 8))] + [tokenizer.eos_token_id] for _ in range(4)
+        ]
         expected = [streamed(tokenizer, line[:cut], c) for c in completions]
         assert completion_texts(batch_decoder(tokenizer), line[:cut], completions) == expected
         checked += sum(len(c) for c in completions)

@@ -1,5 +1,6 @@
 """Config: every preset loads; unknown keys and wrong types fail with one line naming the key; a
 loaded config is frozen and resolved once."""
+
 import dataclasses
 from pathlib import Path
 
@@ -20,7 +21,8 @@ def test_every_preset_loads(path):
 
 def test_presets_include_the_subfolders():
     assert {"tiny.yaml", "scalerl.yaml", "tiny-scalerl.yaml", "loo/tiny-loo-sync.yaml"} <= {
-        str(p.relative_to(ROOT)) for p in CONFIGS}
+        str(p.relative_to(ROOT)) for p in CONFIGS
+    }
 
 
 def test_scalerl_preset_is_the_recipe():
@@ -65,19 +67,22 @@ def test_overrides_apply_with_types():
     assert cfg.staleness.max_lag == 0
 
 
-@pytest.mark.parametrize("override, key", [
-    ("learner.no_such_key=1", "learner.no_such_key"),
-    ("learner.max_steps=many", "learner.max_steps"),
-    ("learner.loss.aggregation=median", "learner.loss.aggregation"),
-    ("sampling.n=1", "sampling.n"),
-    ("model.tiny.num_heads=8", "model.tiny.num_heads"),
-    ("curriculum.retire_pass_rate=1.5", "curriculum.retire_pass_rate"),
-    ("curriculum.retire_pass_rate=0", "curriculum.retire_pass_rate"),
-    ("curriculum.min_samples=0", "curriculum.min_samples"),
-    ("learner.fsdp.enabled=true", "learner.fsdp.enabled"),  # one rank: nothing to shard over
-    ("learner.nodes=2", "learner.nodes"),  # one rank cannot be split over two machines
-    ("learner.node_rank=1", "learner.node_rank"),  # one machine: node 0 only
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("learner.no_such_key=1", "learner.no_such_key"),
+        ("learner.max_steps=many", "learner.max_steps"),
+        ("learner.loss.aggregation=median", "learner.loss.aggregation"),
+        ("sampling.n=1", "sampling.n"),
+        ("model.tiny.num_heads=8", "model.tiny.num_heads"),
+        ("curriculum.retire_pass_rate=1.5", "curriculum.retire_pass_rate"),
+        ("curriculum.retire_pass_rate=0", "curriculum.retire_pass_rate"),
+        ("curriculum.min_samples=0", "curriculum.min_samples"),
+        ("learner.fsdp.enabled=true", "learner.fsdp.enabled"),  # one rank: nothing to shard over
+        ("learner.nodes=2", "learner.nodes"),  # one rank cannot be split over two machines
+        ("learner.node_rank=1", "learner.node_rank"),  # one machine: node 0 only
+    ],
+)
 def test_bad_override_names_the_key(override, key):
     with pytest.raises(ConfigError) as err:
         load_config(TINY, [override])
@@ -109,8 +114,11 @@ def test_a_loaded_config_is_frozen():
 def test_resolve_fills_what_processes_agree_on_once(tmp_path):
     cfg = load_config(TINY, [f"run_dir={tmp_path / 'run'}", "actor.index=3"])
     run = resolve(cfg, model_path="/models/m", redis_url="redis://10.0.0.1:6379/0")
-    assert (run.run_dir, run.model.path, run.broker.redis.url) == (str(tmp_path / "run"), "/models/m",
-                                                                    "redis://10.0.0.1:6379/0")
+    assert (run.run_dir, run.model.path, run.broker.redis.url) == (
+        str(tmp_path / "run"),
+        "/models/m",
+        "redis://10.0.0.1:6379/0",
+    )
     assert run.weights.dir.startswith("/dev/shm/tidal-") and run.actor.id == ""  # ids belong to actor processes
     assert resolve(run) == run  # resolving again changes nothing
     actor = resolve(run, actor=True)
@@ -134,6 +142,7 @@ def test_presets_load_by_name_as_well_as_by_path():
 
 
 # ---- layering and asking: base keys, several configs, `tidal config`, `tidal --version` ----------
+
 
 def test_layers_apply_in_order_and_an_overlay_names_its_base(tmp_path):
     overlay = tmp_path / "overlay.yaml"

@@ -1,5 +1,6 @@
 """A config that types and checks itself: every closed set an Enum, every section's rules in its own
 check(), the weight channel's mistakes caught at load, and help read from the schema, not its source."""
+
 import dataclasses
 import enum
 import typing
@@ -29,9 +30,16 @@ from tidal.config import (
 
 # the closed sets that were strings checked by hand
 CLOSED_SETS = {
-    "model.dtype": Dtype, "model.head": LmHead, "actor.vllm.cpu_linear": CpuLinear, "broker.zmq.curve": Curve,
-    "weights.transport": WeightTransport, "learner.kernel_backend": KernelBackend, "learner.param_dtype": Dtype,
-    "learner.mixed_precision": MixedPrecision, "learner.attention": Attention, "learner.packing": Packing,
+    "model.dtype": Dtype,
+    "model.head": LmHead,
+    "actor.vllm.cpu_linear": CpuLinear,
+    "broker.zmq.curve": Curve,
+    "weights.transport": WeightTransport,
+    "learner.kernel_backend": KernelBackend,
+    "learner.param_dtype": Dtype,
+    "learner.mixed_precision": MixedPrecision,
+    "learner.attention": Attention,
+    "learner.packing": Packing,
 }
 # what a word needs beside it to load: flash-attn computes in half precision only
 NEEDS = {"learner.attention=flash_attention_2": ["learner.mixed_precision=bf16"]}
@@ -145,13 +153,16 @@ def test_every_section_checks_itself_and_the_defaults_pass():
     RunConfig().check()
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["model.tiny.num_kv_heads=3"], "model.tiny.num_kv_heads"),  # a section inside a section
-    (["sampling.interrupt.enabled=true"], "sampling.interrupt.min_tokens"),  # enabled selects the keys checked
-    (["actor.vllm.tensor_parallel_size=0"], "actor.vllm.tensor_parallel_size"),
-    (["actor.max_inflight=4"], "actor.max_inflight"),  # spans sections: sampling.n = 8 does not fit
-    (["actor.colocate=true", "weights.transport=nccl"], "actor.colocate"),  # spans sections
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["model.tiny.num_kv_heads=3"], "model.tiny.num_kv_heads"),  # a section inside a section
+        (["sampling.interrupt.enabled=true"], "sampling.interrupt.min_tokens"),  # enabled selects the keys checked
+        (["actor.vllm.tensor_parallel_size=0"], "actor.vllm.tensor_parallel_size"),
+        (["actor.max_inflight=4"], "actor.max_inflight"),  # spans sections: sampling.n = 8 does not fit
+        (["actor.colocate=true", "weights.transport=nccl"], "actor.colocate"),  # spans sections
+    ],
+)
 def test_section_and_cross_section_rules_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match=rf"^config key '{key}' = "):
         load_config(None, overrides)
@@ -160,8 +171,9 @@ def test_section_and_cross_section_rules_name_the_key(overrides, key):
 def test_shared_packing_under_flash_attention_fails_at_load():
     """Was the trainer's error as the learner built its model; the explicit pair is known at load."""
     with pytest.raises(ConfigError, match=r"^config key 'learner.packing' = 'shared': shared needs attention"):
-        load_config(None, ["learner.attention=flash_attention_2", "learner.mixed_precision=bf16",
-                           "learner.packing=shared"])
+        load_config(
+            None, ["learner.attention=flash_attention_2", "learner.mixed_precision=bf16", "learner.packing=shared"]
+        )
 
 
 def test_help_lives_in_the_schema_not_its_source(monkeypatch):
@@ -197,15 +209,25 @@ def test_explain_below_a_value_says_so():
         explain("learner.optim.lr.x")
 
 
-@pytest.mark.parametrize("override, key, value", [
-    ("task.pass_on=", "pass_on", ""),  # was "Incompatible value 'None' for field of type 'str'"
-    ("task.reward_funcs=", "reward_funcs", []),
-])
+@pytest.mark.parametrize(
+    "override, key, value",
+    [
+        ("task.pass_on=", "pass_on", ""),  # was "Incompatible value 'None' for field of type 'str'"
+        ("task.reward_funcs=", "reward_funcs", []),
+    ],
+)
 def test_an_empty_value_clears_a_string_or_list_key(override, key, value):
     base = load_config(None, ["task.pass_on=accuracy", "task.reward_funcs=[a:accuracy]"])
     assert getattr(base.task, key) != value
-    cleared = load_config(None, ["task.pass_on=accuracy", "task.reward_funcs=[a:accuracy]", override,
-                                 *(["task.pass_on="] if key == "reward_funcs" else [])])
+    cleared = load_config(
+        None,
+        [
+            "task.pass_on=accuracy",
+            "task.reward_funcs=[a:accuracy]",
+            override,
+            *(["task.pass_on="] if key == "reward_funcs" else []),
+        ],
+    )
     assert getattr(cleared.task, key) == value
 
 
@@ -220,5 +242,8 @@ def test_explain_lists_every_built_in_task_and_where_the_prompt_template_applies
 
     name = explain("task.name")
     assert f"built-in ({', '.join(sorted(BUILTIN))})" in name
-    assert explain("task.prompt_template").split("): ")[1].startswith(f"task {', '.join(TEMPLATED_TASKS)}'s string "
-                                                                       "prompts (the other built-in tasks refuse it")
+    assert (
+        explain("task.prompt_template")
+        .split("): ")[1]
+        .startswith(f"task {', '.join(TEMPLATED_TASKS)}'s string prompts (the other built-in tasks refuse it")
+    )

@@ -2,6 +2,7 @@
 against a reference written from scratch: one loop per sample, in float64, the definitions as docs/corrections.md
 states them. Loss and gradient agree under every aggregation and micro-batch layout, and both stay finite where
 the logprobs sit at the floor and the ratios overflow float32."""
+
 import math
 
 import numpy as np
@@ -30,15 +31,28 @@ CORRECTIONS = {
     "geo_mask": {"sequence_mask": (0.8, 1.25)},
     "seq_tis": {"ratio_level": RatioLevel.sequence},
     "token_mis": {"ratio_mode": RatioMode.mask},
-    "seq_mis_and_masks": {"ratio_level": RatioLevel.sequence, "ratio_mode": RatioMode.mask,
-                          "token_mask": (0.3, 3.0), "sequence_mask": (0.7, 1.4)},
+    "seq_mis_and_masks": {
+        "ratio_level": RatioLevel.sequence,
+        "ratio_mode": RatioMode.mask,
+        "token_mask": (0.3, 3.0),
+        "sequence_mask": (0.7, 1.4),
+    },
 }
 CAPS = {LossType.cispo: "eps_max", LossType.tis: "tis_cap", LossType.ppo: "prox_cap"}
 
 
 def _config(loss: LossType, how: Aggregation, correction: str) -> LossConfig:
-    return LossConfig(type=loss, aggregation=how, eps_max=1.5, tis_cap=1.3, prox_cap=1.4, clip_eps=0.1,
-                      gspo_clip_low=0.05, gspo_clip_high=0.05, **CORRECTIONS[correction])
+    return LossConfig(
+        type=loss,
+        aggregation=how,
+        eps_max=1.5,
+        tis_cap=1.3,
+        prox_cap=1.4,
+        clip_eps=0.1,
+        gspo_clip_low=0.05,
+        gspo_clip_high=0.05,
+        **CORRECTIONS[correction],
+    )
 
 
 def _batch(how: Aggregation, layout: str, seed: int = 0, spread: float = 0.6):
@@ -51,8 +65,15 @@ def _batch(how: Aggregation, layout: str, seed: int = 0, spread: float = 0.6):
     num_tokens = len(mb.targets)
     logp = (mb.behavior_logprobs.double() + spread * torch.from_numpy(rng.standard_normal(num_tokens))).clamp(max=-1e-3)
     prox = (logp + 0.2 * torch.from_numpy(rng.standard_normal(num_tokens))).clamp(max=-1e-3)
-    return LossInputs(logp.float().requires_grad_(), mb.behavior_logprobs, mb.advantages, mb.weights.float(),
-                      prox_logprobs=prox.float(), sample_index=mb.sample_index, token_mask=mb.token_mask)
+    return LossInputs(
+        logp.float().requires_grad_(),
+        mb.behavior_logprobs,
+        mb.advantages,
+        mb.weights.float(),
+        prox_logprobs=prox.float(),
+        sample_index=mb.sample_index,
+        token_mask=mb.token_mask,
+    )
 
 
 def _inside(ratio: float, band: tuple[float, float]) -> bool:
@@ -115,9 +136,12 @@ def _term(cfg, t, tokens, now, start, logp, prox, adv):
 
 AGGREGATIONS = list(Aggregation)
 # gspo forms its own sequence ratio: ratio_level and ratio_mode are refused for it at load
-PAIRS = [pytest.param(loss, correction, id=f"{loss.value}-{correction}")
-         for loss in LossType for correction in CORRECTIONS
-         if loss is not LossType.gspo or not correction.startswith(("seq_tis", "token_mis", "seq_mis"))]
+PAIRS = [
+    pytest.param(loss, correction, id=f"{loss.value}-{correction}")
+    for loss in LossType
+    for correction in CORRECTIONS
+    if loss is not LossType.gspo or not correction.startswith(("seq_tis", "token_mis", "seq_mis"))
+]
 
 
 @pytest.mark.parametrize("loss, correction", PAIRS)
@@ -168,17 +192,26 @@ def test_finite_at_the_logprob_floor(loss, correction):
     n = len(inputs.behavior_logprobs)
     behavior = torch.where(torch.arange(n) % 2 == 0, torch.tensor(floor), torch.tensor(-1e-3))
     logp = torch.where(torch.arange(n) % 2 == 0, torch.tensor(-1e-3), torch.tensor(floor)).requires_grad_()
-    extreme = LossInputs(logp, behavior, inputs.advantages, inputs.weights, prox_logprobs=logp.detach().clone(),
-                         sample_index=inputs.sample_index, token_mask=inputs.token_mask)
+    extreme = LossInputs(
+        logp,
+        behavior,
+        inputs.advantages,
+        inputs.weights,
+        prox_logprobs=logp.detach().clone(),
+        sample_index=inputs.sample_index,
+        token_mask=inputs.token_mask,
+    )
     loss_value, extra = policy_loss(extreme, _config(loss, Aggregation.prompt_mean, correction))
     loss_value.backward()
     assert torch.isfinite(loss_value) and torch.isfinite(logp.grad).all() and torch.isfinite(extra["clipped"]).all()
 
 
 def test_bands_and_gspo_are_checked_at_load():
-    for override, key in (("learner.loss.token_mask=[1.5,2]", "token_mask"),
-                          ("learner.loss.sequence_mask=[0.5,0.9]", "sequence_mask"),
-                          ("learner.loss.sequence_mask=[-1,2]", "sequence_mask")):
+    for override, key in (
+        ("learner.loss.token_mask=[1.5,2]", "token_mask"),
+        ("learner.loss.sequence_mask=[0.5,0.9]", "sequence_mask"),
+        ("learner.loss.sequence_mask=[-1,2]", "sequence_mask"),
+    ):
         with pytest.raises(ConfigError, match=key):
             load_config("tiny", [override])
     with pytest.raises(ConfigError, match="gspo forms its own"):

@@ -1,5 +1,6 @@
 """No-positive-resampling curriculum: prompts whose pass rate reaches curriculum.retire_pass_rate
 are never dispatched again, also after a resume; a fully retired dataset fails loudly."""
+
 import json
 import time
 
@@ -42,12 +43,22 @@ def wait_for(predicate, timeout_s=5.0):
 
 
 def build(tmp_path, num_prompts, groups_per_step, cfg=CurriculumConfig(min_samples=4), name="ledger.jsonl"):
-    plan = DispatchPlan(run_id="r", task="arithmetic", n=4, sampling=SamplingParams(), eval_n=1,
-                        eval_sampling=SamplingParams(), groups_per_step=groups_per_step, max_lag=0, seed=0)
+    plan = DispatchPlan(
+        run_id="r",
+        task="arithmetic",
+        n=4,
+        sampling=SamplingParams(),
+        eval_n=1,
+        eval_sampling=SamplingParams(),
+        groups_per_step=groups_per_step,
+        max_lag=0,
+        seed=0,
+    )
     train = [Prompt(prompt_id=10 + i, text="1+1=", payload={"answer": "02"}) for i in range(num_prompts)]
     released = Released()
-    coordinator = Coordinator(plan, train, [], lambda text: [1, 2], released.transport,
-                              GroupBook(Ledger(tmp_path / name)), cfg)
+    coordinator = Coordinator(
+        plan, train, [], lambda text: [1, 2], released.transport, GroupBook(Ledger(tmp_path / name)), cfg
+    )
     return coordinator, released
 
 
@@ -57,7 +68,7 @@ def train_rounds(coordinator, transport, rounds, easy, seen_from=0):
     after_retired, retired = [], set()
     for _ in range(rounds):
         wait_for(lambda seen=seen_from: transport.count() >= seen + coordinator.window)
-        window = transport.groups[seen_from:seen_from + coordinator.window]
+        window = transport.groups[seen_from : seen_from + coordinator.window]
         seen_from += len(window)
         after_retired += [g.prompt_id for g in window if g.prompt_id in retired]
         for g in window:
@@ -69,6 +80,7 @@ def train_rounds(coordinator, transport, rounds, easy, seen_from=0):
 
 
 # ---- the pass-rate bookkeeping -------------------------------------------------------------------
+
 
 def test_a_prompt_is_judged_after_min_samples_and_retired_at_the_threshold():
     cur = Curriculum(CurriculumConfig(retire_pass_rate=0.75, min_samples=8), prompt_ids=[1, 2])
@@ -110,6 +122,7 @@ def test_state_round_trips_through_json():
 
 
 # ---- the coordinator -----------------------------------------------------------------------------
+
 
 def test_retired_prompts_are_never_dispatched_again(tmp_path):
     coordinator, transport = build(tmp_path, num_prompts=4, groups_per_step=2)

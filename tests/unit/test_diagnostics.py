@@ -1,4 +1,5 @@
 """The bounded samples a run's figures are drawn from, and the evaluation's completion table."""
+
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,8 +19,9 @@ def test_reservoir_is_bounded_and_uniform():
 def test_the_completion_table_says_which_rewards_pass_the_threshold(tmp_path):
     tables = []
     tracker = SimpleNamespace(log_table=lambda columns, name: tables.append(columns))
-    diagnostics = Diagnostics(tracker, lambda ids: "text", tmp_path, completions_per_eval=4, max_lag=1,
-                              pass_threshold=0.5)
+    diagnostics = Diagnostics(
+        tracker, lambda ids: "text", tmp_path, completions_per_eval=4, max_lag=1, pass_threshold=0.5
+    )
     diagnostics.expect_eval(2, ["a", "b"], n=1)
     for gid, reward in (("a", 0.1), ("b", 0.75)):
         group = rollout(reward=reward, group_id=gid)

@@ -1,6 +1,7 @@
 """The docs say what the code does: every metric the learner can log is in docs/metrics.md and
 every metric there is logged somewhere; the docs' links resolve; nothing cites a document that
 is not in the repository."""
+
 import re
 import subprocess
 from pathlib import Path
@@ -41,8 +42,9 @@ def matches(name: str, patterns: set[str]) -> bool:
 def test_every_metric_the_code_logs_is_documented_and_every_documented_one_is_logged():
     docs, code = documented(), logged_by_code()
     assert sorted(c for c in code if c not in docs and not matches(c, docs)) == [], "not in docs/metrics.md"
-    assert sorted(d for d in docs if d not in code and not any(matches(c, {d}) for c in code)) == [], \
+    assert sorted(d for d in docs if d not in code and not any(matches(c, {d}) for c in code)) == [], (
         "in docs/metrics.md but logged nowhere"
+    )
 
 
 def test_a_real_steps_metrics_are_all_documented(tmp_path):
@@ -60,7 +62,7 @@ def test_rejection_reasons_in_the_docs_are_the_codes():
     text = (DOCS / "metrics.md").read_text()
     listed = set(re.findall(r"`([a-z_]+)`", text.split("`broker/rejected/<reason>`")[1].split("\n")[0]))
     code = "\n".join(p.read_text() for p in (ROOT / "broker").rglob("*.py"))
-    raised = set(re.findall(r"""(?:WireError\(|refuse\(|rejected\[|refused\[)["']([a-z_]+)["']""", code))
+    raised = set(re.findall(r"""(?:WireError\(|refuse\(|rejected\[|refused\[)\s*["']([a-z_]+)["']""", code))
     assert listed == raised
 
 
@@ -69,6 +71,10 @@ def test_doc_links_resolve_and_nothing_cites_a_missing_document():
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", doc.read_text()):
             assert (doc.parent / target).exists(), f"{doc.relative_to(ROOT)} links to missing {target}"
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    cited = [name for name in tracked if Path(name).suffix in (".py", ".md", ".yaml", ".toml", ".sh")
-             and re.search("DESIGN" + r"(\.md| §)", (ROOT / name).read_text(errors="ignore"))]
+    cited = [
+        name
+        for name in tracked
+        if Path(name).suffix in (".py", ".md", ".yaml", ".toml", ".sh")
+        and re.search("DESIGN" + r"(\.md| §)", (ROOT / name).read_text(errors="ignore"))
+    ]
     assert cited == []

@@ -2,6 +2,7 @@
 sampled and injected, across turns and a tool call, for a byte-level BPE tokenizer with a ChatML
 template that lists tools; tools and environments that fail, hang or flood are answered or scored
 as failed and counted, never raised; budgets end episodes."""
+
 import asyncio
 import time
 
@@ -28,7 +29,8 @@ CHATML_TOOLS = (
     "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
     "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 SPECIAL = ["<|im_start|>", "<|im_end|>"]
 
@@ -43,11 +45,16 @@ def tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    corpus = ["<tool_call>{\"name\": \"add\", \"arguments\": {\"a\": 12, \"b\": 30}}</tool_call>",
-              "What is 12 + 30 + 7? The answer is 49. Tools: add, multiply. tool_response user assistant system",
-              ] * 50
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    corpus = [
+        '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 30}}</tool_call>',
+        "What is 12 + 30 + 7? The answer is 49. Tools: add, multiply. tool_response user assistant system",
+    ] * 50
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     out = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|im_end|>")
     out.chat_template = CHATML_TOOLS
     return out
@@ -125,14 +132,30 @@ class ScriptedTurns:
         finish = "stop" if len(tokens) <= budget else "length"
         tokens = tokens[:budget]
         shown = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return [Completion(np.asarray(tokens, np.int32), np.full(len(tokens), -0.5, np.float32),
-                           [(self.version, 0, len(tokens))], shown, finish) for _ in range(n)]
+        return [
+            Completion(
+                np.asarray(tokens, np.int32),
+                np.full(len(tokens), -0.5, np.float32),
+                [(self.version, 0, len(tokens))],
+                shown,
+                finish,
+            )
+            for _ in range(n)
+        ]
 
 
 def group(prompt_tokens, n=1, max_tokens=256, answer="49") -> PromptGroup:
-    return PromptGroup(run_id="r", group_id="g0", prompt_id=0, prompt_tokens=int32s(prompt_tokens), task="sum",
-                       payload={"answer": answer}, n=n, sampling=SamplingParams(max_tokens=max_tokens),
-                       min_version=0)
+    return PromptGroup(
+        run_id="r",
+        group_id="g0",
+        prompt_id=0,
+        prompt_tokens=int32s(prompt_tokens),
+        task="sum",
+        payload={"answer": answer},
+        n=n,
+        sampling=SamplingParams(max_tokens=max_tokens),
+        min_version=0,
+    )
 
 
 def run(episodes, engine, g):
@@ -142,7 +165,8 @@ def run(episodes, engine, g):
 def test_tokens_are_exact_across_turns_and_a_tool_call(tokenizer):
     env = Sum()
     prompt = PromptEncoder(tokenizer, chat_template=True, tools=tool_schemas(env.tools()))(
-        Prompt(0, "What is 12 + 30 + 7?", {}))
+        Prompt(0, "What is 12 + 30 + 7?", {})
+    )
     call = '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 30}}</tool_call>'
     engine = ScriptedTurns(tokenizer, [call, "The answer is 42.", "49"])
     episodes = Episodes(env, EnvConfig(), tokenizer, chat_template=True)
@@ -151,15 +175,20 @@ def test_tokens_are_exact_across_turns_and_a_tool_call(tokenizer):
     assert result.reward == 1.0 and result.episode.turns == 3 and result.episode.tool_calls == 1
     assert result.episode.tool_errors == 0
     # what the learner trains on is the whole conversation as the chat template renders it
-    conversation = [{"role": "user", "content": "What is 12 + 30 + 7?"}, {"role": "assistant", "content": call},
-                    {"role": "tool", "content": "42"}, {"role": "assistant", "content": "The answer is 42."},
-                    {"role": "user", "content": "Not yet; try again."}, {"role": "assistant", "content": "49"}]
+    conversation = [
+        {"role": "user", "content": "What is 12 + 30 + 7?"},
+        {"role": "assistant", "content": call},
+        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "The answer is 42."},
+        {"role": "user", "content": "Not yet; try again."},
+        {"role": "assistant", "content": "49"},
+    ]
     rendered = tokenizer.apply_chat_template(conversation, tools=tool_schemas(env.tools()), tokenize=False)
     learner_sees = prompt + result.completion.tokens.tolist()
     assert learner_sees == tokenizer(rendered.rstrip("\n"), add_special_tokens=False)["input_ids"]
     # each request was exactly the prompt and every token so far
-    assert engine.prompts[1] == learner_sees[:len(engine.prompts[1])]
-    assert engine.prompts[2] == learner_sees[:len(engine.prompts[2])]
+    assert engine.prompts[1] == learner_sees[: len(engine.prompts[1])]
+    assert engine.prompts[2] == learner_sees[: len(engine.prompts[2])]
     # the model's tokens are trained on, the template's and the tool's are not
     sample = to_sample(result.completion, result.reward, SamplingParams(max_tokens=256), result.episode)
     mask = sample.sample.injected_mask()
@@ -173,23 +202,29 @@ def test_tokens_are_exact_across_turns_and_a_tool_call(tokenizer):
 def test_a_sampled_tokenization_that_is_not_canonical_is_kept_as_sampled(tokenizer):
     """A model may sample text in pieces the tokenizer would merge: decoding and encoding again would
     train on tokens the model never sampled, with the wrong logprobs."""
+
     def one_byte_each(text):
-        return [tokenizer.convert_tokens_to_ids(ch) for ch in tokenizer.convert_ids_to_tokens(
-            tokenizer(text, add_special_tokens=False)["input_ids"]) for ch in ch]
+        return [
+            tokenizer.convert_tokens_to_ids(ch)
+            for ch in tokenizer.convert_ids_to_tokens(tokenizer(text, add_special_tokens=False)["input_ids"])
+            for ch in ch
+        ]
+
     prompt = PromptEncoder(tokenizer, chat_template=True)(Prompt(0, "What is 12 + 30 + 7?", {}))
     engine = ScriptedTurns(tokenizer, ["The answer is 42.", "49"], encode=one_byte_each)
     [result] = run(Episodes(Sum(), EnvConfig(), tokenizer, chat_template=True), engine, group(prompt))
     first = one_byte_each("The answer is 42.")
     assert first != tokenizer("The answer is 42.", add_special_tokens=False)["input_ids"]  # not canonical
-    assert result.completion.tokens.tolist()[:len(first)] == first
-    assert engine.prompts[1][len(prompt):len(prompt) + len(first)] == first  # the next turn reads them too
+    assert result.completion.tokens.tolist()[: len(first)] == first
+    assert engine.prompts[1][len(prompt) : len(prompt) + len(first)] == first  # the next turn reads them too
 
 
 def test_single_turn_tasks_are_the_one_turn_case(tokenizer):
     prompt = tokenizer("12+30=", add_special_tokens=False)["input_ids"]
     engine = ScriptedTurns(tokenizer, ["42"])
-    episodes = Episodes(SingleTurn(lambda text, payload: float(text == payload["answer"])), EnvConfig(),
-                        tokenizer, chat_template=False)
+    episodes = Episodes(
+        SingleTurn(lambda text, payload: float(text == payload["answer"])), EnvConfig(), tokenizer, chat_template=False
+    )
     results = run(episodes, engine, group(prompt, n=3, answer="42"))
     assert [r.reward for r in results] == [1.0] * 3 and all(r.episode is None for r in results)
     assert len(engine.prompts) == 1  # the group's samples in one request, as before episodes
@@ -217,16 +252,21 @@ def test_any_environment_can_name_its_rewards_parts_and_they_reach_the_sample(to
     assert env.reply == ("42", [*engine.encode("42"), tokenizer.eos_token_id], "12+30=")
     assert result.reward == 1.5 and result.components == {"exact": 1.0, "format": 0.5}
     assert result.sample(SamplingParams(max_tokens=256)).sample.reward_components == {"exact": 1.0, "format": 0.5}
-    for broken, why in (([1.0], "not a dict"), ({"exact": "high"}, "could not convert"),
-                        ({"exact": float("nan")}, "'exact' is not finite")):
+    for broken, why in (
+        ([1.0], "not a dict"),
+        ({"exact": "high"}, "could not convert"),
+        ({"exact": float("nan")}, "'exact' is not finite"),
+    ):
         episodes = Episodes(Graded(broken), EnvConfig(), tokenizer, chat_template=False)
         [result] = run(episodes, ScriptedTurns(tokenizer, ["42"]), group(prompt))
         assert result.reward == 0.0 and why in result.episode.env_error and result.components == {}
 
 
 def test_failing_tools_are_answered_and_counted(tokenizer, caplog):
-    calls = "".join(f'<tool_call>{{"name": "{name}", "arguments": {{"x": 1}}}}</tool_call>'
-                    for name in ("crash", "flood", "hang", "nope"))
+    calls = "".join(
+        f'<tool_call>{{"name": "{name}", "arguments": {{"x": 1}}}}</tool_call>'
+        for name in ("crash", "flood", "hang", "nope")
+    )
     prompt = PromptEncoder(tokenizer, chat_template=True)(Prompt(0, "go", {}))
     engine = ScriptedTurns(tokenizer, [calls + '<tool_call>{"name": "add", "arguments": "1"}</tool_call>', "49"])
     cfg = EnvConfig(tool_timeout_s=0.2, tool_output_chars=50, max_tool_calls=4)
@@ -235,8 +275,10 @@ def test_failing_tools_are_answered_and_counted(tokenizer, caplog):
     assert outputs[0] == "error: RuntimeError: the tool broke"
     # the model reads the tool's error; the actor's log says where the user's tool raised it
     [logged] = [r.getMessage() for r in caplog.records if r.name == "tidal.actor.tools"]
-    assert logged == (f"tool crash raised RuntimeError: the tool broke (1 time so far)\n  File \"{__file__}\", "
-                      f"line {line_of('the tool broke')}, in crash\n    raise RuntimeError(\"the tool broke\")")
+    assert logged == (
+        f'tool crash raised RuntimeError: the tool broke (1 time so far)\n  File "{__file__}", '
+        f'line {line_of("the tool broke")}, in crash\n    raise RuntimeError("the tool broke")'
+    )
     assert outputs[1] == "y" * 50 + "\n[cut: 99950 more characters]"
     assert outputs[2] == "error: hang took longer than 0.2 s"
     assert outputs[3].startswith("error: no tool named 'nope'")
@@ -272,16 +314,23 @@ class Broken(Env):
         return "not a turn"
 
 
-@pytest.mark.parametrize("how, error", [
-    ("raises", f"Broken.step raised KeyError: 'answer'\n  File \"{__file__}\", line {line_of('raise KeyError')}, "
-               "in step\n    raise KeyError(\"answer\")"),  # the user's method, file and line
-    ("hangs", "Broken.step took longer than env.step_timeout_s = 0.2 s"),
-    ("returns", "Broken.step returned str, not a Turn"),
-])
+@pytest.mark.parametrize(
+    "how, error",
+    [
+        (
+            "raises",
+            f"Broken.step raised KeyError: 'answer'\n  File \"{__file__}\", line {line_of('raise KeyError')}, "
+            'in step\n    raise KeyError("answer")',
+        ),  # the user's method, file and line
+        ("hangs", "Broken.step took longer than env.step_timeout_s = 0.2 s"),
+        ("returns", "Broken.step returned str, not a Turn"),
+    ],
+)
 def test_an_environment_that_fails_scores_its_episode_as_failed(tokenizer, how, error):
     engine = ScriptedTurns(tokenizer, ["49"])
-    [result] = run(Episodes(Broken(how), EnvConfig(step_timeout_s=0.2), tokenizer, chat_template=False),
-                   engine, group([5, 6]))
+    [result] = run(
+        Episodes(Broken(how), EnvConfig(step_timeout_s=0.2), tokenizer, chat_template=False), engine, group([5, 6])
+    )
     assert result.reward == 0.0 and result.episode.env_error == error
     assert result.completion.tokens.tolist() == [*engine.encode("49"), tokenizer.eos_token_id]
 
@@ -289,11 +338,17 @@ def test_an_environment_that_fails_scores_its_episode_as_failed(tokenizer, how, 
 def test_budgets_end_episodes(tokenizer):
     prompt = PromptEncoder(tokenizer, chat_template=True)(Prompt(0, "go", {}))
     wrong = ["12"] * 10
-    [by_turns] = run(Episodes(Sum(), EnvConfig(max_turns=3), tokenizer, chat_template=True),
-                     ScriptedTurns(tokenizer, wrong), group(prompt))
+    [by_turns] = run(
+        Episodes(Sum(), EnvConfig(max_turns=3), tokenizer, chat_template=True),
+        ScriptedTurns(tokenizer, wrong),
+        group(prompt),
+    )
     assert by_turns.episode.turns == 3 and by_turns.reward == 0.0
-    [by_tokens] = run(Episodes(Sum(), EnvConfig(), tokenizer, chat_template=True),
-                      ScriptedTurns(tokenizer, wrong), group(prompt, max_tokens=20))
+    [by_tokens] = run(
+        Episodes(Sum(), EnvConfig(), tokenizer, chat_template=True),
+        ScriptedTurns(tokenizer, wrong),
+        group(prompt, max_tokens=20),
+    )
     assert by_tokens.completion.finish_reason == "length" and len(by_tokens.completion.tokens) <= 20
     assert by_tokens.episode.turns < 10
 
@@ -310,18 +365,24 @@ def test_a_weight_update_between_turns_is_in_the_version_spans(tokenizer):
             out = await original(*args, **kwargs)
             engine.version += 1  # the next request runs newer weights
             return out
+
         engine.sample = sample
         return await episodes.run(engine, group(prompt))
 
     [result] = asyncio.run(update_after_first_turn())
     c = result.completion
     first_turn = len(engine.encode("12")) + 1
-    (start, end), = c.injected_spans
+    ((start, end),) = c.injected_spans
     assert start == first_turn
     assert c.version_spans == [(0, 0, end), (1, end, len(c.tokens))]  # injected tokens take the turn's version
     codec = WireCodec(1 << 20)
-    wire = RolloutGroup.pack([to_sample(c, result.reward, SamplingParams(max_tokens=256), result.episode)],
-                             group_id="g0", prompt_id=0, actor_id="a", prompt_tokens=int32s(prompt))
+    wire = RolloutGroup.pack(
+        [to_sample(c, result.reward, SamplingParams(max_tokens=256), result.episode)],
+        group_id="g0",
+        prompt_id=0,
+        actor_id="a",
+        prompt_tokens=int32s(prompt),
+    )
     back = codec.decode(codec.encode(wire))
     assert back.samples[0].episode == result.episode and back.samples[0].injected_spans == [(start, end)]
 
@@ -345,11 +406,19 @@ def test_the_learner_counts_episodes_and_tables_their_turns(tokenizer, tmp_path)
     env = Sum()
     prompt = PromptEncoder(tokenizer, chat_template=True, tools=tool_schemas(env.tools()))(Prompt(0, "go", {}))
     call = '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 30}}</tool_call>'
-    results = run(Episodes(env, EnvConfig(), tokenizer, chat_template=True), ScriptedTurns(tokenizer, [call, "49"]),
-                  group(prompt, n=2))
-    wire = RolloutGroup.pack([to_sample(r.completion, r.reward, SamplingParams(max_tokens=256), r.episode)
-                              for r in results], group_id="g0", prompt_id=0, actor_id="a",
-                             prompt_tokens=int32s(prompt), eval_version=3)
+    results = run(
+        Episodes(env, EnvConfig(), tokenizer, chat_template=True),
+        ScriptedTurns(tokenizer, [call, "49"]),
+        group(prompt, n=2),
+    )
+    wire = RolloutGroup.pack(
+        [to_sample(r.completion, r.reward, SamplingParams(max_tokens=256), r.episode) for r in results],
+        group_id="g0",
+        prompt_id=0,
+        actor_id="a",
+        prompt_tokens=int32s(prompt),
+        eval_version=3,
+    )
     stats = Counter()
     count(wire, stats)
     metrics = episode_metrics(stats)
@@ -383,21 +452,25 @@ def test_the_chain_tasks_teacher_writes_the_episodes_the_actor_runs():
     from tidal.tiny import build_tiny_model
 
     task = TaskConfig(name="chain", chat_template=True, num_val=8)
-    _, tok = build_tiny_model(TINY, chain.ALPHABET, seed=0, positions=chain.MAX_POSITIONS,
-                              chat_template=chain.CHAT_TEMPLATE)
+    _, tok = build_tiny_model(
+        TINY, chain.ALPHABET, seed=0, positions=chain.MAX_POSITIONS, chat_template=chain.CHAT_TEMPLATE
+    )
     teacher = Teacher(tok, task, chain.demonstration)
     lengths = [len(chain.walk(k, 0)) for k in chain.KEYS]
     assert max(lengths) <= chain.MAX_LINKS and sorted(lengths)[len(lengths) // 2] <= 2 and max(lengths) >= 8
     split = chain.load_prompts(task)
-    episodes = Episodes(get_environment(task), EnvConfig(tool_parser="pythonic", max_turns=chain.MAX_LINKS + 1), tok,
-                        chat_template=True)
+    episodes = Episodes(
+        get_environment(task), EnvConfig(tool_parser="pythonic", max_turns=chain.MAX_LINKS + 1), tok, chat_template=True
+    )
     longest = max(split.train, key=lambda p: len(chain.walk(int(p.text), 0)))
     for prompt in [*split.val[:4], longest]:
         prompt_ids, completion, trained = teacher(prompt, random.Random(0), sloppy=False)
-        turns = [m["content"] for m in chain.demonstration(prompt, task, random.Random(0), False)
-                 if m["role"] == "assistant"]
-        [result] = run(episodes, ScriptedTurns(tok, turns), group(prompt_ids, max_tokens=240,
-                                                                   answer=prompt.payload["answer"]))
+        turns = [
+            m["content"] for m in chain.demonstration(prompt, task, random.Random(0), False) if m["role"] == "assistant"
+        ]
+        [result] = run(
+            episodes, ScriptedTurns(tok, turns), group(prompt_ids, max_tokens=240, answer=prompt.payload["answer"])
+        )
         assert result.reward == 1.0 and result.episode.tool_calls == len(turns) - 1
         assert result.completion.tokens.tolist() == completion
         injected = np.zeros(len(completion), bool)
@@ -415,12 +488,19 @@ def test_a_skyrl_gym_environment_trains_unchanged(tokenizer, tmp_path):
     from tidal.config import TaskConfig
     from tidal.tasks import get_task
 
-    rows = [{"prompt": [{"role": "user", "content": f"Natalia sold {n} clips, then half as many. How many?"}],
-             "env_class": "gsm8k_multi_turn", "reward_spec": {"method": "rule", "ground_truth": str(n + n // 2)},
-             "extra_info": {"split": "train"}} for n in (48, 50, 52, 54)]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"Natalia sold {n} clips, then half as many. How many?"}],
+            "env_class": "gsm8k_multi_turn",
+            "reward_spec": {"method": "rule", "ground_truth": str(n + n // 2)},
+            "extra_info": {"split": "train"},
+        }
+        for n in (48, 50, 52, 54)
+    ]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    task = TaskConfig(name="skyrl", data_path=str(tmp_path / "train.jsonl"), prompt_field="prompt", num_val=1,
-                      chat_template=True)
+    task = TaskConfig(
+        name="skyrl", data_path=str(tmp_path / "train.jsonl"), prompt_field="prompt", num_val=1, chat_template=True
+    )
     env = EnvConfig(kwargs={"max_turns": 3})
     split = get_task("skyrl").load_prompts(task)
     assert (len(split.train), len(split.val)) == (3, 1)
@@ -428,8 +508,17 @@ def test_a_skyrl_gym_environment_trains_unchanged(tokenizer, tmp_path):
     prompt_ids = PromptEncoder.for_task(tokenizer, task, env.kwargs)(prompt)
     engine = ScriptedTurns(tokenizer, ["48 + 24 = 70.\n#### 70", "48 + 24 = 72.\n#### 72"])
     episodes = Episodes.of(task, env, tokenizer)
-    g = PromptGroup(run_id="r", group_id="g0", prompt_id=prompt.prompt_id, prompt_tokens=int32s(prompt_ids),
-                    task="skyrl", payload=prompt.payload, n=1, sampling=SamplingParams(max_tokens=512), min_version=0)
+    g = PromptGroup(
+        run_id="r",
+        group_id="g0",
+        prompt_id=prompt.prompt_id,
+        prompt_tokens=int32s(prompt_ids),
+        task="skyrl",
+        payload=prompt.payload,
+        n=1,
+        sampling=SamplingParams(max_tokens=512),
+        min_version=0,
+    )
     [result] = run(episodes, engine, g)
     assert result.episode.turns == 2 and result.episode.env_error == ""
     assert result.reward == pytest.approx(0.2 / 3 + 1.0)  # a well-formatted wrong answer, then the right one
@@ -445,11 +534,14 @@ class Garbage(Env):
 
 def test_messages_the_template_cannot_render_fail_the_episode_not_the_actor(tokenizer):
     prompt = PromptEncoder(tokenizer, chat_template=True)(Prompt(0, "go", {}))
-    [result] = run(Episodes(Garbage(), EnvConfig(), tokenizer, chat_template=True), ScriptedTurns(tokenizer, ["1"]),
-                   group(prompt))
+    [result] = run(
+        Episodes(Garbage(), EnvConfig(), tokenizer, chat_template=True), ScriptedTurns(tokenizer, ["1"]), group(prompt)
+    )
     assert result.reward == 0.0
-    assert result.episode.env_error == "Garbage.step's messages: message 0 is not {\"role\": str, \"content\": str}: " \
+    assert (
+        result.episode.env_error == 'Garbage.step\'s messages: message 0 is not {"role": str, "content": str}: '
         "{'role': 'user', 'content': None}"
+    )
 
 
 def test_a_groups_plain_steps_share_one_thread_hop_and_a_hung_one_holds_only_those_after_it(tokenizer):
@@ -465,14 +557,17 @@ def test_a_groups_plain_steps_share_one_thread_hop_and_a_hung_one_holds_only_tho
         return 1.0
 
     engine = ScriptedTurns(tokenizer, ["42"])
-    results = run(Episodes(SingleTurn(reward), EnvConfig(step_timeout_s=0.3), tokenizer, chat_template=False),
-                  engine, group([5, 6], n=4))
+    results = run(
+        Episodes(SingleTurn(reward), EnvConfig(step_timeout_s=0.3), tokenizer, chat_template=False),
+        engine,
+        group([5, 6], n=4),
+    )
     assert len(threads) == 1 and threading.get_ident() not in threads  # one worker thread, not the loop's
     assert [r.reward for r in results] == [1.0, 0.0, 0.0, 0.0]
     assert all(r.episode.env_error.startswith("SingleTurn.step took longer") for r in results[1:])
 
 
-LOOKUP_ENVS = '''
+LOOKUP_ENVS = """
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 from skyrl_gym.envs.registration import register
 
@@ -488,11 +583,12 @@ class LookupEnv(BaseTextEnv):
 
 
 register(id="tidal_test_lookup", entry_point=LookupEnv)
-'''
+"""
 
 
-def test_a_skyrl_gym_environments_error_names_the_users_class_and_line_and_its_messages(tokenizer, tmp_path,
-                                                                                        monkeypatch):
+def test_a_skyrl_gym_environments_error_names_the_users_class_and_line_and_its_messages(
+    tokenizer, tmp_path, monkeypatch
+):
     """Named after the user's LookupEnv, not tidal's adapter (Environment); the end-of-run summary counts the
     failures as one kind at that line, and shows two of their messages rather than one standing for all."""
     import json
@@ -513,16 +609,33 @@ def test_a_skyrl_gym_environments_error_names_the_users_class_and_line_and_its_m
     payload = get_task("skyrl").load_prompts(task).train[0].payload
     errors = []
     for key in ("39", "5207", "39"):
-        [result] = run(episodes, ScriptedTurns(tokenizer, [key]), PromptGroup(
-            run_id="r", group_id="g0", prompt_id=0, prompt_tokens=int32s([5, 6]), task="skyrl",
-            payload=payload, n=1, sampling=SamplingParams(), min_version=0))
+        [result] = run(
+            episodes,
+            ScriptedTurns(tokenizer, [key]),
+            PromptGroup(
+                run_id="r",
+                group_id="g0",
+                prompt_id=0,
+                prompt_tokens=int32s([5, 6]),
+                task="skyrl",
+                payload=payload,
+                n=1,
+                sampling=SamplingParams(),
+                min_version=0,
+            ),
+        )
         errors.append(result.episode.env_error)
-    where = (f'  File "{tmp_path / "lookup_envs.py"}", line {line_of("self.table[int", LOOKUP_ENVS)}, in step\n'
-             "    return BaseTextEnvStepOutput(observations=[], reward=float(self.table[int(action)] == \"one\"), "
-             "done=True,")
+    where = (
+        f'  File "{tmp_path / "lookup_envs.py"}", line {line_of("self.table[int", LOOKUP_ENVS)}, in step\n'
+        '    return BaseTextEnvStepOutput(observations=[], reward=float(self.table[int(action)] == "one"), '
+        "done=True,"
+    )
     assert errors[0] == f"LookupEnv.step raised KeyError: 39\n{where}"
     admission = Admission(StalenessConfig(), True, None, on_rewards=lambda *_: None)
-    admission._note_failures(SimpleNamespace(samples=[SimpleNamespace(episode=SimpleNamespace(env_error=e))
-                                                      for e in errors]))
-    assert admission.failure_summary() == {"count": 3, "reasons": [
-        (f"LookupEnv.step raised KeyError with different messages, e.g. '39' and '5207'\n{where}", 3)]}
+    admission._note_failures(
+        SimpleNamespace(samples=[SimpleNamespace(episode=SimpleNamespace(env_error=e)) for e in errors])
+    )
+    assert admission.failure_summary() == {
+        "count": 3,
+        "reasons": [(f"LookupEnv.step raised KeyError with different messages, e.g. '39' and '5207'\n{where}", 3)],
+    }

@@ -1,5 +1,6 @@
 """Evaluations: the version travels as a field; groups given up on complete an evaluation without them, refused
 ones leave it unlogged; no newer version is announced while one is under way."""
+
 import math
 
 from conftest import rollout

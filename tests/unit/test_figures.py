@@ -1,6 +1,7 @@
 """The figures read well: log axes whose labels never overlap, a token-lag histogram in plain counts
 with every bar labelled, fits solid over the compute they saw and dashed beyond, titles that name the
 run and the steps drawn. Drawn with Agg and inspected as matplotlib objects, not as pixels."""
+
 import importlib.util
 import sys
 from pathlib import Path
@@ -44,14 +45,15 @@ def drawn(monkeypatch):
 
 def diagnostics(tmp_path, steps=(), compute=(), rate=()) -> Diagnostics:
     """A run's Diagnostics whose MLflow holds the eval curve (steps, compute, rate)."""
-    tracker = SimpleNamespace(eval_curve=lambda metric: (list(steps), list(compute), list(rate)),
-                              log_artifacts=lambda folder, name: None)
+    tracker = SimpleNamespace(
+        eval_curve=lambda metric: (list(steps), list(compute), list(rate)), log_artifacts=lambda folder, name: None
+    )
     return Diagnostics(tracker, str, tmp_path / RUN, completions_per_eval=0, max_lag=2)
 
 
 def eval_curve(first: float, decades: float, num: int = 12):
     """A step-0 eval and `num` more whose compute spans `decades` from `first`: steps, compute, pass rate."""
-    compute = np.concatenate([[0.0], np.geomspace(first, first * 10 ** decades, num)])
+    compute = np.concatenate([[0.0], np.geomspace(first, first * 10**decades, num)])
     rate = scaling.sigmoid_curve(compute, 0.7, 1.5, first * 10 ** (decades / 2), 0.1)
     return list(range(0, 10 * (num + 1), 10)), compute, rate
 
@@ -72,8 +74,12 @@ def shown_labels(ax) -> list:
 def assert_readable(ax) -> None:
     labels = shown_labels(ax)
     boxes = [t.get_window_extent() for t in labels]
-    crowded = [(a.get_text(), b.get_text()) for i, (a, box_a) in enumerate(zip(labels, boxes))
-               for b, box_b in zip(labels[i + 1:], boxes[i + 1:]) if box_a.overlaps(box_b)]
+    crowded = [
+        (a.get_text(), b.get_text())
+        for i, (a, box_a) in enumerate(zip(labels, boxes))
+        for b, box_b in zip(labels[i + 1 :], boxes[i + 1 :])
+        if box_a.overlaps(box_b)
+    ]
     assert crowded == [], f"overlapping tick labels {crowded} of {[t.get_text() for t in labels]}"
     assert len(labels) >= 2, [t.get_text() for t in labels]  # a log axis names at least two values
 
@@ -83,6 +89,7 @@ def lines(ax, style: str) -> list:
 
 
 # ---- log axes ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("decades", [0.5, 0.7, 1.0, 1.5, 2.0, 3.0, 5.0, 8.0])
 def test_the_pass_rate_compute_axis_labels_never_overlap(tmp_path, drawn, decades):
@@ -115,6 +122,7 @@ def test_plan_batch_names_the_batch_sizes_on_its_log_axis(tmp_path, drawn):
 
 # ---- the token-lag histogram ------------------------------------------------------------------
 
+
 def test_token_lag_counts_are_linear_and_every_bar_says_its_count(tmp_path, drawn):
     d = diagnostics(tmp_path)
     d.on_step([], TokenSample(np.array([150_000, 1, 30]), np.zeros(0), np.zeros(0)))
@@ -135,6 +143,7 @@ def test_token_lag_ticks_are_whole_lags(tmp_path, drawn):
 
 
 # ---- extrapolation ----------------------------------------------------------------------------
+
 
 def test_a_tidal_fit_curve_is_solid_where_it_was_fitted_and_dashed_beyond(tmp_path, drawn):
     _, compute, rate = eval_curve(1e12, 4.0)
@@ -161,6 +170,7 @@ def test_the_run_s_sigmoid_is_dashed_past_the_compute_measured(tmp_path, drawn):
 
 
 # ---- titles and legends -----------------------------------------------------------------------
+
 
 def test_titles_name_the_run_and_the_steps_each_figure_covers(tmp_path, drawn):
     d = diagnostics(tmp_path, *eval_curve(3e15, 2.0))
@@ -189,13 +199,19 @@ def test_the_async_bench_title_gives_the_steps_and_its_legend_the_seeds(tmp_path
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     history = {"eval/pass_rate": {0: 0.2, 10: 0.5, 20: 0.7}, "compute/wall_s": {0: 5.0, 10: 9.0, 20: 13.0}}
-    runs = [{"task": "tiny", "system": "tidal", "max_lag": lag, "filter": lag == 0, "seed": seed, "history": history}
-            for lag in (0, 4) for seed in (0, 1)]
+    runs = [
+        {"task": "tiny", "system": "tidal", "max_lag": lag, "filter": lag == 0, "seed": seed, "history": history}
+        for lag in (0, 4)
+        for seed in (0, 1)
+    ]
     bench.plot(runs, 0.6, tmp_path / "async-tiny.png")
     [ax] = drawn["async-tiny"].axes
     assert "steps 0-20" in ax.get_title() and ax.get_title().startswith("tiny")
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
-        "max_lag 0 (2 seeds)", "max_lag 4, no zero-variance filter (2 seeds)", "target 0.60"]
+        "max_lag 0 (2 seeds)",
+        "max_lag 4, no zero-variance filter (2 seeds)",
+        "target 0.60",
+    ]
 
 
 def test_every_figure_is_saved_at_its_own_dpi_through_one_helper(tmp_path):
@@ -217,8 +233,10 @@ def test_every_figure_is_saved_at_its_own_dpi_through_one_helper(tmp_path):
 
 # ---- early in a run, and rewards with a bonus -----------------------------------------------------
 
-@pytest.mark.parametrize("compute", [(1.2e15, 2.4e15, 3.6e15), (4e15, 8e15, 1.2e16), (2e15, 2.1e15, 2.2e15),
-                                     (9.9e14, 1.42e15)])
+
+@pytest.mark.parametrize(
+    "compute", [(1.2e15, 2.4e15, 3.6e15), (4e15, 8e15, 1.2e16), (2e15, 2.1e15, 2.2e15), (9.9e14, 1.42e15)]
+)
 def test_a_pass_rate_panel_before_any_fit_says_why_in_full_and_labels_span_its_points(tmp_path, drawn, compute):
     steps = list(range(len(compute) + 1))
     diagnostics(tmp_path, steps, (0.0, *compute), np.linspace(0.1, 0.4, len(steps))).draw(len(compute))

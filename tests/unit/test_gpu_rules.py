@@ -2,6 +2,7 @@
 is cut into FSDP2 units and in what precision each gathers, the mesh across machines, flash-attn only
 for half-precision compute, the learner ranks' group timeout and backends, the actor's LM head in
 fp32, and which engines reload their weights layer-wise."""
+
 import types
 
 import pytest
@@ -39,8 +40,15 @@ def sharded(monkeypatch, world: int, per_node: int, mixed_precision: str, head: 
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
     record = Recorded(monkeypatch, world, per_node)
     module = PolicyLogprobs(model, 1.0, "torch", head)
-    sharding.shard(module, decoder_layers(model), module.separate_head(), FsdpConfig(enabled=True),
-                   torch.device("cpu"), mixed_precision, sharding.head_dtype(head))
+    sharding.shard(
+        module,
+        decoder_layers(model),
+        module.separate_head(),
+        FsdpConfig(enabled=True),
+        torch.device("cpu"),
+        mixed_precision,
+        sharding.head_dtype(head),
+    )
     return record
 
 
@@ -137,12 +145,15 @@ def layer(method: str, **tensors) -> torch.nn.Module:
     return module
 
 
-@pytest.mark.parametrize(("modules", "layout"), [
-    ([layer("UnquantizedLinearMethod", weight=torch.ones(2, 2))], "copy"),
-    ([layer("Fp8PtpcOnlineLinearMethod", weight=torch.ones(2, 2))], "reload"),  # re-quantizes what it loads
-    ([layer("UnquantizedFusedMoEMethod", w13_weight=torch.ones(2, 4, 2))], "reload"),  # the CPU backend packs it
-    ([layer("UnquantizedLinearMethod", weight=torch.ones(0))], "reload"),  # a kernel took the weight away
-])
+@pytest.mark.parametrize(
+    ("modules", "layout"),
+    [
+        ([layer("UnquantizedLinearMethod", weight=torch.ones(2, 2))], "copy"),
+        ([layer("Fp8PtpcOnlineLinearMethod", weight=torch.ones(2, 2))], "reload"),  # re-quantizes what it loads
+        ([layer("UnquantizedFusedMoEMethod", w13_weight=torch.ones(2, 4, 2))], "reload"),  # the CPU backend packs it
+        ([layer("UnquantizedLinearMethod", weight=torch.ones(0))], "reload"),  # a kernel took the weight away
+    ],
+)
 def test_an_update_is_copied_in_place_only_where_loading_is_a_copy(modules, layout):
     from tidal.broker.weights.base import weight_layout
 

@@ -1,5 +1,6 @@
 """Grants of the ZeroMQ and in-process transports: no live actor hoards the window (a fair share of the
 groups in circulation each), and a group held too long goes to the others too (broker.grant_timeout_s)."""
+
 import pytest
 
 from conftest import prompt_group

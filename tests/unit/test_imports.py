@@ -14,6 +14,7 @@ package (function-level ones too), so a layering mistake fails here rather than 
                                        `python -m tidal`; reaches the roles only through their public
                                        entry points (ROOF_REACHES)
 """
+
 import ast
 from pathlib import Path
 
@@ -85,23 +86,34 @@ def test_every_import_respects_the_layers():
 
 def test_the_actor_reaches_tasks_through_the_package_alone():
     """Environments, turns, messages and failures come from `tidal.tasks`; no task module's internals."""
-    bad = [f"{p.relative_to(ROOT)} imports tidal.{t}" for p in sorted((ROOT / "actor").rglob("*.py"))
-           for t in sorted(imports_of(p)) if t.startswith("tasks.")]
+    bad = [
+        f"{p.relative_to(ROOT)} imports tidal.{t}"
+        for p in sorted((ROOT / "actor").rglob("*.py"))
+        for t in sorted(imports_of(p))
+        if t.startswith("tasks.")
+    ]
     assert bad == []
 
 
 def test_what_every_rank_runs_imports_nothing_of_what_rank_0_alone_runs():
     every_rank = sorted((ROOT / "learner" / "every_rank").rglob("*.py"))
     assert every_rank
-    bad = [f"{p.relative_to(ROOT)} imports tidal.{t}" for p in every_rank for t in sorted(imports_of(p))
-           if t.startswith("learner.rank0")]
+    bad = [
+        f"{p.relative_to(ROOT)} imports tidal.{t}"
+        for p in every_rank
+        for t in sorted(imports_of(p))
+        if t.startswith("learner.rank0")
+    ]
     assert bad == []
 
 
 # what the roof may import of each role: its entry, the learner's assembly and tools, the weight channel's
 # public names (the wire and the rest of the broker are shared by everyone)
-ROOF_REACHES = {"learner": ("learner.main", "learner.build", "learner.tools"), "actor": ("actor.main",),
-                "broker.weights": ("broker.weights",)}
+ROOF_REACHES = {
+    "learner": ("learner.main", "learner.build", "learner.tools"),
+    "actor": ("actor.main",),
+    "broker.weights": ("broker.weights",),
+}
 
 
 def test_the_roof_is_imported_by_no_one_and_reaches_roles_only_through_their_entry_points():
@@ -113,8 +125,11 @@ def test_the_roof_is_imported_by_no_one_and_reaches_roles_only_through_their_ent
                 if target.startswith("ops") and not in_roof and path != ROOT / "tidal" / "__main__.py":
                     bad.append(f"{path.relative_to(ROOT)} imports tidal.{target}")
                 for role, public in ROOF_REACHES.items():
-                    if in_roof and (target + ".").startswith(role + ".") and not any(
-                            target == p or target.startswith(p + ".") for p in public):
+                    if (
+                        in_roof
+                        and (target + ".").startswith(role + ".")
+                        and not any(target == p or target.startswith(p + ".") for p in public)
+                    ):
                         bad.append(f"{path.relative_to(ROOT)} imports tidal.{target}")
     assert bad == []
 
@@ -124,16 +139,23 @@ CHANNELS = ("file", "tcp", "gloo", "nccl")  # the weight channels; what they sha
 
 def test_code_outside_the_weight_channels_uses_their_public_names_alone():
     """`tidal.broker.weights` (its __all__) is the weight wing's one boundary for actor, learner and roof."""
-    bad = [f"{p.relative_to(ROOT)} imports tidal.{t}" for folder in ("actor", "learner", "tidal")
-           for p in sorted((ROOT / folder).rglob("*.py")) for t in sorted(imports_of(p))
-           if t.startswith("broker.weights.")]
+    bad = [
+        f"{p.relative_to(ROOT)} imports tidal.{t}"
+        for folder in ("actor", "learner", "tidal")
+        for p in sorted((ROOT / folder).rglob("*.py"))
+        for t in sorted(imports_of(p))
+        if t.startswith("broker.weights.")
+    ]
     assert bad == []
 
 
 def test_no_weight_channel_imports_another():
-    bad = [f"broker/weights/{c}.py imports tidal.{t}" for c in CHANNELS
-           for t in sorted(imports_of(ROOT / "broker" / "weights" / f"{c}.py"))
-           if t.startswith("broker.weights.") and t.split(".")[2] in set(CHANNELS) - {c}]
+    bad = [
+        f"broker/weights/{c}.py imports tidal.{t}"
+        for c in CHANNELS
+        for t in sorted(imports_of(ROOT / "broker" / "weights" / f"{c}.py"))
+        if t.startswith("broker.weights.") and t.split(".")[2] in set(CHANNELS) - {c}
+    ]
     assert bad == []
 
 
@@ -157,8 +179,7 @@ def module_of(path: Path, root: Path = ROOT) -> str:
 def circles(root: Path = ROOT) -> list[list[str]]:
     """The import circles among tidal's modules (strongly connected groups of two or more), counting
     imports inside functions too: a deferred import that only hides a circle is still one."""
-    graph = {module_of(p, root): imports_of(p, root) for folder in PACKAGES
-             for p in (root / folder).rglob("*.py")}
+    graph = {module_of(p, root): imports_of(p, root) for folder in PACKAGES for p in (root / folder).rglob("*.py")}
     graph = {m: {t for t in targets if t in graph and t != m} for m, targets in graph.items()}
     order, low, stack, found = {}, {}, [], []
 

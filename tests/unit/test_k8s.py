@@ -2,6 +2,7 @@
 offline against the Kubernetes schemas; pods are sized, probed and non-root; passwords exist
 only in a git-ignored file and reach pods by reference; scaling actors is one number; pods run
 the same `tidal learner` / `tidal actor` commands the launcher does. No cluster needed."""
+
 from __future__ import annotations
 
 import argparse
@@ -34,13 +35,16 @@ SECRET_ENV = K8S / "base" / "redis.env"
 SECRET_NAME = re.compile(r"pass|secret|token|auth|credential|api_?key", re.IGNORECASE)
 # how each role's container starts `tidal`: an actor first reads its own Redis password from a file
 ACTOR_PASSWORD_FILE = "/run/tidal-redis/password"
-LAUNCH = {"learner": ["tidal"],
-          "actor": ["sh", "-c", f'TIDAL_REDIS_PASSWORD="$(cat {ACTOR_PASSWORD_FILE})" exec tidal "$@"', "tidal"]}
+LAUNCH = {
+    "learner": ["tidal"],
+    "actor": ["sh", "-c", f'TIDAL_REDIS_PASSWORD="$(cat {ACTOR_PASSWORD_FILE})" exec tidal "$@"', "tidal"],
+}
 # ids that are not bare "gpu": conftest skips items with a "gpu" keyword on machines without CUDA
 for_each_overlay = pytest.mark.parametrize("overlay", OVERLAYS, ids=[f"overlays/{o}" for o in OVERLAYS])
 
 
 # ---- rendering -----------------------------------------------------------------------------
+
 
 def secret_keys(example: Path) -> list[str]:
     lines = [ln.strip() for ln in example.read_text().splitlines()]
@@ -59,8 +63,10 @@ def tree(tmp_path_factory) -> tuple[Path, dict[str, str]]:
 
 def kustomize(directory: Path) -> list[dict]:
     if shutil.which("kubectl") is None:
-        pytest.skip("kubectl is not on PATH: overlays cannot be rendered here "
-                    "(test_base_files_validate_and_are_safe still checks the base files)")
+        pytest.skip(
+            "kubectl is not on PATH: overlays cannot be rendered here "
+            "(test_base_files_validate_and_are_safe still checks the base files)"
+        )
     out = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"kubectl kustomize {directory} failed:\n{out.stderr}"
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
@@ -114,14 +120,16 @@ def role_container(objects: list[dict], role: str) -> tuple[dict, dict]:
 
 # ---- the checks every set of objects must pass -------------------------------------------------
 
+
 def schema_problems(objects: list[dict]) -> list[str]:
     problems = []
     for obj in objects:
         try:
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
         except kubernetes_validate.SchemaNotFoundError:
-            problems.append(f"{obj['kind']}/{obj['metadata']['name']}: not a built-in kind, "
-                            "cannot be validated offline")
+            problems.append(
+                f"{obj['kind']}/{obj['metadata']['name']}: not a built-in kind, cannot be validated offline"
+            )
         except kubernetes_validate.ValidationError as err:
             problems.append(f"{obj['kind']}/{obj['metadata']['name']}: {err.message} at {list(err.path)}")
     return problems
@@ -161,6 +169,7 @@ def pod_problems(objects: list[dict]) -> list[str]:
 
 
 # ---- tests ------------------------------------------------------------------------------------
+
 
 def test_base_files_validate_and_are_safe():
     """The committed resources themselves, before kustomize: runs where kubectl is missing too."""
@@ -213,8 +222,11 @@ def test_no_password_is_committed():
                     source_path = path.parent / source
                     example = source_path.with_name(source_path.name + ".example")
                     assert example.is_file(), f"{path}: {source} has no committed {example.name}"
-                    values = [ln.split("=", 1)[1] for ln in example.read_text().splitlines()
-                              if ln.strip() and not ln.startswith("#")]
+                    values = [
+                        ln.split("=", 1)[1]
+                        for ln in example.read_text().splitlines()
+                        if ln.strip() and not ln.startswith("#")
+                    ]
                     assert values and not any(v.strip() for v in values), f"{example}: values must stay empty"
                     if shutil.which("git") and (ROOT / ".git").exists():
                         ignored = subprocess.run(["git", "check-ignore", "-q", str(source_path)], cwd=ROOT)
@@ -225,8 +237,9 @@ def test_no_password_is_committed():
 
 def test_scaling_actors_changes_only_the_replica_count(tree, rendered):
     root, _ = tree
-    scaled = kustomize(overlay_with(root, "scale-3", "resources: [../cpu-demo]\n"
-                                    "replicas:\n  - name: tidal-actor\n    count: 3\n"))
+    scaled = kustomize(
+        overlay_with(root, "scale-3", "resources: [../cpu-demo]\nreplicas:\n  - name: tidal-actor\n    count: 3\n")
+    )
 
     def diff(a, b, path=""):
         if isinstance(a, dict) and isinstance(b, dict):
@@ -275,14 +288,16 @@ def test_pods_run_the_launchers_commands_on_the_mounted_config(rendered, overlay
     overrides = [o.replace("$(POD_NAME)", f"tidal-{role}-{index}").replace("$(POD_INDEX)", index) for o in overrides]
     cfg = load_config(run_config_of(objects, spec, container, tmp_path), overrides)
     # each actor logs in as its own user, the learner as `learner`
-    assert cfg.broker.type.value == "redis" and cfg.broker.redis.username == {"actor": "tidal-actor-2",
-                                                                              "learner": "learner"}[role]
+    assert (
+        cfg.broker.type.value == "redis"
+        and cfg.broker.redis.username == {"actor": "tidal-actor-2", "learner": "learner"}[role]
+    )
     secrets_env = {e["name"] for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})}
     if role == "learner":
         assert cfg.broker.redis.password_env in secrets_env
     else:  # its own password, from the file its init container wrote, never the actors' secret
         assert not secrets_env
-        assert f"{cfg.broker.redis.password_env}=\"$(cat {ACTOR_PASSWORD_FILE})\"" in LAUNCH[role][2]
+        assert f'{cfg.broker.redis.password_env}="$(cat {ACTOR_PASSWORD_FILE})"' in LAUNCH[role][2]
     if role == "actor":
         assert (cfg.actor.id, cfg.actor.index) == ("tidal-actor-2", 2)
         assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
@@ -353,8 +368,12 @@ def selects(selector: dict, labels: dict) -> bool:
         return False
     for expr in selector.get("matchExpressions", []):
         value, op = labels.get(expr["key"]), expr["operator"]
-        ok = {"In": value in expr.get("values", []), "NotIn": value not in expr.get("values", []),
-              "Exists": value is not None, "DoesNotExist": value is None}[op]
+        ok = {
+            "In": value in expr.get("values", []),
+            "NotIn": value not in expr.get("values", []),
+            "Exists": value is not None,
+            "DoesNotExist": value is None,
+        }[op]
         if not ok:
             return False
     return True
@@ -363,8 +382,12 @@ def selects(selector: dict, labels: dict) -> bool:
 # who may open a connection to each workload's pods: the learner's ports (torchrun's store, the ranks'
 # TCPStore, the weight server) and the actors' (NCCL's sockets) only from tidal's own pods; MLflow from
 # the learner and pods labelled as its clients
-MAY_CONNECT = {"redis": {"tidal-learner", "tidal-actor"}, "tidal-learner": {"tidal-learner", "tidal-actor"},
-               "tidal-actor": {"tidal-learner", "tidal-actor"}, "mlflow": {"tidal-learner"}}
+MAY_CONNECT = {
+    "redis": {"tidal-learner", "tidal-actor"},
+    "tidal-learner": {"tidal-learner", "tidal-actor"},
+    "tidal-actor": {"tidal-learner", "tidal-actor"},
+    "mlflow": {"tidal-learner"},
+}
 MLFLOW_CLIENT = {"tidal.io/mlflow-client": "true"}
 
 
@@ -379,16 +402,21 @@ def ingress_peers(objects: list[dict], labels: dict) -> list[dict]:
 @for_each_overlay
 def test_every_workload_admits_only_the_pods_that_need_it(rendered, overlay):
     objects = rendered[overlay]
-    labels = {o["metadata"]["name"]: o["spec"]["template"]["metadata"]["labels"]
-              for o in objects if pod_spec(o) is not None}
+    labels = {
+        o["metadata"]["name"]: o["spec"]["template"]["metadata"]["labels"] for o in objects if pod_spec(o) is not None
+    }
     assert set(labels) <= set(MAY_CONNECT), f"a workload without a rule here: {set(labels) - set(MAY_CONNECT)}"
     for name, own in labels.items():
         peers = ingress_peers(objects, own)
         assert all(set(peer) == {"podSelector"} for peer in peers), f"{name}: open to a namespace, IP block or all"
         admitted = {other for other, lab in labels.items() if any(selects(p["podSelector"], lab) for p in peers)}
         assert admitted == MAY_CONNECT[name], name
-        clients = [p for p in peers if not selects(p["podSelector"], {})  # a selector matching any pod
-                   and not any(selects(p["podSelector"], lab) for lab in labels.values())]
+        clients = [
+            p
+            for p in peers
+            if not selects(p["podSelector"], {})  # a selector matching any pod
+            and not any(selects(p["podSelector"], lab) for lab in labels.values())
+        ]
         assert [p["podSelector"] for p in clients] == ([{"matchLabels": MLFLOW_CLIENT}] if name == "mlflow" else [])
     if "mlflow" in labels:
         policy = next(p for p in objects if p["kind"] == "NetworkPolicy" and p["metadata"]["name"] == "mlflow")
@@ -436,15 +464,28 @@ def test_each_actor_pod_holds_only_its_own_redis_password(tree, rendered, overla
     script, _ = volume_of(spec, init, "/opt/redis-users/redis-users.sh")
     assert script["configMap"]["name"].startswith("tidal-redis-users")
     # the init container's command, run here with the script and the volume in tmp_path
-    command = init["command"][2].replace("/opt/redis-users", str(K8S / "base")).replace(
-        str(Path(ACTOR_PASSWORD_FILE).parent), str(tmp_path))
-    subprocess.run(["sh", "-c", command], check=True, env={"PATH": "/usr/bin:/bin", "POD_NAME": "tidal-actor-2",
-                                                           "ACTOR_PASSWORD": passwords["actor-password"]})
+    command = (
+        init["command"][2]
+        .replace("/opt/redis-users", str(K8S / "base"))
+        .replace(str(Path(ACTOR_PASSWORD_FILE).parent), str(tmp_path))
+    )
+    subprocess.run(
+        ["sh", "-c", command],
+        check=True,
+        env={"PATH": "/usr/bin:/bin", "POD_NAME": "tidal-actor-2", "ACTOR_PASSWORD": passwords["actor-password"]},
+    )
     own = (tmp_path / "password").read_text().strip()
     acl = tmp_path / "users.acl"
-    subprocess.run(["sh", str(K8S / "base" / "redis-users.sh"), str(acl), str(K8S / "base" / "run.yaml")], check=True,
-                   capture_output=True, env={"PATH": "/usr/bin:/bin", "LEARNER_PASSWORD": passwords["learner-password"],
-                                             "ACTOR_PASSWORD": passwords["actor-password"]})
+    subprocess.run(
+        ["sh", str(K8S / "base" / "redis-users.sh"), str(acl), str(K8S / "base" / "run.yaml")],
+        check=True,
+        capture_output=True,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "LEARNER_PASSWORD": passwords["learner-password"],
+            "ACTOR_PASSWORD": passwords["actor-password"],
+        },
+    )
     words = [line.split() for line in acl.read_text().splitlines()]
     users = {w[1]: w[3] for w in words if w[3].startswith("#")}  # user -> "#<sha256 of its password>"
     assert users["tidal-actor-2"] == "#" + hashlib.sha256(own.encode()).hexdigest()
@@ -503,8 +544,10 @@ def test_keda_autoscaling_stays_outside_the_validated_overlays(tree):
     scaled = find(objects, "ScaledObject", "tidal-actor")
     auth = find(objects, "TriggerAuthentication", "tidal-redis-keda")
     secret = next(o for o in objects if o["kind"] == "Secret")
-    assert all(ref["name"] == secret["metadata"]["name"] and ref["key"] in secret["data"]
-               for ref in auth["spec"]["secretTargetRef"])
+    assert all(
+        ref["name"] == secret["metadata"]["name"] and ref["key"] in secret["data"]
+        for ref in auth["spec"]["secretTargetRef"]
+    )
     # KEDA reads with its own read-only user, never with the learner's password
     refs = {ref["parameter"]: ref["key"] for ref in auth["spec"]["secretTargetRef"]}
     assert refs == {"username": "keda-username", "password": "keda-password"}
@@ -527,8 +570,17 @@ PLANNED_GPU = Cluster(81559 * MiB)  # an 80 GB GPU as its driver reports it, the
 def quantity_bytes(quantity: str) -> int:
     """A Kubernetes quantity (64Gi, 500G, 512Mi) in bytes."""
     number, suffix = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(quantity)).groups()
-    scale = {"": 1, "Ki": 2 ** 10, "Mi": 2 ** 20, "Gi": 2 ** 30, "Ti": 2 ** 40, "k": 10 ** 3, "M": 10 ** 6,
-             "G": 10 ** 9, "T": 10 ** 12}[suffix]
+    scale = {
+        "": 1,
+        "Ki": 2**10,
+        "Mi": 2**20,
+        "Gi": 2**30,
+        "Ti": 2**40,
+        "k": 10**3,
+        "M": 10**6,
+        "G": 10**9,
+        "T": 10**12,
+    }[suffix]
     return int(float(number) * scale)
 
 
@@ -552,8 +604,10 @@ def planned_shape(objects: list[dict], role: str, cfg) -> ModelShape:
 
 def volume_of(spec: dict, container: dict, path: str) -> tuple[dict | None, dict]:
     """(the volume holding `path` in the container, its mount); None for a volume claim template."""
-    mount = max((m for m in container["volumeMounts"] if (path + "/").startswith(m["mountPath"].rstrip("/") + "/")),
-                key=lambda m: len(m["mountPath"]))
+    mount = max(
+        (m for m in container["volumeMounts"] if (path + "/").startswith(m["mountPath"].rstrip("/") + "/")),
+        key=lambda m: len(m["mountPath"]),
+    )
     return next((v for v in spec["volumes"] if v["name"] == mount["name"]), None), mount
 
 

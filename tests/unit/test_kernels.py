@@ -26,8 +26,7 @@ def _triton_skip_reason() -> str | None:
 
 TRITON_SKIP = _triton_skip_reason()
 HAS_CUDA = torch.cuda.is_available()
-TRITON = pytest.param("triton", marks=pytest.mark.skipif(TRITON_SKIP is not None,
-                                                         reason=str(TRITON_SKIP)))
+TRITON = pytest.param("triton", marks=pytest.mark.skipif(TRITON_SKIP is not None, reason=str(TRITON_SKIP)))
 FAST_BACKENDS = ["torch", TRITON]
 
 
@@ -85,8 +84,7 @@ def test_huge_logits_do_not_overflow(backend):
 def test_padded_vocab_columns_are_excluded(backend):
     hidden, weight, targets = kernel_inputs(*LARGE, torch.float32, _device(backend))
     targets = targets % 120  # the vocabulary ends inside the fourth tile; the fifth is all padding
-    got, _ = assert_kernel_matches_reference(backend, hidden, weight, targets, vocab_size=120,
-                                       chunk_size=(8, 32))
+    got, _ = assert_kernel_matches_reference(backend, hidden, weight, targets, vocab_size=120, chunk_size=(8, 32))
     sliced = run_kernel("naive", hidden, weight[:120], targets, dtype=torch.float64)
     torch.testing.assert_close(got[0], sliced[0], atol=1e-5, rtol=1e-5)
     assert got[3].shape == (150, 64)
@@ -99,8 +97,7 @@ def test_token_mask_zeroes_outputs_and_gradients(backend):
     hidden, weight, targets = kernel_inputs(*LARGE, torch.float32, device)
     mask = torch.arange(LARGE[0], device=device) % 3 != 0
     targets = torch.where(mask, targets, -100)  # masked slots may hold an ignore index
-    got, _ = assert_kernel_matches_reference(backend, hidden, weight, targets, 0.7, mask=mask,
-                                       chunk_size=(8, 32))
+    got, _ = assert_kernel_matches_reference(backend, hidden, weight, targets, 0.7, mask=mask, chunk_size=(8, 32))
     logp, entropy, dhidden, _ = got
     assert (logp[~mask] == 0).all() and (entropy[~mask] == 0).all()
     assert (dhidden[~mask] == 0).all() and (dhidden[mask] != 0).any()
@@ -113,8 +110,9 @@ def test_token_mask_zeroes_outputs_and_gradients(backend):
 def test_all_tokens_masked(backend):
     device = _device(backend)
     hidden, weight, targets = kernel_inputs(5, 16, 40, torch.float32, device)
-    logp, entropy, dhidden, dweight = run_kernel(backend, hidden, weight, targets,
-                                           mask=torch.zeros(5, dtype=torch.bool, device=device))
+    logp, entropy, dhidden, dweight = run_kernel(
+        backend, hidden, weight, targets, mask=torch.zeros(5, dtype=torch.bool, device=device)
+    )
     assert not logp.any() and not entropy.any() and not dhidden.any() and not dweight.any()
 
 
@@ -136,9 +134,7 @@ def test_torch_backend_saves_no_logits_sized_tensor():
     hidden, weight, targets = kernel_inputs(num_tokens, dim, vocab, torch.float32)
     hidden.requires_grad_()
     saved_numels = []
-    with torch.autograd.graph.saved_tensors_hooks(
-        lambda t: saved_numels.append(t.numel()) or t, lambda t: t
-    ):
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved_numels.append(t.numel()) or t, lambda t: t):
         logp, entropy = logprobs(hidden, weight, targets, backend="torch", chunk_size=(16, 64))
     assert max(saved_numels) <= vocab * dim  # the weight itself; [T, V] would be 4x that
     (logp + entropy).sum().backward()
@@ -157,8 +153,9 @@ def test_auto_is_torch_on_cpu():
     assert all(torch.equal(a, c) for a, c in zip(auto, chunked))
 
 
-@pytest.mark.parametrize("dtype, expected", [(torch.bfloat16, "triton"), (torch.float16, "triton"),
-                                             (torch.float32, "torch")])
+@pytest.mark.parametrize(
+    "dtype, expected", [(torch.bfloat16, "triton"), (torch.float16, "triton"), (torch.float32, "torch")]
+)
 def test_auto_on_a_gpu_is_triton_in_half_precision_and_torch_in_fp32(dtype, expected):
     from types import SimpleNamespace
 
@@ -187,20 +184,25 @@ def test_auto_on_a_gpu_is_triton_in_half_precision_and_torch_in_fp32(dtype, expe
     ],
 )
 def test_bad_arguments_raise_value_error_naming_them(change, name):
-    args = dict(hidden=torch.zeros(4, 8), weight=torch.zeros(10, 8),
-                targets=torch.zeros(4, dtype=torch.long), temperature=1.0, mask=None,
-                vocab_size=9, backend="torch", chunk_size=None)
+    args = dict(
+        hidden=torch.zeros(4, 8),
+        weight=torch.zeros(10, 8),
+        targets=torch.zeros(4, dtype=torch.long),
+        temperature=1.0,
+        mask=None,
+        vocab_size=9,
+        backend="torch",
+        chunk_size=None,
+    )
     args.update(change)
     with pytest.raises(ValueError, match=name.replace(".", r"\.")):
-        logprobs(args.pop("hidden"), args.pop("weight"), args.pop("targets"),
-                 args.pop("temperature"), **args)
+        logprobs(args.pop("hidden"), args.pop("weight"), args.pop("targets"), args.pop("temperature"), **args)
 
 
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        logprobs(torch.zeros(2, 8), torch.zeros(10, 8), torch.zeros(2, dtype=torch.long),
-                 backend="triton")
+        logprobs(torch.zeros(2, 8), torch.zeros(10, 8), torch.zeros(2, dtype=torch.long), backend="triton")
 
 
 def _floors_between_logits(hidden, weight, temperature, seed=2):
@@ -248,7 +250,7 @@ def _kept_by_sorting(logits, top_k, top_p):
     for t, row in enumerate(logits.double()):
         order = row.argsort(descending=True)
         keep = torch.zeros(len(row), dtype=torch.bool)
-        keep[order[:top_k or len(row)]] = True
+        keep[order[: top_k or len(row)]] = True
         probs = torch.where(keep, row, float("-inf")).softmax(0)[order]
         mass_above = probs.cumsum(0) - probs
         cut = int((mass_above < top_p).sum())  # a prefix of the sorted row

@@ -1,4 +1,5 @@
 """Advantages, aggregation weights and the CISPO loss against numbers worked out by hand."""
+
 import numpy as np
 import pytest
 import torch
@@ -18,9 +19,16 @@ from tidal.learner.every_rank.loss import LossInputs, policy_loss
 
 
 def group(rewards, lengths, gid="g"):
-    return RolloutGroup.pack([SampleArrays.of([4] * n, [-1.0] * n, version_spans=[(0, 0, n)], reward=r,
-                                              finish_reason="stop") for r, n in zip(rewards, lengths)],
-                             group_id=gid, prompt_id=0, actor_id="a", prompt_tokens=int32s([2, 3]))
+    return RolloutGroup.pack(
+        [
+            SampleArrays.of([4] * n, [-1.0] * n, version_spans=[(0, 0, n)], reward=r, finish_reason="stop")
+            for r, n in zip(rewards, lengths)
+        ],
+        group_id=gid,
+        prompt_id=0,
+        actor_id="a",
+        prompt_tokens=int32s([2, 3]),
+    )
 
 
 # Prompt A: rewards [1, 0], lengths [2, 3]. Prompt B: rewards [1, 1, 0], lengths [1, 1, 2].
@@ -38,14 +46,17 @@ def test_batch_normalized_advantages():
     np.testing.assert_allclose(group_advantages(GROUPS, AdvantageNorm.group)[0], [1, -1], rtol=1e-5)
 
 
-@pytest.mark.parametrize("how, expected", [
-    # prompt_mean: A has 5 tokens, B has 4; two prompts -> 1/(2*5) and 1/(2*4)
-    (Aggregation.prompt_mean, [[0.1, 0.1], [0.125]]),
-    # token_mean: 9 tokens in all
-    (Aggregation.token_mean, [[1 / 9, 1 / 9], [1 / 9]]),
-    # sample_mean: 5 samples; a sample of length n gives each token 1/(5n)
-    (Aggregation.sample_mean, [[1 / 10, 1 / 15], [1 / 5]]),
-])
+@pytest.mark.parametrize(
+    "how, expected",
+    [
+        # prompt_mean: A has 5 tokens, B has 4; two prompts -> 1/(2*5) and 1/(2*4)
+        (Aggregation.prompt_mean, [[0.1, 0.1], [0.125]]),
+        # token_mean: 9 tokens in all
+        (Aggregation.token_mean, [[1 / 9, 1 / 9], [1 / 9]]),
+        # sample_mean: 5 samples; a sample of length n gives each token 1/(5n)
+        (Aggregation.sample_mean, [[1 / 10, 1 / 15], [1 / 5]]),
+    ],
+)
 def test_aggregation_weights(how, expected):
     w = aggregation_weights(MASKS, how)
     assert w[0][0][0] == pytest.approx(expected[0][0])
@@ -69,8 +80,12 @@ def test_cispo_value_and_gradient_by_hand():
 
 
 def test_micro_batches_respect_the_budget_and_cover_every_token():
-    rows = build_rows(GROUPS, MASKS, group_advantages(GROUPS, AdvantageNorm.batch),
-                      aggregation_weights(MASKS, Aggregation.prompt_mean))
+    rows = build_rows(
+        GROUPS,
+        MASKS,
+        group_advantages(GROUPS, AdvantageNorm.batch),
+        aggregation_weights(MASKS, Aggregation.prompt_mean),
+    )
     batches = micro_batches(rows, token_budget=10)
     assert sum(len(b) for b in batches) == 5
     for b in batches:

@@ -1,5 +1,6 @@
 """How many threads a learner rank computes with: one by default, the rank's cores where its optimizer
 step runs on the host (fsdp.cpu_offload), or what learner.torch_threads says."""
+
 from dataclasses import replace
 
 import pytest

@@ -1,6 +1,7 @@
 """Length control: the overlong penalty and the splicing of forced interruptions, against numbers
 worked out by hand; the actor's request sequence on a scripted engine; one real-vLLM check that
 the spliced sequence lines up with the model's own logprobs."""
+
 import asyncio
 
 import numpy as np
@@ -23,10 +24,20 @@ def completion(tokens, logprobs, spans, text="", finish="stop") -> Completion:
 
 # ---- overlong penalty ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("length, expected", [
-    # L_max = 16, L_cache = 4: free up to 16 - 4 = 12 tokens, then (12 - L) / 4
-    (0, 0.0), (12, 0.0), (13, -0.25), (14, -0.5), (15, -0.75), (16, -1.0), (20, -1.0),
-])
+
+@pytest.mark.parametrize(
+    "length, expected",
+    [
+        # L_max = 16, L_cache = 4: free up to 16 - 4 = 12 tokens, then (12 - L) / 4
+        (0, 0.0),
+        (12, 0.0),
+        (13, -0.25),
+        (14, -0.5),
+        (15, -0.75),
+        (16, -1.0),
+        (20, -1.0),
+    ],
+)
 def test_overlong_penalty_by_hand(length, expected):
     assert overlong_penalty(length, max_tokens=16, buffer_tokens=4) == pytest.approx(expected)
 
@@ -45,12 +56,16 @@ def test_to_sample_shapes_reward_and_keeps_raw():
     assert shaped.raw_reward == 1.0 and shaped.task_reward == 1.0
     plain = to_sample(c, 1.0, SamplingParams(max_tokens=16)).sample
     assert plain.reward == 1.0 and plain.task_reward == 1.0
-    wrong = to_sample(completion([4] * 16, [-0.5] * 16, [(0, 0, 16)], finish="length"), 0.0,
-                      SamplingParams(max_tokens=16, overlong_buffer_tokens=4)).sample
+    wrong = to_sample(
+        completion([4] * 16, [-0.5] * 16, [(0, 0, 16)], finish="length"),
+        0.0,
+        SamplingParams(max_tokens=16, overlong_buffer_tokens=4),
+    ).sample
     assert (wrong.reward, wrong.task_reward, wrong.finish_reason) == (-1.0, 0.0, "length")
 
 
 # ---- splicing ----------------------------------------------------------------------------------
+
 
 def test_think_budgets_are_uniform_inclusive_and_reproducible():
     budgets = think_budgets("run-g7", 4000, INTERRUPT)
@@ -66,16 +81,24 @@ def test_answer_prompt_is_prompt_then_thinking_then_interruption():
     assert answer_prompt([7, 8], thinking, INTERRUPT) == [7, 8, 21, 22, 23, 50, 51]
 
 
-@pytest.mark.parametrize("think, answer, expected", [
-    # a swap during thinking (v0 -> v1) and another during the answer (v1 -> v2): the 2 injected
-    # tokens at 3..5 take the last thinking version (1) and merge with its neighbours
-    ([(0, 0, 2), (1, 2, 3)], [(1, 0, 1), (2, 1, 4)], [(0, 0, 2), (1, 2, 6), (2, 6, 9)]),
-    # a swap between the two requests: thinking + injected at v0, the answer at v1
-    ([(0, 0, 3)], [(1, 0, 4)], [(0, 0, 5), (1, 5, 9)]),
-])
+@pytest.mark.parametrize(
+    "think, answer, expected",
+    [
+        # a swap during thinking (v0 -> v1) and another during the answer (v1 -> v2): the 2 injected
+        # tokens at 3..5 take the last thinking version (1) and merge with its neighbours
+        ([(0, 0, 2), (1, 2, 3)], [(1, 0, 1), (2, 1, 4)], [(0, 0, 2), (1, 2, 6), (2, 6, 9)]),
+        # a swap between the two requests: thinking + injected at v0, the answer at v1
+        ([(0, 0, 3)], [(1, 0, 4)], [(0, 0, 5), (1, 5, 9)]),
+    ],
+)
 def test_transcript_spans(think, answer, expected):
-    spans = (Transcript().add_sampled(completion([7] * 3, [0.0] * 3, think, finish="length"))
-             .add_injected([8, 8], "").add_sampled(completion([9] * 4, [0.0] * 4, answer)).spans)
+    spans = (
+        Transcript()
+        .add_sampled(completion([7] * 3, [0.0] * 3, think, finish="length"))
+        .add_injected([8, 8], "")
+        .add_sampled(completion([9] * 4, [0.0] * 4, answer))
+        .spans
+    )
     assert spans == expected
 
 
@@ -104,13 +127,30 @@ class ThinkThenAnswerEngine:
         if request_id.endswith("-answer"):
             return [completion([9, EOS], [-0.7, -0.8], [(4, 0, 2)], "9")] * n
         length = min(5, max_tokens or params.max_tokens)
-        return [completion(range(20, 20 + length), [-0.5] * length, [(3, 0, length)], "t" * length,
-                           "stop" if length == 5 else "length") for _ in range(n)]
+        return [
+            completion(
+                range(20, 20 + length),
+                [-0.5] * length,
+                [(3, 0, length)],
+                "t" * length,
+                "stop" if length == 5 else "length",
+            )
+            for _ in range(n)
+        ]
 
 
 def prompt_group(sampling: SamplingParams, n=8) -> PromptGroup:
-    return PromptGroup(run_id="r", group_id="r-g1", prompt_id=1, prompt_tokens=int32s([7, 8]), task="arithmetic",
-                       payload={"answer": "9"}, n=n, sampling=sampling, min_version=0)
+    return PromptGroup(
+        run_id="r",
+        group_id="r-g1",
+        prompt_id=1,
+        prompt_tokens=int32s([7, 8]),
+        task="arithmetic",
+        payload={"answer": "9"},
+        n=n,
+        sampling=sampling,
+        min_version=0,
+    )
 
 
 def test_generate_interrupts_only_samples_that_reach_their_budget():
@@ -143,12 +183,20 @@ def test_generate_without_interruptions_is_one_request():
 
 
 def test_injected_tokens_cross_the_wire_and_never_train():
-    interrupted = splice(completion([21, 22], [-0.1, -0.2], [(0, 0, 2)], finish="length"), INTERRUPT,
-                         completion([31], [-0.4], [(0, 0, 1)], finish="stop"))
+    interrupted = splice(
+        completion([21, 22], [-0.1, -0.2], [(0, 0, 2)], finish="length"),
+        INTERRUPT,
+        completion([31], [-0.4], [(0, 0, 1)], finish="stop"),
+    )
     plain = completion([21, 22, EOS], [-0.1, -0.2, -0.3], [(0, 0, 3)])
     params = SamplingParams(max_tokens=12, interrupt=INTERRUPT)
-    group = RolloutGroup.pack([to_sample(interrupted, 1.0, params), to_sample(plain, 0.0, params)],
-                              group_id="g", prompt_id=1, actor_id="a", prompt_tokens=int32s([7, 8]))
+    group = RolloutGroup.pack(
+        [to_sample(interrupted, 1.0, params), to_sample(plain, 0.0, params)],
+        group_id="g",
+        prompt_id=1,
+        actor_id="a",
+        prompt_tokens=int32s([7, 8]),
+    )
     codec = WireCodec(1 << 20)
     back = codec.decode(codec.encode(group), expect=RolloutGroup)
     assert back.samples[0].injected_spans == [(2, 4)] and back.samples[0].finish_reason == "interrupted"
@@ -164,20 +212,40 @@ def test_injected_tokens_cross_the_wire_and_never_train():
 
 # ---- config ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("overrides, key", [
-    (["sampling.interrupt.enabled=true"], "sampling.interrupt.min_tokens"),
-    (["sampling.interrupt.enabled=true", "sampling.interrupt.min_tokens=4", "sampling.interrupt.max_tokens=3"],
-     "sampling.interrupt.max_tokens"),
-    (["sampling.interrupt.enabled=true", "sampling.interrupt.min_tokens=2", "sampling.interrupt.max_tokens=3"],
-     "sampling.interrupt.answer_tokens"),
-    (["sampling.interrupt.enabled=true", "sampling.interrupt.min_tokens=2", "sampling.interrupt.max_tokens=5",
-      "sampling.interrupt.answer_tokens=3", "sampling.max_tokens=8"], "sampling.interrupt.max_tokens"),  # 5+3+text > 8
-    (["sampling.overlong.enabled=true"], "sampling.overlong.buffer_tokens"),
-    (["sampling.overlong.enabled=true", "sampling.overlong.buffer_tokens=8", "sampling.max_tokens=8"],
-     "sampling.overlong.buffer_tokens"),
-    (["sampling.overlong.enabled=true", "sampling.overlong.buffer_tokens=2", "sampling.interrupt.enabled=true"],
-     "sampling.overlong.enabled"),
-])
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["sampling.interrupt.enabled=true"], "sampling.interrupt.min_tokens"),
+        (
+            ["sampling.interrupt.enabled=true", "sampling.interrupt.min_tokens=4", "sampling.interrupt.max_tokens=3"],
+            "sampling.interrupt.max_tokens",
+        ),
+        (
+            ["sampling.interrupt.enabled=true", "sampling.interrupt.min_tokens=2", "sampling.interrupt.max_tokens=3"],
+            "sampling.interrupt.answer_tokens",
+        ),
+        (
+            [
+                "sampling.interrupt.enabled=true",
+                "sampling.interrupt.min_tokens=2",
+                "sampling.interrupt.max_tokens=5",
+                "sampling.interrupt.answer_tokens=3",
+                "sampling.max_tokens=8",
+            ],
+            "sampling.interrupt.max_tokens",
+        ),  # 5+3+text > 8
+        (["sampling.overlong.enabled=true"], "sampling.overlong.buffer_tokens"),
+        (
+            ["sampling.overlong.enabled=true", "sampling.overlong.buffer_tokens=8", "sampling.max_tokens=8"],
+            "sampling.overlong.buffer_tokens",
+        ),
+        (
+            ["sampling.overlong.enabled=true", "sampling.overlong.buffer_tokens=2", "sampling.interrupt.enabled=true"],
+            "sampling.overlong.enabled",
+        ),
+    ],
+)
 def test_bad_length_control_configs_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(None, overrides)
@@ -186,12 +254,23 @@ def test_bad_length_control_configs_name_the_key(overrides, key):
 def test_length_control_defaults_off_and_valid_settings_load():
     cfg = load_config(None)
     assert not cfg.sampling.interrupt.enabled and not cfg.sampling.overlong.enabled
-    cfg = load_config(None, ["sampling.max_tokens=64", "sampling.interrupt.enabled=true",
-                             "sampling.interrupt.min_tokens=16", "sampling.interrupt.max_tokens=32",
-                             "sampling.interrupt.answer_tokens=8"])
+    cfg = load_config(
+        None,
+        [
+            "sampling.max_tokens=64",
+            "sampling.interrupt.enabled=true",
+            "sampling.interrupt.min_tokens=16",
+            "sampling.interrupt.max_tokens=32",
+            "sampling.interrupt.answer_tokens=8",
+        ],
+    )
     assert (cfg.sampling.interrupt.min_tokens, cfg.sampling.interrupt.answer_tokens) == (16, 8)
-    assert load_config(None, ["sampling.overlong.enabled=true", "sampling.overlong.buffer_tokens=2"]
-                       ).sampling.overlong.buffer_tokens == 2
+    assert (
+        load_config(
+            None, ["sampling.overlong.enabled=true", "sampling.overlong.buffer_tokens=2"]
+        ).sampling.overlong.buffer_tokens
+        == 2
+    )
 
 
 def test_an_interruption_text_too_long_for_the_budget_stops_at_preflight(tmp_path):
@@ -201,13 +280,24 @@ def test_an_interruption_text_too_long_for_the_budget_stops_at_preflight(tmp_pat
     from tidal.tiny import build_tiny_model, save_model
 
     save_model(*build_tiny_model(TINY, ALPHABET, seed=0), tmp_path / "model")
-    budget = ["sampling.max_tokens=8", "sampling.interrupt.enabled=true", "sampling.interrupt.min_tokens=1",
-              "sampling.interrupt.max_tokens=4", "sampling.interrupt.answer_tokens=2", "task.num_val=4"]
-    cfg = load_config("configs/tiny.yaml", [f"model.path={tmp_path / 'model'}", *budget,
-                                            "sampling.interrupt.text=12"])  # 4 + 2 tokens + 2 = 8: fits
+    budget = [
+        "sampling.max_tokens=8",
+        "sampling.interrupt.enabled=true",
+        "sampling.interrupt.min_tokens=1",
+        "sampling.interrupt.max_tokens=4",
+        "sampling.interrupt.answer_tokens=2",
+        "task.num_val=4",
+    ]
+    cfg = load_config(
+        "configs/tiny.yaml", [f"model.path={tmp_path / 'model'}", *budget, "sampling.interrupt.text=12"]
+    )  # 4 + 2 tokens + 2 = 8: fits
     preflight(cfg)
-    cfg = load_config("configs/tiny.yaml", [f"model.path={tmp_path / 'model'}", *budget,
-                                            "sampling.interrupt.text=123"])  # 4 + 3 + 2 = 9 > 8
-    with pytest.raises(ConfigError, match=r"config key 'sampling.interrupt': .* 3 interruption tokens .* = 9 > "
-                                          r"max_tokens 8"):
+    cfg = load_config(
+        "configs/tiny.yaml", [f"model.path={tmp_path / 'model'}", *budget, "sampling.interrupt.text=123"]
+    )  # 4 + 3 + 2 = 9 > 8
+    with pytest.raises(
+        ConfigError,
+        match=r"config key 'sampling.interrupt': .* 3 interruption tokens .* = 9 > "
+        r"max_tokens 8",
+    ):
         preflight(cfg)

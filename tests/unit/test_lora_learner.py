@@ -1,6 +1,7 @@
 """LoRA on the learner (learner.lora): only the adapter trains, in fp32, over a frozen base; a push
 carries the adapter alone under PEFT's own names; a checkpoint holds the adapter and its AdamW state
 and resumes bit for bit; the exports load in peft and transformers with the learner's logits."""
+
 import dataclasses
 import json
 
@@ -74,23 +75,32 @@ def test_layers_restrict_the_adapter_and_the_starting_adapter_comes_from_the_see
         starts.append(tensors(Trainer(cfg, model, accelerator, temperature=1.0)))
         assert torch.equal(torch.get_rng_state(), state)
     assert sorted(k for k in starts[0] if ".lora_" in k) == [
-        f"model.layers.1.{m}.lora_{f}.default.weight" for m in ("mlp.down_proj", "self_attn.q_proj") for f in "AB"]
+        f"model.layers.1.{m}.lora_{f}.default.weight" for m in ("mlp.down_proj", "self_attn.q_proj") for f in "AB"
+    ]
     assert all(torch.equal(starts[0][k], v) for k, v in starts[1].items())
     a = starts[0]["model.layers.1.self_attn.q_proj.lora_A.default.weight"]  # [r, in], torch.nn.Linear's bound
-    assert a.shape == (2, 32) and 0.5 / 32 ** 0.5 < float(a.abs().max()) <= 1 / 32 ** 0.5
+    assert a.shape == (2, 32) and 0.5 / 32**0.5 < float(a.abs().max()) <= 1 / 32**0.5
 
 
 def test_targets_the_model_lacks_and_the_head_are_refused_by_name(accelerator):
-    with pytest.raises(ConfigError, match=r"'learner\.lora\.target_modules' = \('q_proj', 'qkv_proj', 'c_attn'\): the "
-                                          r"model's decoder layers have no linear layer qkv_proj, c_attn; they have: "
-                                          r"q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'learner\.lora\.target_modules' = \('q_proj', 'qkv_proj', 'c_attn'\): the "
+        r"model's decoder layers have no linear layer qkv_proj, c_attn; they have: "
+        r"q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj",
+    ):
         lora_trainer(accelerator, LoraConfig(rank=4, target_modules=("q_proj", "qkv_proj", "c_attn")))
     with pytest.raises(ConfigError, match=r"'learner\.lora\.layers' = \(1, 2\): the model has 2 decoder layers"):
         lora_trainer(accelerator, LoraConfig(rank=4, layers=(1, 2)))
-    with pytest.raises(ConfigError, match=r"'learner\.lora\.target_modules' = .*lm_head, model\.embed_tokens: the LM "
-                                          r"head and the embedding take no adapter"):
-        load_config(ROOT / "configs/tiny.yaml", ["learner.lora.rank=8",
-                                                 "learner.lora.target_modules=[q_proj,lm_head,model.embed_tokens]"])
+    with pytest.raises(
+        ConfigError,
+        match=r"'learner\.lora\.target_modules' = .*lm_head, model\.embed_tokens: the LM "
+        r"head and the embedding take no adapter",
+    ):
+        load_config(
+            ROOT / "configs/tiny.yaml",
+            ["learner.lora.rank=8", "learner.lora.target_modules=[q_proj,lm_head,model.embed_tokens]"],
+        )
 
 
 def test_config_check_refuses_targets_the_model_lacks_naming_the_ones_it_has(tmp_path, capsys):
@@ -100,8 +110,10 @@ def test_config_check_refuses_targets_the_model_lacks_naming_the_ones_it_has(tmp
     save_model(model, tokenizer, tmp_path / "model")
     common = ["config", "check", str(ROOT / "configs/tiny-lora.yaml"), f"model.path={tmp_path / 'model'}"]
     assert main([*common, "learner.lora.target_modules=[q_proj,W_pack]"]) == 2
-    assert "no linear layer W_pack; they have: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj" in \
-        capsys.readouterr().err
+    assert (
+        "no linear layer W_pack; they have: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"
+        in capsys.readouterr().err
+    )
     assert main(common) == 0
 
 
@@ -130,9 +142,15 @@ def test_a_push_carries_the_adapter_alone_under_peft_names_in_the_served_dtype(a
     lora = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
     t = lora_trainer(accelerator, lora)
     t.step(*step_batch(6), version=STEP_VERSION)
-    cfg = load_config(ROOT / "configs/tiny.yaml", ["model.dtype=bfloat16", "learner.lora.rank=4",
-                                                   "learner.lora.alpha=8", "learner.lora.target_modules=[q_proj,"
-                                                   "v_proj,down_proj]"])
+    cfg = load_config(
+        ROOT / "configs/tiny.yaml",
+        [
+            "model.dtype=bfloat16",
+            "learner.lora.rank=4",
+            "learner.lora.alpha=8",
+            "learner.lora.target_modules=[q_proj,v_proj,down_proj]",
+        ],
+    )
     push = WeightPush.of(cfg)
     assert push == WeightPush("bfloat16", AdapterSpec(4, 8.0, ("q_proj", "v_proj", "down_proj")))
     publisher = build_publisher(WeightsConfig(dir=str(tmp_path / "weights")), "inc", "run", str(tmp_path), "bfloat16")
@@ -190,8 +208,12 @@ def test_a_lora_checkpoint_holds_the_adapter_and_its_adamw_state_and_resumes_bit
     moments = {k: n for k, n in parts.items() if k.startswith("optimizer/") and k.endswith(("exp_avg", "exp_avg_sq"))}
     assert sum(moments.values()) == 2 * TINY_ADAPTER_PARAMS and all(".lora_" in k for k in parts)
     # resumed by a run without the adapter: refused by name, not loaded in part
-    full = Trainer(learner_config(*CASES["ppo_token_mean_2updates"]), build_tiny_model(TINY, ALPHABET, seed=0)[0],
-                   accelerator, temperature=1.0)
+    full = Trainer(
+        learner_config(*CASES["ppo_token_mean_2updates"]),
+        build_tiny_model(TINY, ALPHABET, seed=0)[0],
+        accelerator,
+        temperature=1.0,
+    )
     with pytest.raises(ValueError, match="saved by a run with a LoRA adapter, this learner has learner.lora.rank = 0"):
         Checkpointer(CheckpointConfig(), tmp_path / "checkpoints", accelerator, full)._check_fits(saved)
 
@@ -234,14 +256,16 @@ def test_the_final_export_is_the_merged_model_and_the_adapter_beside_it(accelera
     t.step(*step_batch(6), version=STEP_VERSION)
     tracker = Artifacts()
     model_dir = FinalExport(str(tmp_path / "base"), tmp_path / "run" / "model", "float32", tracker, ALL_TARGETS)(
-        t.policy, t.export_state("float32"))
+        t.policy, t.export_state("float32")
+    )
     assert [name for name, _ in tracker.logged] == ["model", "adapter"]
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer_config.json"} <= set(tracker.logged[1][1])
     ours = logits(t.policy.eval(), IDS)
     merged = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     torch.testing.assert_close(logits(merged, IDS), ours, atol=1e-5, rtol=0)
-    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
-                                        tmp_path / "run" / "adapter").eval()
+    adapter = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "run" / "adapter"
+    ).eval()
     torch.testing.assert_close(logits(adapter, IDS), ours, atol=1e-6, rtol=0)
 
 
@@ -273,10 +297,14 @@ def test_tidal_export_writes_a_lora_runs_adapter_that_peft_loads_over_the_base(l
     assert folder == root / "run" / "adapter-step-000001"
     config = json.loads((folder / "adapter_config.json").read_text())
     assert (config["base_model_name_or_path"], config["r"], config["lora_alpha"]) == (
-        str(root / "base"), cfg.learner.lora.rank, cfg.learner.lora.alpha)
+        str(root / "base"),
+        cfg.learner.lora.rank,
+        cfg.learner.lora.alpha,
+    )
     assert sorted(config["target_modules"]) == sorted(cfg.learner.lora.target_modules)
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"]),
-                                      folder).eval()
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"]), folder
+    ).eval()
     torch.testing.assert_close(logits(model, IDS), logits(t.policy.eval(), IDS), atol=1e-6, rtol=0)
 
 
@@ -295,12 +323,13 @@ def test_an_exported_adapter_holds_the_bases_tokenizer_and_export_says_how_to_lo
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"load it: peft's AutoPeftModelForCausalLM.from_pretrained('{folder}') (the base from its adapter_config.json)"
         f" and AutoTokenizer.from_pretrained('{folder}'), or vllm serve {root / 'base'} --enable-lora --max-lora-rank "
-        f"{cfg.learner.lora.rank} --lora-modules adapter={folder}")
+        f"{cfg.learner.lora.rank} --lora-modules adapter={folder}"
+    )
     model = AutoPeftModelForCausalLM.from_pretrained(folder).eval()  # what the line says loads, does
     ours = logits(t.policy.eval(), IDS)
     # peft grows the embeddings to a longer tokenizer's length, and the tiny model's, reloaded, has one token
     # more than its 14 embeddings (transformers adds <|endoftext|>); the rows it had are untouched
-    torch.testing.assert_close(logits(model, IDS)[..., :ours.shape[-1]], ours, atol=1e-6, rtol=0)
+    torch.testing.assert_close(logits(model, IDS)[..., : ours.shape[-1]], ours, atol=1e-6, rtol=0)
 
 
 def test_tidal_export_merge_writes_a_model_with_the_peft_models_logits(lora_run, capsys):

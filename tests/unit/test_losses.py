@@ -1,5 +1,6 @@
 """Every loss x aggregation against numbers worked out by hand; REINFORCE as the on-policy limit;
 gradient accumulation, micro-batch packing and learning-rate scaling on the tiny model."""
+
 import math
 from dataclasses import replace
 
@@ -39,11 +40,15 @@ def hand_batch(rho, how, prox_ratio=None):
     for g, (lengths, rewards) in enumerate(zip(LENGTHS, REWARDS)):
         samples = []
         for n, reward in zip(lengths, rewards):
-            samples.append(SampleArrays.of([4] * n, behavior[start:start + n], version_spans=[(0, 0, n)], reward=reward,
-                                           finish_reason="stop"))
+            samples.append(
+                SampleArrays.of(
+                    [4] * n, behavior[start : start + n], version_spans=[(0, 0, n)], reward=reward, finish_reason="stop"
+                )
+            )
             start += n
-        groups.append(RolloutGroup.pack(samples, group_id=f"g{g}", prompt_id=g, actor_id="a",
-                                        prompt_tokens=int32s([2, 3])))
+        groups.append(
+            RolloutGroup.pack(samples, group_id=f"g{g}", prompt_id=g, actor_id="a", prompt_tokens=int32s([2, 3]))
+        )
     masks = [[np.ones(n, dtype=bool) for n in lengths] for lengths in LENGTHS]
     rows = build_rows(groups, masks, group_advantages(groups, AdvantageNorm.none), aggregation_weights(masks, how))
     mb = collate(rows)
@@ -51,8 +56,15 @@ def hand_batch(rho, how, prox_ratio=None):
     np.testing.assert_allclose(mb.weights.numpy(), WEIGHTS[how], rtol=1e-12)
     logp = torch.tensor(LOGP, requires_grad=True)
     prox = None if prox_ratio is None else torch.tensor([lp - math.log(r) for lp, r in zip(LOGP, prox_ratio)])
-    return LossInputs(logp, mb.behavior_logprobs, mb.advantages, mb.weights.float(), prox_logprobs=prox,
-                      sample_index=mb.sample_index, token_mask=mb.token_mask)
+    return LossInputs(
+        logp,
+        mb.behavior_logprobs,
+        mb.advantages,
+        mb.weights.float(),
+        prox_logprobs=prox,
+        sample_index=mb.sample_index,
+        token_mask=mb.token_mask,
+    )
 
 
 def check(inputs, cfg, per_token_loss, per_token_grad, clipped):
@@ -77,8 +89,9 @@ def test_cispo_by_hand(how):
     assert loss_t[:4] == pytest.approx([0.5, 0.5, -0.5, -3.0])
     grad_t = [-c * a for c, a in zip(coef, A)]  # [-0.5, -1, 0.25, 2, 0.5, -2, 1/3, 1/12, 2/3]
     assert grad_t == pytest.approx([-0.5, -1, 0.25, 2, 0.5, -2, 1 / 3, 1 / 12, 2 / 3])
-    check(hand_batch(RHO, how), LossConfig(type=LossType.cispo, eps_max=4.0), loss_t, grad_t,
-          [0, 0, 0, 1, 0, 0, 0, 0, 0])
+    check(
+        hand_batch(RHO, how), LossConfig(type=LossType.cispo, eps_max=4.0), loss_t, grad_t, [0, 0, 0, 1, 0, 0, 0, 0, 0]
+    )
 
 
 @pytest.mark.parametrize("how", AGGREGATIONS, ids=[a.value for a in AGGREGATIONS])
@@ -88,8 +101,7 @@ def test_tis_by_hand(how):
     assert loss_t[3] == pytest.approx(-2.5 * -0.5 * -1.5) and loss_t[5] == pytest.approx(-2.5 * (2 / 3) * -1.0)
     grad_t = [-c * a for c, a in zip(coef, A)]  # [-0.5, -1, 0.25, 1.25, 0.5, -5/3, 1/3, 1/12, 2/3]
     assert grad_t == pytest.approx([-0.5, -1, 0.25, 1.25, 0.5, -5 / 3, 1 / 3, 1 / 12, 2 / 3])
-    check(hand_batch(RHO, how), LossConfig(type=LossType.tis, tis_cap=2.5), loss_t, grad_t,
-          [0, 0, 0, 1, 0, 1, 0, 0, 0])
+    check(hand_batch(RHO, how), LossConfig(type=LossType.tis, tis_cap=2.5), loss_t, grad_t, [0, 0, 0, 1, 0, 1, 0, 0, 0])
 
 
 # ---- ppo: -sg(min(pi_prox / pi_behavior, c)) * min(r A, clip(r, 0.8, 1.2) A), r = pi_theta / pi_prox --
@@ -110,8 +122,13 @@ def test_ppo_by_hand(how):
     # unclipped tokens: d/dlogp of -iw * r * A is -iw * A * r; clipped ones have no gradient
     grad_t = [-1 * 0.5 * 0.5, 0, 0, -1 * -0.5 * 1.5, -2 * -0.5 * 1.1, 0, 0, -0.5 * (-1 / 3) * 0.9, -1 * (-1 / 3) * 1.0]
     rho = [r * q for r, q in zip(R, PROX_OVER_BEHAVIOR)]  # pi_theta / pi_behavior
-    check(hand_batch(rho, how, prox_ratio=R), LossConfig(type=LossType.ppo, clip_eps=0.2, prox_cap=2.0),
-          loss_t, grad_t, [0, 1, 1, 0, 0, 1, 1, 0, 0])
+    check(
+        hand_batch(rho, how, prox_ratio=R),
+        LossConfig(type=LossType.ppo, clip_eps=0.2, prox_cap=2.0),
+        loss_t,
+        grad_t,
+        [0, 1, 1, 0, 0, 1, 1, 0, 0],
+    )
 
 
 # ---- gspo: s_i = geometric mean of sample i's token ratios; -min(s A, clip(s, 0.8, 1.2) A) per sample ---
@@ -141,9 +158,14 @@ def test_gspo_by_hand(how):
 def test_gspo_sequence_ratio_leaves_masked_tokens_out():
     # one sample of 3 tokens, the last masked: s = sqrt(2 * 2) = 2, not (2*2*8)^(1/3)
     logp = torch.tensor([-1.0, -1.0, -1.0], requires_grad=True)
-    inputs = LossInputs(logp, logp.detach() - math.log(2) * torch.tensor([1.0, 1.0, 3.0]), torch.full((3,), -1.0),
-                        torch.tensor([0.5, 0.5, 0.0]), sample_index=torch.zeros(3, dtype=torch.long),
-                        token_mask=torch.tensor([True, True, False]))
+    inputs = LossInputs(
+        logp,
+        logp.detach() - math.log(2) * torch.tensor([1.0, 1.0, 3.0]),
+        torch.full((3,), -1.0),
+        torch.tensor([0.5, 0.5, 0.0]),
+        sample_index=torch.zeros(3, dtype=torch.long),
+        token_mask=torch.tensor([True, True, False]),
+    )
     loss, _ = policy_loss(inputs, LossConfig(type=LossType.gspo, gspo_clip_low=0.5, gspo_clip_high=2.0))
     assert float(loss.detach()) == pytest.approx(2.0)  # -(2 * -1), weights sum to 1
     loss.backward()
@@ -157,15 +179,22 @@ def test_far_off_policy_tokens_give_a_finite_loss_and_gradient(loss_type, advant
     # behaviour logprobs near the validator's floor, the learner's near 0: log rho ~ 110, past float32's exp
     logp = torch.tensor([-0.5, -1.0], requires_grad=True)
     behavior = torch.tensor([-110.0, -105.0])
-    inputs = LossInputs(logp, behavior, torch.full((2,), advantage), torch.tensor([0.5, 0.5]),
-                        prox_logprobs=logp.detach(), sample_index=torch.zeros(2, dtype=torch.long),
-                        token_mask=torch.ones(2, dtype=torch.bool))
+    inputs = LossInputs(
+        logp,
+        behavior,
+        torch.full((2,), advantage),
+        torch.tensor([0.5, 0.5]),
+        prox_logprobs=logp.detach(),
+        sample_index=torch.zeros(2, dtype=torch.long),
+        token_mask=torch.ones(2, dtype=torch.bool),
+    )
     loss, _ = policy_loss(inputs, LossConfig(type=loss_type))
     loss.backward()
     assert math.isfinite(float(loss.detach())) and torch.isfinite(logp.grad).all()
 
 
 # ---- counts over every rank -------------------------------------------------------------------------
+
 
 def test_aggregation_counts_come_from_every_rank_and_skip_masked_tokens():
     # this rank holds prompt a, with a1's first token masked (4 trainable tokens, 2 samples); the other
@@ -174,6 +203,7 @@ def test_aggregation_counts_come_from_every_rank_and_skip_masked_tokens():
 
     def all_sum(local):
         return local + np.array([4.0, 3.0, 1.0])
+
     prompt = aggregation_weights(masks, Aggregation.prompt_mean, all_sum)
     assert prompt[0][0].tolist() == [1 / 8, 1 / 8] and prompt[0][1].tolist() == [0, 1 / 8, 1 / 8]  # 1 / (2 prompts * 4)
     token = aggregation_weights(masks, Aggregation.token_mean, all_sum)
@@ -185,16 +215,23 @@ def test_aggregation_counts_come_from_every_rank_and_skip_masked_tokens():
 def test_batch_advantage_std_comes_from_every_rank():
     # this rank: rewards [1, 0] -> centred [0.5, -0.5]; the other: [1, 1, 0] -> [1/3, 1/3, -2/3], whose
     # [count, sum, sum of squares] = [3, 0, 6/9]; std = sqrt((0.5 + 6/9) / 5) = 0.483046
-    group = RolloutGroup.pack([SampleArrays.of([4], [-1.0], version_spans=[(0, 0, 1)], reward=r, finish_reason="stop")
-                               for r in (1.0, 0.0)], group_id="a", prompt_id=0, actor_id="a", prompt_tokens=int32s([2]))
+    group = RolloutGroup.pack(
+        [SampleArrays.of([4], [-1.0], version_spans=[(0, 0, 1)], reward=r, finish_reason="stop") for r in (1.0, 0.0)],
+        group_id="a",
+        prompt_id=0,
+        actor_id="a",
+        prompt_tokens=int32s([2]),
+    )
 
     def all_sum(local):
         return local + np.array([3.0, 0.0, 6 / 9])
+
     adv = group_advantages([group], AdvantageNorm.batch, all_sum)
     np.testing.assert_allclose(adv[0], [0.5 / 0.483046, -0.5 / 0.483046], rtol=1e-5)
 
 
 # ---- rho = 1: cispo, tis and ppo (one update) are REINFORCE ------------------------------------------
+
 
 @pytest.mark.parametrize("how", AGGREGATIONS, ids=[a.value for a in AGGREGATIONS])
 @pytest.mark.parametrize("loss_type", [LossType.cispo, LossType.tis, LossType.ppo])
@@ -210,12 +247,19 @@ def test_on_policy_losses_reduce_to_reinforce(loss_type, how):
 
 # ---- the trainer on the tiny model -----------------------------------------------------------------
 
+
 def with_behavior(groups, logprobs):
     """The same groups with behavior logprobs replaced (logprobs[group][sample] -> float32 [tokens])."""
-    return [RolloutGroup.pack([SampleArrays(s, tokens, np.asarray(lp, dtype=np.float32))
-                               for (s, tokens, _), lp in zip(g.unpack(), lps)],
-                              group_id=g.group_id, prompt_id=g.prompt_id, actor_id=g.actor_id,
-                              prompt_tokens=g.prompt_tokens) for g, lps in zip(groups, logprobs)]
+    return [
+        RolloutGroup.pack(
+            [SampleArrays(s, tokens, np.asarray(lp, dtype=np.float32)) for (s, tokens, _), lp in zip(g.unpack(), lps)],
+            group_id=g.group_id,
+            prompt_id=g.prompt_id,
+            actor_id=g.actor_id,
+            prompt_tokens=g.prompt_tokens,
+        )
+        for g, lps in zip(groups, logprobs)
+    ]
 
 
 @pytest.mark.parametrize("loss_type", [LossType.cispo, LossType.tis, LossType.ppo])
@@ -237,7 +281,7 @@ def test_trainer_step_is_reinforce_when_behavior_is_the_current_policy(loss_type
         for s, tokens, _ in g.unpack():
             completion = tokens.tolist()
             ids = torch.tensor([prompt + completion])
-            logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()  # [completion, vocab]
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()  # [completion, vocab]
             logp = logits.log_softmax(-1).gather(1, torch.tensor(completion)[:, None])[:, 0]
             behavior[-1].append(logp.detach().numpy())
             advantage = s.reward - sum(rewards) / len(rewards)
@@ -245,18 +289,24 @@ def test_trainer_step_is_reinforce_when_behavior_is_the_current_policy(loss_type
     loss.backward()
     expected = {k: (p - p.grad / (p.grad.abs() + 1.0)).detach() for k, p in model.named_parameters()}
 
-    cfg = replace(learner_config(loss_type, Aggregation.prompt_mean, 10_000, 1, num_groups=4),
-                  advantage_norm=AdvantageNorm.none)
+    cfg = replace(
+        learner_config(loss_type, Aggregation.prompt_mean, 10_000, 1, num_groups=4), advantage_norm=AdvantageNorm.none
+    )
     params, metrics = run_step(cfg, accelerator, with_behavior(groups, behavior), masks)
     assert metrics["offpolicy/rho_max"] == pytest.approx(1.0, abs=1e-5)
     for name, value in expected.items():
         torch.testing.assert_close(params[name], value, atol=1e-5, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("loss_type, how, minibatches", [
-    (LossType.cispo, Aggregation.prompt_mean, 1), (LossType.tis, Aggregation.token_mean, 1),
-    (LossType.ppo, Aggregation.sample_mean, 2), (LossType.gspo, Aggregation.prompt_mean, 1),
-])
+@pytest.mark.parametrize(
+    "loss_type, how, minibatches",
+    [
+        (LossType.cispo, Aggregation.prompt_mean, 1),
+        (LossType.tis, Aggregation.token_mean, 1),
+        (LossType.ppo, Aggregation.sample_mean, 2),
+        (LossType.gspo, Aggregation.prompt_mean, 1),
+    ],
+)
 def test_gradient_accumulation_equals_one_big_micro_batch(loss_type, how, minibatches, accelerator):
     groups, masks = step_batch(6)
     rows = build_rows(groups, masks, group_advantages(groups, AdvantageNorm.none), aggregation_weights(masks, how))
@@ -282,8 +332,9 @@ def test_micro_batches_pad_within_themselves_and_report_packing(accelerator):
     # Budget 12: [3 3 4] pads to 3 x 4 = 12, [4 5] to 2 x 5 = 10 -> 22 computed (one batch would be 5 x 5 = 25).
     groups = hand_groups()
     masks = [[np.ones(n, dtype=bool) for n in lengths] for lengths in LENGTHS]
-    rows = build_rows(groups, masks, group_advantages(groups, AdvantageNorm.none),
-                      aggregation_weights(masks, Aggregation.prompt_mean))
+    rows = build_rows(
+        groups, masks, group_advantages(groups, AdvantageNorm.none), aggregation_weights(masks, Aggregation.prompt_mean)
+    )
     assert [[len(r.input_ids) for r in b] for b in micro_batches(rows, 12)] == [[3, 3, 4], [4, 5]]
     cfg = replace(learner_config(LossType.cispo, Aggregation.prompt_mean, 12, 1, num_groups=2), packing="padded")
     _, metrics = run_step(cfg, accelerator, groups, masks)
@@ -295,10 +346,13 @@ def test_micro_batches_pad_within_themselves_and_report_packing(accelerator):
 def hand_groups():
     groups = []
     for g, (lengths, rewards) in enumerate(zip(LENGTHS, REWARDS)):
-        samples = [SampleArrays.of([4] * n, [-2.0] * n, version_spans=[(STEP_VERSION, 0, n)], reward=r,
-                                   finish_reason="stop") for n, r in zip(lengths, rewards)]
-        groups.append(RolloutGroup.pack(samples, group_id=f"g{g}", prompt_id=g, actor_id="a",
-                                        prompt_tokens=int32s([2, 3])))
+        samples = [
+            SampleArrays.of([4] * n, [-2.0] * n, version_spans=[(STEP_VERSION, 0, n)], reward=r, finish_reason="stop")
+            for n, r in zip(lengths, rewards)
+        ]
+        groups.append(
+            RolloutGroup.pack(samples, group_id=f"g{g}", prompt_id=g, actor_id="a", prompt_tokens=int32s([2, 3]))
+        )
     return groups
 
 
@@ -318,8 +372,9 @@ def test_lr_schedule_warms_up_then_holds_or_decays_to_its_floor(schedule):
     from tidal.config import LearnerConfig, LrSchedule, OptimConfig
     from tidal.learner.every_rank.trainer import lr_factor
 
-    cfg = LearnerConfig(max_steps=110, optim=OptimConfig(warmup_steps=10, schedule=LrSchedule(schedule),
-                                                         min_lr_ratio=0.1))
+    cfg = LearnerConfig(
+        max_steps=110, optim=OptimConfig(warmup_steps=10, schedule=LrSchedule(schedule), min_lr_ratio=0.1)
+    )
     factors = [lr_factor(cfg, s) for s in range(130)]
     assert factors[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])
     assert factors[10] == 1.0
@@ -329,8 +384,9 @@ def test_lr_schedule_warms_up_then_holds_or_decays_to_its_floor(schedule):
         return
     assert all(a >= b for a, b in zip(after, after[1:])) and factors[110] == factors[129] == pytest.approx(0.1)
     assert factors[60] == pytest.approx(0.55)  # halfway through the decay both are halfway to the floor
-    assert factors[35] == pytest.approx(0.1 + 0.9 * (0.5 * (1 + math.cos(math.pi / 4)) if schedule == "cosine"
-                                                     else 0.75))
+    assert factors[35] == pytest.approx(
+        0.1 + 0.9 * (0.5 * (1 + math.cos(math.pi / 4)) if schedule == "cosine" else 0.75)
+    )
 
 
 def test_step_metrics_are_floats_and_describe_the_batch(accelerator):
@@ -348,14 +404,17 @@ def test_step_metrics_are_floats_and_describe_the_batch(accelerator):
     assert metrics["offpolicy/ess"] <= 1.0 and metrics["offpolicy/rho_max"] >= metrics["offpolicy/rho_mean"]
 
 
-@pytest.mark.parametrize("override, key", [
-    ("learner.loss.type=reinforce", "learner.loss.type"),
-    ("learner.loss.clip_eps=1.5", "learner.loss.clip_eps"),
-    ("learner.loss.tis_cap=0", "learner.loss.tis_cap"),
-    ("learner.loss.minibatches_per_step=99", "learner.loss.minibatches_per_step"),
-    ("learner.optim.lr_scaling=sqrt", "learner.optim.ref_groups_per_step"),
-    ("learner.micro_batch_tokens=0", "learner.micro_batch_tokens"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("learner.loss.type=reinforce", "learner.loss.type"),
+        ("learner.loss.clip_eps=1.5", "learner.loss.clip_eps"),
+        ("learner.loss.tis_cap=0", "learner.loss.tis_cap"),
+        ("learner.loss.minibatches_per_step=99", "learner.loss.minibatches_per_step"),
+        ("learner.optim.lr_scaling=sqrt", "learner.optim.ref_groups_per_step"),
+        ("learner.micro_batch_tokens=0", "learner.micro_batch_tokens"),
+    ],
+)
 def test_bad_learner_keys_are_named(override, key):
     from pathlib import Path
 

@@ -1,6 +1,7 @@
 """The memory plan (tidal/ops/memory.py) on real models' shapes, from the config.json files in
 bench/models: exact parameter counts, each term's bytes, and refusals that name the budget, the
 largest term and the keys that change it. Meta-device models only: no weights, no GPU."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -25,14 +26,26 @@ from tidal.ops.memory import (
 from tidal.ops.placement import PlacementError
 
 MODELS = ROOT / "bench" / "models"
-PUBLISHED_B = {"Qwen2.5-1.5B": 1.54, "Qwen2.5-7B": 7.62, "Qwen2.5-14B": 14.8, "Qwen2.5-32B": 32.8,
-               "Qwen3-30B-A3B": 30.5}
+PUBLISHED_B = {
+    "Qwen2.5-1.5B": 1.54,
+    "Qwen2.5-7B": 7.62,
+    "Qwen2.5-14B": 14.8,
+    "Qwen2.5-32B": 32.8,
+    "Qwen3-30B-A3B": 30.5,
+}
 EIGHT_80 = Cluster(80 * GiB, 8, 2048 * GiB)
 # a 32B learner over two nodes of 8 GPUs, fully sharded, its actors two GPUs each (tensor parallel)
-TWO_NODES = ["learner.num_ranks=16", "learner.nodes=2", "learner.master_addr=tidal-learner-0",
-             "learner.fsdp.replicate_over_nodes=false", "learner.fsdp.activation_checkpointing=true",
-             "learner.micro_batch_tokens=16384", "actor.vllm.tensor_parallel_size=2",
-             "actor.vllm.max_model_len=16384", "weights.transport=nccl"]
+TWO_NODES = [
+    "learner.num_ranks=16",
+    "learner.nodes=2",
+    "learner.master_addr=tidal-learner-0",
+    "learner.fsdp.replicate_over_nodes=false",
+    "learner.fsdp.activation_checkpointing=true",
+    "learner.micro_batch_tokens=16384",
+    "actor.vllm.tensor_parallel_size=2",
+    "actor.vllm.max_model_len=16384",
+    "weights.transport=nccl",
+]
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +60,13 @@ def terms(budget) -> dict[str, int]:
 def test_shapes_count_the_published_parameters(shapes):
     for name, billions in PUBLISHED_B.items():
         assert shapes[name].num_params == pytest.approx(billions * 1e9, rel=0.01), name
-    assert [shapes[n].num_params for n in PUBLISHED_B] == [1_543_714_304, 7_615_616_512, 14_770_033_664,
-                                                            32_763_876_352, 30_532_122_624]
+    assert [shapes[n].num_params for n in PUBLISHED_B] == [
+        1_543_714_304,
+        7_615_616_512,
+        14_770_033_664,
+        32_763_876_352,
+        30_532_122_624,
+    ]
     moe = shapes["Qwen3-30B-A3B"]
     assert moe.active_params == 3_353_032_704 == pytest.approx(3.3e9, rel=0.02)  # published: 3.3B active
     assert (moe.num_experts, moe.experts_per_token, moe.qk_norm, moe.num_layers) == (128, 8, True, 48)
@@ -102,8 +120,11 @@ def test_activations_per_token_and_layer_and_with_checkpointing(shapes):
     assert layer_activation_bytes(seven, 2) == compute * 2 + 4 * 3584 * 4 == 254_976
     base = ["learner.num_ranks=4", "learner.fsdp.enabled=true", "learner.micro_batch_tokens=8192"]
     full = terms(plan(load_config("scalerl", base), seven, EIGHT_80).budget("learner GPU"))
-    kept = terms(plan(load_config("scalerl", [*base, "learner.fsdp.activation_checkpointing=true"]), seven,
-                      EIGHT_80).budget("learner GPU"))
+    kept = terms(
+        plan(load_config("scalerl", [*base, "learner.fsdp.activation_checkpointing=true"]), seven, EIGHT_80).budget(
+            "learner GPU"
+        )
+    )
     assert full["activations (28 layers, no checkpointing)"] == 28 * 8192 * 254_976
     assert kept["layer inputs kept (28 layers, checkpointing)"] == 28 * 8192 * 3584 * 2
     assert kept["one layer's activations, recomputed"] == 8192 * 254_976
@@ -134,13 +155,18 @@ def test_an_engine_at_0_95_of_the_gpu_has_no_room_left_for_nccl_buffers_of_32b(s
     big = shapes["Qwen2.5-32B"]
     cfg = load_config("scalerl", [*TWO_NODES, "learner.fsdp.enabled=true", "actor.vllm.gpu_memory_utilization=0.95"])
     outside = plan(cfg, big, EIGHT_80).budget("actor GPU, outside vLLM's share")
-    assert terms(outside) == {"CUDA context and NCCL": 2 * GiB,
-                              "nccl receive buffers (2 streams)": 2 * (64 * MiB + 152064 * 5120 * 2),
-                              "nccl tensor tags' scratch (2 streams)": 2 * 64 * MiB}
+    assert terms(outside) == {
+        "CUDA context and NCCL": 2 * GiB,
+        "nccl receive buffers (2 streams)": 2 * (64 * MiB + 152064 * 5120 * 2),
+        "nccl tensor tags' scratch (2 streams)": 2 * 64 * MiB,
+    }
     assert outside.capacity_bytes == 80 * GiB - int(0.95 * 80 * GiB)
-    with pytest.raises(ConfigError, match=r"does not fit the actor GPU, outside vLLM's share: 5\.2 GiB of 4\.0 GiB; "
-                                          r"its largest term, nccl receive buffers .* actor\.vllm\."
-                                          r"gpu_memory_utilization = 0\.95, weights\.bucket_mib = 64"):
+    with pytest.raises(
+        ConfigError,
+        match=r"does not fit the actor GPU, outside vLLM's share: 5\.2 GiB of 4\.0 GiB; "
+        r"its largest term, nccl receive buffers .* actor\.vllm\."
+        r"gpu_memory_utilization = 0\.95, weights\.bucket_mib = 64",
+    ):
         plan(cfg, big, EIGHT_80).check()
     plan(load_config("scalerl", [*TWO_NODES, "learner.fsdp.enabled=true"]), big, EIGHT_80).check()  # 0.9: 8 GiB
 
@@ -156,10 +182,16 @@ def test_host_payload_terms_scale_with_weights_keep(shapes):
     assert "weight files in /dev/shm (3)" not in on_disk
     tcp = load_config("scalerl", ["weights.transport=tcp"])
     assert set(terms_of(learner_host_terms(tcp, shapes["Qwen2.5-7B"]))) == {
-        "weight payloads kept (3 x bfloat16)", "weight payloads retired while still sent (1)",
-        "checkpoint being written (AdamW state, staged and serialized)", "learner processes (1)"}
-    nccl = terms_of(learner_host_terms(load_config("scalerl", ["weights.transport=nccl", "weights.max_sends=3"]),
-                                       shapes["Qwen2.5-7B"]))
+        "weight payloads kept (3 x bfloat16)",
+        "weight payloads retired while still sent (1)",
+        "checkpoint being written (AdamW state, staged and serialized)",
+        "learner processes (1)",
+    }
+    nccl = terms_of(
+        learner_host_terms(
+            load_config("scalerl", ["weights.transport=nccl", "weights.max_sends=3"]), shapes["Qwen2.5-7B"]
+        )
+    )
     assert nccl["weight payloads retired while still sent (3)"] == 3 * payload  # each transfer holds its version
     staged = [t for t in actor_host_terms(tcp, shapes["Qwen2.5-7B"]) if t.shm]
     assert [(t.name, t.nbytes) for t in staged] == [("weights staged in /dev/shm (tcp)", payload)]
@@ -174,8 +206,9 @@ def test_shards_span_a_node_under_hsdp_and_offload_moves_them_to_the_host(shapes
     assert shard_count(load_config("scalerl", two)) == 8  # replicated across the 2 nodes
     assert shard_count(load_config("scalerl", [*two, "learner.fsdp.replicate_over_nodes=false"])) == 16
     assert shard_count(load_config("scalerl", two[:3])) == 1
-    offload = load_config("scalerl", ["learner.num_ranks=4", "learner.fsdp.enabled=true",
-                                      "learner.fsdp.cpu_offload=true"])
+    offload = load_config(
+        "scalerl", ["learner.num_ranks=4", "learner.fsdp.enabled=true", "learner.fsdp.cpu_offload=true"]
+    )
     result = plan(offload, shapes["Qwen2.5-14B"], EIGHT_80)
     assert not [t for t in result.budget("learner GPU").terms if "AdamW" in t.name]
     host = terms(result.budget("learner host, node 0"))
@@ -186,14 +219,22 @@ def test_shards_span_a_node_under_hsdp_and_offload_moves_them_to_the_host(shapes
 
 def test_a_lora_learner_holds_a_frozen_base_and_the_adapters_fp32_state(shapes):
     seven, head = shapes["Qwen2.5-7B"], 152064 * 3584
-    assert seven.layer_linears == ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    assert seven.layer_linears == [
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    ]
     full = load_config("scalerl", ["learner.micro_batch_tokens=8192"])
     lora = load_config("scalerl", ["learner.micro_batch_tokens=8192", "learner.lora.rank=16"])
     # r x (in + out) of q, k, v, o, gate, up, down in 28 layers: what peft reports for Qwen2.5-7B at r = 16
     assert memory.adapter_params(lora, seven) == 16 * 28 * (7168 + 4096 + 4096 + 7168 + 3 * 22528) == 40_370_176
-    two = load_config("scalerl", ["learner.lora.rank=16", "learner.lora.layers=[0,1]", "learner.lora.target_modules="
-                                  "[q_proj,v_proj]"])
+    two = load_config(
+        "scalerl", ["learner.lora.rank=16", "learner.lora.layers=[0,1]", "learner.lora.target_modules=[q_proj,v_proj]"]
+    )
     assert memory.adapter_params(two, seven) == 16 * 2 * (7168 + 4096)
     learner = terms(plan(lora, seven, EIGHT_80).budget("learner GPU"))
     # the base in bf16 (its untied LM head in fp32, model.head = fp32) with no gradients and no AdamW state
@@ -220,13 +261,24 @@ def test_a_lora_learner_holds_a_frozen_base_and_the_adapters_fp32_state(shapes):
     sharded = load_config("scalerl", ["learner.lora.rank=16", "learner.num_ranks=4", "learner.fsdp.enabled=true"])
     gathered = terms(plan(sharded, seven, EIGHT_80).budget("learner GPU"))
     assert gathered["gathered decoder layers (2)"] == 2 * seven.layer_params * 2  # no gradients of a frozen base
-    assert gathered["frozen base (bfloat16, no gradients or AdamW state, 1/4 a rank)"] == \
-        ((7_615_616_512 - head) * 2 + head * 4) // 4
+    assert (
+        gathered["frozen base (bfloat16, no gradients or AdamW state, 1/4 a rank)"]
+        == ((7_615_616_512 - head) * 2 + head * 4) // 4
+    )
 
 
 def test_colocated_engines_take_their_share_of_the_learner_gpu(shapes):
-    cfg = load_config("scalerl", ["actor.colocate=true", "actor.replicas=2", "actor.vllm.gpu_memory_utilization=0.3",
-                                  "learner.num_ranks=2", "learner.fsdp.enabled=true", "weights.transport=tcp"])
+    cfg = load_config(
+        "scalerl",
+        [
+            "actor.colocate=true",
+            "actor.replicas=2",
+            "actor.vllm.gpu_memory_utilization=0.3",
+            "learner.num_ranks=2",
+            "learner.fsdp.enabled=true",
+            "weights.transport=tcp",
+        ],
+    )
     result = plan(cfg, shapes["Qwen2.5-1.5B"], EIGHT_80)
     learner = terms(result.budget("learner GPU"))
     assert learner["vLLM's share of 1 colocated engine(s)"] == int(0.3 * 80 * GiB)
@@ -237,8 +289,17 @@ def test_colocated_engines_take_their_share_of_the_learner_gpu(shapes):
 
 
 def test_config_check_prints_the_plan_and_refuses_what_does_not_fit(capsys):
-    fits = ["config", "check", "tiny", "--gpu-gib", "141", "--host-gib", "2048",
-            "--model-config", str(MODELS / "Qwen2.5-1.5B" / "config.json")]
+    fits = [
+        "config",
+        "check",
+        "tiny",
+        "--gpu-gib",
+        "141",
+        "--host-gib",
+        "2048",
+        "--model-config",
+        str(MODELS / "Qwen2.5-1.5B" / "config.json"),
+    ]
     assert main(fits) == 0
     out = capsys.readouterr().out
     assert "memory plan: Qwen2.5-1.5B (1.54 B parameters) on 141.0 GiB GPUs, 8 a node" in out
@@ -279,7 +340,14 @@ def test_run_refuses_a_layout_its_gpus_cannot_hold(monkeypatch):
     with pytest.raises(PlacementError, match="does not fit the learner GPU"):
         check_gpus(unsharded, ["0", "1"])
     assert check_gpus(unsharded, []) is None  # no GPU: nothing to plan
-    sharded = load_config("scalerl", [f"model.path={MODELS / 'Qwen2.5-7B'}", "learner.num_ranks=4",
-                                      "learner.fsdp.enabled=true", "learner.fsdp.activation_checkpointing=true",
-                                      "actor.vllm.max_model_len=16384"])
+    sharded = load_config(
+        "scalerl",
+        [
+            f"model.path={MODELS / 'Qwen2.5-7B'}",
+            "learner.num_ranks=4",
+            "learner.fsdp.enabled=true",
+            "learner.fsdp.activation_checkpointing=true",
+            "actor.vllm.max_model_len=16384",
+        ],
+    )
     assert check_gpus(sharded, ["0", "1", "2", "3", "4"]).budget("learner GPU").fits

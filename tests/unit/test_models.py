@@ -1,5 +1,6 @@
 """Models by name: model.path is a folder or a Hub id resolved through huggingface_hub's cache,
 offline too (HF_HUB_OFFLINE=1), at a revision (branch, tag or commit)."""
+
 import hashlib
 import os
 import shutil
@@ -59,11 +60,14 @@ def test_a_hub_id_resolves_offline_at_a_branch_tag_or_commit(tmp_path, offline_h
     assert resolve_model_path(ModelConfig(path=REPO, revision=tagged), task) == snapshots["v1"]
 
 
-@pytest.mark.parametrize("overrides, says", [
-    (["model.path=tidal-test/not-there"], "model.path = 'tidal-test/not-there': HF_HUB_OFFLINE=1 and not in"),
-    (["model.revision=v1"], "config key 'model.revision'"),
-    (["model.path=/no/such/folder"], "'/no/such/folder' is not a Hugging Face model folder"),
-])
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["model.path=tidal-test/not-there"], "model.path = 'tidal-test/not-there': HF_HUB_OFFLINE=1 and not in"),
+        (["model.revision=v1"], "config key 'model.revision'"),
+        (["model.path=/no/such/folder"], "'/no/such/folder' is not a Hugging Face model folder"),
+    ],
+)
 def test_model_mistakes_are_one_line_and_exit_2(offline_hub, capsys, overrides, says):
     assert main(["prepare", str(ROOT / "configs/tiny.yaml"), *overrides]) == 2
     err = capsys.readouterr().err.strip().splitlines()

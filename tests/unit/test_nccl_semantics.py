@@ -1,6 +1,7 @@
 """The weight channel under NCCL's semantics (tests/fake_nccl.py), which gloo does not have: work
 completes asynchronously on streams, the current device is per thread, and a dead peer raises
 nothing. First the fake itself, then the collective channel's worker side on it."""
+
 import asyncio
 import threading
 import time
@@ -46,10 +47,12 @@ def receive_on_side_stream(side, expected):
         fake_nccl.write_later(side, buffer, expected)
         torch.cuda.current_stream().wait_stream(side)
         return buffer
+
     return receive
 
 
 # ---- the fake ----------------------------------------------------------------------------------------
+
 
 def test_the_fake_orders_reads_as_streams_do(fake):
     """A read on the stream a receive was enqueued on, or on one told to wait for it, sees the data; a
@@ -82,6 +85,7 @@ def test_a_dead_peer_raises_nothing_and_an_abort_ends_the_wait(fake):
     def join(rank):  # each rank on a device of its own, as NCCL requires
         torch.cuda.set_device(rank)
         comms[rank] = fake_nccl.communicator(uid, rank, 2, rank)
+
     threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
     for t in threads:
         t.start()
@@ -103,8 +107,9 @@ def test_a_dead_peer_raises_nothing_and_an_abort_ends_the_wait(fake):
 
 def test_a_collective_on_another_devices_stream_is_refused(fake):
     uid = fake_nccl.unique_id()
-    made = threading.Thread(target=lambda: (torch.cuda.set_device(2), fake_nccl.communicator(uid, 1, 2, 2)),
-                            daemon=True)
+    made = threading.Thread(
+        target=lambda: (torch.cuda.set_device(2), fake_nccl.communicator(uid, 1, 2, 2)), daemon=True
+    )
     made.start()
     comm = fake_nccl.communicator(uid, 0, 2, 1)  # on cuda:1, while this thread's device is 0
     made.join()
@@ -128,6 +133,7 @@ def channel(fake, monkeypatch):
         comm = fake_nccl.communicator(uid, rank, world_size, device_index)
         made.append(comm)
         return comm
+
     monkeypatch.setattr(nccl, "unique_id", fake_nccl.unique_id)
     monkeypatch.setattr(nccl, "communicator", communicator)
     monkeypatch.setattr(nccl, "tensor_device", lambda index: torch.device("cpu"))
@@ -154,8 +160,14 @@ def worker_engine(**keys) -> ScriptedEngine:
     def setup():
         torch.cuda.set_device(WORKER_DEVICE)
         torch.cuda.set_stream(torch.cuda.Stream())
-    return ScriptedEngine(None, read=fake_nccl.read, worker_setup=setup, vllm_config=SimpleNamespace(
-        parallel_config=SimpleNamespace(rank=0), model_config=None), **keys)
+
+    return ScriptedEngine(
+        None,
+        read=fake_nccl.read,
+        worker_setup=setup,
+        vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(rank=0), model_config=None),
+        **keys,
+    )
 
 
 def assert_whole(engine, state: dict, swaps: list[int]) -> None:
@@ -210,8 +222,9 @@ def test_a_worker_that_stops_mid_transfer_costs_the_learner_one_timeout_and_noth
         stuck.read = lambda t: (reading.set(), release.wait(30), t.clone())[2]  # a dead worker: nothing after
         receiver = build_receiver(weights_config("nccl", tcp_timeout_s=1.0))
         loop = asyncio.new_event_loop()
-        transfer = loop.run_in_executor(None, lambda: asyncio.run(receiver.apply(publisher.publish(weights(0), 1),
-                                                                                  stuck)))
+        transfer = loop.run_in_executor(
+            None, lambda: asyncio.run(receiver.apply(publisher.publish(weights(0), 1), stuck))
+        )
         assert reading.wait(10)
         worst = train_while(lambda: not publisher.server.groups, seconds=6)
         assert not publisher.server.groups  # the learner's side of that group was aborted and dropped
@@ -252,8 +265,9 @@ def test_a_learner_gone_mid_transfer_leaves_the_engine_paused_until_a_whole_vers
 
     def one_chunk_then_silence(self, group, served, progress):
         sent = served.manifest[:2]  # the first chunk: two 0.75 MiB tensors
-        served = collective.Served(served.payload[:sent[-1].offset + sent[-1].nbytes], sent, [])
+        served = collective.Served(served.payload[: sent[-1].offset + sent[-1].nbytes], sent, [])
         send(self, group, served, progress)
+
     monkeypatch.setattr(nccl.NcclPlane, "send", one_chunk_then_silence)
     engine = worker_engine()
     receiver = build_receiver(weights_config("nccl", tcp_timeout_s=1.0))
@@ -290,6 +304,7 @@ def test_transfers_beyond_max_sends_wait_their_turn_and_every_one_sends_from_the
     async def both():
         receivers = [build_receiver(weights_config("nccl", tcp_timeout_s=1.0)) for _ in engines]
         await asyncio.gather(*(r.apply(update, e) for r, e in zip(receivers, engines)))
+
     running, most, send = [], [], publisher.plane.send
 
     def counted(group, served, progress):
@@ -299,6 +314,7 @@ def test_transfers_beyond_max_sends_wait_their_turn_and_every_one_sends_from_the
             send(group, served, progress)
         finally:
             running.pop()
+
     publisher.plane.send = counted
     try:
         asyncio.run(both())
@@ -348,6 +364,7 @@ def test_a_tensor_altered_on_the_way_is_refused_and_the_engine_waits_for_a_check
         payload = served.payload.clone()
         payload[served.manifest[3].offset + 1000] ^= 0x10
         send(self, group, collective.Served(payload, served.manifest, served.buckets), progress)
+
     monkeypatch.setattr(nccl.NcclPlane, "send", flip_one_bit)
     engine, receiver = worker_engine(), build_receiver(weights_config("nccl"))
     try:
@@ -388,8 +405,11 @@ def test_an_adapter_version_lands_whole_in_the_stash_checked_by_its_tags(channel
 
     publisher = nccl_publisher()
     spec = AdapterSpec(rank=4, alpha=8.0, target_modules=("q_proj",))
-    tensors = {f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_{p}.weight": torch.randn(*shape)
-               for i in range(3) for p, shape in (("A", (4, 512)), ("B", (512, 4)))}
+    tensors = {
+        f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_{p}.weight": torch.randn(*shape)
+        for i in range(3)
+        for p, shape in (("A", (4, 512)), ("B", (512, 4)))
+    }
     try:
         engine = worker_engine(adapter=True)
         update = msgspec.structs.replace(publisher.publish(tensors, 1), adapter=spec)

@@ -3,6 +3,7 @@
 flash-attn as variable-length attention, tests/gpu). Shared: one sequence per prompt group, the
 prompt once and every completion after it under a mask. The learner must compute the same
 logprobs and make the same update in every layout."""
+
 from dataclasses import replace
 
 import numpy as np
@@ -38,8 +39,8 @@ def test_packed_rows_are_one_sequence_with_restarting_positions():
 def test_a_shared_sequence_holds_the_prompt_once_and_each_completion_sees_only_the_prompt_and_itself():
     groups, masks = step_batch(2)
     rows = rows_of(groups, masks)[:2]  # group 0's two samples
-    prompt = rows[0].input_ids[:rows[0].num_prompt_tokens].tolist()
-    first, second = (r.input_ids[r.num_prompt_tokens:].tolist() for r in rows)
+    prompt = rows[0].input_ids[: rows[0].num_prompt_tokens].tolist()
+    first, second = (r.input_ids[r.num_prompt_tokens :].tolist() for r in rows)
     mb = collate(rows, "shared")
     p, a = len(prompt), len(first) - 1
     assert mb.input_ids[0].tolist() == prompt + first[:-1] + second[:-1]  # last tokens predict nothing
@@ -79,7 +80,7 @@ def test_a_shared_micro_batch_keeps_groups_whole_and_counts_rows_in_the_callers_
     mb = collate(interleaved, "shared")
     assert mb.sample_index.unique().tolist() == list(range(len(rows)))
     for i, r in enumerate(interleaved):  # each row's tokens still sit under its own index
-        assert mb.targets[mb.sample_index == i].tolist() == r.input_ids[r.num_prompt_tokens:].tolist()
+        assert mb.targets[mb.sample_index == i].tolist() == r.input_ids[r.num_prompt_tokens :].tolist()
 
 
 def test_a_packed_budget_counts_real_tokens_only():
@@ -112,6 +113,8 @@ def test_auto_shares_prompts_where_that_computes_less():
         micro_batch_layout("shared", model)
     groups, masks = step_batch(6)
     rows = rows_of(groups, masks)
-    long_prompt = [replace(r, input_ids=np.concatenate([np.full(30, 3), r.input_ids]),
-                           num_prompt_tokens=r.num_prompt_tokens + 30) for r in rows]
+    long_prompt = [
+        replace(r, input_ids=np.concatenate([np.full(30, 3), r.input_ids]), num_prompt_tokens=r.num_prompt_tokens + 30)
+        for r in rows
+    ]
     assert computed_positions(long_prompt, 10_000, "shared") < computed_positions(long_prompt, 10_000, "padded")

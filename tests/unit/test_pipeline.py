@@ -1,6 +1,7 @@
 """The whole pipeline in one process, in seconds: the real coordinator, learner and actor loop over
 the in-process broker (or ZeroMQ on loopback) and the file weight channel, with a scripted engine
 in place of vLLM."""
+
 import asyncio
 import json
 import threading
@@ -58,8 +59,9 @@ def transports(kind: str, cfg):
         return broker.learner(), lambda: broker.actor(cfg.actor.id)
     learner_side = ZmqLearnerTransport(cfg.broker, codec)
     ports = learner_side.ports
-    zmq_cfg = replace(cfg.broker.zmq, control_port=ports["control"], rollout_port=ports["rollout"],
-                      weights_port=ports["weights"])
+    zmq_cfg = replace(
+        cfg.broker.zmq, control_port=ports["control"], rollout_port=ports["rollout"], weights_port=ports["weights"]
+    )
     actor_cfg = replace(cfg.broker, zmq=zmq_cfg)
     return learner_side, lambda: ZmqActorTransport(actor_cfg, WireCodec(cfg.broker.max_message_bytes), cfg.actor.id)
 
@@ -82,10 +84,25 @@ def start_actor(actor_side, cfg, engine: ScriptedEngine) -> tuple[threading.Thre
 @pytest.mark.parametrize("kind", ["inproc", "zmq"])
 def test_coordinator_actor_and_learner_train_through_a_transport(tmp_path, tiny_model, kind):
     model_path, tokenizer = tiny_model
-    cfg = resolve(load_config("configs/tiny.yaml", [
-        f"run_dir={tmp_path / 'run'}", f"model.path={model_path}", f"learner.max_steps={MAX_STEPS}",
-        "learner.groups_per_step=4", "sampling.n=4", f"staleness.max_lag={MAX_LAG}", "eval.every=2", "eval.n=2",
-        "task.num_val=8", "actor.max_inflight=16", "actor.heartbeat_s=0.2"]), actor=True)
+    cfg = resolve(
+        load_config(
+            "configs/tiny.yaml",
+            [
+                f"run_dir={tmp_path / 'run'}",
+                f"model.path={model_path}",
+                f"learner.max_steps={MAX_STEPS}",
+                "learner.groups_per_step=4",
+                "sampling.n=4",
+                f"staleness.max_lag={MAX_LAG}",
+                "eval.every=2",
+                "eval.n=2",
+                "task.num_val=8",
+                "actor.max_inflight=16",
+                "actor.heartbeat_s=0.2",
+            ],
+        ),
+        actor=True,
+    )
     learner_side, actor_side = transports(kind, cfg)
     engine = ScriptedEngine(tokenizer, p_correct=0.5)
     learner = build(cfg, transport=learner_side)
@@ -109,8 +126,9 @@ def test_coordinator_actor_and_learner_train_through_a_transport(tmp_path, tiny_
     trained = [i for e in events if e["event"] == "trained" for i in e["ids"]]
     assert len(released) == len(set(released)) and set(trained) <= set(released)
     assert max(Counter(trained).values()) == 1 and len(trained) == MAX_STEPS * 4
-    steps = [m for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
-             if "learner/loss" in m]
+    steps = [
+        m for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "learner/loss" in m
+    ]
     assert [m["step"] for m in steps] == list(range(1, MAX_STEPS + 1))
     assert all(m["offpolicy/lag_max"] <= MAX_LAG for m in steps)
     assert actor["stats"]["groups"] >= len(trained)
@@ -119,8 +137,9 @@ def test_coordinator_actor_and_learner_train_through_a_transport(tmp_path, tiny_
     assert all(torch.equal(exported.state_dict()[name], final[name].cpu()) for name in final)
     again = export_checkpoint(tmp_path / "run", MAX_STEPS, tmp_path / "again")
     assert (again / "tokenizer.json").is_file() and (again / "model.safetensors").is_file()
-    assert all(torch.equal(v, final[k].cpu()) for k, v in
-               AutoModelForCausalLM.from_pretrained(again).state_dict().items())
+    assert all(
+        torch.equal(v, final[k].cpu()) for k, v in AutoModelForCausalLM.from_pretrained(again).state_dict().items()
+    )
 
 
 def test_a_lora_run_trains_the_adapter_and_every_version_reaches_the_actor_as_the_adapter_alone(tmp_path, tiny_model):
@@ -130,10 +149,26 @@ def test_a_lora_run_trains_the_adapter_and_every_version_reaches_the_actor_as_th
     from tidal.learner.every_rank import lora
 
     model_path, tokenizer = tiny_model
-    cfg = resolve(load_config("configs/tiny-lora.yaml", [
-        f"run_dir={tmp_path / 'run'}", f"model.path={model_path}", f"learner.max_steps={MAX_STEPS}",
-        "learner.groups_per_step=4", "sampling.n=4", f"staleness.max_lag={MAX_LAG}", "eval.every=2", "eval.n=2",
-        "task.num_val=8", "actor.max_inflight=16", "actor.heartbeat_s=0.2", "learner.lora.rank=4"]), actor=True)
+    cfg = resolve(
+        load_config(
+            "configs/tiny-lora.yaml",
+            [
+                f"run_dir={tmp_path / 'run'}",
+                f"model.path={model_path}",
+                f"learner.max_steps={MAX_STEPS}",
+                "learner.groups_per_step=4",
+                "sampling.n=4",
+                f"staleness.max_lag={MAX_LAG}",
+                "eval.every=2",
+                "eval.n=2",
+                "task.num_val=8",
+                "actor.max_inflight=16",
+                "actor.heartbeat_s=0.2",
+                "learner.lora.rank=4",
+            ],
+        ),
+        actor=True,
+    )
     learner_side, actor_side = transports("inproc", cfg)
     engine = ScriptedEngine(tokenizer, p_correct=0.5, adapter=True)
     learner = build(cfg, transport=learner_side)
@@ -182,17 +217,36 @@ def test_a_users_task_from_outside_the_package_with_chat_prompts(tmp_path, monke
     (tmp_path / "user_tasks").mkdir()
     (tmp_path / "user_tasks" / "sums.py").write_text(USER_TASK)
     monkeypatch.syspath_prepend(str(tmp_path))
-    rows = [{"messages": [{"role": "user", "content": f"{a:02d}+{b:02d}"}], "answer": f"{a + b:03d}"}
-            for a in range(10, 20) for b in range(30, 34)]
+    rows = [
+        {"messages": [{"role": "user", "content": f"{a:02d}+{b:02d}"}], "answer": f"{a + b:03d}"}
+        for a in range(10, 20)
+        for b in range(30, 34)
+    ]
     (tmp_path / "sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     model, tokenizer = build_tiny_model(TINY, ALPHABET, seed=0)
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
     save_model(model, tokenizer, tmp_path / "model")
-    cfg = resolve(load_config("configs/tiny.yaml", [
-        f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}", "learner.max_steps=2",
-        "learner.groups_per_step=4", "sampling.n=4", "eval.every=0", "eval.n=2", "actor.heartbeat_s=0.2",
-        "task.name=user_tasks.sums", f"task.data_path={tmp_path / 'sums.jsonl'}", "task.prompt_field=messages",
-        "task.num_val=4", f"task.kwargs.log={tmp_path / 'rewards.log'}"]), actor=True)
+    cfg = resolve(
+        load_config(
+            "configs/tiny.yaml",
+            [
+                f"run_dir={tmp_path / 'run'}",
+                f"model.path={tmp_path / 'model'}",
+                "learner.max_steps=2",
+                "learner.groups_per_step=4",
+                "sampling.n=4",
+                "eval.every=0",
+                "eval.n=2",
+                "actor.heartbeat_s=0.2",
+                "task.name=user_tasks.sums",
+                f"task.data_path={tmp_path / 'sums.jsonl'}",
+                "task.prompt_field=messages",
+                "task.num_val=4",
+                f"task.kwargs.log={tmp_path / 'rewards.log'}",
+            ],
+        ),
+        actor=True,
+    )
     learner_side, actor_side = transports("inproc", cfg)
     learner = build(cfg, transport=learner_side)
     thread, actor = start_actor(actor_side, cfg, ScriptedEngine(tokenizer, p_correct=0.5))
@@ -208,7 +262,7 @@ def readme_task(name: str = "countdown") -> str:
     """A custom task the README shows, exactly as printed there."""
     text = (ROOT / "README.md").read_text()
     start = text.index(f"```python\n# my_tasks/{name}.py")
-    return text[start + len("```python\n"):text.index("```", start + 10)]
+    return text[start + len("```python\n") : text.index("```", start + 10)]
 
 
 def test_the_readme_reward_trains_end_to_end(tmp_path, tiny_model, monkeypatch, unrendered_figures):
@@ -218,10 +272,26 @@ def test_the_readme_reward_trains_end_to_end(tmp_path, tiny_model, monkeypatch, 
     monkeypatch.syspath_prepend(str(tmp_path))
     rows = [{"problem": f"{a:02d}+{b:02d}=", "answer": f"{a + b:03d}"} for a in range(20, 30) for b in range(5)]
     (tmp_path / "cd.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = resolve(load_config("configs/tiny.yaml", [
-        f"run_dir={tmp_path / 'run'}", f"model.path={model_path}", "learner.max_steps=2", "learner.groups_per_step=4",
-        "sampling.n=4", "eval.every=0", "eval.n=2", "actor.heartbeat_s=0.2", "task.name=my_tasks.countdown",
-        f"task.data_path={tmp_path / 'cd.jsonl'}", "task.num_val=4", "task.kwargs.partial_credit=0.25"]), actor=True)
+    cfg = resolve(
+        load_config(
+            "configs/tiny.yaml",
+            [
+                f"run_dir={tmp_path / 'run'}",
+                f"model.path={model_path}",
+                "learner.max_steps=2",
+                "learner.groups_per_step=4",
+                "sampling.n=4",
+                "eval.every=0",
+                "eval.n=2",
+                "actor.heartbeat_s=0.2",
+                "task.name=my_tasks.countdown",
+                f"task.data_path={tmp_path / 'cd.jsonl'}",
+                "task.num_val=4",
+                "task.kwargs.partial_credit=0.25",
+            ],
+        ),
+        actor=True,
+    )
     learner_side, actor_side = transports("inproc", cfg)
     learner = build(cfg, transport=learner_side)
     thread, actor = start_actor(actor_side, cfg, ScriptedEngine(tokenizer, p_correct=0.5))
@@ -239,10 +309,25 @@ def test_the_readme_environment_trains_end_to_end(tmp_path, tiny_model, monkeypa
     (tmp_path / "my_tasks").mkdir()
     (tmp_path / "my_tasks" / "retry.py").write_text(readme_task("retry"))
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = resolve(load_config("configs/tiny.yaml", [
-        f"run_dir={tmp_path / 'run'}", f"model.path={model_path}", "learner.max_steps=2", "learner.groups_per_step=4",
-        "sampling.n=4", "sampling.max_tokens=12", "eval.every=0", "eval.n=2", "actor.heartbeat_s=0.2",
-        "task.name=my_tasks.retry", "task.num_val=4"]), actor=True)
+    cfg = resolve(
+        load_config(
+            "configs/tiny.yaml",
+            [
+                f"run_dir={tmp_path / 'run'}",
+                f"model.path={model_path}",
+                "learner.max_steps=2",
+                "learner.groups_per_step=4",
+                "sampling.n=4",
+                "sampling.max_tokens=12",
+                "eval.every=0",
+                "eval.n=2",
+                "actor.heartbeat_s=0.2",
+                "task.name=my_tasks.retry",
+                "task.num_val=4",
+            ],
+        ),
+        actor=True,
+    )
     learner_side, actor_side = transports("zmq", cfg)  # episodes cross the wire
     learner = build(cfg, transport=learner_side)
     thread, actor = start_actor(actor_side, cfg, ScriptedEngine(tokenizer, p_correct=0.5))
@@ -264,17 +349,32 @@ def damaged_trainer_meta(checkpoint) -> None:
     (checkpoint / "MANIFEST.json").write_text(json.dumps(manifest))
 
 
-def test_a_learner_resumes_past_a_damaged_checkpoint_and_refuses_when_none_verifies(tmp_path, tiny_model,
-                                                                                   monkeypatch, capsys,
-                                                                                   unrendered_figures):
+def test_a_learner_resumes_past_a_damaged_checkpoint_and_refuses_when_none_verifies(
+    tmp_path, tiny_model, monkeypatch, capsys, unrendered_figures
+):
     from tidal.learner import main as learner_main
 
     model_path, tokenizer = tiny_model
     run_dir = tmp_path / "run"
-    cfg = resolve(load_config("configs/tiny.yaml", [
-        f"run_dir={run_dir}", f"model.path={model_path}", "learner.max_steps=2", "learner.groups_per_step=4",
-        "sampling.n=4", "eval.every=0", "eval.n=2", "task.num_val=4", "actor.heartbeat_s=0.2", "checkpoint.every=1",
-        "checkpoint.keep=3"]), actor=True)
+    cfg = resolve(
+        load_config(
+            "configs/tiny.yaml",
+            [
+                f"run_dir={run_dir}",
+                f"model.path={model_path}",
+                "learner.max_steps=2",
+                "learner.groups_per_step=4",
+                "sampling.n=4",
+                "eval.every=0",
+                "eval.n=2",
+                "task.num_val=4",
+                "actor.heartbeat_s=0.2",
+                "checkpoint.every=1",
+                "checkpoint.keep=3",
+            ],
+        ),
+        actor=True,
+    )
     learner_side, actor_side = transports("inproc", cfg)
     learner = build(cfg, transport=learner_side)
     thread, _ = start_actor(actor_side, cfg, ScriptedEngine(tokenizer, p_correct=0.5))
@@ -307,10 +407,24 @@ def test_the_learner_logs_a_progress_line_every_n_steps(tmp_path, tiny_model, ca
     mlflow.end_run()  # one an earlier test's resumed learner left open (it never finished) would refuse this run
     caplog.set_level(logging.INFO, logger="tidal.learner.progress")
     model_path, tokenizer = tiny_model
-    cfg = resolve(load_config("configs/tiny.yaml", [
-        f"run_dir={tmp_path / 'run'}", f"model.path={model_path}", "learner.max_steps=4", "learner.groups_per_step=4",
-        "sampling.n=4", "eval.every=0", "eval.n=2", "task.num_val=4", "actor.heartbeat_s=0.2",
-        "tracking.log_every_steps=2"]), actor=True)
+    cfg = resolve(
+        load_config(
+            "configs/tiny.yaml",
+            [
+                f"run_dir={tmp_path / 'run'}",
+                f"model.path={model_path}",
+                "learner.max_steps=4",
+                "learner.groups_per_step=4",
+                "sampling.n=4",
+                "eval.every=0",
+                "eval.n=2",
+                "task.num_val=4",
+                "actor.heartbeat_s=0.2",
+                "tracking.log_every_steps=2",
+            ],
+        ),
+        actor=True,
+    )
     learner_side, actor_side = transports("inproc", cfg)
     learner = build(cfg, transport=learner_side)
     thread, _ = start_actor(actor_side, cfg, ScriptedEngine(tokenizer, p_correct=0.5))

@@ -1,5 +1,6 @@
 """`tidal run` places each process: its GPUs through CUDA_VISIBLE_DEVICES, or CPU cores; a plan the
 machine cannot hold is refused in one line. Engine settings reach vLLM's arguments."""
+
 import re
 
 import pytest
@@ -36,11 +37,14 @@ def test_a_cpu_machine_pins_cores_and_leaves_cuda_alone():
     assert all(a.env() == {} for a in plan.actors)
 
 
-@pytest.mark.parametrize("overrides, gpus, says", [
-    (["actor.replicas=2"], ["0", "1"], "needs 3 GPUs (learner 1 + 2 actor(s) x 1) but 2 are visible"),
-    (["actor.vllm.tensor_parallel_size=4"], ["0", "1", "2", "3"], "needs 5 GPUs"),
-    (["actor.gpus_per_replica=1"], [], "actor.gpus_per_replica = 1 but this machine has no visible GPU"),
-])
+@pytest.mark.parametrize(
+    "overrides, gpus, says",
+    [
+        (["actor.replicas=2"], ["0", "1"], "needs 3 GPUs (learner 1 + 2 actor(s) x 1) but 2 are visible"),
+        (["actor.vllm.tensor_parallel_size=4"], ["0", "1", "2", "3"], "needs 5 GPUs"),
+        (["actor.gpus_per_replica=1"], [], "actor.gpus_per_replica = 1 but this machine has no visible GPU"),
+    ],
+)
 def test_an_impossible_plan_is_refused(overrides, gpus, says):
     c = cfg(*overrides)
     with pytest.raises(PlacementError, match=re.escape(says)):
@@ -55,20 +59,28 @@ def test_tidal_run_refuses_it_in_one_line_before_starting_anything(tmp_path, mon
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["learner.gpus=3"], "learner.gpus"),
-    (["actor.gpus_per_replica=1", "actor.vllm.tensor_parallel_size=2"], "actor.gpus_per_replica"),
-    (["actor.vllm.gpu_memory_utilization=1.5"], "actor.vllm.gpu_memory_utilization"),
-    (["actor.vllm.engine_kwargs.enable_prefix_caching=true"], "actor.vllm.engine_kwargs"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["learner.gpus=3"], "learner.gpus"),
+        (["actor.gpus_per_replica=1", "actor.vllm.tensor_parallel_size=2"], "actor.gpus_per_replica"),
+        (["actor.vllm.gpu_memory_utilization=1.5"], "actor.vllm.gpu_memory_utilization"),
+        (["actor.vllm.engine_kwargs.enable_prefix_caching=true"], "actor.vllm.engine_kwargs"),
+    ],
+)
 def test_bad_device_keys_are_named(overrides, key):
     with pytest.raises(ConfigError, match=key):
         cfg(*overrides)
 
 
 def test_engine_settings_reach_vllm_and_tidal_keeps_its_own():
-    c = cfg("actor.vllm.gpu_memory_utilization=0.5", "actor.vllm.tensor_parallel_size=2",
-            "actor.vllm.max_model_len=4096", "actor.vllm.engine_kwargs.enable_chunked_prefill=true", "actor.index=2")
+    c = cfg(
+        "actor.vllm.gpu_memory_utilization=0.5",
+        "actor.vllm.tensor_parallel_size=2",
+        "actor.vllm.max_model_len=4096",
+        "actor.vllm.engine_kwargs.enable_chunked_prefill=true",
+        "actor.index=2",
+    )
     args = engine_args(c.actor, "/m", "bfloat16")
     keys = ("gpu_memory_utilization", "tensor_parallel_size", "max_model_len", "enable_chunked_prefill")
     assert [args[k] for k in keys] == [0.5, 2, 4096, True]
@@ -98,6 +110,7 @@ def test_colocated_actors_start_once_the_learner_is_ready_and_a_learner_gone_fir
         started.append((name, (run_dir / "endpoints.json").exists()))
         proc = subprocess.Popen(["sleep", "30"] if role == "learner" else ["true"])
         return launcher.Child(name, role, proc, run_dir / "logs" / f"{name}.log", args, slot)
+
     monkeypatch.setattr(launcher, "_spawn", spawn)
     threading.Timer(0.5, lambda: (tmp_path / "endpoints.json").write_text("{}")).start()
     children = []
@@ -117,12 +130,18 @@ def test_a_pinned_cpu_engine_runs_its_model_in_the_engine_core_process_bound_to_
     from tidal.actor.engine import cpu_engine_env
 
     assert cpu_engine_env(cfg("actor.cpu_cores=1").actor) == {
-        "OMP_NUM_THREADS": "1", "OMP_PLACES": "{1}", "OMP_PROC_BIND": "close"}
+        "OMP_NUM_THREADS": "1",
+        "OMP_PLACES": "{1}",
+        "OMP_PROC_BIND": "close",
+    }
     env = cpu_engine_env(cfg("actor.cpu_cores=0-1,3").actor)
     assert (env["OMP_NUM_THREADS"], env["OMP_PLACES"]) == ("3", "{0},{1},{3}")
     # left to vLLM: no cores given, or parallelism / an executor the user chose
-    for overrides in ([], ["actor.cpu_cores=1", "actor.vllm.tensor_parallel_size=2"],
-                      ["actor.cpu_cores=1", "actor.vllm.engine_kwargs.distributed_executor_backend=mp"]):
+    for overrides in (
+        [],
+        ["actor.cpu_cores=1", "actor.vllm.tensor_parallel_size=2"],
+        ["actor.cpu_cores=1", "actor.vllm.engine_kwargs.distributed_executor_backend=mp"],
+    ):
         assert cpu_engine_env(cfg(*overrides).actor) == {}
 
 

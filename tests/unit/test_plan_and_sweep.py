@@ -1,4 +1,5 @@
 """Batch-size planner arithmetic and the sweep grid, without engines."""
+
 import pytest
 
 from tidal.ops.plan_batch import Probe, RunEvidence, at_batch, eval_every, plan, print_plan
@@ -14,8 +15,9 @@ def test_samples_to_target_follow_a_power_law_fitted_to_the_runs(capsys):
     # about a step before, 10 x 64 = 640 and 4 x 256 = 1024 trained samples
     evidence = [RunEvidence(8, 8, 2, 11), RunEvidence(32, 8, 2, 5)]
     assert [e.samples_to_target for e in evidence] == [640, 1024]
-    rows, note = plan([_probe(8, 1.0), _probe(16, 0.6), _probe(32, 0.55)], evidence, samples_per_group=8,
-                      eval_groups=1, max_lag=2)  # an evaluation every step
+    rows, note = plan(
+        [_probe(8, 1.0), _probe(16, 0.6), _probe(32, 0.55)], evidence, samples_per_group=8, eval_groups=1, max_lag=2
+    )  # an evaluation every step
     assert "B^0.34" in note and "probe" in note
     assert [r.samples_to_target for r in rows] == pytest.approx([640, (640 * 1024) ** 0.5, 1024])
     assert [r.steps_to_target for r in rows] == [10, 7, 4]  # S / (8B), rounded up to an evaluation
@@ -30,8 +32,13 @@ def test_steps_round_up_to_the_evaluation_that_sees_the_target_and_the_evaluatio
     evidence = [RunEvidence(16, 8, 10, 30)]  # crossed between steps 20 and 30: 25 steps of 128 samples
     assert evidence[0].samples_to_target == 25 * 16 * 8
     # an evaluation every 160 groups: every 10 steps at B=16, every 5 at B=32; each adds 2 s
-    rows, note = plan([_probe(16, 1.0, eval_s=2.0), _probe(32, 1.5, eval_s=2.0)], evidence, samples_per_group=8,
-                      eval_groups=160, max_lag=2)
+    rows, note = plan(
+        [_probe(16, 1.0, eval_s=2.0), _probe(32, 1.5, eval_s=2.0)],
+        evidence,
+        samples_per_group=8,
+        eval_groups=160,
+        max_lag=2,
+    )
     assert note.startswith("ASSUMPTION")  # one batch size: S does not depend on B
     assert [r.steps_to_target for r in rows] == [30, 15]  # 25 -> 30; 12.5 -> 15
     # the first step, the rest, and the two evaluations (of the two before the one that sees the target)
@@ -59,7 +66,11 @@ def test_a_batch_is_run_with_sqrt_lr_the_same_warmup_samples_and_evaluation_cade
 
     learner = load_config(["tiny"], []).learner  # 16 groups, lr 2.5e-4, 20 warmup steps
     assert at_batch(learner, 64, eval_groups=400) == [
-        "learner.groups_per_step=64", "learner.optim.lr=0.0005", "learner.optim.warmup_steps=5", "eval.every=6"]
+        "learner.groups_per_step=64",
+        "learner.optim.lr=0.0005",
+        "learner.optim.warmup_steps=5",
+        "eval.every=6",
+    ]
     assert eval_every(4, 400) == 100 and eval_every(1000, 400) == 1
 
 
@@ -77,8 +88,12 @@ def test_each_grid_point_is_its_own_run_folder_and_config(tmp_path):
     points = grid_points(["tiny"], ["staleness.max_lag=0,2", "learner.max_steps=3"], tmp_path)
     assert [p.label for p in points] == ["staleness.max_lag=0", "staleness.max_lag=2"]
     assert [p.run_dir for p in points] == [tmp_path / "staleness.max_lag-0", tmp_path / "staleness.max_lag-2"]
-    assert points[1].overrides == ("learner.max_steps=3", "staleness.max_lag=2",
-                                   f"run_dir={tmp_path}/staleness.max_lag-2", "name=staleness.max_lag-2")
+    assert points[1].overrides == (
+        "learner.max_steps=3",
+        "staleness.max_lag=2",
+        f"run_dir={tmp_path}/staleness.max_lag-2",
+        "name=staleness.max_lag-2",
+    )
 
 
 def test_a_run_of_the_grid_that_fails_stops_the_sweep_naming_its_logs(tmp_path, monkeypatch):
@@ -100,8 +115,10 @@ def test_the_reach_table_names_the_run_predicted_to_reach_the_target_soonest():
     from tidal.ops.scaling_report import Window, reach_table
 
     seconds = np.linspace(0, 100, 21)
-    curves = {"k=0": scaling.sigmoid_curve(seconds, A=0.8, B=2.0, C_mid=40.0, R0=0.3),
-              "k=2": scaling.sigmoid_curve(seconds, A=0.8, B=2.0, C_mid=20.0, R0=0.3)}
+    curves = {
+        "k=0": scaling.sigmoid_curve(seconds, A=0.8, B=2.0, C_mid=40.0, R0=0.3),
+        "k=2": scaling.sigmoid_curve(seconds, A=0.8, B=2.0, C_mid=20.0, R0=0.3),
+    }
     points = {name: (seconds, rates) for name, rates in curves.items()}
     text = reach_table(points, points, Window(), 0.55, "compute/wall_s")
     pick = text.splitlines()[-1]  # the line to act on, last
@@ -120,8 +137,10 @@ def test_a_sweeps_seeds_are_fitted_as_one_curve_and_measured_by_their_median():
     from tidal.ops.scaling_report import Window, pooled, reach_table
 
     seconds = np.linspace(0, 100, 21)
-    runs = {f"k=2,seed={s}": (seconds, scaling.sigmoid_curve(seconds, A=0.8, B=2.0, C_mid=c, R0=0.3))
-            for s, c in enumerate((15.0, 25.0, 40.0))}
+    runs = {
+        f"k=2,seed={s}": (seconds, scaling.sigmoid_curve(seconds, A=0.8, B=2.0, C_mid=c, R0=0.3))
+        for s, c in enumerate((15.0, 25.0, 40.0))
+    }
     assert list(pooled(runs)) == ["k=2"] and pooled(runs)["k=2"][0].size == 63
     text = reach_table(runs, runs, Window(), 0.55, "compute/wall_s")
     assert text.splitlines()[1].split()[0] == "k=2" and text.splitlines()[1].endswith(" 25.0")  # 15, 25, 40
@@ -142,7 +161,8 @@ def test_overlapping_intervals_make_the_verdict_inconclusive_and_say_what_to_do(
     assert len(seeded) == 2 and "add seeds (--seeds 4)" in seeded[0]
     assert verdict({**reach, "k=0": (40.0, 46.0, 55.0)}, 0.6, num_seeds=3) == [
         "pick: k=2, predicted to reach 0.6 soonest (35.0 [28.0,45.0] s of wall time to an eval pass rate of 0.6, its "
-        "90% interval in brackets); clearly ahead of the runner-up, k=0 (40.0 [46.0,55.0] s)"]
+        "90% interval in brackets); clearly ahead of the runner-up, k=0 (40.0 [46.0,55.0] s)"
+    ]
     never = {"k=0": (float("inf"),) * 3}
     assert verdict(never, 0.9, 1) == ["no run is predicted to reach 0.9: fit on longer runs or lower the target"]
 
@@ -195,7 +215,11 @@ def test_a_sweep_with_seeds_runs_each_point_once_per_seed(tmp_path):
     from tidal.ops.sweep import grid_points
 
     points = grid_points(["tiny"], ["staleness.max_lag=0,2", "learner.max_steps=3"], tmp_path, seeds=2)
-    assert [p.label for p in points] == ["staleness.max_lag=0,seed=0", "staleness.max_lag=0,seed=1",
-                                         "staleness.max_lag=2,seed=0", "staleness.max_lag=2,seed=1"]
+    assert [p.label for p in points] == [
+        "staleness.max_lag=0,seed=0",
+        "staleness.max_lag=0,seed=1",
+        "staleness.max_lag=2,seed=0",
+        "staleness.max_lag=2,seed=1",
+    ]
     assert {"learner.seed=1", "actor.seed=1"} <= set(points[3].overrides)
     assert points[3].run_dir == tmp_path / "staleness.max_lag-2_seed-1"

@@ -2,6 +2,7 @@
 
 One step of a bf16-compute preset at lr 5e-7 must move every weight that has a gradient; with the
 weights themselves in bf16 most such updates fall below bf16's resolution and vanish."""
+
 import pytest
 import torch
 
@@ -20,9 +21,21 @@ def tiny_path(tmp_path_factory):
 
 def one_step(tiny_path, tmp_path, preset: str, *overrides: str) -> tuple[dict, dict, dict]:
     """(parameters before, after, gradients) of one step of `preset`'s learner on the tiny model."""
-    cfg = resolve(load_config(ROOT / "configs" / preset, [
-        f"model.path={tiny_path}", f"run_dir={tmp_path}", "learner.optim.lr=5e-7", "learner.optim.warmup_steps=0",
-        "learner.groups_per_step=6", "learner.kernel_backend=torch", "learner.micro_batch_tokens=64", *overrides]))
+    cfg = resolve(
+        load_config(
+            ROOT / "configs" / preset,
+            [
+                f"model.path={tiny_path}",
+                f"run_dir={tmp_path}",
+                "learner.optim.lr=5e-7",
+                "learner.optim.warmup_steps=0",
+                "learner.groups_per_step=6",
+                "learner.kernel_backend=torch",
+                "learner.micro_batch_tokens=64",
+                *overrides,
+            ],
+        )
+    )
     _, trainer, _, _ = setup_trainer(cfg)
     before = {k: v.detach().clone() for k, v in trainer.policy.named_parameters()}
     grads = {}
@@ -60,8 +73,12 @@ def test_bf16_master_weights_lose_most_small_updates(tiny_path, tmp_path, fresh_
 
 
 def test_the_body_computes_in_bf16_and_the_lm_head_in_fp32(tiny_path, tmp_path, fresh_accelerator):
-    cfg = resolve(load_config(ROOT / "configs" / "math.yaml", [f"model.path={tiny_path}", f"run_dir={tmp_path}",
-                                                               "learner.kernel_backend=torch"]))
+    cfg = resolve(
+        load_config(
+            ROOT / "configs" / "math.yaml",
+            [f"model.path={tiny_path}", f"run_dir={tmp_path}", "learner.kernel_backend=torch"],
+        )
+    )
     accelerator, trainer, _, _ = setup_trainer(cfg)
     module = accelerator.unwrap_model(trainer.model)
     seen = []

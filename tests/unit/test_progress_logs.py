@@ -1,6 +1,7 @@
 """Logs a cluster can read: the learner's progress lines (every N steps, rates over recent steps, a
 line while it waits for its actors), the launcher's ETA from measured steps and its one wall time,
 and vLLM's per-update INFO lines quieted in the actor."""
+
 import importlib.util
 import io
 import json
@@ -17,8 +18,13 @@ from tidal.actor.engine import PER_UPDATE_LOGGERS, quiet_logging_config, user_co
 from tidal.learner.rank0.tracking import ProgressLog, progress_line, waiting_line
 from tidal.ops.launcher import BAR_FORMAT, MIN_MEASURED_STEPS, StepEta, eta_text, print_summary, show_step
 
-STEP = {"rollout/reward": 0.4123, "rollout/pass_rate": 0.375, "learner/loss": -0.01234, "offpolicy/lag_mean": 0.4,
-        "offpolicy/lag_max": 1.0}
+STEP = {
+    "rollout/reward": 0.4123,
+    "rollout/pass_rate": 0.375,
+    "learner/loss": -0.01234,
+    "offpolicy/lag_mean": 0.4,
+    "offpolicy/lag_max": 1.0,
+}
 
 
 class Clock:
@@ -35,10 +41,12 @@ def progress_records(caplog) -> list[str]:
 
 # ---- the learner's progress lines ----------------------------------------------------------------
 
+
 def test_a_progress_line_names_each_field_and_says_na_for_what_is_missing():
     line = progress_line({**STEP, "rollout/gen_tokens_per_s": 1830.4}, 12, 100, 2.314)
-    assert line == ("step 12/100 | reward 0.412 | pass 0.375 | loss -0.01234 | lag 0.40/1 | gen 1830 tok/s | "
-                    "2.31 s/step")
+    assert line == (
+        "step 12/100 | reward 0.412 | pass 0.375 | loss -0.01234 | lag 0.40/1 | gen 1830 tok/s | 2.31 s/step"
+    )
     bare = progress_line({"rollout/reward": 0.5}, 1, 10, None)
     assert bare == "step 1/10 | reward 0.500 | pass n/a | loss n/a | lag n/a/n/a | gen n/a tok/s | n/a s/step"
 
@@ -78,19 +86,28 @@ def test_the_learner_says_which_actors_it_waits_for_until_the_first_rollout(capl
     progress = ProgressLog(every_steps=1, max_steps=4, num_actors=2, clock=clock)
     hello: list[str] = []
     said_hello = lambda: list(hello)  # noqa: E731 - what the transport's actors() returns so far
-    for now, joined, received in [(0.5, None, False), (10, "actor-1", False), (25, None, False), (30, None, False),
-                                  (47, "actor-0", False), (48, None, True), (90, None, False)]:
+    for now, joined, received in [
+        (0.5, None, False),
+        (10, "actor-1", False),
+        (25, None, False),
+        (30, None, False),
+        (47, "actor-0", False),
+        (48, None, True),
+        (90, None, False),
+    ]:
         clock.now = now
         hello += [joined] if joined else []
         progress.on_receive(received, said_hello)
     assert progress_records(caplog) == [
         "waiting for 2 actor(s): none has said hello yet, no rollout yet after 0 s",
         "waiting for 2 actor(s): 1 said hello (actor-1), no rollout yet after 25 s",
-        "waiting for 2 actor(s): 2 said hello (actor-0, actor-1), no rollout yet after 47 s"]
+        "waiting for 2 actor(s): 2 said hello (actor-0, actor-1), no rollout yet after 47 s",
+    ]
     assert waiting_line([], 0, 3.2) == "waiting for actors: none has said hello yet, no rollout yet after 3 s"
 
 
 # ---- the launcher's bar and summary --------------------------------------------------------------
+
 
 def test_the_eta_comes_only_from_measured_steps_never_from_the_start_up():
     eta = StepEta()
@@ -107,8 +124,17 @@ def test_the_bar_shows_the_measured_eta_and_no_eta_or_rate_of_its_own():
     bar, eta = tqdm(total=10, desc="steps", file=io.StringIO(), bar_format=BAR_FORMAT), StepEta()
     for step in range(1, 6):
         rate = {} if step == 1 else {"rollout/gen_tokens_per_s": 150.0}  # the learner's, from its second step
-        show_step(bar, eta, {"step": step, "rollout/reward": 0.5, **rate, "learner/tokens_per_s": 900.0,
-                             "compute/wall_s": 60.0 + 2 * step})
+        show_step(
+            bar,
+            eta,
+            {
+                "step": step,
+                "rollout/reward": 0.5,
+                **rate,
+                "learner/tokens_per_s": 900.0,
+                "compute/wall_s": 60.0 + 2 * step,
+            },
+        )
         if step == 1:
             assert "eta measuring" in str(bar) and "gen_tok_s=n/a" in str(bar)
     shown = str(bar)
@@ -117,8 +143,16 @@ def test_the_bar_shows_the_measured_eta_and_no_eta_or_rate_of_its_own():
 
 
 def test_the_summary_prints_one_wall_time_and_names_it(tmp_path, capsys):
-    summary = {"val_pass_rate_initial": 0.36, "val_pass_rate_final": 0.95, "steps": 150, "samples": 19200,
-               "gen_tokens": 90000, "wall_s": 55.2, "mlflow_run_id": "abc", "mlflow_uri": "sqlite:///x.db"}
+    summary = {
+        "val_pass_rate_initial": 0.36,
+        "val_pass_rate_final": 0.95,
+        "steps": 150,
+        "samples": 19200,
+        "gen_tokens": 90000,
+        "wall_s": 55.2,
+        "mlflow_run_id": "abc",
+        "mlflow_uri": "sqlite:///x.db",
+    }
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     print_summary(tmp_path, 91.04)
     out = capsys.readouterr().out
@@ -128,21 +162,30 @@ def test_the_summary_prints_one_wall_time_and_names_it(tmp_path, capsys):
 
 # ---- vLLM's per-update lines in the actor -----------------------------------------------------------
 
-DEFAULT = {"version": 1, "disable_existing_loggers": False,
-           "handlers": {"vllm": {"class": "logging.NullHandler", "level": "INFO"}},
-           "loggers": {"vllm": {"handlers": ["vllm"], "level": "INFO", "propagate": False}}}
+DEFAULT = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"vllm": {"class": "logging.NullHandler", "level": "INFO"}},
+    "loggers": {"vllm": {"handlers": ["vllm"], "level": "INFO", "propagate": False}},
+}
 
 
 def test_the_per_update_loggers_go_to_warning_and_every_other_vllm_logger_stays_as_vllm_sets_it():
     config = quiet_logging_config(DEFAULT)
-    assert config["loggers"]["vllm"] == DEFAULT["loggers"]["vllm"] and "vllm.v1.core.sched.scheduler" in config[
-        "loggers"] and len(DEFAULT["loggers"]) == 1  # vLLM's own config is copied, not changed
+    assert (
+        config["loggers"]["vllm"] == DEFAULT["loggers"]["vllm"]
+        and "vllm.v1.core.sched.scheduler" in config["loggers"]
+        and len(DEFAULT["loggers"]) == 1
+    )  # vLLM's own config is copied, not changed
     # applied as vLLM applies it (dictConfig), in a process of its own: dictConfig closes every handler
     names = [*PER_UPDATE_LOGGERS, "vllm.v1.engine.async_llm"]
-    probe = ("import json, logging, logging.config, sys; logging.config.dictConfig(json.load(sys.stdin)); "
-             f"print(json.dumps([[logging.getLogger(n).isEnabledFor(lv) for lv in (20, 30)] for n in {names!r}]))")
-    shown = subprocess.run([sys.executable, "-c", probe], input=json.dumps(config), capture_output=True, text=True,
-                           check=True).stdout
+    probe = (
+        "import json, logging, logging.config, sys; logging.config.dictConfig(json.load(sys.stdin)); "
+        f"print(json.dumps([[logging.getLogger(n).isEnabledFor(lv) for lv in (20, 30)] for n in {names!r}]))"
+    )
+    shown = subprocess.run(
+        [sys.executable, "-c", probe], input=json.dumps(config), capture_output=True, text=True, check=True
+    ).stdout
     assert json.loads(shown) == [[False, True], [False, True], [True, True]]  # (INFO, WARNING) of each
 
 
@@ -153,8 +196,13 @@ def test_a_users_own_vllm_logging_is_left_as_set():
     assert user_configures_logging({"log_config_file": "mine.json"}, {})
 
 
-@pytest.mark.parametrize("logger, message", [("vllm.v1.core.sched.scheduler", 'logger.info("setting pause state'),
-                                             ("vllm.v1.core.block_pool", 'logger.info("Successfully reset prefix')])
+@pytest.mark.parametrize(
+    "logger, message",
+    [
+        ("vllm.v1.core.sched.scheduler", 'logger.info("setting pause state'),
+        ("vllm.v1.core.block_pool", 'logger.info("Successfully reset prefix'),
+    ],
+)
 def test_the_quieted_loggers_are_the_ones_that_print_each_updates_lines(logger, message):
     """Read from the installed vLLM's source (importing it takes seconds): a renamed module shows here."""
     spec = importlib.util.find_spec("vllm")

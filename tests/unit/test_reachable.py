@@ -1,6 +1,7 @@
 """What a run binds and reaches, checked before any process starts (tidal.ops.reachable): a fixed port in
 use, or a tracking server that does not answer, is one line naming the key and the value, at once.
 Real sockets on loopback, and a real HTTP server on a thread for the answering case."""
+
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -40,17 +41,21 @@ def refused(*overrides: str, timeout_s: float = 4.0) -> str:
     return str(err.value)
 
 
-@pytest.mark.parametrize("key, extra", [
-    ("broker.zmq.control_port", ()),
-    ("broker.zmq.weights_port", ()),
-    ("weights.tcp_port", ("weights.transport=tcp",)),
-    ("weights.tcp_port", ("weights.transport=gloo",)),
-    ("broker.redis.embedded_port", ("broker.type=redis", "broker.redis.embedded=true")),
-])
+@pytest.mark.parametrize(
+    "key, extra",
+    [
+        ("broker.zmq.control_port", ()),
+        ("broker.zmq.weights_port", ()),
+        ("weights.tcp_port", ("weights.transport=tcp",)),
+        ("weights.tcp_port", ("weights.transport=gloo",)),
+        ("broker.redis.embedded_port", ("broker.type=redis", "broker.redis.embedded=true")),
+    ],
+)
 def test_a_port_in_use_is_one_line_naming_its_key(taken_port, key, extra):
     assert refused(f"{key}={taken_port}", *extra) == (
         f"config key '{key}' = {taken_port}: the port is in use on 127.0.0.1 (another tidal run?); choose another "
-        "or 0 for any")
+        "or 0 for any"
+    )
 
 
 def test_ports_the_run_does_not_bind_here_and_port_zero_are_not_checked(taken_port):
@@ -72,17 +77,21 @@ def test_a_port_named_twice_names_the_other_key():
     port = closed_port()
     assert refused(f"broker.zmq.control_port={port}", f"broker.zmq.rollout_port={port}") == (
         f"config key 'broker.zmq.rollout_port' = {port}: broker.zmq.control_port binds the same port; choose another "
-        "or 0 for any")
+        "or 0 for any"
+    )
 
 
 def test_a_host_or_port_that_cannot_be_bound_names_its_key():
     assert refused("broker.zmq.host=192.0.2.7", "broker.zmq.control_port=47011") == (
         "config key 'broker.zmq.host' = '192.0.2.7': not an address of this machine, so broker.zmq.control_port = "
-        "47011 cannot be bound on it")  # 192.0.2.0/24 is reserved for documentation: never a local address
+        "47011 cannot be bound on it"
+    )  # 192.0.2.0/24 is reserved for documentation: never a local address
     assert refused("broker.zmq.host=nosuch.invalid", "broker.zmq.control_port=47011").startswith(
-        "config key 'broker.zmq.host' = 'nosuch.invalid': no such host or interface here")
+        "config key 'broker.zmq.host' = 'nosuch.invalid': no such host or interface here"
+    )
     assert refused("broker.zmq.control_port=70000") == (
-        "config key 'broker.zmq.control_port' = 70000: must be in 0..65535 (0: any free port)")
+        "config key 'broker.zmq.control_port' = 70000: must be in 0..65535 (0: any free port)"
+    )
 
 
 def test_a_tracking_server_that_refuses_fails_at_once_naming_the_uri_without_its_password():
@@ -91,7 +100,8 @@ def test_a_tracking_server_that_refuses_fails_at_once_naming_the_uri_without_its
     assert message == (
         f"config key 'tracking.uri' = 'http://me:***@127.0.0.1:{port}': no MLflow server answered "
         f"http://127.0.0.1:{port}/health within 4 s (connection refused); start it, or point tracking.uri at one "
-        "that runs ('' = a sqlite file in the run folder)")
+        "that runs ('' = a sqlite file in the run folder)"
+    )
 
 
 def test_a_tracking_server_that_never_answers_fails_at_the_timeout(taken_port):
@@ -130,9 +140,11 @@ def health_server():
 
 def test_a_server_that_answers_its_health_endpoint_passes_and_a_5xx_does_not(health_server):
     assert checked(f"tracking.uri={health_server}/prefix/") == [
-        f"MLflow server {health_server}/prefix/: answers (200 from /health)"]
+        f"MLflow server {health_server}/prefix/: answers (200 from /health)"
+    ]
     assert refused(f"tracking.uri={health_server}").endswith(
-        f"the MLflow server answered {health_server}/health with 503 Service Unavailable: it is not serving")
+        f"the MLflow server answered {health_server}/health with 503 Service Unavailable: it is not serving"
+    )
 
 
 def test_a_store_folder_that_cannot_be_made_is_named(tmp_path):
@@ -140,11 +152,14 @@ def test_a_store_folder_that_cannot_be_made_is_named(tmp_path):
     blocker.write_text("")
     assert refused(f"tracking.uri=sqlite:///{blocker}/store/mlflow.db") == (
         f"config key 'tracking.uri' = 'sqlite:///{blocker}/store/mlflow.db': {blocker} is a file, so the MLflow "
-        f"store's folder {blocker}/store cannot be made")
+        f"store's folder {blocker}/store cannot be made"
+    )
     assert refused(f"run_dir={blocker}/run").startswith(
-        f"config key 'run_dir' = '{blocker}/run' (the MLflow store's folder): {blocker} is a file")
-    assert checked(f"run_dir={tmp_path}/new/run") == [f"MLflow store {tmp_path}/new/run/mlflow.db: its folder can be "
-                                                      "written"]
+        f"config key 'run_dir' = '{blocker}/run' (the MLflow store's folder): {blocker} is a file"
+    )
+    assert checked(f"run_dir={tmp_path}/new/run") == [
+        f"MLflow store {tmp_path}/new/run/mlflow.db: its folder can be written"
+    ]
     assert not (tmp_path / "new").exists()  # nothing made
 
 
@@ -152,7 +167,8 @@ def test_tidal_run_stops_on_a_port_in_use_in_one_line_before_anything_starts(tmp
     assert main(["run", str(TINY), f"run_dir={tmp_path / 'run'}", f"broker.zmq.control_port={taken_port}"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"tidal run: config key 'broker.zmq.control_port' = {taken_port}: the port is in use on 127.0.0.1 (another "
-        "tidal run?); choose another or 0 for any"]
+        "tidal run?); choose another or 0 for any"
+    ]
     assert not (tmp_path / "run").exists()  # before: a traceback from the learner, 29 s in
 
 
@@ -160,18 +176,31 @@ def test_tidal_run_stops_on_a_tracking_server_that_is_down_in_one_line(tmp_path,
     port = closed_port()
     assert main(["run", str(TINY), f"run_dir={tmp_path / 'run'}", f"tracking.uri=http://127.0.0.1:{port}"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith(f"tidal run: config key 'tracking.uri' = 'http://127.0.0.1:{port}': "
-                                               "no MLflow server answered")
+    assert len(err) == 1 and err[0].startswith(
+        f"tidal run: config key 'tracking.uri' = 'http://127.0.0.1:{port}': no MLflow server answered"
+    )
     assert not (tmp_path / "run").exists()
 
 
 def test_a_sweep_stops_on_a_tracking_server_that_is_down_in_one_line(tmp_path, capsys):
     port = closed_port()
-    assert main(["sweep", str(TINY), "staleness.max_lag=0,2", f"--out={tmp_path / 'sweep'}",
-                 f"tracking.uri=http://127.0.0.1:{port}"]) == 2
+    assert (
+        main(
+            [
+                "sweep",
+                str(TINY),
+                "staleness.max_lag=0,2",
+                f"--out={tmp_path / 'sweep'}",
+                f"tracking.uri=http://127.0.0.1:{port}",
+            ]
+        )
+        == 2
+    )
     [line] = capsys.readouterr().err.splitlines()
-    assert line.startswith(f"tidal sweep: the sweep's MLflow store 'http://127.0.0.1:{port}' (tracking.uri, else "
-                           "MLFLOW_TRACKING_URI): no MLflow server answered"), line
+    assert line.startswith(
+        f"tidal sweep: the sweep's MLflow store 'http://127.0.0.1:{port}' (tracking.uri, else "
+        "MLFLOW_TRACKING_URI): no MLflow server answered"
+    ), line
 
 
 def test_a_free_port_for_a_child_lies_below_the_kernels_ephemeral_range():

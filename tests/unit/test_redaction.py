@@ -1,5 +1,6 @@
 """Credentials in URIs are redacted wherever tidal shows them: MLflow params, config.yaml, the
 summary, log lines (learner/rank0/tracking.py), and the Redis URL in the broker's logs and errors."""
+
 from dataclasses import replace
 
 import pytest
@@ -10,24 +11,34 @@ from tidal.config import RedisConfig, RunConfig, flatten, redact_uri, redacted_c
 SECRETS = ("s3cret", "t0k3n", "k3y", "g1thub", "sigval")
 
 
-@pytest.mark.parametrize("uri, shown", [
-    ("https://alice:s3cret@mlflow.example:5000/api?token=t0k3n&x=1", "https://alice:***@mlflow.example:5000/api?token=***&x=1"),
-    ("https://g1thub@mlflow.example/", "https://***@mlflow.example/"),  # a user part alone may be a token
-    ("https://h/?API_KEY=k3y&Password=s3cret&flag", "https://h/?API_KEY=***&Password=***&flag"),
-    ("https://blob.example/c?sv=2024&sig=sigval", "https://blob.example/c?sv=2024&sig=***"),
-    ("redis://:s3cret@10.0.0.1:6379/0", "redis://:***@10.0.0.1:6379/0"),
-    ("sqlite:////abs/run/mlflow.db", "sqlite:////abs/run/mlflow.db"),  # nothing to hide: kept as it is
-    ("databricks", "databricks"), ("", ""),
-    ("http://[::1", "***"),  # unparsable: nothing of it is shown
-])
+@pytest.mark.parametrize(
+    "uri, shown",
+    [
+        (
+            "https://alice:s3cret@mlflow.example:5000/api?token=t0k3n&x=1",
+            "https://alice:***@mlflow.example:5000/api?token=***&x=1",
+        ),
+        ("https://g1thub@mlflow.example/", "https://***@mlflow.example/"),  # a user part alone may be a token
+        ("https://h/?API_KEY=k3y&Password=s3cret&flag", "https://h/?API_KEY=***&Password=***&flag"),
+        ("https://blob.example/c?sv=2024&sig=sigval", "https://blob.example/c?sv=2024&sig=***"),
+        ("redis://:s3cret@10.0.0.1:6379/0", "redis://:***@10.0.0.1:6379/0"),
+        ("sqlite:////abs/run/mlflow.db", "sqlite:////abs/run/mlflow.db"),  # nothing to hide: kept as it is
+        ("databricks", "databricks"),
+        ("", ""),
+        ("http://[::1", "***"),  # unparsable: nothing of it is shown
+    ],
+)
 def test_redact_uri_hides_passwords_tokens_and_keys(uri, shown):
     assert redact_uri(uri) == shown
 
 
 def credentialed_config() -> RunConfig:
     cfg = RunConfig()
-    return replace(cfg, tracking=replace(cfg.tracking, uri="https://u:s3cret@m.example/?token=t0k3n"),
-                   broker=replace(cfg.broker, redis=RedisConfig(url="redis://u:s3cret@h:6379/0?password=s3cret")))
+    return replace(
+        cfg,
+        tracking=replace(cfg.tracking, uri="https://u:s3cret@m.example/?token=t0k3n"),
+        broker=replace(cfg.broker, redis=RedisConfig(url="redis://u:s3cret@h:6379/0?password=s3cret")),
+    )
 
 
 def test_the_config_shown_in_params_and_config_yaml_holds_no_credentials():
@@ -38,7 +49,11 @@ def test_the_config_shown_in_params_and_config_yaml_holds_no_credentials():
 
 
 def test_the_redis_url_in_broker_logs_and_errors_holds_no_password():
-    for url in ("redis://learner:s3cret@h:6379/0", "redis://h:6379/0?password=s3cret", "rediss://h/0?username=u&password=s3cret"):
+    for url in (
+        "redis://learner:s3cret@h:6379/0",
+        "redis://h:6379/0?password=s3cret",
+        "rediss://h/0?username=u&password=s3cret",
+    ):
         assert "s3cret" not in shown_url(url)
         assert "s3cret" not in Reconnect(RedisConfig(url=url)).url
 
@@ -51,8 +66,9 @@ def test_log_lines_and_tracebacks_of_mlflow_errors_hold_no_credentials(caplog):
 
     url = "https://bob:s3cret@mlflow.example/api/2.0/mlflow/runs/log-batch?token=t0k3n"
     with caplog.at_level(logging.INFO):
-        diagnostics.log.warning("figure %s at step %d not drawn: %s", "x.png", 3,
-                                ConnectionError(f"request to {url} failed"))
+        diagnostics.log.warning(
+            "figure %s at step %d not drawn: %s", "x.png", 3, ConnectionError(f"request to {url} failed")
+        )
         try:
             raise ConnectionError(f"API request to {url} failed")
         except ConnectionError:

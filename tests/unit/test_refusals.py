@@ -1,5 +1,6 @@
 """The learner's refusals are never silent: a reason that takes more than a few percent of a step's groups
 is said once with the setting that fixes it; most groups refused for several steps stop the run."""
+
 import logging
 
 import pytest
@@ -17,9 +18,11 @@ def test_a_reason_above_a_few_percent_of_a_step_is_said_once_with_its_setting(ca
                 watch.observe("reward" if i < 2 else None, RANGE if i < 2 else "")
             assert watch.step_metrics() == {"learner/refused_frac": 2 / 16}
     [line] = [r.getMessage() for r in caplog.records]
-    assert line == ("the learner refused 2 of the last 16 rollout groups (12%) for 'reward' (" + RANGE + "): widen "
-                    "task.reward_range to hold every sample's reward (the reward functions' weighted sum), or rescale "
-                    "the rewards")
+    assert line == (
+        "the learner refused 2 of the last 16 rollout groups (12%) for 'reward' (" + RANGE + "): widen "
+        "task.reward_range to hold every sample's reward (the reward functions' weighted sum), or rescale "
+        "the rewards"
+    )
 
 
 def test_one_group_in_a_hundred_is_an_actors_glitch_and_says_nothing(caplog):
@@ -34,8 +37,11 @@ def test_most_groups_refused_for_the_patience_stops_the_run_naming_the_reason():
     watch = RefusalWatch(groups_per_step=4, patience_steps=3)
     for _ in range(11):  # 11 of 12: the window is not full yet
         watch.observe("reward", RANGE)
-    with pytest.raises(RolloutsRefused, match=r"refused 12 of the last 12 .* for 'reward' \(a reward of 10.2.*"
-                                              r"stopping the run \(learner.refusal_patience_steps\)"):
+    with pytest.raises(
+        RolloutsRefused,
+        match=r"refused 12 of the last 12 .* for 'reward' \(a reward of 10.2.*"
+        r"stopping the run \(learner.refusal_patience_steps\)",
+    ):
         watch.observe("reward", RANGE)
 
 

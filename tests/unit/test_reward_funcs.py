@@ -1,6 +1,7 @@
 """Reward functions as users write them (task.reward_funcs, task.reward_weights): loading, the keyword
 arguments they get, weighted sums and components, their metrics, `config check` scoring a few rows, and
 a two-function reward through the whole pipeline in one process."""
+
 import asyncio
 import json
 import logging
@@ -29,7 +30,7 @@ from tidal.tasks.rewards import (
     score,
 )
 
-REWARDS = '''
+REWARDS = """
 import asyncio
 
 
@@ -76,7 +77,7 @@ def picky(completion, answer, **kwargs):
 
 def fails_in_batch(completions, **kwargs):
     return [1.0 / len(c) for c in completions]  # ZeroDivisionError on an empty completion
-'''
+"""
 
 
 def line_of(text: str) -> int:
@@ -98,19 +99,24 @@ def task(*overrides):
 
 # ---- loading -------------------------------------------------------------------------------
 
+
 def test_functions_load_by_either_import_path_with_weights_defaulting_to_one(user_rewards):
     funcs = load_reward_funcs(task("task.reward_funcs=[my_rewards:exact,my_rewards.short]"))
     assert [(f.name, f.weight) for f in funcs] == [("exact", 1.0), ("short", 1.0)]
-    weighted = load_reward_funcs(task("task.reward_funcs=[my_rewards:exact,my_rewards.short]",
-                                      "task.reward_weights=[2,0.5]"))
+    weighted = load_reward_funcs(
+        task("task.reward_funcs=[my_rewards:exact,my_rewards.short]", "task.reward_weights=[2,0.5]")
+    )
     assert [f.weight for f in weighted] == [2.0, 0.5]
 
 
-@pytest.mark.parametrize("spec, words", [
-    ("my_rewards:nope", "my_rewards has no 'nope'"),
-    ("no_such_pkg.mod:f", "cannot import no_such_pkg.mod"),
-    ("justaname", "not an import path"),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("my_rewards:nope", "my_rewards has no 'nope'"),
+        ("no_such_pkg.mod:f", "cannot import no_such_pkg.mod"),
+        ("justaname", "not an import path"),
+    ],
+)
 def test_an_unknown_function_is_one_line_naming_the_key(user_rewards, spec, words):
     with pytest.raises(ConfigError, match="task.reward_funcs") as err:
         load_reward_funcs(task(f"task.reward_funcs=[{spec}]"))
@@ -146,11 +152,16 @@ def test_the_working_folder_is_importable_as_python_m_makes_it(tmp_path, monkeyp
     assert [f.name for f in load_reward_funcs(task("task.reward_funcs=[here_rewards:exact]"))] == ["exact"]
 
 
-@pytest.mark.parametrize("source, says", [
-    ("def accuracy(completion, **kwargs)\n    return 1.0\n", "{file}:1: expected ':' (a syntax error)"),
-    ("import no_such_dependency\n", "importing {name} raised ModuleNotFoundError: No module named "
-                                     "'no_such_dependency'"),
-])
+@pytest.mark.parametrize(
+    "source, says",
+    [
+        ("def accuracy(completion, **kwargs)\n    return 1.0\n", "{file}:1: expected ':' (a syntax error)"),
+        (
+            "import no_such_dependency\n",
+            "importing {name} raised ModuleNotFoundError: No module named 'no_such_dependency'",
+        ),
+    ],
+)
 def test_a_reward_file_that_does_not_import_is_one_line_at_its_line(tmp_path, source, says):
     (tmp_path / "broken_rewards.py").write_text(source)
     with pytest.raises(ConfigError) as err:
@@ -163,6 +174,7 @@ def test_a_reward_file_that_does_not_import_is_one_line_at_its_line(tmp_path, so
 
 # ---- rows and calls -----------------------------------------------------------------------
 
+
 def test_a_row_travels_as_strings_and_comes_back_with_its_types():
     row = {"problem": "1+2=", "answer": "3", "tags": ["easy", "sum"], "level": 2, "meta": {"k": None}}
     payload = encode_row(row)
@@ -171,11 +183,18 @@ def test_a_row_travels_as_strings_and_comes_back_with_its_types():
 
 
 def test_calls_get_prompt_completion_ids_and_every_column():
-    payload = {**encode_row({"problem": "1+2=", "answer": "3", "prompt": "a column named prompt"}),
-               PROMPT_TEXT: "Q: 1+2="}
+    payload = {
+        **encode_row({"problem": "1+2=", "answer": "3", "prompt": "a column named prompt"}),
+        PROMPT_TEXT: "Q: 1+2=",
+    }
     kwargs = call_kwargs(payload, "problem", "3", np.array([7, 8]).tolist())
-    assert kwargs == {"problem": "1+2=", "answer": "3", "prompt": "Q: 1+2=", "completion": "3",
-                      "completion_ids": [7, 8]}
+    assert kwargs == {
+        "problem": "1+2=",
+        "answer": "3",
+        "prompt": "Q: 1+2=",
+        "completion": "3",
+        "completion_ids": [7, 8],
+    }
     messages = [{"role": "user", "content": "1+2="}]
     assert call_kwargs(encode_row({"messages": messages}), "messages", "3", [])["prompt"] == messages
 
@@ -196,7 +215,7 @@ def test_a_raising_function_names_itself_and_the_users_line(user_rewards):
     assert f'File "{user_rewards}", line 20, in broken' in text and "asyncio" not in text
 
 
-SIGNATURES = '''
+SIGNATURES = """
 def no_kwargs(completion, solution):
     return 1.0
 
@@ -211,7 +230,7 @@ def plural_typo(completions, answers, **kwargs):
 
 def strict(completion, answer):
     return 1.0
-'''
+"""
 
 
 @pytest.fixture
@@ -225,17 +244,32 @@ def def_of(path, name: str) -> str:
     return f'  File "{path}", line {line}, in {name}'
 
 
-@pytest.mark.parametrize("name, says", [
-    ("no_kwargs", "reward function no_kwargs(completion, solution) asks for 'solution', which the rows lack "
-                  "(columns: problem, answer, tags, prompt); add **kwargs: it is passed the row's columns problem, "
-                  "answer, tags, prompt and completion_ids"),
-    ("missing_column", "reward function missing_column(completion, ground_truth, **kwargs) asks for 'ground_truth', "
-                       "which the rows lack (columns: problem, answer, tags, prompt)"),
-    ("plural_typo", "reward function plural_typo(completions, answers, **kwargs) asks for 'answers', which the rows "
-                    "lack (columns: problem, answer, tags, prompt, each passed as a list); did you mean 'answer'?"),
-    ("strict", "reward function strict(completion, answer): add **kwargs: it is passed the row's columns problem, "
-               "tags, prompt and completion_ids"),
-])
+@pytest.mark.parametrize(
+    "name, says",
+    [
+        (
+            "no_kwargs",
+            "reward function no_kwargs(completion, solution) asks for 'solution', which the rows lack "
+            "(columns: problem, answer, tags, prompt); add **kwargs: it is passed the row's columns problem, "
+            "answer, tags, prompt and completion_ids",
+        ),
+        (
+            "missing_column",
+            "reward function missing_column(completion, ground_truth, **kwargs) asks for 'ground_truth', "
+            "which the rows lack (columns: problem, answer, tags, prompt)",
+        ),
+        (
+            "plural_typo",
+            "reward function plural_typo(completions, answers, **kwargs) asks for 'answers', which the rows "
+            "lack (columns: problem, answer, tags, prompt, each passed as a list); did you mean 'answer'?",
+        ),
+        (
+            "strict",
+            "reward function strict(completion, answer): add **kwargs: it is passed the row's columns problem, "
+            "tags, prompt and completion_ids",
+        ),
+    ],
+)
 def test_a_signature_that_does_not_fit_the_row_is_reported_at_its_def(signatures, name, says):
     """Was Python's TypeError at concurrent/futures/thread.py, line 58, naming neither the def nor the columns."""
     env = Rewarded(task(f"task.reward_funcs=[{signatures}:{name}]"))
@@ -263,13 +297,16 @@ def test_a_function_answering_none_does_not_apply_to_that_sample():
 
 # ---- functions written for batches --------------------------------------------------------
 
+
 def test_a_function_taking_lists_scores_a_whole_group_in_one_call(user_rewards):
     import my_rewards
 
     env = Rewarded(task("task.reward_funcs=[my_rewards:accuracy,my_rewards:digits]", "task.reward_weights=[1,0.5]"))
-    assert score_group(env, ["3", "x", ""]) == [(1.5, {"accuracy": 1.0, "digits": 1.0}),
-                                               (0.0, {"accuracy": 0.0, "digits": 0.0}),
-                                               (0.0, {"accuracy": 0.0})]  # digits does not apply to ""
+    assert score_group(env, ["3", "x", ""]) == [
+        (1.5, {"accuracy": 1.0, "digits": 1.0}),
+        (0.0, {"accuracy": 0.0, "digits": 0.0}),
+        (0.0, {"accuracy": 0.0}),
+    ]  # digits does not apply to ""
     assert my_rewards.CALLS == [3]
 
 
@@ -280,6 +317,7 @@ def test_groups_scored_in_the_same_pass_get_a_call_each_so_an_error_fails_its_ow
     async def two_groups():
         def state(problem):
             return {**encode_row({"problem": problem, "answer": "3"}), PROMPT_TEXT: problem}
+
         calls = [env.score(state("1+2="), c, [1]) for c in ["1", "22"]]
         calls += [env.score(state("2+1="), c, [1]) for c in ["3", ""]]  # "" raises ZeroDivisionError
         return await asyncio.gather(*calls, return_exceptions=True)
@@ -302,16 +340,24 @@ def test_a_batch_function_with_the_wrong_count_or_an_error_names_itself(user_rew
 
 # ---- the rows task ------------------------------------------------------------------------
 
+
 def write_rows(tmp_path, n=12):
-    rows = [{"problem": f"{a:02d}+{b:02d}=", "answer": f"{a + b:03d}", "tags": ["sum"] * (a % 3)}
-            for a in range(20, 20 + n // 2) for b in range(2)]
+    rows = [
+        {"problem": f"{a:02d}+{b:02d}=", "answer": f"{a + b:03d}", "tags": ["sum"] * (a % 3)}
+        for a in range(20, 20 + n // 2)
+        for b in range(2)
+    ]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return tmp_path / "rows.jsonl"
 
 
 def test_the_rows_task_carries_every_column_to_the_reward(tmp_path, user_rewards):
-    cfg = task("task.name=rows", f"task.data_path={write_rows(tmp_path)}", "task.num_val=2",
-               "task.reward_funcs=[my_rewards:seen]")
+    cfg = task(
+        "task.name=rows",
+        f"task.data_path={write_rows(tmp_path)}",
+        "task.num_val=2",
+        "task.reward_funcs=[my_rewards:seen]",
+    )
     split = get_task("rows").load_prompts(cfg)
     assert len(split.train) == 10 and split.train[0].text == "20+00="
     assert decode_row(split.train[0].payload) == {"problem": "20+00=", "answer": "020", "tags": ["sum", "sum"]}
@@ -324,27 +370,39 @@ def test_the_rows_task_without_reward_functions_names_the_key(tmp_path):
 
 
 def test_the_math_task_with_reward_functions_carries_every_column(tmp_path, user_rewards):
-    cfg = task("task.name=math", f"task.data_path={write_rows(tmp_path)}", "task.num_val=2",
-               "task.reward_funcs=[my_rewards:seen]")
+    cfg = task(
+        "task.name=math",
+        f"task.data_path={write_rows(tmp_path)}",
+        "task.num_val=2",
+        "task.reward_funcs=[my_rewards:seen]",
+    )
     payload = get_task("math").load_prompts(cfg).train[0].payload
     assert decode_row(payload)["tags"] == ["sum", "sum"] and decode_row(payload)["answer"] == "020"
 
 
 # ---- metrics ------------------------------------------------------------------------------
 
+
 def test_each_function_gets_a_mean_and_std_per_step():
-    samples = [sample([(0, 2)], r, reward_components={"exact": e, "short": s})
-               for r, e, s in ((1.5, 1.0, 1.0), (0.5, 0.0, 1.0), (1.0, 1.0, 0.0), (0.0, 0.0, 0.0))]
+    samples = [
+        sample([(0, 2)], r, reward_components={"exact": e, "short": s})
+        for r, e, s in ((1.5, 1.0, 1.0), (0.5, 0.0, 1.0), (1.0, 1.0, 0.0), (0.0, 0.0, 0.0))
+    ]
     group = RolloutGroup.pack(samples, group_id="g", prompt_id=0, actor_id="a", prompt_tokens=int32s([1]))
     stats = Counter()
     count(group, stats)
     metrics = reward_component_metrics(stats)
-    assert metrics == {"rewards/exact/mean": 0.5, "rewards/exact/std": 0.5,
-                       "rewards/short/mean": 0.5, "rewards/short/std": 0.5}
+    assert metrics == {
+        "rewards/exact/mean": 0.5,
+        "rewards/exact/std": 0.5,
+        "rewards/short/mean": 0.5,
+        "rewards/short/std": 0.5,
+    }
     assert reward_component_metrics(Counter({"samples": 3})) == {}
 
 
 # ---- config check -------------------------------------------------------------------------
+
 
 def check(tmp_path, capsys, funcs, *more):
     from tidal.ops.cli import main
@@ -353,9 +411,19 @@ def check(tmp_path, capsys, funcs, *more):
     if not (tmp_path / "model").exists():
         save_model(*build_tiny_model(TINY, ALPHABET, seed=0), tmp_path / "model")
     capsys.readouterr()  # the saving's progress bar is not the check's output
-    code = main(["config", "check", "tiny", f"model.path={tmp_path / 'model'}", "task.name=rows",
-                 f"task.data_path={write_rows(tmp_path)}", "task.num_val=2",
-                 f"task.reward_funcs=[{funcs}]", *more])
+    code = main(
+        [
+            "config",
+            "check",
+            "tiny",
+            f"model.path={tmp_path / 'model'}",
+            "task.name=rows",
+            f"task.data_path={write_rows(tmp_path)}",
+            "task.num_val=2",
+            f"task.reward_funcs=[{funcs}]",
+            *more,
+        ]
+    )
     return code, capsys.readouterr()
 
 
@@ -373,8 +441,7 @@ def test_config_check_shows_where_a_raising_reward_failed_and_exits_2(tmp_path, 
     code, out = check(tmp_path, capsys, "my_rewards:broken")
     assert code == 2
     lines = out.err.strip().splitlines()
-    assert lines[0] == ("tidal config: config key 'task.reward_funcs': reward function broken raised KeyError: "
-                        "'answr'")
+    assert lines[0] == ("tidal config: config key 'task.reward_funcs': reward function broken raised KeyError: 'answr'")
     assert lines[1] == f'  File "{user_rewards}", line 20, in broken'
     assert len(lines) <= 5 and "asyncio" not in out.err
 
@@ -385,7 +452,8 @@ def test_config_check_reports_a_signature_at_its_def_naming_the_columns(tmp_path
     assert out.err.strip().splitlines()[:2] == [
         "tidal config: config key 'task.reward_funcs': reward function missing_column(completion, ground_truth, "
         "**kwargs) asks for 'ground_truth', which the rows lack (columns: problem, answer, tags)",
-        def_of(signatures, "missing_column")]
+        def_of(signatures, "missing_column"),
+    ]
 
 
 def test_config_check_scores_a_function_taking_lists_in_one_call(tmp_path, user_rewards, capsys):
@@ -398,8 +466,9 @@ def test_config_check_scores_a_function_taking_lists_in_one_call(tmp_path, user_
     assert my_rewards.CALLS == [3]
     code, out = check(tmp_path, capsys, "my_rewards:one_short")
     assert code == 2
-    assert "reward function one_short takes lists (it names `completions`) and returned 2 values for 3 samples" \
-        in out.err
+    assert (
+        "reward function one_short takes lists (it names `completions`) and returned 2 values for 3 samples" in out.err
+    )
 
 
 def test_config_check_refuses_rewards_outside_the_reward_range(tmp_path, user_rewards, capsys):
@@ -407,11 +476,18 @@ def test_config_check_refuses_rewards_outside_the_reward_range(tmp_path, user_re
     code, out = check(tmp_path, capsys, "my_rewards:exact,my_rewards:seen", "task.reward_weights=[10,0.2]")
     assert code == 2
     [line] = out.err.strip().splitlines()
-    assert line == ("tidal config: config key 'task.reward_range' = [-10, 10]: training prompt 0 scored 10.4 "
-                    "(exact 1 x 10 + seen 2 x 0.2), completion = its 'answer' column, outside it; the learner refuses "
-                    "every group holding such a reward (widen task.reward_range, or rescale the rewards)")
-    code, out = check(tmp_path, capsys, "my_rewards:exact,my_rewards:seen", "task.reward_weights=[10,0.2]",
-                      "task.reward_range=[-1,11]")
+    assert line == (
+        "tidal config: config key 'task.reward_range' = [-10, 10]: training prompt 0 scored 10.4 "
+        "(exact 1 x 10 + seen 2 x 0.2), completion = its 'answer' column, outside it; the learner refuses "
+        "every group holding such a reward (widen task.reward_range, or rescale the rewards)"
+    )
+    code, out = check(
+        tmp_path,
+        capsys,
+        "my_rewards:exact,my_rewards:seen",
+        "task.reward_weights=[10,0.2]",
+        "task.reward_range=[-1,11]",
+    )
     assert code == 0, out.err
 
 
@@ -420,7 +496,7 @@ def test_the_readme_reward_functions_score_as_printed(tmp_path, monkeypatch, cap
 
     text = (ROOT / "README.md").read_text()
     start = text.index("```python\n# my_rewards.py")
-    (tmp_path / "my_rewards.py").write_text(text[start + len("```python\n"):text.index("```", start + 10)])
+    (tmp_path / "my_rewards.py").write_text(text[start + len("```python\n") : text.index("```", start + 10)])
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "my_rewards", raising=False)
     code, out = check(tmp_path, capsys, "my_rewards:accuracy,my_rewards:brief")
@@ -430,6 +506,7 @@ def test_the_readme_reward_functions_score_as_printed(tmp_path, monkeypatch, cap
 
 
 # ---- the whole pipeline -------------------------------------------------------------------
+
 
 def run_pipeline(tmp_path, funcs: str, weights: str):
     """A two-step run of the whole pipeline in this process: the learner, and an actor on a thread whose
@@ -445,12 +522,29 @@ def run_pipeline(tmp_path, funcs: str, weights: str):
 
     model, tokenizer = build_tiny_model(TINY, ALPHABET, seed=0)
     save_model(model, tokenizer, tmp_path / "model")
-    cfg = resolve(load_config("configs/tiny.yaml", [
-        f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}", "learner.max_steps=2",
-        "learner.groups_per_step=4", "sampling.n=4", "eval.every=0", "eval.n=2", "actor.heartbeat_s=0.2",
-        "task.name=rows", f"task.data_path={write_rows(tmp_path, 40)}", "task.num_val=4",
-        f"task.reward_funcs=[{funcs}]", f"task.reward_weights=[{weights}]", "curriculum.enabled=false",
-        "learner.zero_variance_filter=true"]), actor=True)  # a reward failing everywhere: no step, only failures
+    cfg = resolve(
+        load_config(
+            "configs/tiny.yaml",
+            [
+                f"run_dir={tmp_path / 'run'}",
+                f"model.path={tmp_path / 'model'}",
+                "learner.max_steps=2",
+                "learner.groups_per_step=4",
+                "sampling.n=4",
+                "eval.every=0",
+                "eval.n=2",
+                "actor.heartbeat_s=0.2",
+                "task.name=rows",
+                f"task.data_path={write_rows(tmp_path, 40)}",
+                "task.num_val=4",
+                f"task.reward_funcs=[{funcs}]",
+                f"task.reward_weights=[{weights}]",
+                "curriculum.enabled=false",
+                "learner.zero_variance_filter=true",
+            ],
+        ),
+        actor=True,
+    )  # a reward failing everywhere: no step, only failures
     broker = InprocBroker(WireCodec(cfg.broker.max_message_bytes))
     learner, engine, result = build(cfg, transport=broker.learner()), ScriptedEngine(tokenizer, 0.5), {}
 
@@ -458,8 +552,14 @@ def run_pipeline(tmp_path, funcs: str, weights: str):
         async def run():
             result["loop"], result["actor"] = asyncio.get_running_loop(), actor
             return await actor.run()
-        actor = Actor(cfg.actor, engine, broker.actor(cfg.actor.id), build_receiver(cfg.weights),
-                      Episodes.of(cfg.task, cfg.env, engine.tokenizer))
+
+        actor = Actor(
+            cfg.actor,
+            engine,
+            broker.actor(cfg.actor.id),
+            build_receiver(cfg.weights),
+            Episodes.of(cfg.task, cfg.env, engine.tokenizer),
+        )
         result["reason"] = asyncio.run(run())
 
     thread = threading.Thread(target=run_actor, daemon=True)
@@ -477,8 +577,9 @@ def run_pipeline(tmp_path, funcs: str, weights: str):
 
 def test_a_two_function_weighted_reward_reaches_the_learners_metrics(tmp_path, user_rewards):
     run_dir = run_pipeline(tmp_path, "my_rewards:exact,my_rewards:short", "1.0,0.5")
-    steps = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-             if "rollout/reward_mean" in m]
+    steps = [
+        m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "rollout/reward_mean" in m
+    ]
     assert len(steps) == 2
     for m in steps:  # the scripted engine answers right half the time, in 4 tokens or fewer (its stop included)
         assert 0 < m["rewards/exact/mean"] < 1 and m["rewards/short/mean"] == 1.0
@@ -487,8 +588,7 @@ def test_a_two_function_weighted_reward_reaches_the_learners_metrics(tmp_path, u
     assert json.loads((run_dir / "summary.json").read_text())["episode_failures"] == {"count": 0, "reasons": []}
 
 
-def test_a_reward_raising_during_a_run_is_named_with_its_line_in_the_runs_last_lines(tmp_path, user_rewards,
-                                                                                      capsys):
+def test_a_reward_raising_during_a_run_is_named_with_its_line_in_the_runs_last_lines(tmp_path, user_rewards, capsys):
     from tidal.ops.launcher import print_summary
 
     run_dir = run_pipeline(tmp_path, "my_rewards:picky", "1.0")
@@ -498,25 +598,31 @@ def test_a_reward_raising_during_a_run_is_named_with_its_line_in_the_runs_last_l
     print_summary(run_dir, 1.0)
     out = capsys.readouterr().out
     assert f"failed episodes: {failed['count']} of {summary['samples']} training samples were scored 0" in out
-    assert (f"{failed['count']} x reward function picky raised ValueError: not a number I can read\n"
-            f'      File "{user_rewards}", line {line_of("not a number I can read")}, in picky') in out
+    assert (
+        f"{failed['count']} x reward function picky raised ValueError: not a number I can read\n"
+        f'      File "{user_rewards}", line {line_of("not a number I can read")}, in picky'
+    ) in out
 
 
-def test_a_reward_failing_every_episode_ends_the_learner_with_its_reason_not_a_traceback(tmp_path, user_rewards,
-                                                                                        caplog):
+def test_a_reward_failing_every_episode_ends_the_learner_with_its_reason_not_a_traceback(
+    tmp_path, user_rewards, caplog
+):
     with caplog.at_level(logging.ERROR, logger="tidal.learner"), pytest.raises(SystemExit) as stopped:
         run_pipeline(tmp_path, "my_rewards:broken", "1.0")
     assert stopped.value.code == 1
     [error] = [r.getMessage() for r in caplog.records if r.name == "tidal.learner" and r.levelno == logging.ERROR]
     assert "training episodes all failed" in error
-    assert (f'reward function broken raised KeyError: \'answr\'\n  File "{user_rewards}", line '
-                          f'{line_of("answr")}, in broken\n    return kwargs["answr"]  # a typo: raises KeyError on '
-                          "every sample") in error
+    assert (
+        f"reward function broken raised KeyError: 'answr'\n  File \"{user_rewards}\", line "
+        f'{line_of("answr")}, in broken\n    return kwargs["answr"]  # a typo: raises KeyError on '
+        "every sample"
+    ) in error
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["error"].startswith("the last 512 training episodes all failed")
 
 
 # ---- a remote reward ----------------------------------------------------------------------
+
 
 @pytest.fixture
 def reward_server():
@@ -556,6 +662,7 @@ def score_group(env, completions):
     async def group():
         state = {**encode_row({"problem": "1+2=", "answer": "3"}), PROMPT_TEXT: "1+2="}
         return await asyncio.gather(*(env.score(state, c, [1] * len(c)) for c in completions))
+
     return asyncio.run(group())
 
 
@@ -566,11 +673,19 @@ def test_a_remote_reward_scores_a_group_in_one_post_after_a_retry(reward_server,
     url, seen = reward_server
     seen["fail_first"] = 1
     env = Rewarded(task(f"task.reward_funcs=['{url}']", "task.reward_weights=[0.5]", "task.remote_timeout_s=5"))
-    assert score_group(env, ["3", "33", "333"]) == [(0.5, {"length": 1.0}), (1.0, {"length": 2.0}),
-                                                      (1.5, {"length": 3.0})]
+    assert score_group(env, ["3", "33", "333"]) == [
+        (0.5, {"length": 1.0}),
+        (1.0, {"length": 2.0}),
+        (1.5, {"length": 3.0}),
+    ]
     assert seen["requests"] == 2 and len(seen["batches"]) == 1  # one failed try, then the whole group at once
-    assert seen["batches"][0][1] == {"problem": "1+2=", "answer": "3", "prompt": "1+2=", "completion": "33",
-                                     "completion_ids": [1, 1]}
+    assert seen["batches"][0][1] == {
+        "problem": "1+2=",
+        "answer": "3",
+        "prompt": "1+2=",
+        "completion": "33",
+        "completion_ids": [1, 1],
+    }
 
 
 def test_a_remote_reward_that_keeps_failing_names_its_url(reward_server, monkeypatch):
@@ -612,7 +727,7 @@ def odd_server():
                     self.wfile.write(body)
                     return
                 for i in range(len(body)):
-                    self.wfile.write(body[i:i + 1])
+                    self.wfile.write(body[i : i + 1])
                     self.wfile.flush()
                     seen["dripped"] = i + 1
                     time.sleep(0.05)

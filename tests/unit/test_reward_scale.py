@@ -1,6 +1,7 @@
 """Any reward scale: a pass is a task reward >= task.pass_threshold everywhere a pass is counted
 (rollout/pass_rate, eval/pass_rate, the curriculum), the mean reward is its own metric, and a
 default threshold meeting rewards other than 0 and 1 is named in one warning."""
+
 import logging
 from types import SimpleNamespace
 
@@ -27,12 +28,29 @@ partial_credit_reward = get_reward(TaskConfig(name="arithmetic", kwargs={"partia
 
 
 def build(tmp_path, pass_threshold=1.0, num_prompts=8, pass_on=""):
-    plan = DispatchPlan(run_id="r", task="arithmetic", n=4, sampling=SamplingParams(), eval_n=1,
-                        eval_sampling=SamplingParams(), groups_per_step=4, max_lag=1, seed=0)
+    plan = DispatchPlan(
+        run_id="r",
+        task="arithmetic",
+        n=4,
+        sampling=SamplingParams(),
+        eval_n=1,
+        eval_sampling=SamplingParams(),
+        groups_per_step=4,
+        max_lag=1,
+        seed=0,
+    )
     prompts = [Prompt(prompt_id=i, text=f"{i:02d}+01=", payload={"answer": f"{i + 1:03d}"}) for i in range(num_prompts)]
     book = GroupBook(Ledger(tmp_path / "ledger.jsonl"))
-    coordinator = Coordinator(plan, prompts, [], lambda prompt: [1], InprocBroker(WireCodec(1 << 20)).learner(),
-                              book, CurriculumConfig(min_samples=4), pass_threshold)
+    coordinator = Coordinator(
+        plan,
+        prompts,
+        [],
+        lambda prompt: [1],
+        InprocBroker(WireCodec(1 << 20)).learner(),
+        book,
+        CurriculumConfig(min_samples=4),
+        pass_threshold,
+    )
     admission = Admission(StalenessConfig(max_lag=1), True, book, coordinator.on_rewards, pass_threshold, pass_on)
     return coordinator, admission, prompts
 
@@ -41,8 +59,9 @@ def scored_group(prompt: Prompt, rewards: list[float], gid: str, components: lis
     samples = [sample([(VERSION, 2)], r) for r in rewards]
     for s, parts in zip(samples, components or []):
         s.sample.reward_components = parts
-    return RolloutGroup.pack(samples, group_id=gid, prompt_id=prompt.prompt_id, actor_id="actor-0",
-                             prompt_tokens=int32s([2, 3]))
+    return RolloutGroup.pack(
+        samples, group_id=gid, prompt_id=prompt.prompt_id, actor_id="actor-0", prompt_tokens=int32s([2, 3])
+    )
 
 
 def answers(prompt: Prompt) -> list[str]:
@@ -132,9 +151,14 @@ def test_a_named_reward_function_decides_a_pass_in_training_the_curriculum_and_e
     assert coordinator.curriculum.retired == {0}  # by the sum, all three prompts would retire
 
     logged = []
-    evaluator = Evaluator(coordinator, SimpleNamespace(log=lambda metrics, step: logged.append(metrics)),
-                          SimpleNamespace(compute_axis=lambda num_actors: {}), SimpleNamespace(actors=lambda: []),
-                          pass_threshold=1.0, pass_on="accuracy")
+    evaluator = Evaluator(
+        coordinator,
+        SimpleNamespace(log=lambda metrics, step: logged.append(metrics)),
+        SimpleNamespace(compute_axis=lambda num_actors: {}),
+        SimpleNamespace(actors=lambda: []),
+        pass_threshold=1.0,
+        pass_on="accuracy",
+    )
     evaluator.evals.expect(VERSION, {"e": Release(0, VERSION, 4, "", eval_version=VERSION)})
     group = scored_group(Prompt(0, "", {}), [2.0, 2.0, 1.0, 1.0], "e", [right, right, wrong, no_accuracy])
     group.eval_version = VERSION
@@ -166,8 +190,10 @@ def test_failed_episodes_are_summed_up_by_kind_not_by_message(tmp_path):
     samples.append(sample([(VERSION, 2)], 1.0))
     group = RolloutGroup.pack(samples, group_id="g", prompt_id=0, actor_id="actor-0", prompt_tokens=int32s([2, 3]))
     admission.add(group, StepBatch(), VERSION)
-    picky = f"reward function picky raised ValueError with different messages, e.g. \"cannot read '0+'\" and " \
-            f"\"cannot read '1+'\"{where}"
+    picky = (
+        f"reward function picky raised ValueError with different messages, e.g. \"cannot read '0+'\" and "
+        f"\"cannot read '1+'\"{where}"
+    )
     assert admission.failure_summary() == {"count": 43, "reasons": [(picky, 40), (errors[-1], 3)]}
 
 
@@ -183,8 +209,9 @@ def test_a_reward_that_fails_every_episode_stops_the_run_naming_why(tmp_path):
     failed = [sample([(VERSION, 2)], 0.0, episode=Episode(turns=1, env_error=error)) for _ in range(8)]
 
     def group(i, samples):
-        return RolloutGroup.pack(samples, group_id=f"g{i}", prompt_id=i % 8, actor_id="actor-0",
-                                 prompt_tokens=int32s([2, 3]))
+        return RolloutGroup.pack(
+            samples, group_id=f"g{i}", prompt_id=i % 8, actor_id="actor-0", prompt_tokens=int32s([2, 3])
+        )
 
     admission.add(group(0, failed[:7] + [sample([(VERSION, 2)], 1.0)]), StepBatch(), VERSION)  # one episode worked
     for i in range(1, FAILING_RUN // 8):

@@ -1,5 +1,6 @@
 """The table of sampled training rollouts: when the learner logs it, what its rows say (advantage,
 versions, lag), and the few rollouts `--print-samples` shows on the console."""
+
 import json
 import logging
 from types import SimpleNamespace
@@ -15,8 +16,20 @@ from tidal.learner.rank0.loop import Learner
 from tidal.ops.launcher import RolloutFollower
 from tidal.run_files import ROLLOUTS_FILE, rollout_text
 
-COLUMNS = ["step", "prompt", "completion", "reward", "task_reward", "advantage", "versions", "lag",
-           "finish_reason", "tokens", "actor", "group_id"]
+COLUMNS = [
+    "step",
+    "prompt",
+    "completion",
+    "reward",
+    "task_reward",
+    "advantage",
+    "versions",
+    "lag",
+    "finish_reason",
+    "tokens",
+    "actor",
+    "group_id",
+]
 
 
 def group(gid: str, samples) -> RolloutGroup:
@@ -27,16 +40,28 @@ def diagnostics(tmp_path, every: int, rows: int, decoded: list | None = None, pr
     tables = []
     tracker = SimpleNamespace(log_table=lambda columns, name: tables.append((name, columns)))
     decode = lambda ids: (decoded.append(1) if decoded is not None else None) or " ".join(map(str, ids))  # noqa: E731
-    d = Diagnostics(tracker, decode, tmp_path, completions_per_eval=0, max_lag=2, rollout_table_every=every,
-                    rollout_table_rows=rows, print_samples=print_samples)
+    d = Diagnostics(
+        tracker,
+        decode,
+        tmp_path,
+        completions_per_eval=0,
+        max_lag=2,
+        rollout_table_every=every,
+        rollout_table_rows=rows,
+        print_samples=print_samples,
+    )
     return d, tables
 
 
 def run_steps(d, batch: StepBatch, versions, norm=AdvantageNorm.batch) -> None:
     """The loop's own step of the table (`Learner.show_rollouts`) at each learner version, on one batch."""
     for version in versions:
-        Learner.show_rollouts(SimpleNamespace(parts=SimpleNamespace(diagnostics=d), version=version,
-                                              cfg=LearnerConfig(advantage_norm=norm)), batch)
+        Learner.show_rollouts(
+            SimpleNamespace(
+                parts=SimpleNamespace(diagnostics=d), version=version, cfg=LearnerConfig(advantage_norm=norm)
+            ),
+            batch,
+        )
 
 
 def batch_of(groups) -> StepBatch:
@@ -104,8 +129,20 @@ def test_print_samples_writes_a_few_truncated_rollouts_to_the_log(tmp_path, capl
         run_steps(d, four_by_four(), [0])
     shown = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[rollout]")]
     assert len(shown) == 2 and "versions=0 lag=0" in shown[0]
-    line = rollout_text({"step": 1, "prompt": "p\nq", "completion": "x" * 500, "reward": 1.0, "reward/format": 0.5,
-                         "advantage": 0.5, "versions": "3", "lag": 0, "finish_reason": "stop"}, width=20)
+    line = rollout_text(
+        {
+            "step": 1,
+            "prompt": "p\nq",
+            "completion": "x" * 500,
+            "reward": 1.0,
+            "reward/format": 0.5,
+            "advantage": 0.5,
+            "versions": "3",
+            "lag": 0,
+            "finish_reason": "stop",
+        },
+        width=20,
+    )
     assert "reward/format=0.5" in line and "prompt: p\\nq" in line and "completion: " + "x" * 17 + "..." in line
 
 
@@ -119,8 +156,15 @@ def test_print_samples_from_the_environment_and_a_bad_value_named(tmp_path, monk
 
 def test_the_launcher_shows_the_first_rows_of_each_new_table(tmp_path):
     path = tmp_path / ROLLOUTS_FILE
-    row = {"prompt": "p", "completion": "c", "reward": 1.0, "advantage": 0.5, "versions": "1", "lag": 0,
-           "finish_reason": "stop"}
+    row = {
+        "prompt": "p",
+        "completion": "c",
+        "reward": 1.0,
+        "advantage": 0.5,
+        "versions": "1",
+        "lag": 0,
+        "finish_reason": "stop",
+    }
     path.write_text(json.dumps({"step": 1, "rows": [row | {"step": 1}]}) + "\n")  # before a resume: not shown
     shown = []
     follower = RolloutFollower(tmp_path, 2, shown.append)

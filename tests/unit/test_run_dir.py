@@ -1,5 +1,6 @@
 """Two runs never mix: a run_dir that holds a run is continued (--resume), deleted first (--overwrite) or
 refused in one line, by `tidal run` and by `tidal learner` alike."""
+
 import subprocess
 import sys
 
@@ -16,9 +17,11 @@ def test_a_folder_holding_a_run_is_refused_in_one_line_naming_the_ways_on(tmp_pa
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     assert not check_run_dir(tmp_path, None, False)
     [line] = capsys.readouterr().err.splitlines()
-    assert line == (f"tidal run: run_dir={tmp_path} holds a run already (metrics.jsonl, config.yaml): pass "
-                    "--resume to continue it, --overwrite to start over in it (its files are deleted), or choose "
-                    "another run_dir")
+    assert line == (
+        f"tidal run: run_dir={tmp_path} holds a run already (metrics.jsonl, config.yaml): pass "
+        "--resume to continue it, --overwrite to start over in it (its files are deleted), or choose "
+        "another run_dir"
+    )
     assert (tmp_path / "metrics.jsonl").exists()  # nothing touched
     assert check_run_dir(tmp_path, "required", False)
 
@@ -41,9 +44,14 @@ def test_overwrite_deletes_a_run_tidal_made_and_nothing_else(tmp_path, capsys):
 
 def test_the_learner_alone_refuses_a_run_dir_with_a_run_unless_resumed(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
-    done = subprocess.run([sys.executable, "-m", "tidal", "learner", "tiny", f"run_dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "tidal", "learner", "tiny", f"run_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1] == (
         f"tidal learner: run_dir={tmp_path} holds a run already (metrics.jsonl): pass --resume to continue it, or "
-        "choose another run_dir")
+        "choose another run_dir"
+    )

@@ -1,5 +1,6 @@
 """The code-execution tool: a program's output comes back; one that spins, grows, floods, sleeps or
 reaches for the network is stopped by its limit and says which; the actor's tool runner sees a string."""
+
 from dataclasses import replace
 
 import pytest
@@ -21,12 +22,15 @@ def test_a_program_prints_and_its_errors_come_back():
 SHORT_WALL = replace(LIMITS, wall_s=0.5)
 
 
-@pytest.mark.parametrize("code, limits, ending", [
-    ("while True: pass", LIMITS, "[stopped: used more than 1 s of CPU]"),
-    ("import time; time.sleep(60)", SHORT_WALL, "[stopped: took longer than 0.5 s]"),
-    ("x = bytearray(1 << 30)", LIMITS, "[exit status 1]"),  # MemoryError: the address space is capped
-    ("while True: print('y' * 1000)", LIMITS, "[stopped: printed too much]"),
-])
+@pytest.mark.parametrize(
+    "code, limits, ending",
+    [
+        ("while True: pass", LIMITS, "[stopped: used more than 1 s of CPU]"),
+        ("import time; time.sleep(60)", SHORT_WALL, "[stopped: took longer than 0.5 s]"),
+        ("x = bytearray(1 << 30)", LIMITS, "[exit status 1]"),  # MemoryError: the address space is capped
+        ("while True: print('y' * 1000)", LIMITS, "[stopped: printed too much]"),
+    ],
+)
 def test_limits_stop_a_program_and_say_which(code, limits, ending):
     out = execute(code, limits)
     assert out.endswith(ending)
@@ -34,8 +38,10 @@ def test_limits_stop_a_program_and_say_which(code, limits, ending):
 
 
 def test_the_network_is_off():
-    code = ("import socket\ntry:\n    socket.create_connection(('127.0.0.1', 9), timeout=1)\n"
-            "except OSError as e:\n    print('off', e)\n")
+    code = (
+        "import socket\ntry:\n    socket.create_connection(('127.0.0.1', 9), timeout=1)\n"
+        "except OSError as e:\n    print('off', e)\n"
+    )
     out = execute(code, LIMITS)
     assert out.startswith("off"), out
     # a namespace of its own has no interface but a loopback that is down; without one, no sockets

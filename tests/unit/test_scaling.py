@@ -53,11 +53,12 @@ def test_round_trip_on_half_the_compute_predicts_the_end():
     early = COMPUTE <= 8000
     power = scaling.fit_power_law(COMPUTE[early], noisy[early])
     power_err = abs(float(power.predict(COMPUTE[-1])) - clean[-1])
-    print(f"\nsigmoid: A={fit.A:.4f} B={fit.B:.3f} C_mid={fit.C_mid:.0f} R0={fit.R0:.3f} "
-          f"intervals={fit.intervals}")
-    print(f"final point (C={COMPUTE[-1]:.0f}, true {clean[-1]:.4f}): sigmoid err {final_err:.4f}, "
-          f"power law a={power.a:.3g} b={power.b:.3f} err {power_err:.4f}; "
-          f"held-out mean abs err {score.mean_abs_error:.4f}")
+    print(f"\nsigmoid: A={fit.A:.4f} B={fit.B:.3f} C_mid={fit.C_mid:.0f} R0={fit.R0:.3f} intervals={fit.intervals}")
+    print(
+        f"final point (C={COMPUTE[-1]:.0f}, true {clean[-1]:.4f}): sigmoid err {final_err:.4f}, "
+        f"power law a={power.a:.3g} b={power.b:.3f} err {power_err:.4f}; "
+        f"held-out mean abs err {score.mean_abs_error:.4f}"
+    )
     print(scaling.fit_table({"paper": fit}, {"paper": power}))
     assert abs(fit.A - 0.61) <= 0.02
     assert final_err <= 0.02
@@ -81,7 +82,7 @@ def test_round_trip_median_over_seeds():
 
 def test_power_law_recovers_its_own_parameters():
     C = np.geomspace(10, 1e4, 12)
-    fit = scaling.fit_power_law(C, 0.05 * C ** 0.3)
+    fit = scaling.fit_power_law(C, 0.05 * C**0.3)
     assert fit.a == pytest.approx(0.05, rel=1e-6)
     assert fit.b == pytest.approx(0.3, rel=1e-6)
     assert fit.sse < 1e-20
@@ -139,15 +140,18 @@ def test_min_compute_leaves_early_points_out_and_R0_is_fitted_unless_given():
     assert given.R0 == 0.3 and given.A == pytest.approx(0.61, abs=0.01)
 
 
-@pytest.mark.parametrize("compute, pass_rate, words", [
-    ([100, 200, 300], [0.1, 0.2, 0.3], ["too few points", "at least 4"]),
-    ([100, 200, 300, 400, 500], [0.4] * 5, ["flat curve", "nothing to fit"]),
-    ([100, 200, 300, 400, 500], [0.1, 0.2, np.nan, np.inf, 0.5], ["pass_rate", "2", "NaN/inf"]),
-    ([100, np.nan, 300, 400, 500], [0.1, 0.2, 0.3, 0.4, 0.5], ["compute", "1", "NaN/inf"]),
-    ([100, -200, 300, 400, 500], [0.1, 0.2, 0.3, 0.4, 0.5], ["non-positive compute", "-200"]),
-    ([100, 200, 300, 400, 500], [0.1, 0.2, 0.3, 0.4, 1.5], ["outside [0, 1]"]),
-    ([100, 200, 300, 400, 500], [0.5, 0.4, 0.3, 0.2, 0.1], ["never rises above R0=0.5"]),
-])
+@pytest.mark.parametrize(
+    "compute, pass_rate, words",
+    [
+        ([100, 200, 300], [0.1, 0.2, 0.3], ["too few points", "at least 4"]),
+        ([100, 200, 300, 400, 500], [0.4] * 5, ["flat curve", "nothing to fit"]),
+        ([100, 200, 300, 400, 500], [0.1, 0.2, np.nan, np.inf, 0.5], ["pass_rate", "2", "NaN/inf"]),
+        ([100, np.nan, 300, 400, 500], [0.1, 0.2, 0.3, 0.4, 0.5], ["compute", "1", "NaN/inf"]),
+        ([100, -200, 300, 400, 500], [0.1, 0.2, 0.3, 0.4, 0.5], ["non-positive compute", "-200"]),
+        ([100, 200, 300, 400, 500], [0.1, 0.2, 0.3, 0.4, 1.5], ["outside [0, 1]"]),
+        ([100, 200, 300, 400, 500], [0.5, 0.4, 0.3, 0.2, 0.1], ["never rises above R0=0.5"]),
+    ],
+)
 def test_degenerate_inputs_raise_clear_errors(compute, pass_rate, words):
     with pytest.raises(ScalingFitError) as err:
         scaling.fit_sigmoid(compute, pass_rate, intervals=False)
@@ -193,8 +197,9 @@ def test_plot_fits_writes_png(tmp_path):
     early = COMPUTE <= 8000
     fit = scaling.fit_sigmoid(COMPUTE[early], noisy[early], intervals=False)
     power = scaling.fit_power_law(COMPUTE[early], noisy[early])
-    path = scaling.plot_fits({"paper": (COMPUTE, noisy)}, {"paper": fit}, tmp_path / "fit.png",
-                             power={"paper": power}, title="round trip")
+    path = scaling.plot_fits(
+        {"paper": (COMPUTE, noisy)}, {"paper": fit}, tmp_path / "fit.png", power={"paper": power}, title="round trip"
+    )
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
@@ -234,8 +239,9 @@ def test_90_percent_intervals_cover_the_truth_nine_times_in_ten():
         hits_a += lo <= truth["A"] <= hi
         final_lo, final_hi = fit.predict_interval(compute[-1])
         hits_final += final_lo[0] <= clean[-1] <= final_hi[0]
-    print(f"\ncoverage of 90% intervals over {count} curves: A {hits_a / count:.3f}, "
-          f"final point {hits_final / count:.3f}")
+    print(
+        f"\ncoverage of 90% intervals over {count} curves: A {hits_a / count:.3f}, final point {hits_final / count:.3f}"
+    )
     assert 0.85 <= hits_a / count <= 0.95
     assert 0.85 <= hits_final / count <= 0.95
 
@@ -249,8 +255,12 @@ def test_shared_A_90_percent_intervals_cover_the_truth_nine_times_in_ten():
     for _ in range(num_sets):
         A = rng.uniform(0.5, 0.8)
         curves = [synthetic_curve(rng, A) for _ in range(int(rng.integers(2, 4)))]
-        fits = scaling.fit_common_A({i: (compute[compute <= end], measured[compute <= end])
-                                     for i, (_, compute, measured, _, end) in enumerate(curves)})
+        fits = scaling.fit_common_A(
+            {
+                i: (compute[compute <= end], measured[compute <= end])
+                for i, (_, compute, measured, _, end) in enumerate(curves)
+            }
+        )
         lo, hi = fits[0].intervals["A"]
         hits_a += lo <= A <= hi
         for i, (truth, compute, _, clean, _) in enumerate(curves):
@@ -259,8 +269,10 @@ def test_shared_A_90_percent_intervals_cover_the_truth_nine_times_in_ten():
             final_lo, final_hi = fits[i].predict_interval(compute[-1])
             hits_final += final_lo[0] <= clean[-1] <= final_hi[0]
         num_curves += len(curves)
-    print(f"\nshared A: coverage of 90% intervals over {num_sets} sets ({num_curves} curves): "
-          f"A {hits_a / num_sets:.3f}, B {hits_b / num_curves:.3f}, final point {hits_final / num_curves:.3f}")
+    print(
+        f"\nshared A: coverage of 90% intervals over {num_sets} sets ({num_curves} curves): "
+        f"A {hits_a / num_sets:.3f}, B {hits_b / num_curves:.3f}, final point {hits_final / num_curves:.3f}"
+    )
     assert 0.85 <= hits_a / num_sets <= 0.95
     assert 0.85 <= hits_b / num_curves <= 0.95
     assert 0.85 <= hits_final / num_curves <= 0.95
@@ -286,8 +298,22 @@ def test_tidal_fit_prints_the_interval_of_its_prediction_and_the_note(tmp_path, 
     clean, noisy = noisy_curve(2)
     path = tmp_path / "curve.csv"
     path.write_text("compute,pass_rate\n" + "".join(f"{c},{r}\n" for c, r in zip(COMPUTE, noisy)))
-    assert main(["fit", "--csv", str(path), "--fit-fraction", "0.15", "--predict", "16000",
-                 "--out", str(tmp_path / "fit.png")]) == 0
+    assert (
+        main(
+            [
+                "fit",
+                "--csv",
+                str(path),
+                "--fit-fraction",
+                "0.15",
+                "--predict",
+                "16000",
+                "--out",
+                str(tmp_path / "fit.png"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     print(out)
     assert "note: curve: the fit saw compute up to" in out and "A is not pinned down" in out
@@ -309,8 +335,10 @@ def test_the_fit_window_skips_the_early_transient_and_holds_out_the_rest(tmp_pat
     assert seen["run"][0].max() <= 0.5 * COMPUTE[-1]
     path = tmp_path / "curve.csv"
     path.write_text("compute,pass_rate\n1,0.3\n2,0.4\n3,0.5\n4,0.55\n5,0.6\n")
-    for flags, words in ((["--skip-fraction", "1.5"], "--skip-fraction=1.5 must be between 0 and 1"),
-                         (["--skip-fraction", "0.6", "--fit-fraction", "0.5"], "leaves nothing below")):
+    for flags, words in (
+        (["--skip-fraction", "1.5"], "--skip-fraction=1.5 must be between 0 and 1"),
+        (["--skip-fraction", "0.6", "--fit-fraction", "0.5"], "leaves nothing below"),
+    ):
         assert main(["fit", "--csv", str(path), *flags, "--out", str(tmp_path / "f.png")]) == 2
         assert words in capsys.readouterr().err
 
@@ -371,8 +399,10 @@ def test_a_run_that_came_apart_is_left_out_of_a_sweeps_fits_with_its_reason():
 
     clean, noisy = noisy_curve(8)
     compute = np.concatenate([[0.0], COMPUTE])
-    points = {"rose": (compute, np.concatenate([[0.3], noisy])),
-              "apart": (compute, np.concatenate([[0.3], np.full(COMPUTE.size, 0.01)]))}
+    points = {
+        "rose": (compute, np.concatenate([[0.3], noisy])),
+        "apart": (compute, np.concatenate([[0.3], np.full(COMPUTE.size, 0.01)])),
+    }
     failed = {}
     fits, power, seen = fit_points(points, Window(), failed)
     assert list(fits) == list(power) == list(seen) == ["rose"]
@@ -401,8 +431,10 @@ def test_skip_auto_intervals_hold_the_truth_on_curves_without_a_transient():
         skipped += fit.skipped_below is not None
         if fit.skipped_below is not None:  # a skip on a curve without a transient widens, never moves, the interval
             assert lo <= every.intervals["A"][0] and every.intervals["A"][1] <= hi
-    print(f"\nskip auto: A's 90% interval held the truth on {hits} of 20 (skipped on {skipped}); "
-          f"every point kept: {kept_all_hits} of 20")
+    print(
+        f"\nskip auto: A's 90% interval held the truth on {hits} of 20 (skipped on {skipped}); "
+        f"every point kept: {kept_all_hits} of 20"
+    )
     assert hits >= 18 and hits >= kept_all_hits
 
 
@@ -410,8 +442,9 @@ def jump_curve(rng, num_evals: int = 26):
     """A run that learns its answer format within the first evaluations, then climbs slowly (as tiny-scalerl
     does): (compute, noiseless, measured), compute from 0 to 1."""
     compute = np.linspace(0, 1, num_evals)
-    slow = scaling.sigmoid_curve(compute, rng.uniform(0.93, 0.99), rng.uniform(1.0, 2.0), rng.uniform(0.15, 0.4),
-                                 rng.uniform(0.4, 0.6))
+    slow = scaling.sigmoid_curve(
+        compute, rng.uniform(0.93, 0.99), rng.uniform(1.0, 2.0), rng.uniform(0.15, 0.4), rng.uniform(0.4, 0.6)
+    )
     learnt = 1 - np.exp(-compute / rng.uniform(0.01, 0.03))  # the share of the format learnt
     clean = rng.uniform(0.05, 0.3) * (1 - learnt) + slow * learnt
     return compute, clean, np.clip(clean + rng.normal(0, rng.uniform(0.01, 0.025), num_evals), 0, 1)
@@ -433,8 +466,10 @@ def test_skip_auto_predicts_a_run_with_a_transient_from_its_first_half():
             errors[skip].append(abs(float(np.mean(fit.predict(last))) - final))
             (lo,), (hi,) = fit.measured_interval(last.mean(), num_evals=3)
             inside[skip] += lo <= final <= hi
-    print(f"\nmean error auto {np.mean(errors[AUTO]):.4f}, every point {np.mean(errors[None]):.4f}; "
-          f"in a measurement's interval: auto {inside[AUTO]}, every point {inside[None]} of 20")
+    print(
+        f"\nmean error auto {np.mean(errors[AUTO]):.4f}, every point {np.mean(errors[None]):.4f}; "
+        f"in a measurement's interval: auto {inside[AUTO]}, every point {inside[None]} of 20"
+    )
     assert np.mean(errors[AUTO]) < 0.8 * np.mean(errors[None])
     assert inside[AUTO] >= inside[None]
 

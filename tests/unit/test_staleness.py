@@ -1,5 +1,6 @@
 """Staleness enforcement and the per-step metrics, on hand-made rollout groups with per-token
 version spans, through the learner's real admission and `step_metrics`."""
+
 import time
 from types import SimpleNamespace
 
@@ -23,8 +24,9 @@ MAX_LAG = 2
 
 
 def group(samples, gid="g", prompt_id=1):
-    return RolloutGroup.pack(samples, group_id=gid, prompt_id=prompt_id, actor_id="actor-0",
-                             prompt_tokens=int32s([2, 3, 4]))
+    return RolloutGroup.pack(
+        samples, group_id=gid, prompt_id=prompt_id, actor_id="actor-0", prompt_tokens=int32s([2, 3, 4])
+    )
 
 
 # lags at version 10: sample 0 -> [1, 1, 0] (fresh enough); sample 1 -> [3, 3, 2, 2] (two tokens too old)
@@ -34,16 +36,32 @@ ALL_STALE = [sample([(7, 3)], 1.0), sample([(6, 1), (7, 1)], 0.0)]
 
 def build_learner(tmp_path, on_violation, max_lag=MAX_LAG, curriculum=None):
     """The real learner parts that admission and the step metrics touch, over the in-process broker."""
-    plan = DispatchPlan(run_id="r", task="arithmetic", n=2, sampling=SamplingParams(), eval_n=1,
-                        eval_sampling=SamplingParams(), groups_per_step=1, max_lag=max_lag, seed=0)
+    plan = DispatchPlan(
+        run_id="r",
+        task="arithmetic",
+        n=2,
+        sampling=SamplingParams(),
+        eval_n=1,
+        eval_sampling=SamplingParams(),
+        groups_per_step=1,
+        max_lag=max_lag,
+        seed=0,
+    )
     train = [Prompt(prompt_id=i, text="1+1=", payload={"answer": "02"}) for i in range(3)]
     transport = InprocBroker(WireCodec(1 << 20)).learner()
     book = GroupBook(Ledger(tmp_path / "ledger.jsonl"))
     coordinator = Coordinator(plan, train, [], lambda text: [1], transport, book, curriculum)
     staleness = StalenessConfig(max_lag=max_lag, on_violation=on_violation)
-    parts = LearnerParts(trainer=SimpleNamespace(num_params=1000), coordinator=coordinator, book=book,
-                         admission=Admission(staleness, True, book, coordinator.on_rewards), transport=transport,
-                         publisher=None, tracker=None, checkpointer=SimpleNamespace(periodic=False))
+    parts = LearnerParts(
+        trainer=SimpleNamespace(num_params=1000),
+        coordinator=coordinator,
+        book=book,
+        admission=Admission(staleness, True, book, coordinator.on_rewards),
+        transport=transport,
+        publisher=None,
+        tracker=None,
+        checkpointer=SimpleNamespace(periodic=False),
+    )
     learner = Learner(LearnerConfig(), EvalConfig(), parts)
     learner.version = VERSION
     return learner
@@ -61,6 +79,7 @@ def discarded(tmp_path):
 
 
 # ---- the pure check ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("policy", list(OnViolation))
 def test_fresh_groups_train_every_token_whatever_the_policy(policy):
@@ -99,6 +118,7 @@ def test_injected_tokens_are_neither_stale_nor_trainable():
 
 
 # ---- through the learner's admission --------------------------------------------------------------
+
 
 def test_drop_group_discards_the_whole_group_and_counts_it(tmp_path):
     learner = build_learner(tmp_path, OnViolation.drop_group)
@@ -167,8 +187,14 @@ def test_discarded_groups_still_feed_the_curriculum(tmp_path):
     learner = build_learner(tmp_path, OnViolation.drop_group, curriculum=CurriculumConfig(min_samples=2))
     stale_solved = [sample([(7, 2)], 1.0), sample([(10, 2)], 1.0)]
     zero_variance_solved = [sample([(10, 2)], 1.0), sample([(10, 2)], 1.0)]
-    admit_all(learner, [group(stale_solved, "a", prompt_id=0), group(zero_variance_solved, "b", prompt_id=1),
-                        group(MIXED, "c", prompt_id=2)])
+    admit_all(
+        learner,
+        [
+            group(stale_solved, "a", prompt_id=0),
+            group(zero_variance_solved, "b", prompt_id=1),
+            group(MIXED, "c", prompt_id=2),
+        ],
+    )
     assert learner.coordinator.curriculum.retired == {0, 1}
 
 
@@ -176,16 +202,27 @@ def test_discarded_groups_still_feed_the_curriculum(tmp_path):
 
 # The quantities a step must log, item by item, and the metric that carries it.
 STEP_METRICS = {
-    "reward": ["rollout/reward"], "pass rate": ["rollout/pass_rate"], "advantage std": ["learner/advantage_std"],
-    "rho mean/max": ["offpolicy/rho_mean", "offpolicy/rho_max"], "clipped fraction": ["offpolicy/clipped_frac"],
-    "effective sample size": ["offpolicy/ess"], "lag mean/max": ["offpolicy/lag_mean", "offpolicy/lag_max"],
-    "dropped-for-staleness count": ["offpolicy/dropped_stale_groups", "offpolicy/stale_tokens",
-                                    "offpolicy/masked_stale_tokens"],
-    "mismatch KL": ["offpolicy/mismatch_kl"], "entropy": ["learner/entropy"], "grad norm": ["learner/grad_norm"],
+    "reward": ["rollout/reward"],
+    "pass rate": ["rollout/pass_rate"],
+    "advantage std": ["learner/advantage_std"],
+    "rho mean/max": ["offpolicy/rho_mean", "offpolicy/rho_max"],
+    "clipped fraction": ["offpolicy/clipped_frac"],
+    "effective sample size": ["offpolicy/ess"],
+    "lag mean/max": ["offpolicy/lag_mean", "offpolicy/lag_max"],
+    "dropped-for-staleness count": [
+        "offpolicy/dropped_stale_groups",
+        "offpolicy/stale_tokens",
+        "offpolicy/masked_stale_tokens",
+    ],
+    "mismatch KL": ["offpolicy/mismatch_kl"],
+    "entropy": ["learner/entropy"],
+    "grad norm": ["learner/grad_norm"],
     "lengths": ["rollout/completion_len_mean", "rollout/prompt_len_mean"],
-    "truncation rate": ["rollout/truncation_rate"], "zero-variance fraction": ["rollout/zero_variance_frac"],
+    "truncation rate": ["rollout/truncation_rate"],
+    "zero-variance fraction": ["rollout/zero_variance_frac"],
     "retired prompts": ["curriculum/retired_prompts"],
-    "tokens/s": ["rollout/gen_tokens_per_s", "learner/tokens_per_s"], "weight-push time": ["timing/weight_push_s"],
+    "tokens/s": ["rollout/gen_tokens_per_s", "learner/tokens_per_s"],
+    "weight-push time": ["timing/weight_push_s"],
 }
 
 
@@ -193,8 +230,14 @@ def trainer_metrics() -> dict[str, float]:
     """What Trainer.step returns for an empty batch, and the weight-push time `Learner.run` adds."""
     identity = lambda values: np.asarray(values, dtype=np.float64)  # noqa: E731 (one rank: no reduction)
     metrics = _StepStats(VERSION, LossConfig()).summary(identity, identity, 1)
-    return metrics | {"learner/grad_norm": 0.5, "optim/lr": 1e-3, "learner/num_updates": 1.0,
-                      "timing/train_step_s": 1.0, "learner/tokens_per_s": 7.0, "timing/weight_push_s": 0.01}
+    return metrics | {
+        "learner/grad_norm": 0.5,
+        "optim/lr": 1e-3,
+        "learner/num_updates": 1.0,
+        "timing/train_step_s": 1.0,
+        "learner/tokens_per_s": 7.0,
+        "timing/weight_push_s": 0.01,
+    }
 
 
 def test_step_metrics_cover_the_list_with_the_batch_numbers(tmp_path):

@@ -1,6 +1,7 @@
 """The step runner issues the same collectives in the same order on rank 0 and on the others, and its
 guard stops ranks out of step with an error naming what each called (two real ranks:
 tests/integration/test_rank_faults.py)."""
+
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,8 +14,14 @@ from tidal.learner.every_rank.ranks import Collective, Position, RankGroup, Rank
 from tidal.learner.rank0.admission import StepBatch
 from tidal.learner.steps import Follower, StepRunner
 
-RESTORE, BATCH, TRAIN, PUSH, SAVE, EXPORT = (Collective.RESTORE, Collective.BATCH, Collective.TRAIN, Collective.PUSH,
-                                             Collective.SAVE, Collective.EXPORT)
+RESTORE, BATCH, TRAIN, PUSH, SAVE, EXPORT = (
+    Collective.RESTORE,
+    Collective.BATCH,
+    Collective.TRAIN,
+    Collective.PUSH,
+    Collective.SAVE,
+    Collective.EXPORT,
+)
 
 
 class Ranks(RankGroup):
@@ -97,12 +104,27 @@ def collectives(steps: StepRunner) -> list[tuple[Collective, int]]:
 
 def test_rank_0_and_a_follower_issue_the_same_collectives_in_the_same_order():
     rank0, rank1 = run_both(max_steps=4, num_batches=10)
-    assert collectives(rank0) == collectives(rank1) == [
-        (RESTORE, 0), (PUSH, 1),  # version 1 once restored
-        (BATCH, 1), (TRAIN, 1), (PUSH, 2), (SAVE, 2),  # due at 2
-        (BATCH, 2), (TRAIN, 2), (PUSH, 3),
-        (BATCH, 3), (TRAIN, 3), (PUSH, 4), (SAVE, 4),
-        (SAVE, 4), (EXPORT, 4)]  # the final save and the final gather
+    assert (
+        collectives(rank0)
+        == collectives(rank1)
+        == [
+            (RESTORE, 0),
+            (PUSH, 1),  # version 1 once restored
+            (BATCH, 1),
+            (TRAIN, 1),
+            (PUSH, 2),
+            (SAVE, 2),  # due at 2
+            (BATCH, 2),
+            (TRAIN, 2),
+            (PUSH, 3),
+            (BATCH, 3),
+            (TRAIN, 3),
+            (PUSH, 4),
+            (SAVE, 4),
+            (SAVE, 4),
+            (EXPORT, 4),
+        ]
+    )  # the final save and the final gather
     assert [p.count for p in rank1.ranks.positions] == list(range(1, 16))
     assert rank0.version == rank1.version == 4 and rank0.checkpointer.saved == rank1.checkpointer.saved == [2, 4, 4]
 
@@ -110,8 +132,11 @@ def test_rank_0_and_a_follower_issue_the_same_collectives_in_the_same_order():
 def test_a_run_rank_0_ends_early_ends_on_every_rank_with_the_same_collectives():
     rank0, rank1 = run_both(max_steps=4, num_batches=1)
     assert [len(groups) for groups, _ in rank0.ranks.sent] == [2, 0]  # the second batch: empty, the run is over
-    assert collectives(rank0) == collectives(rank1) == [
-        (RESTORE, 0), (PUSH, 1), (BATCH, 1), (TRAIN, 1), (PUSH, 2), (SAVE, 2), (BATCH, 2), (SAVE, 2), (EXPORT, 2)]
+    assert (
+        collectives(rank0)
+        == collectives(rank1)
+        == [(RESTORE, 0), (PUSH, 1), (BATCH, 1), (TRAIN, 1), (PUSH, 2), (SAVE, 2), (BATCH, 2), (SAVE, 2), (EXPORT, 2)]
+    )
 
 
 class Peer(Ranks):
@@ -129,8 +154,10 @@ def test_ranks_out_of_step_raise_before_the_collective_naming_what_each_called()
     ranks = Peer(Position(1, SAVE, 3))
     with pytest.raises(RanksOutOfStep) as raised, ranks.collective(PUSH, version=3):
         pytest.fail("the collective ran with a rank out of step")
-    assert str(raised.value) == ("learner ranks out of step: rank 1 called checkpoint save (collective #1, version 3) "
-                                 "while rank 0 called weight push (collective #1, version 3)")
+    assert str(raised.value) == (
+        "learner ranks out of step: rank 1 called checkpoint save (collective #1, version 3) "
+        "while rank 0 called weight push (collective #1, version 3)"
+    )
     ranks = Peer(Position(1, PUSH, 4))  # the same collective at another version: out of step too
     with pytest.raises(RanksOutOfStep, match="rank 1 called weight push .collective #1, version 4. while rank 0"):
         with ranks.collective(PUSH, version=3):

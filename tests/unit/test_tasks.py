@@ -1,6 +1,7 @@
 """Tasks as plugins and prompts as users bring them: a task from an import path or the tidal.tasks
 entry points, its own options (task.kwargs), datasets from files, folders and Hub-style splits,
 string or chat-message prompts through the tokenizer's chat template, a system prompt."""
+
 import json
 
 import pytest
@@ -72,15 +73,21 @@ def test_a_conversational_dataset_in_a_hub_style_folder_with_splits(tmp_path):
     rows = load_rows(str(tmp_path / "ds"), "task.data_path", "prompt", "answer", split="train")
     assert [r["prompt"][0]["content"] for r in rows] == [f"{i}+1" for i in range(5)]
     assert len(load_rows(str(tmp_path / "ds"), "task.val_path", "prompt", "answer", split="test")) == 2
-    split = get_task("math").load_prompts(TaskConfig(name="math", data_path=str(tmp_path / "ds"),
-                                                     val_path=str(tmp_path / "ds"), prompt_field="prompt", num_val=2))
+    split = get_task("math").load_prompts(
+        TaskConfig(
+            name="math", data_path=str(tmp_path / "ds"), val_path=str(tmp_path / "ds"), prompt_field="prompt", num_val=2
+        )
+    )
     assert split.val[0].messages == ({"role": "user", "content": "0+1"},) and split.val[0].text == ""
 
 
-@pytest.mark.parametrize("rows, says", [
-    ([{"prompt": [], "answer": "1"}], "holds no chat messages"),
-    ([{"prompt": [{"role": "user"}], "answer": "1"}], "message 0 is not"),
-])
+@pytest.mark.parametrize(
+    "rows, says",
+    [
+        ([{"prompt": [], "answer": "1"}], "holds no chat messages"),
+        ([{"prompt": [{"role": "user"}], "answer": "1"}], "message 0 is not"),
+    ],
+)
 def test_bad_chat_rows_name_file_and_line(tmp_path, rows, says):
     write_jsonl(tmp_path / "bad.jsonl", [{"prompt": [{"role": "user", "content": "1"}], "answer": "1"}, *rows])
     with pytest.raises(ValueError, match=f"bad.jsonl:2: 'prompt' {says}"):
@@ -124,11 +131,14 @@ def test_the_count_task_has_long_tailed_completions_in_one_batch():
         count.load_prompts(TaskConfig(name="count", max_operand=1200))
 
 
-@pytest.mark.parametrize("name, says", [
-    ("nope", "'task.name' = 'nope': not a known task (arithmetic, chain, count, math"),
-    ("no_such_pkg.task", "cannot import no_such_pkg.task"),
-    ("tidal.tiny", "tidal.tiny has no load_prompts and no reward (or build_reward, or Environment)"),
-])
+@pytest.mark.parametrize(
+    "name, says",
+    [
+        ("nope", "'task.name' = 'nope': not a known task (arithmetic, chain, count, math"),
+        ("no_such_pkg.task", "cannot import no_such_pkg.task"),
+        ("tidal.tiny", "tidal.tiny has no load_prompts and no reward (or build_reward, or Environment)"),
+    ],
+)
 def test_an_unknown_or_incomplete_task_is_one_line_and_exit_2(tmp_path, capsys, name, says):
     assert main(["run", str(ROOT / "configs/tiny.yaml"), f"task.name={name}", f"run_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -157,8 +167,8 @@ def test_the_warm_start_loss_is_the_same_however_a_batch_is_chunked():
     expected = []
     for p in split.val[:4]:
         ids = torch.tensor([encode_prompt(tok, p.text)])
-        out = net.generate(ids, max_new_tokens=20, do_sample=False)[0, ids.shape[1]:].tolist()
-        out = out[:out.index(tok.eos_token_id)] if tok.eos_token_id in out else out
+        out = net.generate(ids, max_new_tokens=20, do_sample=False)[0, ids.shape[1] :].tolist()
+        out = out[: out.index(tok.eos_token_id)] if tok.eos_token_id in out else out
         expected.append(Prompt(p.prompt_id, p.text, {"answer": tok.decode(out, skip_special_tokens=True)}))
     assert pass_rate(net, tok, expected, count.reward, temperature=0.0, max_new_tokens=20) == 1.0
 
@@ -184,8 +194,16 @@ def test_the_warm_start_stops_only_after_its_target_holds_at_stable_checks_in_a_
 
         monkeypatch.setattr(warmstart, "pass_rate", scripted)
         cfg = WarmStartConfig(check_every=1, batch_size=4, max_steps=10, stable_checks=stable_checks)
-        done = warmstart.warm_start(net, tok, split.train, split.val, arithmetic.reward,
-                                    warmstart.stray_suffix(arithmetic.ALPHABET), cfg, progress=lambda _: None)
+        done = warmstart.warm_start(
+            net,
+            tok,
+            split.train,
+            split.val,
+            arithmetic.reward,
+            warmstart.stray_suffix(arithmetic.ALPHABET),
+            cfg,
+            progress=lambda _: None,
+        )
         assert len(checks) == expected_checks and done >= cfg.target_greedy_pass_rate
 
 

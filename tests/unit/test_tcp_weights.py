@@ -1,6 +1,7 @@
 """The tcp weight channel's data plane: what the learner serves reaches the engine exactly, bucket
 by bucket; a damaged, short or cut bucket and an unreachable learner are refused with errors that
 name the version and the address, and the engine keeps its weights."""
+
 import asyncio
 import hashlib
 import os
@@ -63,7 +64,7 @@ def test_buckets_tile_the_payload_and_each_carries_its_sha256(served):
     assert len(view) == total >= sum(t.numel() * t.element_size() for t in state.values())
     assert len(update.buckets) == -(-total // 4096) > 1
     assert [b.offset for b in update.buckets] == list(range(0, total, 4096))
-    assert all(b.sha256 == hashlib.sha256(view[b.offset:b.offset + b.nbytes]).digest() for b in update.buckets)
+    assert all(b.sha256 == hashlib.sha256(view[b.offset : b.offset + b.nbytes]).digest() for b in update.buckets)
     assert all(spec.offset % payload.ALIGN_BYTES == 0 for spec in update.manifest)
     assert publisher.publish(state, version=4).buckets == update.buckets  # padding included: same bytes, same digests
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(update), type=type(update))
@@ -75,8 +76,11 @@ def test_a_damaged_bucket_is_refused_and_the_engine_keeps_its_weights(served):
     buckets = list(update.buckets)
     buckets[2] = msgspec.structs.replace(buckets[2], sha256=bytes(32))
     engine = ScriptedEngine(tokenizer)
-    with pytest.raises(ValueError, match=r"weights v3 bucket 2 from 127\.0\.0\.1:\d+: .* have sha256 .* altered or "
-                                         r"damaged in transit, refused"):
+    with pytest.raises(
+        ValueError,
+        match=r"weights v3 bucket 2 from 127\.0\.0\.1:\d+: .* have sha256 .* altered or "
+        r"damaged in transit, refused",
+    ):
         asyncio.run(build_receiver(config()).apply(msgspec.structs.replace(update, buckets=buckets), engine))
     assert engine.swaps == [] and engine.version == 0
     assert staged_files() == set()
@@ -87,8 +91,11 @@ def test_an_announcement_whose_tensors_leave_the_payload_is_refused_before_any_f
     manifest = list(update.manifest)
     manifest[0] = msgspec.structs.replace(manifest[0], offset=payload.payload_bytes(update))
     with pytest.raises(ValueError, match=f"tensor {manifest[0].name!r} .* does not fit"):
-        asyncio.run(build_receiver(config(tcp_prefetch=False)).apply(
-            msgspec.structs.replace(update, manifest=manifest), ScriptedEngine(tokenizer)))
+        asyncio.run(
+            build_receiver(config(tcp_prefetch=False)).apply(
+                msgspec.structs.replace(update, manifest=manifest), ScriptedEngine(tokenizer)
+            )
+        )
 
 
 def test_a_learner_that_is_gone_is_named_with_the_version(served):
@@ -113,8 +120,11 @@ def test_a_learner_that_dies_mid_transfer_is_named_with_the_progress(served):
     server = DyingWeightServer(publisher.server.versions[3].view, update.buckets, cut_at=2, sent=1000)
     moved = msgspec.structs.replace(update, location=server.location)
     engine = ScriptedEngine(tokenizer)
-    with pytest.raises(ConnectionError, match=rf"weights v3 from the learner at {server.location}: connection "
-                                              r"closed after 1000 of 4096 bytes \(after 2 of \d+ buckets\)"):
+    with pytest.raises(
+        ConnectionError,
+        match=rf"weights v3 from the learner at {server.location}: connection "
+        r"closed after 1000 of 4096 bytes \(after 2 of \d+ buckets\)",
+    ):
         asyncio.run(build_receiver(config()).apply(moved, engine))
     assert engine.swaps == [] and staged_files() == set()
 

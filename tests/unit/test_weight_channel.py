@@ -1,5 +1,6 @@
 """The file weight channel: what the learner publishes reaches the engine exactly; an announcement
 pointing outside weights.dir (a path or a link that leads out) is refused before anything is read."""
+
 import asyncio
 import os
 
@@ -34,8 +35,12 @@ def forged(update, location):
     """The same announcement with another location, and checksums and manifest matching that file."""
     import msgspec
 
-    return msgspec.structs.replace(update, location=str(location), manifest=read_manifest(location),
-                                   buckets=split_buckets(memoryview(open(location, "rb").read()), 4096))
+    return msgspec.structs.replace(
+        update,
+        location=str(location),
+        manifest=read_manifest(location),
+        buckets=split_buckets(memoryview(open(location, "rb").read()), 4096),
+    )
 
 
 def test_a_location_outside_weights_dir_is_refused(published, tmp_path):

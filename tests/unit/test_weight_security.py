@@ -4,6 +4,7 @@ thread and delay no honest actor; the accept loop outlives its failures; connect
 the gloo channel's rendezvous keys have no port of their own; and every weight byte is checked
 against a sha256 announced over the broker, so a rewritten weights file that keeps its crc32s is
 refused, and what loads is what was checked."""
+
 import asyncio
 import errno
 import json
@@ -54,6 +55,7 @@ def gloo_served():
 
 # ---- authentication --------------------------------------------------------------------------------
 
+
 def test_a_tcp_request_without_the_token_gets_nothing_not_even_the_versions(tcp_served):
     publisher, update, _, tokenizer = tcp_served
     with socket.create_connection(server.parse_location(update.location)) as stranger:
@@ -67,8 +69,11 @@ def test_a_tcp_request_without_the_token_gets_nothing_not_even_the_versions(tcp_
     with pytest.raises(ConnectionError, match="does not carry this learner's weight token"):
         asyncio.run(build_receiver(weights_config("tcp")).apply(forged, ScriptedEngine(tokenizer)))
     with pytest.raises(ValueError, match="carries no token for the learner.s weight port \\(0 bytes"):
-        asyncio.run(build_receiver(weights_config("tcp")).apply(msgspec.structs.replace(update, token=b""),
-                                                                ScriptedEngine(tokenizer)))
+        asyncio.run(
+            build_receiver(weights_config("tcp")).apply(
+                msgspec.structs.replace(update, token=b""), ScriptedEngine(tokenizer)
+            )
+        )
 
 
 def test_a_silent_stranger_is_closed_after_the_token_deadline_holding_no_thread(monkeypatch):
@@ -115,6 +120,7 @@ def test_a_gloo_join_without_the_token_forms_no_group_and_learns_nothing(gloo_se
 
 # ---- the gloo channel's rendezvous -----------------------------------------------------------------
 
+
 def listening_addresses() -> set[tuple[str, int]]:
     """(address, port) of every TCP socket this process listens on."""
     inodes = set()
@@ -134,7 +140,7 @@ def listening_addresses() -> set[tuple[str, int]]:
                     continue
                 address, port = fields[1].split(":")
                 raw = bytes.fromhex(address)
-                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word host-ordered
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word host-ordered
                 found.add((socket.inet_ntop(family, raw), int(port, 16)))
     return found
 
@@ -143,8 +149,10 @@ def test_the_rendezvous_has_no_port_and_nothing_listens_beyond_weights_tcp_host(
     """No torch TCPStore (which listens on every interface and takes anyone's keys) is made: the
     group's keys live in the learner and the workers reach them through the weight port with the
     token; the learner's gloo listens on weights.tcp_host (127.0.0.1) alone."""
+
     def no_store(*args, **kwargs):
         raise AssertionError("a TCPStore was made")
+
     monkeypatch.setattr(torch.distributed, "TCPStore", no_store)
     before = listening_addresses()
     served = served_weights("gloo", tcp_timeout_s=2.0)
@@ -160,15 +168,19 @@ def test_the_rendezvous_has_no_port_and_nothing_listens_beyond_weights_tcp_host(
 
 
 def store_request(token: bytes, group_id: int, op: int, key: bytes, value: bytes) -> bytes:
-    return collective.control(token, collective.STORE, group_id) + gloo.STORE_OP.pack(op, len(key), len(value)) \
-        + key + value
+    return (
+        collective.control(token, collective.STORE, group_id)
+        + gloo.STORE_OP.pack(op, len(key), len(value))
+        + key
+        + value
+    )
 
 
 def test_a_stranger_stores_nothing_and_a_token_holders_keys_are_bounded(gloo_served):
     publisher, update, _, tokenizer = gloo_served
     receiver, engine = build_receiver(weights_config("gloo", tcp_timeout_s=1.0)), ScriptedEngine(tokenizer)
     asyncio.run(receiver.apply(update, engine))  # joined: its group, and the group's keys, live on
-    (group_id, store), = publisher.plane.stores.items()
+    ((group_id, store),) = publisher.plane.stores.items()
     address, written = server.parse_location(update.location), store.nbytes  # the worker's gloo address
     with socket.create_connection(address) as stranger:  # says it sends 60 KiB; the learner reads none of it
         stranger.sendall(store_request(bytes(32), group_id, gloo.SET, b"junk", b"x" * 1000)[:200])
@@ -179,6 +191,7 @@ def test_a_stranger_stores_nothing_and_a_token_holders_keys_are_bounded(gloo_ser
         with socket.create_connection(address) as conn:
             conn.sendall(store_request(update.token, group_id, gloo.SET, key, b"v" * nbytes))
             return server.read_reply(conn, "set")
+
     assert holder_sets(b"a", 100) == b"" and store.store.get("a") == b"v" * 100
     with pytest.raises(ValueError, match="a 65537-byte value"):
         holder_sets(b"b", gloo.MAX_VALUE_BYTES + 1)
@@ -207,6 +220,7 @@ def test_three_abandoned_joins_do_not_make_an_honest_workers_receive_time_out(gl
 
 
 # ---- capped threads, an accept loop that survives ----------------------------------------------------
+
 
 def test_connections_beyond_the_cap_are_refused_at_once_and_served_once_one_ends():
     served = served_weights("tcp", max_connections=2)
@@ -245,6 +259,7 @@ def test_the_accept_loop_survives_no_descriptor_and_no_thread_left(tcp_served, m
             failures.append("EMFILE")
             raise OSError(errno.EMFILE, "Too many open files")
         return take()
+
     monkeypatch.setattr(weight_server, "_take_connection", no_descriptor)
     engine, receiver = ScriptedEngine(tokenizer), build_receiver(weights_config("tcp"))
     asyncio.run(receiver.apply(update, engine))  # taken on the next turn of the loop
@@ -257,6 +272,7 @@ def test_the_accept_loop_survives_no_descriptor_and_no_thread_left(tcp_served, m
             failures.append("no thread")
             raise RuntimeError("can't start new thread")
         return start(thread)
+
     monkeypatch.setattr(threading.Thread, "start", no_thread)
     moved = publisher.publish({k: v + 1 for k, v in engine.loaded.items()}, version=4)
     with pytest.raises(ConnectionError, match="weights v4"):
@@ -268,6 +284,7 @@ def test_the_accept_loop_survives_no_descriptor_and_no_thread_left(tcp_served, m
 
 
 # ---- integrity: sha256 per range, announced over the broker ------------------------------------------
+
 
 def solve_gf2(columns: list[int], target: int) -> int:
     """x with XOR of columns[i] where bit i of x is set == target (32 independent 32-bit columns)."""
@@ -329,8 +346,10 @@ def test_a_weights_file_rewritten_with_every_ranges_crc32_kept_is_refused(publis
     for bucket in ranges:  # inside tensor bytes: the file still parses as safetensors
         alter_keeping_crc32(data, bucket.offset + 100, bucket.offset + 200)
     assert data != original
-    assert all(zlib.crc32(data[b.offset:b.offset + b.nbytes]) == zlib.crc32(original[b.offset:b.offset + b.nbytes])
-               for b in update.buckets)  # the check the file channel made before: passed
+    assert all(
+        zlib.crc32(data[b.offset : b.offset + b.nbytes]) == zlib.crc32(original[b.offset : b.offset + b.nbytes])
+        for b in update.buckets
+    )  # the check the file channel made before: passed
     with open(update.location, "r+b") as f:
         f.write(data)
     engine = ScriptedEngine(tokenizer)
@@ -353,6 +372,7 @@ def test_a_weights_file_rewritten_after_its_check_changes_nothing_loaded(publish
         with open(update.location, "r+b") as f:
             f.write(data)
         return await transfer(version, info, streaming)
+
     engine.transfer_weights = swapped_meanwhile
     asyncio.run(build_receiver(cfg).apply(update, engine))
     assert engine.swaps == [3] and all(torch.equal(engine.loaded[k], v) for k, v in state.items())

@@ -1,5 +1,6 @@
 """Keyed tensor tags (the nccl channel's integrity check): exact on any device, as the reference in
 Python integers says, and changed by any altered byte."""
+
 import os
 
 import pytest

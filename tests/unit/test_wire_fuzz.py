@@ -6,6 +6,7 @@ through a real `Trainer.step` of the tiny model, which must not raise nor give a
 Mutations come in two kinds: bytes (flips, truncation, insertion, splices of two frames) and
 structure (the frame decoded to plain msgpack values, one leaf replaced by a hostile value: huge
 or negative integers, NaN, deep nesting, wrong types, long strings, then encoded again)."""
+
 import copy
 import math
 import random
@@ -48,33 +49,85 @@ INTERRUPT = InterruptParams((3, 4), "==", 1, 2, 2)
 def valid_messages() -> dict[str, object]:
     group = prompt_group(1)
     group.sampling = SamplingParams(0.9, 1.0, 8, (1,), INTERRUPT, 2)
-    sample = SampleArrays.of([3, 4, 5, 1], [-0.1, 0.0, 0.0, -0.3], version_spans=[(2, 0, 1), (3, 1, 4)], reward=1.0,
-                             finish_reason="interrupted", injected_spans=[(1, 3)], raw_reward=1.0)
+    sample = SampleArrays.of(
+        [3, 4, 5, 1],
+        [-0.1, 0.0, 0.0, -0.3],
+        version_spans=[(2, 0, 1), (3, 1, 4)],
+        reward=1.0,
+        finish_reason="interrupted",
+        injected_spans=[(1, 3)],
+        raw_reward=1.0,
+    )
     # a sample of an episode: two model turns around a tool's reply (injected), and how the episode went
-    episode = SampleArrays.of([3, 4, 7, 7, 5, 1], [-0.1, -0.2, 0.0, 0.0, -0.4, -0.3], version_spans=[(2, 0, 6)],
-                              reward=1.0, finish_reason="stop", injected_spans=[(2, 4)],
-                              episode=Episode(turns=2, tool_calls=1, tool_errors=0, tool_timeouts=1,
-                                              env_seconds=0.25, env_error=""))
+    episode = SampleArrays.of(
+        [3, 4, 7, 7, 5, 1],
+        [-0.1, -0.2, 0.0, 0.0, -0.4, -0.3],
+        version_spans=[(2, 0, 6)],
+        reward=1.0,
+        finish_reason="stop",
+        injected_spans=[(2, 4)],
+        episode=Episode(turns=2, tool_calls=1, tool_errors=0, tool_timeouts=1, env_seconds=0.25, env_error=""),
+    )
     one = rollout()
-    two = RolloutGroup.pack([*one.unpack(), sample, episode], group_id=one.group_id, prompt_id=one.prompt_id,
-                            actor_id=one.actor_id, prompt_tokens=one.prompt_tokens, gen_seconds=1.0)
+    two = RolloutGroup.pack(
+        [*one.unpack(), sample, episode],
+        group_id=one.group_id,
+        prompt_id=one.prompt_id,
+        actor_id=one.actor_id,
+        prompt_tokens=one.prompt_tokens,
+        gen_seconds=1.0,
+    )
     return {
         "prompt_group": group,
         "rollout_group": two,
-        "weight_update": WeightUpdate(version=7, transport="file", location="/dev/shm/w/weights-v000007.safetensors",
-                                      manifest=[TensorSpec("a.weight", "F32", (4, 8), 64, 128)], checksum="ab" * 32,
-                                      incarnation="f00d"),
-        "heartbeat": Heartbeat(actor_id="actor-0", version=3, engine={"vllm": "0.32.0"}, outstanding=["r-1", "r-2"],
-                               num_generated_tokens=12, weight_swap_paused_s=0.01, hello=True),
+        "weight_update": WeightUpdate(
+            version=7,
+            transport="file",
+            location="/dev/shm/w/weights-v000007.safetensors",
+            manifest=[TensorSpec("a.weight", "F32", (4, 8), 64, 128)],
+            checksum="ab" * 32,
+            incarnation="f00d",
+        ),
+        "heartbeat": Heartbeat(
+            actor_id="actor-0",
+            version=3,
+            engine={"vllm": "0.32.0"},
+            outstanding=["r-1", "r-2"],
+            num_generated_tokens=12,
+            weight_swap_paused_s=0.01,
+            hello=True,
+        ),
         "work_request": WorkRequest(actor_id="actor-0", max_samples=16),
         "work_grant": WorkGrant(groups=[prompt_group(2), prompt_group(3, n=2)]),
         "shutdown": Shutdown(reason="learner finished"),
     }
 
 
-HOSTILE = [2**63, -2**63, 2**64 - 1, -1, 0, 2**31, float("nan"), float("inf"), -float("inf"), 1e308, "",
-           "x" * 5000, b"\x00" * 7, None, True, [], [[[[[[[[[[[]]]]]]]]]]], {}, {"kind": "shutdown"}, 3.5, [-1, -2],
-           [2**62, 4], list(range(70))]
+HOSTILE = [
+    2**63,
+    -(2**63),
+    2**64 - 1,
+    -1,
+    0,
+    2**31,
+    float("nan"),
+    float("inf"),
+    -float("inf"),
+    1e308,
+    "",
+    "x" * 5000,
+    b"\x00" * 7,
+    None,
+    True,
+    [],
+    [[[[[[[[[[[]]]]]]]]]]],
+    {},
+    {"kind": "shutdown"},
+    3.5,
+    [-1, -2],
+    [2**62, 4],
+    list(range(70)),
+]
 
 
 def leaves(value, path=()):
@@ -106,13 +159,13 @@ def mutate(frame: bytes, rng: random.Random, others: list[bytes]) -> bytes:
             data[i] ^= 1 << rng.randrange(8)
         return bytes(data)
     if kind == 1:  # truncate
-        return bytes(data[:rng.randrange(len(data))])
+        return bytes(data[: rng.randrange(len(data))])
     if kind == 2:  # insert random bytes
         i = rng.randrange(len(data) + 1)
         return bytes(data[:i] + bytes(rng.randrange(256) for _ in range(rng.randint(1, 8))) + data[i:])
     if kind == 3:  # splice with another frame
         other = rng.choice(others)
-        return bytes(data[:rng.randrange(len(data))] + other[rng.randrange(len(other)):])
+        return bytes(data[: rng.randrange(len(data))] + other[rng.randrange(len(other)) :])
     tree = msgspec.msgpack.decode(frame)
     path, _ = rng.choice(list(leaves(tree)))
     if kind == 4:
@@ -144,12 +197,15 @@ def test_every_mutated_frame_is_a_message_or_a_counted_wire_error(accelerator):
             except Exception as err:  # noqa: BLE001 (any other exception is the failure this test looks for)
                 crashes.append((kind, type(err).__name__, str(err)[:100], bad[:60]))
     elapsed = time.monotonic() - start
-    print(f"\n{FRAMES_PER_KIND * len(frames)} mutated frames in {elapsed:.1f} s: {dict(outcomes)}; "
-          f"{len(crashes)} crashes")
+    print(
+        f"\n{FRAMES_PER_KIND * len(frames)} mutated frames in {elapsed:.1f} s: {dict(outcomes)}; {len(crashes)} crashes"
+    )
     assert crashes == [], Counter((k, t) for k, t, _, _ in crashes).most_common(10)
     assert sum(codec.rejected.values()) == sum(v for k, v in outcomes.items() if k != "decoded")
-    print(f"{len(admitted.groups)} distinct mutated rollouts passed the validator (kept at most "
-          f"{MAX_REPLAYED_ROLLOUTS}); refused: {dict(admitted.validator.rejected)}")
+    print(
+        f"{len(admitted.groups)} distinct mutated rollouts passed the validator (kept at most "
+        f"{MAX_REPLAYED_ROLLOUTS}); refused: {dict(admitted.validator.rejected)}"
+    )
     assert len(admitted.groups) >= 5  # the replay below is not vacuous
     failures = admitted.replay(accelerator)
     assert failures == [], failures
@@ -160,9 +216,17 @@ class AdmittedRollouts:
     frames, at most MAX_REPLAYED_ROLLOUTS of them), and their replay through a real training step."""
 
     def __init__(self):
-        released = PromptGroup(run_id="r", group_id="g1", prompt_id=7, prompt_tokens=int32s([5, 6]), task="arithmetic",
-                               payload={}, n=3, sampling=SamplingParams(max_tokens=8, interrupt=INTERRUPT),
-                               min_version=0)
+        released = PromptGroup(
+            run_id="r",
+            group_id="g1",
+            prompt_id=7,
+            prompt_tokens=int32s([5, 6]),
+            task="arithmetic",
+            payload={},
+            n=3,
+            sampling=SamplingParams(max_tokens=8, interrupt=INTERRUPT),
+            min_version=0,
+        )
         self.release = release_of(released, 0)
         self.validator = Validator(len(ALPHABET) + 2, 8, (-10.0, 10.0))  # the tiny vocabulary: the alphabet, bos, eos
         self.frames: set[bytes] = set()
@@ -182,12 +246,17 @@ class AdmittedRollouts:
         assert model.config.vocab_size == self.validator.vocab_size
         losses, failures = list(LossType), []
         for i, group in enumerate(self.groups):
-            cfg = LearnerConfig(groups_per_step=1, micro_batch_tokens=16, kernel_backend="torch",
-                                loss=LossConfig(type=losses[i % len(losses)]))
+            cfg = LearnerConfig(
+                groups_per_step=1,
+                micro_batch_tokens=16,
+                kernel_backend="torch",
+                loss=LossConfig(type=losses[i % len(losses)]),
+            )
             masks = [[~s.injected_mask() for s in group.samples]]  # as admission leaves them: injected text untrained
             try:
-                metrics = Trainer(cfg, copy.deepcopy(model), accelerator, temperature=0.9).step([group], masks,
-                                                                                               REPLAY_VERSION)
+                metrics = Trainer(cfg, copy.deepcopy(model), accelerator, temperature=0.9).step(
+                    [group], masks, REPLAY_VERSION
+                )
             except Exception as err:  # noqa: BLE001 (any exception is the failure this test looks for)
                 failures.append((i, f"{type(err).__name__}: {err}"[:200]))
                 continue

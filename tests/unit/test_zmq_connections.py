@@ -2,6 +2,7 @@
 it are shut down at once and counted, one that closes makes room, an actor already in keeps working through
 a flood, strangers' big frames are held for the cap's connections only, and closing the learner still
 takes a moment and leaves nothing behind."""
+
 import asyncio
 import os
 import socket
@@ -140,8 +141,9 @@ def test_an_actor_connected_before_a_flood_keeps_working(tmp_path):
     flood: list[socket.socket] = []
 
     async def scenario():
-        cfg = BrokerConfig(zmq=ZmqConfig(control_port=p["control"], rollout_port=p["rollout"],
-                                         weights_port=p["weights"], **curve))
+        cfg = BrokerConfig(
+            zmq=ZmqConfig(control_port=p["control"], rollout_port=p["rollout"], weights_port=p["weights"], **curve)
+        )
         t = ZmqActorTransport(cfg, WireCodec(1 << 20), "actor-0")
         try:
             await t.heartbeat(hello("actor-0"))
@@ -172,8 +174,11 @@ def test_strangers_streaming_big_frames_are_held_for_the_caps_connections_only()
     holds whole: ten strangers sending 16 MiB each to a cap of 2 leave the learner holding 32 MiB, not
     160 (the learner reads nothing; no handshake ever ends)."""
     frame = 16 << 20
-    cfg = BrokerConfig(max_actors=1, max_message_bytes=frame,
-                       zmq=ZmqConfig(max_connections=2, rollout_buffer_bytes=frame, rollout_hwm=1))
+    cfg = BrokerConfig(
+        max_actors=1,
+        max_message_bytes=frame,
+        zmq=ZmqConfig(max_connections=2, rollout_buffer_bytes=frame, rollout_hwm=1),
+    )
     side = ZmqLearnerTransport(cfg, WireCodec(frame))
     # a command frame, long form (flags, its size), and 15 MiB of it: libzmq holds it whole until it ends
     start = GREETING + struct.pack(">BQ", 0x06, frame) + b"z" * (15 << 20)
@@ -188,12 +193,18 @@ def test_strangers_streaming_big_frames_are_held_for_the_caps_connections_only()
 
         def held_mib() -> float:
             return (psutil.Process().memory_info().rss - rss_before) / 2**20
+
         # waited for until the learner has read every byte the two admitted sent: nothing queued in the kernel
         # on either side of a connection still open. (A lower bound on RSS is no such signal: in a process
         # that freed big blocks before, the allocator hands the frames memory already resident.)
         admitted = lambda: [c for c in conns if tcp_queues(c, side.ports["rollout"])[0] == ESTABLISHED]
-        assert until(lambda: refused(side) == 8 and len(admitted()) == 2
-                     and all(tcp_queues(c, side.ports["rollout"])[1] == 0 for c in admitted()))
+        assert until(
+            lambda: (
+                refused(side) == 8
+                and len(admitted()) == 2
+                and all(tcp_queues(c, side.ports["rollout"])[1] == 0 for c in admitted())
+            )
+        )
         assert side.connections()["rollout"] == 2 and held_mib() < 2 * 16 + 8
     finally:
         for c in conns:
@@ -202,15 +213,24 @@ def test_strangers_streaming_big_frames_are_held_for_the_caps_connections_only()
 
 
 def test_the_bound_is_the_cap_times_what_one_connection_holds():
-    cfg = BrokerConfig(max_actors=3, max_message_bytes=1 << 20, max_control_bytes=1 << 16,
-                       zmq=ZmqConfig(max_connections=5, rollout_hwm=4, rollout_buffer_bytes=64 << 20, control_hwm=2))
+    cfg = BrokerConfig(
+        max_actors=3,
+        max_message_bytes=1 << 20,
+        max_control_bytes=1 << 16,
+        zmq=ZmqConfig(max_connections=5, rollout_hwm=4, rollout_buffer_bytes=64 << 20, control_hwm=2),
+    )
     per_connection = (4 + 1) * (1 << 20) + (2 + 1) * (1 << 16) + (SUBSCRIPTION_HWM + 1) * SUBSCRIPTION_BYTES
     assert connection_cap(cfg) == 5 and buffer_bound_bytes(cfg) == 5 * per_connection
     assert connection_cap(BrokerConfig(max_actors=7)) == 14  # 0: twice the actors
 
 
-@pytest.mark.parametrize("setting, why", [("broker.zmq.max_connections=-1", "must be >= 0"),
-                                          ("broker.zmq.max_connections=8", "at least broker.max_actors = 1024")])
+@pytest.mark.parametrize(
+    "setting, why",
+    [
+        ("broker.zmq.max_connections=-1", "must be >= 0"),
+        ("broker.zmq.max_connections=8", "at least broker.max_actors = 1024"),
+    ],
+)
 def test_a_cap_below_zero_or_below_the_actors_names_the_key(setting, why):
     with pytest.raises(ConfigError, match=f"broker.zmq.max_connections.*{why}"):
         load_config(None, [setting])
@@ -251,12 +271,14 @@ def fake_monitor(ctx: zmq.Context):
 
     def send(event: int, fd: int) -> None:
         feed.send_multipart([struct.pack("=HI", event, fd), b"tcp://127.0.0.1:1"])
+
     return Monitored(), send
 
 
 @pytest.mark.parametrize("gone_before_shutdown", [False, True])
 def test_a_refused_connection_whose_fd_number_is_reused_before_its_shutdown_is_left_alone(
-        monkeypatch, gone_before_shutdown):
+    monkeypatch, gone_before_shutdown
+):
     """Refused, then closed by libzmq and its number given to another file (here a socket pair standing in)
     before the shutdown: that file is never shut down. Without the race, the connection is."""
     ctx = zmq.Context()
@@ -269,6 +291,7 @@ def test_a_refused_connection_whose_fd_number_is_reused_before_its_shutdown_is_l
         if gone_before_shutdown:
             send(zmq.EVENT_DISCONNECTED, fd)  # reported gone: libzmq closed it, and the number went elsewhere
         return real_dup(fd)
+
     monkeypatch.setattr(zmq_transport, "_dup", dup_as_it_closes)
     try:
         send(zmq.EVENT_ACCEPTED, first.fileno())
@@ -345,6 +368,7 @@ def test_a_peer_whose_host_is_gone_is_noticed_by_tcp_keepalive():
 
 
 # ---- the open-file limit: a cap the process can hold ------------------------------------------------
+
 
 def test_the_learner_raises_its_soft_open_file_limit_to_the_hard_one():
     import resource

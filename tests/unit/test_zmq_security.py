@@ -1,6 +1,7 @@
 """The ZeroMQ broker's security: key files only their owner reads, actor ids that stay inside the keys
 folder, `tidal run`'s own keys, routing ids no key holder can take from an actor, and tables and logs
 that a peer repeating itself cannot grow."""
+
 import asyncio
 import logging
 import os
@@ -26,6 +27,7 @@ def mode(path) -> int:
 
 
 # ---- key files -------------------------------------------------------------------------------------
+
 
 def test_secret_keys_are_0600_in_0700_folders_even_under_a_loose_umask(tmp_path):
     old = os.umask(0o022)  # the usual umask: files 0644, folders 0755 unless told otherwise
@@ -54,6 +56,7 @@ def test_keys_that_cannot_be_changed_are_used_as_they_are(tmp_path, monkeypatch,
 
     def refused(path, mode):
         raise PermissionError(f"read-only file system: {path}")
+
     monkeypatch.setattr(os, "chmod", refused)
     assert generate(keys, ["actor-0"]) == keys  # nothing to change, nothing changed
     monkeypatch.undo()
@@ -125,13 +128,16 @@ def test_an_actor_id_that_could_leave_the_keys_folder_is_refused_before_anything
 
 # ---- CURVE on in a run, and what `auto` means --------------------------------------------------------
 
+
 def test_tidal_run_turns_curve_on_with_keys_of_its_own(tmp_path):
     z = with_run_keys(RunConfig(run_dir=str(tmp_path / "run"), actor=ActorConfig(replicas=2))).broker.zmq
     keys = tmp_path / "run" / "keys"
     assert (z.curve, z.keys_dir) == ("on", str(keys)) and curve_on(z)
     assert mode(keys) == 0o700 and mode(keys / "learner.key_secret") == 0o600
-    assert sorted(p.name for p in (keys / "actors").glob("*.key_secret")) == ["actor-0.key_secret",
-                                                                              "actor-1.key_secret"]
+    assert sorted(p.name for p in (keys / "actors").glob("*.key_secret")) == [
+        "actor-0.key_secret",
+        "actor-1.key_secret",
+    ]
 
 
 def test_auto_is_on_where_keys_are_named_or_the_host_is_beyond_loopback():
@@ -157,14 +163,16 @@ def test_a_role_started_alone_with_curve_on_and_no_keys_is_one_line_naming_the_k
 
 # ---- identity: a routing id belongs to its key -------------------------------------------------------
 
+
 def hello(actor_id: str) -> Heartbeat:
     return Heartbeat(actor_id=actor_id, version=0, engine={}, outstanding=[], hello=True)
 
 
 def actor_config(side, **zmq_keys) -> BrokerConfig:
     p = side.ports
-    return BrokerConfig(zmq=ZmqConfig(control_port=p["control"], rollout_port=p["rollout"], weights_port=p["weights"],
-                                      **zmq_keys))
+    return BrokerConfig(
+        zmq=ZmqConfig(control_port=p["control"], rollout_port=p["rollout"], weights_port=p["weights"], **zmq_keys)
+    )
 
 
 def test_a_key_holder_claiming_another_actors_routing_id_neither_gets_in_nor_locks_the_owner_out(tmp_path):
@@ -248,8 +256,7 @@ def test_hellos_alternating_two_engines_are_logged_at_most_once_per_interval(cap
     grants = GrantTable(actor_timeout_s=10)
     caplog.set_level(logging.INFO, logger="tidal.broker")
     for i in range(200):
-        grants.on_heartbeat(Heartbeat(actor_id="a", version=0, engine={"pid": str(i % 2)}, outstanding=[],
-                                      hello=True))
+        grants.on_heartbeat(Heartbeat(actor_id="a", version=0, engine={"pid": str(i % 2)}, outstanding=[], hello=True))
     assert len([r for r in caplog.records if "joined" in r.getMessage()]) == 1
 
 
@@ -329,8 +336,15 @@ def test_unread_rollouts_are_bounded_in_bytes_not_only_in_frames():
         groups = await t.request_work(80, timeout_s=5)
         big = (3,) * 65_536  # 512 KiB a frame
         for g in groups:
-            await t.send_rollout(rollout(tokens=big, logprobs=(-0.1,) * len(big), spans=((0, 0, len(big)),),
-                                         group_id=g.group_id, actor_id="a"))
+            await t.send_rollout(
+                rollout(
+                    tokens=big,
+                    logprobs=(-0.1,) * len(big),
+                    spans=((0, 0, len(big)),),
+                    group_id=g.group_id,
+                    actor_id="a",
+                )
+            )
         await asyncio.sleep(0.5)  # time to move all the learner's side would take
         t.close()  # what the actor still held goes with it
         return groups
@@ -351,8 +365,9 @@ def test_a_socket_whose_mark_is_set_to_one_still_receives_under_curve(tmp_path, 
     The config refuses such marks; a transport built without the check pins them at 2."""
     keys = generate(tmp_path / "keys", ["actor-0"])
     curve = dict(curve="on", keys_dir=str(keys))
-    side = ZmqLearnerTransport(BrokerConfig(max_message_bytes=1 << 20, zmq=ZmqConfig(**curve, **hwm)),
-                               WireCodec(1 << 20))
+    side = ZmqLearnerTransport(
+        BrokerConfig(max_message_bytes=1 << 20, zmq=ZmqConfig(**curve, **hwm)), WireCodec(1 << 20)
+    )
     side.submit_prompts([prompt(0)])
 
     async def actor():

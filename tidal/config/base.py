@@ -1,6 +1,7 @@
 """What every part of the config tree is built from: ConfigError, `opt` (a field with its help),
 Section (a sub-config that checks itself), and the closed sets' helpers: `choices`, and Dtype, the
 one closed set two sections share (model.dtype, learner.param_dtype)."""
+
 from __future__ import annotations
 
 import enum
@@ -38,6 +39,7 @@ class Section:
 # (`cfg.learner.packing == "shared"`, f-strings, getattr(torch, dtype) and os.environ all see the string).
 # An enum hashes by its name, so a dict keyed by the plain word finds a member only while every name
 # equals its value (tests/unit/test_config_checks.py).
+
 
 class Dtype(enum.StrEnum):
     float32 = "float32"

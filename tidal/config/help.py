@@ -1,5 +1,6 @@
 """Asking the schema: `tidal config explain KEY` prints a key's type, default and help, or a
 section's keys, read from the dataclasses and their `opt` help (never from the source)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,7 +53,7 @@ def explain(key: str) -> str:
         hints = typing.get_type_hints(cls)
         if part not in hints:
             known = ", ".join(f.name for f in dataclasses.fields(cls))
-            raise ConfigError(f"config key '{'.'.join(parts[:i + 1])}' does not exist; {where} has: {known}")
+            raise ConfigError(f"config key '{'.'.join(parts[: i + 1])}' does not exist; {where} has: {known}")
         if i == len(parts) - 1 and not dataclasses.is_dataclass(hints[part]):
             return describe(key, hints[part], getattr(default, part), field_help(cls)[part])
         cls, default = hints[part], getattr(default, part)

@@ -1,5 +1,6 @@
 """Loading a config: the schema <- YAML presets or files (each after the `base` it names) <-
 key=value overrides, checked (load_config); the presets shipped in the package (presets, preset_path)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,8 +36,9 @@ def _one_line(err: OmegaConfBaseException, overrides: list[str] = ()) -> str:
     return f"config key '{key}': {reason}" if key else f"config: {reason}"
 
 
-def load_config(path: str | Path | list | tuple | None = None,
-                overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+def load_config(
+    path: str | Path | list | tuple | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> RunConfig:
     """Schema <- YAML presets or files, in order (each after the `base` it names) <- key=value
     overrides, validated; raises ConfigError naming the key or the file. Reward functions named by
     file are made absolute here, once, so every process a run starts finds them."""
@@ -94,8 +96,11 @@ def parse_overrides(overrides: list[str]) -> DictConfig:
         bad = next((o for o in overrides if not _reads(o)), overrides[0])
         key, _, value = bad.partition("=")
         hint = schema_type(key)
-        fix = (f"close its brackets ({key}=[a, b])" if typing.get_origin(hint) is list else
-               f"quote it to pass it as text (\"{key}='{value}'\")")
+        fix = (
+            f"close its brackets ({key}=[a, b])"
+            if typing.get_origin(hint) is list
+            else f"quote it to pass it as text (\"{key}='{value}'\")"
+        )
         raise ConfigError(f"override {bad!r}: its value is not valid YAML ({problem}): {fix}") from None
 
 

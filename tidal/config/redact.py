@@ -1,5 +1,6 @@
 """URIs fit for logs, MLflow params and artifacts: credentials in them become ***. Used by the
 broker's checks (a bad broker.redis.url is shown redacted) and by the run's flatten/redacted_config."""
+
 from __future__ import annotations
 
 import re

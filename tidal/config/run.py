@@ -1,6 +1,7 @@
 """The whole run: RunConfig (every section in the order of the tree), the rules that span
 sections, and what is done with a loaded config: resolve (the one place it changes), to_yaml,
 write_config, flatten (MLflow params) and redacted_config."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,8 +27,11 @@ RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # what k8s/base/redi
 class RunConfig(Section):
     """The whole run. Components receive only their own part."""
 
-    name: str = opt("tidal", "run name: part of the run folder's, the weights folder's and the Redis streams' names; "
-                             "letters, digits and _ . - (at most 128, starting with a letter or digit)")
+    name: str = opt(
+        "tidal",
+        "run name: part of the run folder's, the weights folder's and the Redis streams' names; "
+        "letters, digits and _ . - (at most 128, starting with a letter or digit)",
+    )
     run_dir: str = opt("", "output folder; empty = runs/<name>-<timestamp>")
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -49,31 +53,45 @@ class RunConfig(Section):
             value = getattr(self, part.name)
             if isinstance(value, Section):
                 value.check()
-        _require(RUN_NAME.fullmatch(self.name) is not None, "name", self.name,
-                 "letters, digits and _ . - only, starting with a letter or digit, at most 128 characters (it names "
-                 "folders and Redis keys: a / or .. would put them outside their place)")
+        _require(
+            RUN_NAME.fullmatch(self.name) is not None,
+            "name",
+            self.name,
+            "letters, digits and _ . - only, starting with a letter or digit, at most 128 characters (it names "
+            "folders and Redis keys: a / or .. would put them outside their place)",
+        )
         for rule in CROSS_SECTION_RULES:
             rule(self)
 
 
 # ---- rules that span sections, each a named check ---------------------------------------------
 
+
 def check_actor_holds_a_group(cfg: RunConfig) -> None:
-    _require(cfg.actor.max_inflight >= cfg.sampling.n, "actor.max_inflight", cfg.actor.max_inflight,
-             f"must hold at least one group (sampling.n = {cfg.sampling.n})")
+    _require(
+        cfg.actor.max_inflight >= cfg.sampling.n,
+        "actor.max_inflight",
+        cfg.actor.max_inflight,
+        f"must hold at least one group (sampling.n = {cfg.sampling.n})",
+    )
 
 
 def check_colocated_weights(cfg: RunConfig) -> None:
-    _require(not (cfg.actor.colocate and cfg.weights.transport == WeightTransport.nccl), "actor.colocate",
-             cfg.actor.colocate, "actors on the learner's GPUs cannot take weights by nccl (NCCL refuses two ranks "
-             "of one communicator on one GPU): use weights.transport=tcp or file")
+    _require(
+        not (cfg.actor.colocate and cfg.weights.transport == WeightTransport.nccl),
+        "actor.colocate",
+        cfg.actor.colocate,
+        "actors on the learner's GPUs cannot take weights by nccl (NCCL refuses two ranks "
+        "of one communicator on one GPU): use weights.transport=tcp or file",
+    )
 
 
 CROSS_SECTION_RULES = (check_actor_holds_a_group, check_colocated_weights)
 
 
-def resolve(cfg: RunConfig, *, model_path: str | None = None, redis_url: str | None = None,
-            actor: bool = False) -> RunConfig:
+def resolve(
+    cfg: RunConfig, *, model_path: str | None = None, redis_url: str | None = None, actor: bool = False
+) -> RunConfig:
     """The one place a loaded config changes: a new frozen config with what every process of a run
     must agree on filled in. Resolving a resolved config changes nothing but what is passed.
 
@@ -89,9 +107,13 @@ def resolve(cfg: RunConfig, *, model_path: str | None = None, redis_url: str | N
     broker = cfg.broker if redis_url is None else replace(cfg.broker, redis=replace(cfg.broker.redis, url=redis_url))
     actor_cfg = replace(cfg.actor, id=cfg.actor.id or f"actor-{cfg.actor.index}") if actor else cfg.actor
     return replace(
-        cfg, run_dir=str(run_dir), broker=broker, actor=actor_cfg,
+        cfg,
+        run_dir=str(run_dir),
+        broker=broker,
+        actor=actor_cfg,
         model=cfg.model if model_path is None else replace(cfg.model, path=model_path),
-        weights=replace(cfg.weights, dir=cfg.weights.dir or default_weights_dir(cfg.name, run_dir)))
+        weights=replace(cfg.weights, dir=cfg.weights.dir or default_weights_dir(cfg.name, run_dir)),
+    )
 
 
 def to_yaml(cfg: RunConfig) -> str:
@@ -127,5 +149,9 @@ def redacted_config(cfg: RunConfig) -> RunConfig:
     among task.reward_funcs too)."""
     redis = replace(cfg.broker.redis, url=redact_uri(cfg.broker.redis.url))
     funcs = [redact_uri(f) if f.startswith(("http://", "https://")) else f for f in cfg.task.reward_funcs]
-    return replace(cfg, tracking=replace(cfg.tracking, uri=redact_uri(cfg.tracking.uri)),
-                   broker=replace(cfg.broker, redis=redis), task=replace(cfg.task, reward_funcs=funcs))
+    return replace(
+        cfg,
+        tracking=replace(cfg.tracking, uri=redact_uri(cfg.tracking.uri)),
+        broker=replace(cfg.broker, redis=redis),
+        task=replace(cfg.task, reward_funcs=funcs),
+    )

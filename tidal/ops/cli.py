@@ -4,6 +4,7 @@ presets | keys | health.
 Every role takes its config the same way: presets or YAML files, layered in order, then key=value
 overrides (`tidal run tiny-scalerl my-overlay.yaml learner.max_steps=50`). Heavy imports are
 deferred so --help is instant."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,13 +14,19 @@ import sys
 
 from tidal.config import ConfigError, load_config
 
-LAYERS_HELP = ("presets (tidal presets) or YAML files, layered in order, then key=value overrides, "
-               "e.g. tiny-scalerl my-overlay.yaml learner.max_steps=50")
-SKIP_HELP = ("leave out each curve's points below this fraction of its compute (the early transient); auto "
-             "(the default) finds it by a rule, its intervals widened to the fit on every point unless the left-out "
-             "points lie beyond the noise; 0 keeps every point")
-TARGET_HELP = ("a pass rate: fit each curve against wall time too and name the run predicted to reach it "
-               "soonest, with 90%% intervals")
+LAYERS_HELP = (
+    "presets (tidal presets) or YAML files, layered in order, then key=value overrides, "
+    "e.g. tiny-scalerl my-overlay.yaml learner.max_steps=50"
+)
+SKIP_HELP = (
+    "leave out each curve's points below this fraction of its compute (the early transient); auto "
+    "(the default) finds it by a rule, its intervals widened to the fit on every point unless the left-out "
+    "points lie beyond the noise; 0 keeps every point"
+)
+TARGET_HELP = (
+    "a pass rate: fit each curve against wall time too and name the run predicted to reach it "
+    "soonest, with 90%% intervals"
+)
 
 
 def _skip(value: str) -> float | str | None:
@@ -34,8 +41,12 @@ def _skip(value: str) -> float | str | None:
 
 def _layered(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     """CONFIG... [key=value ...]: the positional every config-taking command shares."""
-    p.add_argument("layers", nargs="*", metavar="CONFIG|key=value",
-                   help=LAYERS_HELP + (" (key=v1,v2,... becomes an axis of the grid)" if sweep else ""))
+    p.add_argument(
+        "layers",
+        nargs="*",
+        metavar="CONFIG|key=value",
+        help=LAYERS_HELP + (" (key=v1,v2,... becomes an axis of the grid)" if sweep else ""),
+    )
     # what pods and scripts written for earlier releases pass; the same as a leading positional
     p.add_argument("--config", action="append", default=[], help=argparse.SUPPRESS)
 
@@ -53,10 +64,12 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tidal", description="Asynchronous off-policy RL for LLMs.")
     p.add_argument("--version", action="version", version=f"tidal {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
-    roles = {"run": "start a learner and actor processes and train",
-             "learner": "run the learner process (what the launcher and Kubernetes pods start)",
-             "actor": "run one actor process; start more at any time to scale out",
-             "prepare": "build (or find in the cache) the warm-started tiny model"}
+    roles = {
+        "run": "start a learner and actor processes and train",
+        "learner": "run the learner process (what the launcher and Kubernetes pods start)",
+        "actor": "run one actor process; start more at any time to scale out",
+        "prepare": "build (or find in the cache) the warm-started tiny model",
+    }
     for name, text in roles.items():
         _layered(sub.add_parser(name, help=text))
     _resume_flags(sub)
@@ -68,28 +81,43 @@ def _parser() -> argparse.ArgumentParser:
 
 def _resume_flags(sub) -> None:
     sub.choices["run"].add_argument(
-        "--overwrite", action="store_true",
+        "--overwrite",
+        action="store_true",
         help="run_dir holds a run already: delete it and start over there (without it, or --resume, such a "
-             "run_dir is refused)")
+        "run_dir is refused)",
+    )
     for name in ("run", "learner"):
         sub.choices[name].add_argument(
-            "--resume", nargs="?", const="required", choices=("required", "auto", "fresh"),
+            "--resume",
+            nargs="?",
+            const="required",
+            choices=("required", "auto", "fresh"),
             help="continue from the newest checkpoint in run_dir that verifies (same MLflow run, steps "
-                 "continue); `--resume auto` starts fresh when there is none at all (for pods that restart) "
-                 "and refuses (exit 2) when every one is damaged; `--resume fresh` then starts over them, "
-                 "setting them aside and clearing the run's broker streams and ledger")
+            "continue); `--resume auto` starts fresh when there is none at all (for pods that restart) "
+            "and refuses (exit 2) when every one is damaged; `--resume fresh` then starts over them, "
+            "setting them aside and clearing the run's broker streams and ledger",
+        )
         sub.choices[name].add_argument(
-            "--print-samples", nargs="?", type=int, const=3, default=0, metavar="N",
+            "--print-samples",
+            nargs="?",
+            type=int,
+            const=3,
+            default=0,
+            metavar="N",
             help="show N (default 3) sampled training rollouts of each rollout table (every "
-                 "tracking.rollout_table_every steps): on the console for run, in the learner's log for learner")
+            "tracking.rollout_table_every steps): on the console for run, in the learner's log for learner",
+        )
 
 
 def _config_parsers(sub) -> None:
     config = sub.add_parser("config", help="show, check or explain a config without starting anything")
     what = config.add_subparsers(dest="action", required=True)
     _layered(what.add_parser("show", help="print the resolved config as YAML"))
-    check = what.add_parser("check", help="load the config, the task's data, the model path and its tokenizer; "
-                            "plan each GPU's and host's memory (docs/gpu.md)")
+    check = what.add_parser(
+        "check",
+        help="load the config, the task's data, the model path and its tokenizer; "
+        "plan each GPU's and host's memory (docs/gpu.md)",
+    )
     _layered(check)
     check.add_argument("--gpu-gib", type=float, help="plan for GPUs of this size (default: the visible GPUs')")
     check.add_argument("--gpus-per-node", type=int, help="GPUs a node (default: the visible ones, else 8)")
@@ -100,16 +128,28 @@ def _config_parsers(sub) -> None:
 
 
 def _tool_parsers(sub) -> None:
-    export = sub.add_parser("export", help="a run's checkpoint as a Hugging Face model folder (transformers, vLLM); "
-                                           "a LoRA run's as its adapter (PEFT)")
+    export = sub.add_parser(
+        "export",
+        help="a run's checkpoint as a Hugging Face model folder (transformers, vLLM); "
+        "a LoRA run's as its adapter (PEFT)",
+    )
     export.add_argument("run_dir", help="the run's folder (runs/<name>-<time>)")
     export.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
-    export.add_argument("--out", help="where the folder goes, new or empty (default: RUN_DIR/model-step-<N>, a LoRA "
-                                      "run's RUN_DIR/adapter-step-<N>)")
-    export.add_argument("--force", action="store_true", help="replace an earlier export (a folder with config.json "
-                                                             "or adapter_config.json)")
-    export.add_argument("--merge", action="store_true", help="a LoRA run: the adapter merged into the base model, "
-                                                             "a whole model folder (default: the adapter alone)")
+    export.add_argument(
+        "--out",
+        help="where the folder goes, new or empty (default: RUN_DIR/model-step-<N>, a LoRA "
+        "run's RUN_DIR/adapter-step-<N>)",
+    )
+    export.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an earlier export (a folder with config.json or adapter_config.json)",
+    )
+    export.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run: the adapter merged into the base model, a whole model folder (default: the adapter alone)",
+    )
     sub.add_parser("presets", help="list the presets shipped with tidal (tidal run <name>)")
     keys = sub.add_parser("keys", help="make CURVE keys for the ZeroMQ transport (broker.zmq.keys_dir)")
     keys.add_argument("dir", help="the keys folder (existing keys are kept)")
@@ -138,21 +178,33 @@ def _analysis_parsers(sub) -> None:
     sweep.add_argument("--out", help="sweep folder (default runs/sweep-<time>)")
     sweep.add_argument("--compute-metric", default="compute/flops")
     sweep.add_argument("--target", type=float, help=TARGET_HELP)
-    sweep.add_argument("--seeds", type=int, default=1,
-                       help="runs per grid point (learner.seed and actor.seed 0, 1, ...); --target pools them")
-    sweep.add_argument("--fit-fraction", type=float,
-                       help="fit each run on this first fraction of its compute and predict the rest")
+    sweep.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="runs per grid point (learner.seed and actor.seed 0, 1, ...); --target pools them",
+    )
+    sweep.add_argument(
+        "--fit-fraction", type=float, help="fit each run on this first fraction of its compute and predict the rest"
+    )
     sweep.add_argument("--skip-fraction", type=_skip, default="auto", help=SKIP_HELP)
     plan = sub.add_parser("plan-batch", help="probe each batch size on the real engine and learner, and recommend one")
     _layered(plan)
     plan.add_argument("--batch-sizes", default="4,8,16,32", help="prompt groups per step to probe")
     plan.add_argument("--target", type=float, default=0.6, help="target val pass rate for samples-to-target")
     plan.add_argument("--tracking-uri", help="MLflow store of earlier runs (for samples-to-target)")
-    plan.add_argument("--runs", nargs="*", default=[],
-                      help="MLflow run ids at one or more batch sizes: the step each reached the target")
-    plan.add_argument("--eval-every-groups", type=int,
-                      help="evaluate every this many prompt groups at every batch size (default: the config's "
-                           "eval.every x learner.groups_per_step)")
+    plan.add_argument(
+        "--runs",
+        nargs="*",
+        default=[],
+        help="MLflow run ids at one or more batch sizes: the step each reached the target",
+    )
+    plan.add_argument(
+        "--eval-every-groups",
+        type=int,
+        help="evaluate every this many prompt groups at every batch size (default: the config's "
+        "eval.every x learner.groups_per_step)",
+    )
     plan.add_argument("--probe-dir", help="keep the probe runs in this folder (default: a temporary one)")
     plan.add_argument("--out", default="plan-batch.png")
 
@@ -181,9 +233,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    simple = {"health": lambda: _health(args.file, args.max_age_s), "export": lambda: _export(args),
-              "presets": _presets, "keys": lambda: _keys(args.dir, args.actors), "fit": lambda: _analysis(args),
-              "sweep": lambda: _analysis(args), "ledger": lambda: _ledger(args.run_dir)}
+    simple = {
+        "health": lambda: _health(args.file, args.max_age_s),
+        "export": lambda: _export(args),
+        "presets": _presets,
+        "keys": lambda: _keys(args.dir, args.actors),
+        "fit": lambda: _analysis(args),
+        "sweep": lambda: _analysis(args),
+        "ledger": lambda: _ledger(args.run_dir),
+    }
     if args.command in simple:
         return simple[args.command]()
     try:
@@ -308,9 +366,11 @@ def _check_actor_ports(cfg) -> None:
     z = cfg.broker.zmq
     missing = [k for k in ("control_port", "rollout_port", "weights_port") if not getattr(z, k)]
     if cfg.broker.type is BrokerType.zmq and missing:
-        raise ConfigError(f"config key 'broker.zmq.{missing[0]}' = 0: an actor started on its own dials the "
-                          f"learner's ports; set {', '.join('broker.zmq.' + k for k in missing)} (the learner writes "
-                          "them to <run_dir>/endpoints.json)")
+        raise ConfigError(
+            f"config key 'broker.zmq.{missing[0]}' = 0: an actor started on its own dials the "
+            f"learner's ports; set {', '.join('broker.zmq.' + k for k in missing)} (the learner writes "
+            "them to <run_dir>/endpoints.json)"
+        )
 
 
 def _config(cfg, args) -> int:
@@ -327,8 +387,9 @@ def _config(cfg, args) -> int:
     from tidal.ops.reachable import check_reachable
 
     if args.model_config and not os.path.exists(args.model_config):
-        raise ConfigError(f"--model-config {args.model_config}: no such file or folder (the model's config.json, "
-                          "or its folder)")
+        raise ConfigError(
+            f"--model-config {args.model_config}: no such file or folder (the model's config.json, or its folder)"
+        )
     for line in check_lines(cfg, args.gpu_gib, args.gpus_per_node, args.host_gib, args.model_config):
         print(line)
     for line in preflight(cfg):
@@ -347,8 +408,10 @@ def _keys(folder: str, actors: str) -> int:
     except ValueError as err:  # an actor id that is not a plain name, a folder of another user's: nothing written
         print(f"tidal keys: {err}", file=sys.stderr)
         return 2
-    print(f"{out}: give the learner {out}/learner.key_secret and actors/*.key; each actor learner.key "
-          "and its own actors/<id>.key_secret")
+    print(
+        f"{out}: give the learner {out}/learner.key_secret and actors/*.key; each actor learner.key "
+        "and its own actors/<id>.key_secret"
+    )
     return 0
 
 
@@ -385,8 +448,9 @@ def _export(args) -> int:
     try:
         if not (Path(args.run_dir) / "config.yaml").is_file():  # read first by the export: say what it is not
             raise ConfigError(f"no run folder at {args.run_dir} (no config.yaml there)")
-        out = export_checkpoint(Path(args.run_dir), args.step, Path(args.out) if args.out else None, args.force,
-                                args.merge)
+        out = export_checkpoint(
+            Path(args.run_dir), args.step, Path(args.out) if args.out else None, args.force, args.merge
+        )
     except (ConfigError, OSError, ValueError) as err:  # OSError: a folder that cannot be made or read
         print(f"tidal export: {err}", file=sys.stderr)
         return 2
@@ -411,16 +475,30 @@ def _analysis(args) -> int:
             configs, overrides = _split(args)
             if args.seeds < 1:
                 raise ValueError(f"--seeds {args.seeds}: runs per grid point, >= 1")
-            return sweep(configs, overrides, Path(args.out) if args.out else None, args.compute_metric, window,
-                         args.target, args.seeds)
+            return sweep(
+                configs,
+                overrides,
+                Path(args.out) if args.out else None,
+                args.compute_metric,
+                window,
+                args.target,
+                args.seeds,
+            )
         _check_fit_flags(args.predict, Path(args.out))
         if args.csv:
             return fit_csv(args.csv, args.predict, window, Path(args.out))
         uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         if not (uri and args.runs):
             raise ValueError("needs --csv FILE, or --runs RUN_ID ... (and --tracking-uri URI or MLFLOW_TRACKING_URI)")
-        return report(uri, {r: r for r in args.runs}, args.compute_metric, Path(args.out), window=window,
-                      predict=args.predict, target=args.target)
+        return report(
+            uri,
+            {r: r for r in args.runs},
+            args.compute_metric,
+            Path(args.out),
+            window=window,
+            predict=args.predict,
+            target=args.target,
+        )
     except (ScalingFitError, ConfigError, ValueError, OSError) as err:  # OSError: an --out that cannot be written
         print(f"tidal {args.command}: {err}", file=sys.stderr)
         return 2
@@ -450,8 +528,10 @@ def _plan_batch(cfg, args) -> int:
     try:
         sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip().isdigit()})
         if not sizes or min(sizes) < 1 or len(sizes) != len(set(args.batch_sizes.split(","))):
-            raise ValueError(f"--batch-sizes {args.batch_sizes}: prompt groups per step, whole numbers >= 1 "
-                             "separated by commas (4,8,16)")
+            raise ValueError(
+                f"--batch-sizes {args.batch_sizes}: prompt groups per step, whole numbers >= 1 "
+                "separated by commas (4,8,16)"
+            )
         if args.eval_every_groups is not None and args.eval_every_groups < 1:
             raise ValueError(f"--eval-every-groups {args.eval_every_groups}: a number of prompt groups, >= 1")
         _check_fit_flags(None, Path(args.out))

@@ -11,6 +11,7 @@ peers, loopback included: CURVE is on, with the keys folder named or keys made f
 (up to `actor.max_restarts` times); the learner failing stops everything, naming it; so does
 Ctrl-C. On Kubernetes each role is its own pod and this launcher is not used.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,8 +63,11 @@ def prepare(cfg: RunConfig, redis_url: str | None = None) -> RunConfig:
     from tidal.models import resolve_model_path
 
     progress = partial(print, "[prepare]", flush=True)
-    cfg = resolve(cfg, model_path=resolve_model_path(cfg.model, cfg.task, partial(build_tiny, progress=progress)),
-                  redis_url=redis_url)
+    cfg = resolve(
+        cfg,
+        model_path=resolve_model_path(cfg.model, cfg.task, partial(build_tiny, progress=progress)),
+        redis_url=redis_url,
+    )
     write_config(cfg, Path(cfg.run_dir))
     return cfg
 
@@ -97,8 +101,9 @@ def start_children(cfg: RunConfig, placement: Placement, children: list[Child], 
         learner_args.append(f"learner.master_port={free_port()}")  # two runs on one machine must not meet
     ports = {}
     if cfg.broker.type is BrokerType.zmq:
-        ports = {name: getattr(cfg.broker.zmq, f"{name}_port") or free_port()
-                 for name in ("control", "rollout", "weights")}
+        ports = {
+            name: getattr(cfg.broker.zmq, f"{name}_port") or free_port() for name in ("control", "rollout", "weights")
+        }
         learner_args += actor_endpoint_overrides(ports)
     children.append(_spawn("learner", "learner", learner_args, run_dir, placement.learner))
     if cfg.actor.colocate:  # engines measure the GPU's free memory as they start: the learner's must be taken
@@ -107,8 +112,7 @@ def start_children(cfg: RunConfig, placement: Placement, children: list[Child], 
         overrides = [f"actor.index={i}", *actor_endpoint_overrides(ports)]
         if slot.gpus is None and not cfg.actor.cpu_cores:
             overrides.append(f"actor.cpu_cores={slot.cores}")  # vLLM's CPU engine binds its threads there
-        children.append(_spawn(f"actor-{i}", "actor", ["actor", config, *overrides], run_dir,
-                               Slot(gpus=slot.gpus)))
+        children.append(_spawn(f"actor-{i}", "actor", ["actor", config, *overrides], run_dir, Slot(gpus=slot.gpus)))
 
 
 def wait_for_learner(learner: Child, run_dir: Path, poll_s: float = 0.5) -> None:
@@ -116,8 +120,10 @@ def wait_for_learner(learner: Child, run_dir: Path, poll_s: float = 0.5) -> None
     endpoints.json then); a learner that exits first stops the run, naming it."""
     while not (run_dir / "endpoints.json").exists():
         if learner.proc.poll() is not None:
-            raise LaunchError(f"the learner exited with code {learner.proc.returncode} before it was ready; last "
-                              f"lines of {learner.log_path}:\n{tail(learner.log_path)}")
+            raise LaunchError(
+                f"the learner exited with code {learner.proc.returncode} before it was ready; last "
+                f"lines of {learner.log_path}:\n{tail(learner.log_path)}"
+            )
         time.sleep(poll_s)
 
 
@@ -135,8 +141,9 @@ def _spawn(name: str, role: str, args: list[str], run_dir: Path, slot: Slot, res
     if restarts:
         log_file.write(f"\n===== restart {restarts} =====\n")
         log_file.flush()
-    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=os.environ | slot.env())
+    proc = subprocess.Popen(
+        cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, env=os.environ | slot.env()
+    )
     return Child(name, role, proc, log_path, args, slot, restarts)
 
 
@@ -147,8 +154,9 @@ def start_redis(cfg: RunConfig, run_dir: Path) -> tuple[Child, str]:
     config.yaml or on a command line). Returns it and its URL."""
     server = shutil.which("redis-server")
     if server is None:
-        raise LaunchError("broker.redis.embedded is true but redis-server is not installed "
-                          "(apt-get install redis-server)")
+        raise LaunchError(
+            "broker.redis.embedded is true but redis-server is not installed (apt-get install redis-server)"
+        )
     port = cfg.broker.redis.embedded_port or free_port()
     data = run_dir / "redis"
     data.mkdir(exist_ok=True)
@@ -162,8 +170,24 @@ def start_redis(cfg: RunConfig, run_dir: Path) -> tuple[Child, str]:
     conf.touch(mode=0o600)
     conf.write_text(f"requirepass {password}\n")
     os.environ[cfg.broker.redis.password_env] = password  # the children inherit it
-    cmd = [server, str(conf), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data), "--appendonly", "yes",
-           "--appendfsync", "always", "--save", "", "--logfile", str(log_path)]
+    cmd = [
+        server,
+        str(conf),
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--dir",
+        str(data),
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "always",
+        "--save",
+        "",
+        "--logfile",
+        str(log_path),
+    ]
     child = Child("redis-server", "redis", subprocess.Popen(cmd, start_new_session=True), log_path, cmd)
     deadline = time.monotonic() + 30
     while not _port_open(port):
@@ -253,8 +277,9 @@ def supervise(children: list[Child], run_dir: Path, cfg: RunConfig, print_sample
                     return
                 if c.role != "actor":
                     notices.advance()
-                    raise LaunchError(f"{c.name} exited with code {code}; last lines of {c.log_path}:\n"
-                                      f"{tail(c.log_path)}")
+                    raise LaunchError(
+                        f"{c.name} exited with code {code}; last lines of {c.log_path}:\n{tail(c.log_path)}"
+                    )
                 if code != 0:  # exit 0: told to shut down by a finishing learner
                     children[i] = _restart_actor(c, code, cfg.actor, run_dir, bar)
             time.sleep(0.2)
@@ -275,11 +300,15 @@ def _restart_actor(c: Child, code: int, cfg, run_dir: Path, bar) -> Child:
         _signal_group(c, signal.SIGKILL)  # its engine-core process may still hold memory
         sweep_orphan_shm()
         if c.restarts >= cfg.max_restarts:
-            raise LaunchError(f"{c.name} exited with code {code} and was restarted {c.restarts} times "
-                              f"(actor.max_restarts); last lines of {c.log_path}:\n{tail(c.log_path)}")
-        delay = min(cfg.restart_backoff_s * 2 ** c.restarts, MAX_BACKOFF_S)
-        bar.write(f"[run] {c.name} exited with code {code}; restarting in {delay:.1f} s "
-                  f"(restart {c.restarts + 1} of {cfg.max_restarts})")
+            raise LaunchError(
+                f"{c.name} exited with code {code} and was restarted {c.restarts} times "
+                f"(actor.max_restarts); last lines of {c.log_path}:\n{tail(c.log_path)}"
+            )
+        delay = min(cfg.restart_backoff_s * 2**c.restarts, MAX_BACKOFF_S)
+        bar.write(
+            f"[run] {c.name} exited with code {code}; restarting in {delay:.1f} s "
+            f"(restart {c.restarts + 1} of {cfg.max_restarts})"
+        )
         c.restart_at = now + delay
         return c
     if now < c.restart_at:
@@ -398,7 +427,7 @@ class RolloutFollower:
                 if not line.endswith("\n"):  # the learner is still writing it
                     break
                 self.offset += len(line.encode())
-                for row in json.loads(line)["rows"][:self.rows]:
+                for row in json.loads(line)["rows"][: self.rows]:
                     self.write(rollout_text(row))
 
 
@@ -407,9 +436,11 @@ def show_step(bar, eta: StepEta, m: dict) -> None:
     steps, from the second on), the measured ETA."""
     eta.observe(int(m["step"]), m["compute/wall_s"])
     gen = m.get("rollout/gen_tokens_per_s")
-    bar.set_postfix_str(f"reward={m['rollout/reward']:.2f}, gen_tok_s={'n/a' if gen is None else f'{gen:.0f}'}, "
-                        f"learn_tok_s={m['learner/tokens_per_s']:.0f}, {eta_text(eta.remaining_s(bar.total))}",
-                        refresh=False)  # drawn once, by the update
+    bar.set_postfix_str(
+        f"reward={m['rollout/reward']:.2f}, gen_tok_s={'n/a' if gen is None else f'{gen:.0f}'}, "
+        f"learn_tok_s={m['learner/tokens_per_s']:.0f}, {eta_text(eta.remaining_s(bar.total))}",
+        refresh=False,
+    )  # drawn once, by the update
     bar.update(int(m["step"]) - bar.n)
 
 
@@ -434,8 +465,10 @@ def print_failures(failures: dict, samples: int) -> None:
     reasons as the actor recorded them: the function and the user's file and line."""
     if not failures.get("count"):
         return
-    print(f"failed episodes: {failures['count']} of {samples} training samples were scored 0 because their "
-          "reward or environment raised; most frequent:")
+    print(
+        f"failed episodes: {failures['count']} of {samples} training samples were scored 0 because their "
+        "reward or environment raised; most frequent:"
+    )
     for reason, times in failures["reasons"]:
         print(f"  {times} x " + reason.replace("\n", "\n    "))
 
@@ -445,8 +478,7 @@ def check_run_dir(run_dir: Path, resume: str | None, overwrite: bool) -> bool:
     (--overwrite), or refused in one line, so that two runs never mix their metrics, checkpoints and model."""
     marks = run_marks(run_dir)
     if resume and overwrite:
-        print("tidal run: --resume continues the run in run_dir and --overwrite deletes it: give one",
-              file=sys.stderr)
+        print("tidal run: --resume continues the run in run_dir and --overwrite deletes it: give one", file=sys.stderr)
         return False
     if not marks or resume:
         return True
@@ -454,8 +486,11 @@ def check_run_dir(run_dir: Path, resume: str | None, overwrite: bool) -> bool:
         print(f"tidal run: {used_run_dir(run_dir, marks)}", file=sys.stderr)
         return False
     if "config.yaml" not in marks:  # tidal writes it first: a folder without it may hold the user's own files
-        print(f"tidal run: --overwrite deletes only a folder tidal made (with its config.yaml): {run_dir} has "
-              f"none; choose another run_dir", file=sys.stderr)
+        print(
+            f"tidal run: --overwrite deletes only a folder tidal made (with its config.yaml): {run_dir} has "
+            f"none; choose another run_dir",
+            file=sys.stderr,
+        )
         return False
     return True  # deleted by `overwrite_run_dir` once every check has passed
 
@@ -485,12 +520,18 @@ def launch(cfg: RunConfig, resume: str | None = None, print_samples: int = 0, ov
     if cfg.run_dir and not check_run_dir(Path(cfg.run_dir), resume, overwrite):
         return 2
     if cfg.broker.type is BrokerType.zmq and cfg.broker.zmq.curve == "off":
-        print("tidal run: broker.zmq.curve=off: a run authenticates every actor, with keys it makes itself "
-              "(off is for a role started on its own)", file=sys.stderr)
+        print(
+            "tidal run: broker.zmq.curve=off: a run authenticates every actor, with keys it makes itself "
+            "(off is for a role started on its own)",
+            file=sys.stderr,
+        )
         return 2
     if print_samples and not (cfg.tracking.rollout_table_every and cfg.tracking.rollout_table_rows):
-        print("tidal run: --print-samples shows rollouts of the rollout tables, and tracking.rollout_table_every=0 "
-              "or tracking.rollout_table_rows=0 turns them off: no rollouts will be shown", file=sys.stderr)
+        print(
+            "tidal run: --print-samples shows rollouts of the rollout tables, and tracking.rollout_table_every=0 "
+            "or tracking.rollout_table_rows=0 turns them off: no rollouts will be shown",
+            file=sys.stderr,
+        )
     preflight(cfg)  # a bad dataset, model or tokenizer stops here, before anything is created
     check_reachable(cfg)  # so does a fixed port in use, or a tracking server that does not answer
     if overwrite and cfg.run_dir:

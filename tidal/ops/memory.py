@@ -17,6 +17,7 @@ anything starts: `tidal config check` prints the plan, `tidal run` checks it on 
 
 Every estimate errs on the large side: terms that peak at different moments of a step are added.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,13 +32,15 @@ from tidal.broker.weights import TAG_SCRATCH_BYTES
 from tidal.config import ConfigError, KernelBackend, ModelConfig, RunConfig, TaskConfig, compute_dtype
 from tidal.kernels import auto_backend, working_set_bytes
 
-GiB = 1024 ** 3
-MiB = 1024 ** 2
+GiB = 1024**3
+MiB = 1024**2
 
 
 def itemsize(dtype: str) -> int:
     """The bytes of one element of a dtype named in the config (float32, bfloat16, ...), as torch has it."""
     return getattr(torch, str(dtype)).itemsize
+
+
 CUDA_CONTEXT_BYTES = 2 * GiB  # one process's CUDA context, cuBLAS workspaces and NCCL's own buffers
 FRAGMENTATION = 0.10  # the caching allocator's slack over what the learner's tensors take
 HOST_PROCESS_BYTES = 4 * GiB  # resident memory of one process with torch and CUDA loaded
@@ -48,6 +51,7 @@ STATE_KEYS = ("learner.num_ranks", "learner.fsdp.enabled", "learner.fsdp.cpu_off
 
 
 # ---- the model ---------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -110,8 +114,9 @@ class ModelShape:
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config)
         except (ValueError, KeyError) as err:  # no model_type, or one transformers cannot build
-            raise ConfigError(f"{where}: model_type {model_type!r} is not a causal LM transformers can build "
-                              f"({type(err).__name__})") from None
+            raise ConfigError(
+                f"{where}: model_type {model_type!r} is not a causal LM transformers can build ({type(err).__name__})"
+            ) from None
         return cls._counted(name, model, config.get_text_config())
 
     @classmethod
@@ -128,16 +133,26 @@ class ModelShape:
         num_heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
         return cls(
-            name=name, num_params=sum(p.numel() for p in params.values()), num_layers=len(layers),
+            name=name,
+            num_params=sum(p.numel() for p in params.values()),
+            num_layers=len(layers),
             layer_params=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
-            embed_params=embed.numel(), head_params=0 if head is embed else head.numel(),
+            embed_params=embed.numel(),
+            head_params=0 if head is embed else head.numel(),
             largest_tensor_params=max(p.numel() for p in params.values()),
-            active_params=sum(p.numel() for p in params.values()) - idle, hidden_size=text.hidden_size,
-            mlp_width=mlp_width(layers, text.hidden_size, per_token, experts), num_heads=num_heads,
-            num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
-            vocab_size=text.vocab_size, max_position_embeddings=text.max_position_embeddings,
-            num_experts=experts, experts_per_token=per_token,
-            qk_norm=any("q_norm" in n for n, _ in layers[0].named_parameters()), linears=linear_layers(layers))
+            active_params=sum(p.numel() for p in params.values()) - idle,
+            hidden_size=text.hidden_size,
+            mlp_width=mlp_width(layers, text.hidden_size, per_token, experts),
+            num_heads=num_heads,
+            num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            vocab_size=text.vocab_size,
+            max_position_embeddings=text.max_position_embeddings,
+            num_experts=experts,
+            experts_per_token=per_token,
+            qk_norm=any("q_norm" in n for n, _ in layers[0].named_parameters()),
+            linears=linear_layers(layers),
+        )
 
 
 def decoder_layers(model):
@@ -154,8 +169,12 @@ def linear_layers(layers) -> tuple[tuple[int, str, int, int], ...]:
     """(layer index, path inside the layer, in features, out features) of each decoder layer's nn.Linear."""
     import torch
 
-    return tuple((i, name, m.in_features, m.out_features) for i, layer in enumerate(layers)
-                 for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear))
+    return tuple(
+        (i, name, m.in_features, m.out_features)
+        for i, layer in enumerate(layers)
+        for name, m in layer.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    )
 
 
 def mlp_width(layers, hidden_size: int, experts_per_token: int, num_experts: int) -> int:
@@ -174,6 +193,7 @@ def mlp_width(layers, hidden_size: int, experts_per_token: int, num_experts: int
 
 
 # ---- the machines and the plan ---------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Cluster:
@@ -241,13 +261,16 @@ class Plan:
         raise ConfigError(
             f"memory plan: {self.model.name} does not fit the {worst.device}: {gib(worst.total_bytes)} of "
             f"{gib(worst.capacity_bytes)}; its largest term, {term.name} at {gib(term.nbytes)}, changes with "
-            f"{changes}{also}")
+            f"{changes}{also}"
+        )
 
     def table(self) -> str:
         """The plan as text: each budget's total against its capacity, then its terms, largest first."""
         c = self.cluster
-        lines = [f"memory plan: {self.model.name} ({self.model.num_params / 1e9:.2f} B parameters) on "
-                 f"{gib(c.gpu_bytes)} GPUs, {c.gpus_per_node} a node, {gib(c.host_bytes)} of host memory a node"]
+        lines = [
+            f"memory plan: {self.model.name} ({self.model.num_params / 1e9:.2f} B parameters) on "
+            f"{gib(c.gpu_bytes)} GPUs, {c.gpus_per_node} a node, {gib(c.host_bytes)} of host memory a node"
+        ]
         for b in self.budgets:
             verdict = "fits" if b.fits else "DOES NOT FIT"
             lines.append(f"  {b.device:<36} {gib(b.total_bytes):>11} of {gib(b.capacity_bytes):>11}  {verdict}")
@@ -257,11 +280,23 @@ class Plan:
 
     def to_json(self) -> dict:
         """The plan as plain data (bytes), for bench/memory_plans.py and tools."""
-        return {"model": self.model.name, "num_params": self.model.num_params,
-                "gpu_bytes": self.cluster.gpu_bytes, "gpus_per_node": self.cluster.gpus_per_node,
-                "host_bytes": self.cluster.host_bytes,
-                "budgets": [{"device": b.device, "total_bytes": b.total_bytes, "capacity_bytes": b.capacity_bytes,
-                             "fits": b.fits, "terms": {t.name: t.nbytes for t in b.terms}} for b in self.budgets]}
+        return {
+            "model": self.model.name,
+            "num_params": self.model.num_params,
+            "gpu_bytes": self.cluster.gpu_bytes,
+            "gpus_per_node": self.cluster.gpus_per_node,
+            "host_bytes": self.cluster.host_bytes,
+            "budgets": [
+                {
+                    "device": b.device,
+                    "total_bytes": b.total_bytes,
+                    "capacity_bytes": b.capacity_bytes,
+                    "fits": b.fits,
+                    "terms": {t.name: t.nbytes for t in b.terms},
+                }
+                for b in self.budgets
+            ],
+        }
 
 
 def gib(nbytes: float) -> str:
@@ -278,6 +313,7 @@ def setting(cfg: RunConfig, key: str) -> Any:
 
 
 # ---- the learner's GPU ------------------------------------------------------------------------------
+
 
 def shard_count(cfg: RunConfig) -> int:
     """Over how many ranks parameters, gradients and AdamW state are split: every rank (FSDP), one
@@ -322,15 +358,22 @@ def state_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
     part = f", 1/{n} a rank" if n > 1 else ""
     keys = (*STATE_KEYS, "learner.param_dtype")
     if not lc.lora.enabled:
-        return [Term(f"parameters ({lc.param_dtype}{part})", each, keys),
-                Term(f"gradients ({lc.param_dtype}{part})", each, keys),
-                Term(f"AdamW state (2 x {lc.param_dtype}{part})", 2 * each, keys)]
+        return [
+            Term(f"parameters ({lc.param_dtype}{part})", each, keys),
+            Term(f"gradients ({lc.param_dtype}{part})", each, keys),
+            Term(f"AdamW state (2 x {lc.param_dtype}{part})", 2 * each, keys),
+        ]
     adapter = f"{adapter_params(cfg, shape):,} adapter parameters, {lc.param_dtype}{part}"
-    return [Term(f"frozen base ({compute_dtype(lc)}, no gradients or AdamW state{part})", frozen_base_bytes(cfg, shape),
-                 (*STATE_KEYS, "learner.mixed_precision", "model.head")),
-            Term(f"LoRA parameters ({adapter})", each, LORA_KEYS + keys),
-            Term(f"LoRA gradients ({adapter})", each, LORA_KEYS + keys),
-            Term(f"LoRA AdamW state (2 x {adapter})", 2 * each, LORA_KEYS + keys)]
+    return [
+        Term(
+            f"frozen base ({compute_dtype(lc)}, no gradients or AdamW state{part})",
+            frozen_base_bytes(cfg, shape),
+            (*STATE_KEYS, "learner.mixed_precision", "model.head"),
+        ),
+        Term(f"LoRA parameters ({adapter})", each, LORA_KEYS + keys),
+        Term(f"LoRA gradients ({adapter})", each, LORA_KEYS + keys),
+        Term(f"LoRA AdamW state (2 x {adapter})", 2 * each, LORA_KEYS + keys),
+    ]
 
 
 def state_bytes(cfg: RunConfig, shape: ModelShape) -> int:
@@ -356,12 +399,15 @@ def gathered_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
     head = shape.head_params or shape.embed_params
     keys = ("learner.mixed_precision", "learner.fsdp.reshard_after_forward")
     if cfg.learner.lora.enabled:  # a frozen base gathers no gradients (the adapter's are counted with its state)
-        terms = [Term(f"gathered decoder layers ({held})", held * shape.layer_params * item, keys),
-                 Term("gathered LM head", head * head_item, ("model.head",))]
+        terms = [
+            Term(f"gathered decoder layers ({held})", held * shape.layer_params * item, keys),
+            Term("gathered LM head", head * head_item, ("model.head",)),
+        ]
     else:
-        terms = [Term(f"gathered decoder layers ({held} + gradients of 2)", (held + 2) * shape.layer_params * item,
-                      keys),
-                 Term("gathered LM head, with its gradient", 2 * head * head_item, ("model.head",))]
+        terms = [
+            Term(f"gathered decoder layers ({held} + gradients of 2)", (held + 2) * shape.layer_params * item, keys),
+            Term("gathered LM head, with its gradient", 2 * head * head_item, ("model.head",)),
+        ]
     if not shape.tied:
         terms.append(Term("gathered embedding", shape.embed_params * item, ("learner.mixed_precision",)))
     return terms
@@ -376,8 +422,11 @@ def unsharded_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
         copies = (trained_params(cfg, shape) - (0 if lc.lora.enabled else shape.head_params)) * itemsize(compute)
         terms.append(Term(f"autocast weight copies ({compute})", copies, ("learner.mixed_precision",)))
     if lc.num_ranks > 1:
-        terms.append(Term("DDP gradient buckets", trained_params(cfg, shape) * itemsize(lc.param_dtype),
-                          ("learner.fsdp.enabled",)))
+        terms.append(
+            Term(
+                "DDP gradient buckets", trained_params(cfg, shape) * itemsize(lc.param_dtype), ("learner.fsdp.enabled",)
+            )
+        )
     return terms
 
 
@@ -409,19 +458,31 @@ def activation_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
     one_layer = tokens * layer_activation_bytes(shape, item)
     if lc.fsdp.enabled and lc.fsdp.activation_checkpointing:
         keys = ("learner.micro_batch_tokens",)
-        terms = [Term(f"layer inputs kept ({shape.num_layers} layers, checkpointing)",
-                      shape.num_layers * tokens * shape.hidden_size * item, keys),
-                 Term("one layer's activations, recomputed", one_layer, keys)]
+        terms = [
+            Term(
+                f"layer inputs kept ({shape.num_layers} layers, checkpointing)",
+                shape.num_layers * tokens * shape.hidden_size * item,
+                keys,
+            ),
+            Term("one layer's activations, recomputed", one_layer, keys),
+        ]
     else:
-        keys = ("learner.micro_batch_tokens", "learner.fsdp.activation_checkpointing" if lc.fsdp.enabled
-                else "learner.fsdp.enabled")
-        terms = [Term(f"activations ({shape.num_layers} layers, no checkpointing)", shape.num_layers * one_layer,
-                      keys)]
+        keys = (
+            "learner.micro_batch_tokens",
+            "learner.fsdp.activation_checkpointing" if lc.fsdp.enabled else "learner.fsdp.enabled",
+        )
+        terms = [Term(f"activations ({shape.num_layers} layers, no checkpointing)", shape.num_layers * one_layer, keys)]
     backend = lc.kernel_backend if lc.kernel_backend != KernelBackend.auto else auto_backend(True, item < 4)
-    held = working_set_bytes(backend, tokens, shape.hidden_size, shape.vocab_size, item,
-                             weight_grad=not lc.lora.enabled)
-    terms.append(Term(f"logprob kernel ({backend} backend's working set)", held,
-                      ("learner.micro_batch_tokens", "learner.kernel_backend")))
+    held = working_set_bytes(
+        backend, tokens, shape.hidden_size, shape.vocab_size, item, weight_grad=not lc.lora.enabled
+    )
+    terms.append(
+        Term(
+            f"logprob kernel ({backend} backend's working set)",
+            held,
+            ("learner.micro_batch_tokens", "learner.kernel_backend"),
+        )
+    )
     return terms
 
 
@@ -447,12 +508,22 @@ def learner_gpu_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
     terms += activation_terms(cfg, shape)
     if cfg.weights.transport == "nccl":  # each send slot's two chunk buffers, made once
         sends = cfg.weights.max_sends
-        terms.append(Term(f"nccl send buffers ({sends} sends x 2 chunks)", sends * transfer_buffer_bytes(cfg, shape),
-                          ("weights.bucket_mib", "weights.max_sends", "weights.transport")))
+        terms.append(
+            Term(
+                f"nccl send buffers ({sends} sends x 2 chunks)",
+                sends * transfer_buffer_bytes(cfg, shape),
+                ("weights.bucket_mib", "weights.max_sends", "weights.transport"),
+            )
+        )
         # a version's tags are computed beside the tensors as they are packed, each cast to the wire's dtype first
         largest = shape.largest_tensor_params * itemsize(cfg.model.dtype)
-        terms.append(Term("nccl tensor tags (the largest tensor cast, and scratch)", largest + TAG_SCRATCH_BYTES,
-                          ("weights.transport",)))
+        terms.append(
+            Term(
+                "nccl tensor tags (the largest tensor cast, and scratch)",
+                largest + TAG_SCRATCH_BYTES,
+                ("weights.transport",),
+            )
+        )
     return terms
 
 
@@ -466,9 +537,14 @@ def learner_gpu_budget(cfg: RunConfig, shape: ModelShape, cluster: Cluster) -> B
     if cfg.actor.colocate:
         engines = colocated_engines(cfg)
         share = int(engines * cfg.actor.vllm.gpu_memory_utilization * cluster.gpu_bytes)
-        terms += [Term(f"vLLM's share of {engines} colocated engine(s)", share,
-                       ("actor.vllm.gpu_memory_utilization", "actor.replicas")),
-                  Term("colocated engines' CUDA contexts", engines * CUDA_CONTEXT_BYTES, ("actor.replicas",))]
+        terms += [
+            Term(
+                f"vLLM's share of {engines} colocated engine(s)",
+                share,
+                ("actor.vllm.gpu_memory_utilization", "actor.replicas"),
+            ),
+            Term("colocated engines' CUDA contexts", engines * CUDA_CONTEXT_BYTES, ("actor.replicas",)),
+        ]
     return Budget("learner GPU", tuple(terms), cluster.gpu_bytes)
 
 
@@ -479,6 +555,7 @@ def colocated_engines(cfg: RunConfig) -> int:
 
 
 # ---- the actors' GPUs -------------------------------------------------------------------------------
+
 
 def actor_gpus(cfg: RunConfig) -> int:
     """GPUs of one actor: actor.gpus_per_replica, its engine's tensor-parallel size where that is -1."""
@@ -506,14 +583,28 @@ def engine_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
     tokens = vc.engine_kwargs.get("max_num_batched_tokens") or ENGINE_BATCHED_TOKENS
     width = 4 * s.hidden_size + ((s.num_heads + 2 * s.num_kv_heads) * s.head_dim + 2 * s.mlp_width) // tp
     part = f", 1/{tp} a GPU" if tp > 1 else ""
-    terms = [Term(f"weights ({cfg.model.dtype}{part})", s.num_params * item // tp,
-                  ("actor.vllm.tensor_parallel_size", "model.dtype")),
-             Term(f"KV cache of one {max_len}-token sequence", max_len * kv_bytes_per_token(cfg, shape),
-                  ("actor.vllm.max_model_len", "actor.vllm.tensor_parallel_size")),
-             Term(f"activations ({tokens} batched tokens)", tokens * width * item,
-                  ("actor.vllm.engine_kwargs.max_num_batched_tokens",)),
-             Term(f"sampler logits ({ac.max_inflight} sequences, fp32)", ac.max_inflight * s.vocab_size * 4 * 2,
-                  ("actor.max_inflight",))]
+    terms = [
+        Term(
+            f"weights ({cfg.model.dtype}{part})",
+            s.num_params * item // tp,
+            ("actor.vllm.tensor_parallel_size", "model.dtype"),
+        ),
+        Term(
+            f"KV cache of one {max_len}-token sequence",
+            max_len * kv_bytes_per_token(cfg, shape),
+            ("actor.vllm.max_model_len", "actor.vllm.tensor_parallel_size"),
+        ),
+        Term(
+            f"activations ({tokens} batched tokens)",
+            tokens * width * item,
+            ("actor.vllm.engine_kwargs.max_num_batched_tokens",),
+        ),
+        Term(
+            f"sampler logits ({ac.max_inflight} sequences, fp32)",
+            ac.max_inflight * s.vocab_size * 4 * 2,
+            ("actor.max_inflight",),
+        ),
+    ]
     if not ac.enforce_eager:
         terms.append(Term("CUDA graphs", CUDA_GRAPH_BYTES, ("actor.enforce_eager",)))
     if cfg.learner.lora.enabled:
@@ -529,9 +620,11 @@ def lora_slot_term(cfg: RunConfig, shape: ModelShape) -> Term:
     rank = cfg.learner.lora.served_rank
     every = replace(cfg.learner.lora, rank=rank, target_modules=tuple(shape.layer_linears), layers=())
     tp = cfg.actor.vllm.tensor_parallel_size
-    return Term(f"LoRA slot (max_lora_rank {rank}, every linear layer)",
-                every.num_params(list(shape.linears)) * itemsize(cfg.model.dtype) // tp,
-                ("learner.lora.rank", "model.dtype"))
+    return Term(
+        f"LoRA slot (max_lora_rank {rank}, every linear layer)",
+        every.num_params(list(shape.linears)) * itemsize(cfg.model.dtype) // tp,
+        ("learner.lora.rank", "model.dtype"),
+    )
 
 
 def actor_gpu_budgets(cfg: RunConfig, shape: ModelShape, cluster: Cluster) -> list[Budget]:
@@ -544,12 +637,20 @@ def actor_gpu_budgets(cfg: RunConfig, shape: ModelShape, cluster: Cluster) -> li
         return [share]
     outside = [Term("CUDA context and NCCL", CUDA_CONTEXT_BYTES, keys)]
     if cfg.weights.transport == "nccl":
-        outside.append(Term("nccl receive buffers (2 streams)", transfer_buffer_bytes(cfg, shape),
-                            (*keys, "weights.bucket_mib", "weights.transport")))
-        outside.append(Term("nccl tensor tags' scratch (2 streams)", 2 * TAG_SCRATCH_BYTES,
-                            (*keys, "weights.transport")))
-    return [share, Budget("actor GPU, outside vLLM's share", tuple(outside), cluster.gpu_bytes - share.capacity_bytes,
-                          keys)]
+        outside.append(
+            Term(
+                "nccl receive buffers (2 streams)",
+                transfer_buffer_bytes(cfg, shape),
+                (*keys, "weights.bucket_mib", "weights.transport"),
+            )
+        )
+        outside.append(
+            Term("nccl tensor tags' scratch (2 streams)", 2 * TAG_SCRATCH_BYTES, (*keys, "weights.transport"))
+        )
+    return [
+        share,
+        Budget("actor GPU, outside vLLM's share", tuple(outside), cluster.gpu_bytes - share.capacity_bytes, keys),
+    ]
 
 
 def kv_cache_tokens(plan_: Plan, cfg: RunConfig) -> int:
@@ -560,6 +661,7 @@ def kv_cache_tokens(plan_: Plan, cfg: RunConfig) -> int:
 
 
 # ---- host memory ------------------------------------------------------------------------------------
+
 
 def payload_bytes(cfg: RunConfig, shape: ModelShape) -> int:
     """One weight version as it travels: every tensor (a tied head under both names) in model.dtype;
@@ -585,23 +687,36 @@ def learner_host_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
     # a version no longer served lives on while it is being sent: on the collective channels each of
     # weights.max_sends transfers holds one for its whole length, on tcp a bucket's send holds it briefly
     sending = w.max_sends if w.transport in ("nccl", "gloo") else 1 if w.transport == "tcp" else 0
-    terms = [Term(f"weight payloads kept ({keep} x {cfg.model.dtype})", keep * payload,
-                  ("weights.keep", "model.dtype"))]
+    terms = [
+        Term(f"weight payloads kept ({keep} x {cfg.model.dtype})", keep * payload, ("weights.keep", "model.dtype"))
+    ]
     if sending:
-        terms.append(Term(f"weight payloads retired while still sent ({sending})", sending * payload,
-                          ("weights.max_sends", "weights.transport")))
+        terms.append(
+            Term(
+                f"weight payloads retired while still sent ({sending})",
+                sending * payload,
+                ("weights.max_sends", "weights.transport"),
+            )
+        )
     if w.transport == "file":
         terms.append(Term("file channel's serialized copy", payload, ("weights.transport",)))
         if in_shm(w.dir):
-            terms.append(Term(f"weight files in /dev/shm ({keep})", keep * payload, ("weights.dir", "weights.keep"),
-                              shm=True))
+            terms.append(
+                Term(f"weight files in /dev/shm ({keep})", keep * payload, ("weights.dir", "weights.keep"), shm=True)
+            )
     ranks = lc.num_ranks // lc.nodes
     if lc.fsdp.enabled and lc.fsdp.cpu_offload:
-        terms.append(Term(f"offloaded parameters, gradients, AdamW ({ranks} ranks)", ranks * state_bytes(cfg, shape),
-                          STATE_KEYS))
+        terms.append(
+            Term(f"offloaded parameters, gradients, AdamW ({ranks} ranks)", ranks * state_bytes(cfg, shape), STATE_KEYS)
+        )
     writers = ranks if shard_count(cfg) > 1 else 1
-    terms.append(Term("checkpoint being written (AdamW state, staged and serialized)",
-                      writers * 2 * adamw_bytes(cfg, shape), ("learner.fsdp.enabled", "learner.num_ranks")))
+    terms.append(
+        Term(
+            "checkpoint being written (AdamW state, staged and serialized)",
+            writers * 2 * adamw_bytes(cfg, shape),
+            ("learner.fsdp.enabled", "learner.num_ranks"),
+        )
+    )
     terms.append(Term(f"learner processes ({ranks})", ranks * HOST_PROCESS_BYTES, ("learner.num_ranks",)))
     return terms
 
@@ -612,11 +727,18 @@ def actor_host_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
     and the actor's process, vLLM's engine core and its workers."""
     terms = []
     if cfg.weights.transport in ("tcp", "file"):
-        terms.append(Term(f"weights staged in /dev/shm ({cfg.weights.transport})", payload_bytes(cfg, shape),
-                          ("weights.transport",), shm=True))
+        terms.append(
+            Term(
+                f"weights staged in /dev/shm ({cfg.weights.transport})",
+                payload_bytes(cfg, shape),
+                ("weights.transport",),
+                shm=True,
+            )
+        )
     processes = 1 + cfg.actor.vllm.tensor_parallel_size
-    terms.append(Term(f"actor processes ({processes})", processes * HOST_PROCESS_BYTES,
-                      ("actor.vllm.tensor_parallel_size",)))
+    terms.append(
+        Term(f"actor processes ({processes})", processes * HOST_PROCESS_BYTES, ("actor.vllm.tensor_parallel_size",))
+    )
     return terms
 
 
@@ -638,12 +760,19 @@ def host_budgets(cfg: RunConfig, shape: ModelShape, cluster: Cluster) -> list[Bu
     learner, actor = learner_host_terms(cfg, shape), actor_host_terms(cfg, shape)
     if one_machine(cfg, cluster):
         each = sum(t.nbytes for t in actor)
-        learner.append(Term(f"actors' host memory ({cfg.actor.replicas})", cfg.actor.replicas * each,
-                            ("actor.replicas", "weights.transport")))
+        learner.append(
+            Term(
+                f"actors' host memory ({cfg.actor.replicas})",
+                cfg.actor.replicas * each,
+                ("actor.replicas", "weights.transport"),
+            )
+        )
         return [Budget("learner host, node 0", tuple(learner), cluster.host_bytes)]
     actor_share = cluster.host_bytes * max(actor_gpus(cfg), 1) // cluster.gpus_per_node
-    return [Budget("learner host, node 0", tuple(learner), cluster.host_bytes),
-            Budget("actor host", tuple(actor), actor_share)]
+    return [
+        Budget("learner host, node 0", tuple(learner), cluster.host_bytes),
+        Budget("actor host", tuple(actor), actor_share),
+    ]
 
 
 def plan(cfg: RunConfig, shape: ModelShape, cluster: Cluster) -> Plan:
@@ -660,6 +789,7 @@ def plan(cfg: RunConfig, shape: ModelShape, cluster: Cluster) -> Plan:
 
 
 # ---- where the plan runs: `tidal config check`, `tidal run` -------------------------------------------
+
 
 def find_model_config(model: ModelConfig, task: TaskConfig) -> Path | None:
     """The model's config.json where it is already on this machine (a folder, the Hugging Face cache,
@@ -696,8 +826,13 @@ def visible_gpu_bytes() -> int | None:
     return torch.cuda.get_device_properties(0).total_memory
 
 
-def check_lines(cfg: RunConfig, gpu_gib: float | None = None, gpus_per_node: int | None = None,
-                host_gib: float | None = None, model_config: str | None = None) -> list[str]:
+def check_lines(
+    cfg: RunConfig,
+    gpu_gib: float | None = None,
+    gpus_per_node: int | None = None,
+    host_gib: float | None = None,
+    model_config: str | None = None,
+) -> list[str]:
     """`tidal config check`'s plan: printed when a GPU size is known (--gpu-gib, else the visible GPUs')
     and the model's config.json is here (--model-config, else model.path); one line saying why not
     otherwise. Raises ConfigError when the plan does not fit."""
@@ -706,8 +841,10 @@ def check_lines(cfg: RunConfig, gpu_gib: float | None = None, gpus_per_node: int
         return ["memory plan: skipped, no GPU is visible (give --gpu-gib to plan for one)"]
     source = Path(model_config) if model_config else find_model_config(cfg.model, cfg.task)
     if source is None:
-        return [f"memory plan: skipped, model.path = {cfg.model.path or '(the tiny model)'!r} has no config.json on "
-                "this machine and nothing is downloaded (give --model-config PATH)"]
+        return [
+            f"memory plan: skipped, model.path = {cfg.model.path or '(the tiny model)'!r} has no config.json on "
+            "this machine and nothing is downloaded (give --model-config PATH)"
+        ]
     if gpus_per_node is None:
         from tidal.ops.placement import visible_gpus
 

@@ -8,6 +8,7 @@ them, CPU cores (taskset, and vLLM's OpenMP binding) where it has not.
 
 A plan that needs more GPUs than are visible is refused before anything starts, in one line.
 """
+
 from __future__ import annotations
 
 import os
@@ -49,11 +50,15 @@ def visible_gpus() -> list[str]:
 def place(learner: LearnerConfig, actor: ActorConfig, gpus: list[str], cores: list[int]) -> Placement:
     """The slot of every process; raises PlacementError when the GPUs do not suffice."""
     if not gpus:
-        wanted = [(key, n) for key, n in (("learner.gpus", learner.gpus), ("actor.gpus_per_replica",
-                                                                          actor.gpus_per_replica)) if n > 0]
+        wanted = [
+            (key, n)
+            for key, n in (("learner.gpus", learner.gpus), ("actor.gpus_per_replica", actor.gpus_per_replica))
+            if n > 0
+        ]
         if wanted:
-            raise PlacementError(f"{wanted[0][0]} = {wanted[0][1]} but this machine has no visible GPU "
-                                 "(set it to -1 or 0 to run on CPU)")
+            raise PlacementError(
+                f"{wanted[0][0]} = {wanted[0][1]} but this machine has no visible GPU (set it to -1 or 0 to run on CPU)"
+            )
         return cpu_placement(actor.replicas, cores)
     learner_gpus = learner.num_ranks if learner.gpus < 0 else learner.gpus
     per_actor = actor.vllm.tensor_parallel_size if actor.gpus_per_replica < 0 else actor.gpus_per_replica
@@ -64,20 +69,24 @@ def place(learner: LearnerConfig, actor: ActorConfig, gpus: list[str], cores: li
         raise PlacementError(
             f"this run needs {needed} GPUs (learner {learner_gpus} + {actor.replicas} actor(s) x {per_actor}) but "
             f"{len(gpus)} are visible ({','.join(gpus)}): lower actor.replicas, actor.gpus_per_replica or "
-            f"actor.vllm.tensor_parallel_size, or learner.num_ranks")
+            f"actor.vllm.tensor_parallel_size, or learner.num_ranks"
+        )
     actor_gpus = gpus[learner_gpus:]
-    actors = (Slot(gpus=tuple(actor_gpus[i * per_actor:(i + 1) * per_actor])) for i in range(actor.replicas))
+    actors = (Slot(gpus=tuple(actor_gpus[i * per_actor : (i + 1) * per_actor])) for i in range(actor.replicas))
     return Placement(Slot(gpus=tuple(gpus[:learner_gpus])), tuple(actors))
 
 
 def colocated(gpus: list[str], learner_gpus: int, replicas: int, per_actor: int) -> Placement:
     """Actors on the learner's GPUs, round-robin (actor.colocate)."""
     if max(learner_gpus, per_actor) > len(gpus):
-        raise PlacementError(f"actor.colocate: the learner needs {learner_gpus} and each actor {per_actor} GPUs "
-                             f"but {len(gpus)} are visible ({','.join(gpus)})")
-    shared = gpus[:max(learner_gpus, per_actor)]
-    actors = (Slot(gpus=tuple(shared[(i * per_actor + j) % len(shared)] for j in range(per_actor)))
-              for i in range(replicas))
+        raise PlacementError(
+            f"actor.colocate: the learner needs {learner_gpus} and each actor {per_actor} GPUs "
+            f"but {len(gpus)} are visible ({','.join(gpus)})"
+        )
+    shared = gpus[: max(learner_gpus, per_actor)]
+    actors = (
+        Slot(gpus=tuple(shared[(i * per_actor + j) % len(shared)] for j in range(per_actor))) for i in range(replicas)
+    )
     return Placement(Slot(gpus=tuple(gpus[:learner_gpus])), tuple(actors))
 
 

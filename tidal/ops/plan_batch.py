@@ -18,6 +18,7 @@ run out):
   scaling S does not depend on B (stated in the output). A larger batch B' pays only when its time
   per sample falls by more than its samples-to-target grow.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,8 +65,12 @@ def at_batch(learner: LearnerConfig, batch: int, eval_groups: int) -> list[str]:
     `eval_groups` groups."""
     lr = learner.optim.lr * math.sqrt(batch / learner.groups_per_step)
     warmup = round(learner.optim.warmup_steps * learner.groups_per_step / batch)
-    return [f"learner.groups_per_step={batch}", f"learner.optim.lr={lr:.6g}", f"learner.optim.warmup_steps={warmup}",
-            f"eval.every={eval_every(batch, eval_groups)}"]
+    return [
+        f"learner.groups_per_step={batch}",
+        f"learner.optim.lr={lr:.6g}",
+        f"learner.optim.warmup_steps={warmup}",
+        f"eval.every={eval_every(batch, eval_groups)}",
+    ]
 
 
 def default_eval_groups(learner: LearnerConfig, evals: EvalConfig) -> int:
@@ -76,6 +81,7 @@ def default_eval_groups(learner: LearnerConfig, evals: EvalConfig) -> int:
 @dataclass
 class Probe:
     """What a short run at one batch size measured."""
+
     batch_groups: int
     # step 1's wall time less the step-0 evaluation's (the actors' first rollouts); below 0 where that
     # evaluation ended after step 1: time to a target counts from it, so the offset carries over as is
@@ -95,9 +101,19 @@ def probe(config: list[str], overrides: list[str], batch: int, folder: Path) -> 
     base = load_config(config, overrides)
     run_dir = folder / f"probe-b{batch}"
     steps = probe_steps(base.staleness.max_lag)
-    cfg = load_config(config, [*overrides, *at_batch(base.learner, batch, 1), f"eval.every={PROBE_EVAL_EVERY}",
-                               f"learner.max_steps={steps}", f"run_dir={run_dir}", f"name=probe-b{batch}",
-                               "checkpoint.every=0", f"tracking.uri=sqlite:///{(run_dir / 'mlflow.db').resolve()}"])
+    cfg = load_config(
+        config,
+        [
+            *overrides,
+            *at_batch(base.learner, batch, 1),
+            f"eval.every={PROBE_EVAL_EVERY}",
+            f"learner.max_steps={steps}",
+            f"run_dir={run_dir}",
+            f"name=probe-b{batch}",
+            "checkpoint.every=0",
+            f"tracking.uri=sqlite:///{(run_dir / 'mlflow.db').resolve()}",
+        ],
+    )
     print(f"[plan-batch] probe at B={batch}: {steps} steps", flush=True)
     if launch(cfg) != 0:
         raise RuntimeError(f"the probe at B={batch} failed; its logs: {run_dir}/logs")
@@ -113,24 +129,31 @@ def read_probe(run_dir: Path, batch: int, max_lag: int) -> Probe:
 
     summary = json.loads((run_dir / "summary.json").read_text())
     client = MlflowClient(summary["mlflow_uri"])
-    hist = {name: by_step(name, client.get_metric_history(summary["mlflow_run_id"], name))
-            for name in ("compute/wall_s", "compute/samples", "timing/train_step_s")}
+    hist = {
+        name: by_step(name, client.get_metric_history(summary["mlflow_run_id"], name))
+        for name in ("compute/wall_s", "compute/samples", "timing/train_step_s")
+    }
     wall, samples = hist["compute/wall_s"], hist["compute/samples"]
     last = max(wall)
     timed = range(PROBE_WARM_STEPS + 1, last + 1)
     step_s = float(np.median([wall[s] - wall[s - 1] for s in timed]))
     evals = felt_evals(PROBE_EVAL_EVERY, last, max_lag, after=PROBE_WARM_STEPS)
     span = wall[last] - wall[PROBE_WARM_STEPS]
-    return Probe(batch, first_step_s=wall[1] - wall[0], step_s=step_s,
-                 eval_s=max(span - len(timed) * step_s, 0.0) / max(evals, 1),
-                 gen_samples_per_s=(samples[last] - samples[PROBE_WARM_STEPS]) / span,
-                 train_step_s=float(np.median(list(hist["timing/train_step_s"].values()))))
+    return Probe(
+        batch,
+        first_step_s=wall[1] - wall[0],
+        step_s=step_s,
+        eval_s=max(span - len(timed) * step_s, 0.0) / max(evals, 1),
+        gen_samples_per_s=(samples[last] - samples[PROBE_WARM_STEPS]) / span,
+        train_step_s=float(np.median(list(hist["timing/train_step_s"].values()))),
+    )
 
 
 @dataclass
 class RunEvidence:
     """What one earlier run says: the step whose evaluation first reached the target (None if none did),
     its batch, samples per group and evaluation cadence."""
+
     batch_groups: int
     samples_per_group: int
     eval_every: int
@@ -160,8 +183,10 @@ def run_evidence(uri: str, run_ids: list[str], target: float) -> list[RunEvidenc
         params = client.get_run(run_id).data.params
         missing = [k for k in ("learner.groups_per_step", "sampling.n", "eval.every") if k not in params]
         if missing:
-            raise ScalingFitError(f"run {run_id} ({name}) in {uri}: no {', '.join(missing)} param (not a tidal "
-                                  "run?): its batch is unknown")
+            raise ScalingFitError(
+                f"run {run_id} ({name}) in {uri}: no {', '.join(missing)} param (not a tidal "
+                "run?): its batch is unknown"
+            )
         b = int(params["learner.groups_per_step"])
         evals = by_step("eval/pass_rate", client.get_metric_history(run_id, "eval/pass_rate"))
         hit = next((step for step, rate in sorted(evals.items()) if step > 0 and rate >= target), None)
@@ -198,18 +223,24 @@ def _samples_model(evidence: list[RunEvidence]) -> tuple[Callable[[int], float],
         bs = sorted(reached)
         logs = [float(np.mean(np.log(reached[b]))) for b in bs]  # geometric mean over a batch's runs
         slope, intercept = np.polyfit(np.log(bs), logs, 1)
-        return (lambda b: float(np.exp(intercept + slope * np.log(b))),
-                f"S(B) = {np.exp(intercept):.0f} x B^{slope:.2f}, fitted to runs at B = {bs}")
+        return (
+            lambda b: float(np.exp(intercept + slope * np.log(b))),
+            f"S(B) = {np.exp(intercept):.0f} x B^{slope:.2f}, fitted to runs at B = {bs}",
+        )
     if reached:
-        (b0, s0), = reached.items()
+        ((b0, s0),) = reached.items()
         s = float(np.exp(np.mean(np.log(s0))))
-        return (lambda b: s, "ASSUMPTION: with square-root learning-rate scaling, samples-to-target S(B) does not "
-                f"depend on B (S = {s:.0f} samples, from the one batch size run, B = {b0})")
+        return (
+            lambda b: s,
+            "ASSUMPTION: with square-root learning-rate scaling, samples-to-target S(B) does not "
+            f"depend on B (S = {s:.0f} samples, from the one batch size run, B = {b0})",
+        )
     return (lambda b: float("nan"), "no run reached the target (or none given): only time per sample is known")
 
 
-def plan(probes: list[Probe], evidence: list[RunEvidence], samples_per_group: int, eval_groups: int,
-         max_lag: int) -> tuple[list[PlanRow], str]:
+def plan(
+    probes: list[Probe], evidence: list[RunEvidence], samples_per_group: int, eval_groups: int, max_lag: int
+) -> tuple[list[PlanRow], str]:
     """One row per probed batch size, evaluating every `eval_groups` groups, and a note on where S(B)
     came from."""
     s_of, note = _samples_model(evidence)
@@ -222,18 +253,35 @@ def plan(probes: list[Probe], evidence: list[RunEvidence], samples_per_group: in
             evals = math.ceil(s / (p.batch_groups * samples_per_group) / every - 1e-9)  # exp(log) is not exact
             steps = evals * every  # the evaluation that sees the target
             t = p.first_step_s + (steps - 1) * p.step_s + felt_evals(every, steps, max_lag) * p.eval_s
-        rows.append(PlanRow(p.batch_groups, p.gen_samples_per_s, p.train_step_s, p.step_s, p.eval_s,
-                            p.batch_groups * samples_per_group / p.step_s, s, steps, t))
-    return rows, (f"{note}; step and evaluation times measured in a probe run at each B (generation, learning, "
-                  "weight pushes); steps rounded up to the evaluation that sees the target")
+        rows.append(
+            PlanRow(
+                p.batch_groups,
+                p.gen_samples_per_s,
+                p.train_step_s,
+                p.step_s,
+                p.eval_s,
+                p.batch_groups * samples_per_group / p.step_s,
+                s,
+                steps,
+                t,
+            )
+        )
+    return rows, (
+        f"{note}; step and evaluation times measured in a probe run at each B (generation, learning, "
+        "weight pushes); steps rounded up to the evaluation that sees the target"
+    )
 
 
 def print_plan(rows: list[PlanRow], note: str) -> int | None:
-    print(f"{'B (groups)':>10} {'gen samp/s':>10} {'learn s':>8} {'step s':>7} {'eval s':>7} {'S(B)':>8} "
-          f"{'steps':>6} {'T(B) s':>8}")
+    print(
+        f"{'B (groups)':>10} {'gen samp/s':>10} {'learn s':>8} {'step s':>7} {'eval s':>7} {'S(B)':>8} "
+        f"{'steps':>6} {'T(B) s':>8}"
+    )
     for r in rows:
-        print(f"{r.batch_groups:>10} {r.samples_per_s:>10.1f} {r.train_step_s:>8.3f} {r.step_s:>7.3f} "
-              f"{r.eval_s:>7.2f} {r.samples_to_target:>8.0f} {r.steps_to_target:>6} {r.time_to_target_s:>8.1f}")
+        print(
+            f"{r.batch_groups:>10} {r.samples_per_s:>10.1f} {r.train_step_s:>8.3f} {r.step_s:>7.3f} "
+            f"{r.eval_s:>7.2f} {r.samples_to_target:>8.0f} {r.steps_to_target:>6} {r.time_to_target_s:>8.1f}"
+        )
     print(note)
     if any(math.isnan(r.time_to_target_s) for r in rows):
         print("no recommendation: give --runs that reached the target (--target) to know the samples it takes")
@@ -241,13 +289,19 @@ def print_plan(rows: list[PlanRow], note: str) -> int | None:
     for r, r2 in zip(rows, rows[1:]):
         speedup = r.s_per_sample / r2.s_per_sample
         growth = r2.samples_to_target / r.samples_to_target
-        verdict = "> S(B')/S(B) = {:.2f} -> the larger batch pays" if speedup > growth else \
-            "<= S(B')/S(B) = {:.2f} -> the larger batch does not pay"
-        print(f"B'={r2.batch_groups} vs B={r.batch_groups}: time per sample falls {speedup:.2f}x "
-              + verdict.format(growth))
+        verdict = (
+            "> S(B')/S(B) = {:.2f} -> the larger batch pays"
+            if speedup > growth
+            else "<= S(B')/S(B) = {:.2f} -> the larger batch does not pay"
+        )
+        print(
+            f"B'={r2.batch_groups} vs B={r.batch_groups}: time per sample falls {speedup:.2f}x "
+            + verdict.format(growth)
+        )
     best = min(rows, key=lambda r: r.time_to_target_s)
-    print(f"recommendation: B = {best.batch_groups} groups per step "
-          "(lowest time-to-target; scale lr by sqrt(B / B_ref))")
+    print(
+        f"recommendation: B = {best.batch_groups} groups per step (lowest time-to-target; scale lr by sqrt(B / B_ref))"
+    )
     return best.batch_groups
 
 

@@ -1,6 +1,7 @@
 """What can be checked before any process starts: the task and its data, its reward on a few rows, the
 model and its tokenizer, the prompts as the tokenizer encodes them. `tidal run` checks first and creates
 nothing when a check fails (one line, or one short block naming the user's file and line; exit 2)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -41,8 +42,10 @@ def preflight(cfg: RunConfig) -> list[str]:
     longest = max(len(encode(p)) for p in split.train[:64] + split.val[:64])
     limit = cfg.actor.vllm.max_model_len
     if limit and longest + cfg.sampling.max_tokens > limit:
-        raise ConfigError(f"config key 'actor.vllm.max_model_len' = {limit}: prompts of up to {longest} tokens plus "
-                          f"sampling.max_tokens = {cfg.sampling.max_tokens} do not fit")
+        raise ConfigError(
+            f"config key 'actor.vllm.max_model_len' = {limit}: prompts of up to {longest} tokens plus "
+            f"sampling.max_tokens = {cfg.sampling.max_tokens} do not fit"
+        )
     check_sampling(cfg, tokenizer)
     scored = check_reward(cfg.task, split.train, tokenizer)
     return [*found, *scored, f"model {path}: tokenizer of {len(tokenizer)} tokens, prompts of up to {longest} tokens"]
@@ -72,8 +75,9 @@ def check_task_options(cfg: RunConfig) -> None:
     declared = getattr(get_task(task.name), "OPTIONS", None)
     unknown = sorted(set(task.kwargs) - set(declared)) if declared is not None else []
     if unknown:
-        raise ConfigError(f"config key 'task.kwargs.{unknown[0]}': task {task.name} has no such option "
-                          f"({options_text(declared)})")
+        raise ConfigError(
+            f"config key 'task.kwargs.{unknown[0]}': task {task.name} has no such option ({options_text(declared)})"
+        )
     check_environment(cfg)
 
 
@@ -107,9 +111,11 @@ def check_prompt_template(task: TaskConfig) -> None:
         return
     if task.name not in TEMPLATED_TASKS:
         uses = "sends each row's prompt as it is" if task.name in ("rows", "skyrl") else "makes its own prompts"
-        raise ConfigError(f"config key 'task.prompt_template' = {task.prompt_template!r}: task {task.name} "
-                          f"{uses}; the template is for task {', '.join(TEMPLATED_TASKS)} (put the text into "
-                          "the prompts, or leave task.prompt_template unset)")
+        raise ConfigError(
+            f"config key 'task.prompt_template' = {task.prompt_template!r}: task {task.name} "
+            f"{uses}; the template is for task {', '.join(TEMPLATED_TASKS)} (put the text into "
+            "the prompts, or leave task.prompt_template unset)"
+        )
 
 
 def check_vllm_names(cfg: RunConfig) -> None:
@@ -123,15 +129,19 @@ def check_vllm_names(cfg: RunConfig) -> None:
 
         unknown = sorted(set(cfg.actor.vllm.engine_kwargs) - {f.name for f in dataclasses.fields(AsyncEngineArgs)})
         if unknown:
-            raise ConfigError(f"config key 'actor.vllm.engine_kwargs' = {dict(cfg.actor.vllm.engine_kwargs)}: "
-                              f"vLLM's engine has no argument {', '.join(unknown)}")
+            raise ConfigError(
+                f"config key 'actor.vllm.engine_kwargs' = {dict(cfg.actor.vllm.engine_kwargs)}: "
+                f"vLLM's engine has no argument {', '.join(unknown)}"
+            )
     if cfg.env.tool_parser != type(cfg.env)().tool_parser:
         from vllm.tool_parsers import ToolParserManager
 
         known = ToolParserManager.list_registered()
         if cfg.env.tool_parser not in known:
-            raise ConfigError(f"config key 'env.tool_parser' = {cfg.env.tool_parser!r}: vLLM has no such tool "
-                              f"parser ({', '.join(sorted(known))})")
+            raise ConfigError(
+                f"config key 'env.tool_parser' = {cfg.env.tool_parser!r}: vLLM has no such tool "
+                f"parser ({', '.join(sorted(known))})"
+            )
 
 
 def check_sampling(cfg: RunConfig, tokenizer) -> None:
@@ -175,8 +185,9 @@ def _check_reward_funcs(cfg: TaskConfig, prompts: list, tokenizer) -> list[str]:
         mismatch = signature_mismatch(func, samples[0], columns)
         if mismatch:
             raise ConfigError(f"config key 'task.reward_funcs': {mismatch}")
-    said = _completion_said(cfg, "" if any(isinstance(decode_row(p.payload).get(cfg.answer_field), str)
-                                         for p in prompts) else None)
+    said = _completion_said(
+        cfg, "" if any(isinstance(decode_row(p.payload).get(cfg.answer_field), str) for p in prompts) else None
+    )
     try:
         scored = asyncio.run(score_rows(funcs, samples))
     except RewardFailed as err:
@@ -186,11 +197,17 @@ def _check_reward_funcs(cfg: TaskConfig, prompts: list, tokenizer) -> list[str]:
     for prompt, (total, components) in zip(prompts, scored):
         parts = " + ".join(f"{f.name} {components[f.name]:g} x {f.weight:g}" for f in funcs if f.name in components)
         _check_range(cfg, total, f"training prompt {prompt.prompt_id} scored {total:g} ({parts}){said}")
-    lines = [f"reward {f.name} (weight {f.weight:g}) on {len(prompts)} training prompts{said}: "
-             f"{_listed([c[f.name] for _, c in scored if f.name in c])}" for f in funcs]
+    lines = [
+        f"reward {f.name} (weight {f.weight:g}) on {len(prompts)} training prompts{said}: "
+        f"{_listed([c[f.name] for _, c in scored if f.name in c])}"
+        for f in funcs
+    ]
     judged = f"reward function {cfg.pass_on}'s value" if cfg.pass_on else "the weighted sum"
-    return [*lines, f"reward, their weighted sum: {_listed(totals)}",
-            f"a sample passes when {judged} is >= {cfg.pass_threshold:g} (task.pass_threshold)"]
+    return [
+        *lines,
+        f"reward, their weighted sum: {_listed(totals)}",
+        f"a sample passes when {judged} is >= {cfg.pass_threshold:g} (task.pass_threshold)",
+    ]
 
 
 def _reference_kwargs(cfg: TaskConfig, prompt, tokenizer) -> dict:
@@ -207,9 +224,11 @@ def _check_range(cfg: TaskConfig, reward: float, scored: str) -> None:
     """A reward outside task.reward_range is one line: the learner would refuse every group holding one."""
     low, high = cfg.reward_range
     if not low <= reward <= high:
-        raise ConfigError(f"config key 'task.reward_range' = [{low:g}, {high:g}]: {scored}, outside it; the learner "
-                          "refuses every group holding such a reward (widen task.reward_range, or rescale the "
-                          "rewards)")
+        raise ConfigError(
+            f"config key 'task.reward_range' = [{low:g}, {high:g}]: {scored}, outside it; the learner "
+            "refuses every group holding such a reward (widen task.reward_range, or rescale the "
+            "rewards)"
+        )
 
 
 def _check_task_reward(cfg: TaskConfig, prompts: list) -> list[str]:
@@ -222,13 +241,20 @@ def _check_task_reward(cfg: TaskConfig, prompts: list) -> list[str]:
         try:
             values.append(float(reward(completion, dict(prompt.payload))))
         except Exception as err:
-            raise ConfigError(f"config key 'task.name' = {cfg.name!r}: its reward raised {type(err).__name__}: "
-                              f"{err}\n{where_raised(err, reward)}\n  (scoring training prompt {prompt.prompt_id}, "
-                              "completion = its payload's answer)") from None
-        _check_range(cfg, values[-1], f"training prompt {prompt.prompt_id} scored {values[-1]:g} (completion = "
-                                      "its payload's answer)")
-    return [f"reward of task {cfg.name} on {len(prompts)} training prompts, completion = the payload's answer: "
-            f"{_listed(values)}"]
+            raise ConfigError(
+                f"config key 'task.name' = {cfg.name!r}: its reward raised {type(err).__name__}: "
+                f"{err}\n{where_raised(err, reward)}\n  (scoring training prompt {prompt.prompt_id}, "
+                "completion = its payload's answer)"
+            ) from None
+        _check_range(
+            cfg,
+            values[-1],
+            f"training prompt {prompt.prompt_id} scored {values[-1]:g} (completion = its payload's answer)",
+        )
+    return [
+        f"reward of task {cfg.name} on {len(prompts)} training prompts, completion = the payload's answer: "
+        f"{_listed(values)}"
+    ]
 
 
 def _completion_said(cfg: TaskConfig, reference) -> str:

@@ -11,6 +11,7 @@ for minutes while MLflow retried in the learner's log.
     store   http(s): GET <uri>/health within STORE_TIMEOUT_S; sqlite or file: a file made and removed
             in the store's folder, or the nearest folder above it that exists (nothing is created)
 """
+
 from __future__ import annotations
 
 import errno
@@ -77,8 +78,10 @@ def bound_ports(cfg: RunConfig) -> list[BoundPort]:
     found = []
     if cfg.broker.type is BrokerType.zmq:
         z = cfg.broker.zmq
-        found += [BoundPort(f"broker.zmq.{name}_port", getattr(z, f"{name}_port"), "broker.zmq.host", z.host)
-                  for name in ("control", "rollout", "weights")]
+        found += [
+            BoundPort(f"broker.zmq.{name}_port", getattr(z, f"{name}_port"), "broker.zmq.host", z.host)
+            for name in ("control", "rollout", "weights")
+        ]
     elif cfg.broker.redis.embedded:  # started by tidal run on loopback (tidal.ops.launcher.start_redis)
         found.append(BoundPort("broker.redis.embedded_port", cfg.broker.redis.embedded_port, "", "127.0.0.1"))
     if cfg.weights.transport != WeightTransport.file:
@@ -129,8 +132,10 @@ def bind_address(bound: BoundPort) -> tuple[int, tuple] | None:
     except (socket.gaierror, UnicodeError):
         if bound.host in {name for _, name in socket.if_nameindex()}:
             return None  # ZeroMQ binds an interface by name (tcp://eth0:5555)
-        raise ConfigError(f"config key '{bound.host_key}' = {bound.host!r}: no such host or interface here, so "
-                          f"{bound.key} = {bound.port} cannot be bound on it") from None
+        raise ConfigError(
+            f"config key '{bound.host_key}' = {bound.host!r}: no such host or interface here, so "
+            f"{bound.key} = {bound.port} cannot be bound on it"
+        ) from None
     family, _, _, _, where = min(found, key=lambda info: info[0] != socket.AF_INET)
     return family, where
 
@@ -144,8 +149,10 @@ def port_error(bound: BoundPort, err: OSError, holders: dict[int, str]) -> str:
         where = "every interface" if bound.host in ANY_ADDRESS else bound.host
         return f"{head}: the port is in use on {where} (another tidal run?); choose another or 0 for any"
     if code == errno.EADDRNOTAVAIL:
-        return (f"config key '{bound.host_key}' = {bound.host!r}: not an address of this machine, so "
-                f"{bound.key} = {bound.port} cannot be bound on it")
+        return (
+            f"config key '{bound.host_key}' = {bound.host!r}: not an address of this machine, so "
+            f"{bound.key} = {bound.port} cannot be bound on it"
+        )
     if code == errno.EACCES:
         return f"{head}: binding a port below 1024 needs privileges; choose another or 0 for any"
     return f"{head}: cannot bind {bound.host}:{bound.port} ({os.strerror(code) if code else err})"
@@ -197,12 +204,15 @@ def check_server(uri: str, named: str, timeout_s: float) -> str:
     try:
         answer = requests.get(health, timeout=timeout_s, verify=verify)
     except requests.RequestException as err:
-        raise ConfigError(f"{named}: no MLflow server answered {health} within {timeout_s:g} s "
-                          f"({no_answer_reason(err)}); start it, or point tracking.uri at one that runs "
-                          "('' = a sqlite file in the run folder)") from None
+        raise ConfigError(
+            f"{named}: no MLflow server answered {health} within {timeout_s:g} s "
+            f"({no_answer_reason(err)}); start it, or point tracking.uri at one that runs "
+            "('' = a sqlite file in the run folder)"
+        ) from None
     if answer.status_code >= 500:
-        raise ConfigError(f"{named}: the MLflow server answered {health} with {answer.status_code} "
-                          f"{answer.reason}: it is not serving")
+        raise ConfigError(
+            f"{named}: the MLflow server answered {health} with {answer.status_code} {answer.reason}: it is not serving"
+        )
     return f"MLflow server {redact_uri(uri)}: answers ({answer.status_code} from /health)"
 
 
@@ -215,10 +225,14 @@ def health_url(uri: str) -> str:
     return f"{parts.scheme}://{host}{port}{parts.path.rstrip('/')}/health"
 
 
-NO_ANSWER = {"Connection refused": "connection refused", "Name or service not known": "no such host",
-             "Temporary failure in name resolution": "no such host", "No route to host": "no route to host",
-             "Network is unreachable": "network unreachable",
-             "CERTIFICATE_VERIFY_FAILED": "its TLS certificate is not trusted; see MLFLOW_TRACKING_SERVER_CERT_PATH"}
+NO_ANSWER = {
+    "Connection refused": "connection refused",
+    "Name or service not known": "no such host",
+    "Temporary failure in name resolution": "no such host",
+    "No route to host": "no route to host",
+    "Network is unreachable": "network unreachable",
+    "CERTIFICATE_VERIFY_FAILED": "its TLS certificate is not trusted; see MLFLOW_TRACKING_SERVER_CERT_PATH",
+}
 
 
 def no_answer_reason(err: Exception) -> str:
@@ -242,5 +256,6 @@ def check_writable(folder: Path, named: str) -> None:
         with tempfile.TemporaryFile(dir=existing, prefix=".tidal-check-"):
             pass
     except OSError as err:
-        raise ConfigError(f"{named}: the MLflow store's folder cannot be written ({existing}: "
-                          f"{err.strerror or err})") from None
+        raise ConfigError(
+            f"{named}: the MLflow store's folder cannot be written ({existing}: {err.strerror or err})"
+        ) from None

@@ -1,5 +1,6 @@
 """`tidal fit`: fit ScaleRL sigmoids to eval curves (MLflow runs or a CSV), print a table,
 draw the curves, log both to MLflow, and predict the pass rate at a given compute."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -84,9 +85,11 @@ def print_predictions(fits: dict, power: dict, points: dict, predict: float | No
         compute, pass_rate = points[name]
         off = float(fit.predict(compute[-1])) - pass_rate[-1]
         (lo,), (hi,) = fit.measured_interval(compute[-1])
-        last = f"final point: measured {pass_rate[-1]:.3f}, sigmoid {_with_interval(fit, compute[-1])} " \
-               f"(off by {off:+.3f}; a measurement there: [90%: {lo:.3f}, {hi:.3f}]), " \
-               f"power law {power[name].predict(compute[-1]):.3f}"
+        last = (
+            f"final point: measured {pass_rate[-1]:.3f}, sigmoid {_with_interval(fit, compute[-1])} "
+            f"(off by {off:+.3f}; a measurement there: [90%: {lo:.3f}, {hi:.3f}]), "
+            f"power law {power[name].predict(compute[-1]):.3f}"
+        )
         skipped = f"; the transient below compute {fit.skipped_below:.3g} left out" if fit.skipped_below else ""
         at = f"; predicted pass rate at compute {predict:g}: {_with_interval(fit, predict)}" if predict else ""
         print(f"{name}: {last}{skipped}{at}")
@@ -97,8 +100,16 @@ def _with_interval(fit, compute: float) -> str:
     return f"{float(fit.predict(compute)):.3f} [90%: {lo[0]:.3f}, {hi[0]:.3f}]"
 
 
-def report(uri: str, runs: dict[str, str], compute_metric: str, png: Path, run_id: str | None = None,
-           window: Window = Window(), predict: float | None = None, target: float | None = None) -> int:
+def report(
+    uri: str,
+    runs: dict[str, str],
+    compute_metric: str,
+    png: Path,
+    run_id: str | None = None,
+    window: Window = Window(),
+    predict: float | None = None,
+    target: float | None = None,
+) -> int:
     """Fit the runs' curves, print and draw them, and log the fit: into `run_id` (a sweep's parent
     run), else into a new run beside the first fitted run, linked to every run it fitted. With a
     target, the curves are fitted against wall time too and the run that reaches it soonest is named."""
@@ -124,8 +135,15 @@ def report(uri: str, runs: dict[str, str], compute_metric: str, png: Path, run_i
         pngs = [p for p in pngs if p.exists()]  # no wall-time figure where no curve could be fitted
         print(reach)
         table += "\n\n" + reach
-    log_fit(uri, runs, fits, table, pngs, run_id, {"compute_metric": compute_metric, "predict": predict,
-                                                   "target": target, **window.params()})
+    log_fit(
+        uri,
+        runs,
+        fits,
+        table,
+        pngs,
+        run_id,
+        {"compute_metric": compute_metric, "predict": predict, "target": target, **window.params()},
+    )
     return 0
 
 
@@ -140,12 +158,15 @@ def pooled(points: dict) -> dict:
     groups: dict[str, list] = {}
     for label, curve in points.items():
         groups.setdefault(label.split(SEED)[0], []).append(curve)
-    return {name: (np.concatenate([c for c, _ in group]), np.concatenate([r for _, r in group]))
-            for name, group in groups.items()}
+    return {
+        name: (np.concatenate([c for c, _ in group]), np.concatenate([r for _, r in group]))
+        for name, group in groups.items()
+    }
 
 
-def reach_table(points: dict, wall: dict, window: Window, target: float, compute_metric: str,
-                png: Path | None = None) -> str:
+def reach_table(
+    points: dict, wall: dict, window: Window, target: float, compute_metric: str, png: Path | None = None
+) -> str:
     """Per run (a sweep's seeds of one point pooled into one curve), the predicted compute and wall time
     to `target` with 90% intervals (inf: the curve, or some curve its data allow, never gets there) beside
     the measured wall time (the first evaluation at or above it, from the step-0 evaluation; the median
@@ -165,15 +186,27 @@ def reach_table(points: dict, wall: dict, window: Window, target: float, compute
     if png is not None:
         fitted = {name: curve for name, curve in pooled(wall).items() if name in fits}
         pooled_note = f", {num_seeds} seeds pooled" if num_seeds > 1 else ""
-        scaling.plot_fits(fitted, wall_fits, png, xlabel="wall time since the step-0 evaluation (s)",
-                          title=f"pass rate vs wall time{pooled_note}", target=target)
+        scaling.plot_fits(
+            fitted,
+            wall_fits,
+            png,
+            xlabel="wall time since the step-0 evaluation (s)",
+            title=f"pass rate vs wall time{pooled_note}",
+            target=target,
+        )
         print(f"plot: {png}")
     rows = [["run", f"{compute_metric} to {target:g} [90%]", f"wall s to {target:g} [90%]", "measured wall s"]]
     reach = {name: wall_fits[name].compute_to(target) for name in fits}
     for name in fits:
         seen = float(np.median(measured[name]))
-        rows.append([name, _reach(fits[name].compute_to(target), ".3g"), _reach(reach[name], ".1f"),
-                     f"{seen:.1f}" if np.isfinite(seen) else "not reached"])
+        rows.append(
+            [
+                name,
+                _reach(fits[name].compute_to(target), ".3g"),
+                _reach(reach[name], ".1f"),
+                f"{seen:.1f}" if np.isfinite(seen) else "not reached",
+            ]
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     return "\n".join([*lines, *verdict(reach, target, num_seeds)])
@@ -187,20 +220,26 @@ def verdict(reach: dict[str, tuple[float, float, float]], target: float, num_see
     best = order[0]
     if not np.isfinite(reach[best][0]):
         return [f"no run is predicted to reach {target:g}: fit on longer runs or lower the target"]
-    pick = (f"pick: {best}, predicted to reach {target:g} soonest ({_reach(reach[best], '.1f')} s of wall time "
-            f"to an eval pass rate of {target:g}, its 90% interval in brackets)")
+    pick = (
+        f"pick: {best}, predicted to reach {target:g} soonest ({_reach(reach[best], '.1f')} s of wall time "
+        f"to an eval pass rate of {target:g}, its 90% interval in brackets)"
+    )
     if len(order) == 1:
         return [f"{pick}; the only run fitted"]
     second, more_seeds = order[1], f"--seeds {max(3, 2 * num_seeds)}"
     lines = []
     if num_seeds == 1:
-        lines.append(f"warning: one seed per value: a run's own luck can move its time to {target:g} by more than "
-                     f"the values differ, and one run per value cannot show it; use {more_seeds}")
+        lines.append(
+            f"warning: one seed per value: a run's own luck can move its time to {target:g} by more than "
+            f"the values differ, and one run per value cannot show it; use {more_seeds}"
+        )
     if reach[best][2] < reach[second][1]:
         return [*lines, f"{pick}; clearly ahead of the runner-up, {second} ({_reach(reach[second], '.1f')} s)"]
-    lines.append(f"inconclusive: the intervals overlap ({best} {_reach(reach[best], '.1f')} s, {second} "
-                 f"{_reach(reach[second], '.1f')} s), so this sweep cannot tell which reaches {target:g} sooner; "
-                 f"add seeds ({more_seeds}) or steps (learner.max_steps) and sweep again")
+    lines.append(
+        f"inconclusive: the intervals overlap ({best} {_reach(reach[best], '.1f')} s, {second} "
+        f"{_reach(reach[second], '.1f')} s), so this sweep cannot tell which reaches {target:g} sooner; "
+        f"add seeds ({more_seeds}) or steps (learner.max_steps) and sweep again"
+    )
     return [*lines, f"{pick}; tentative: the runner-up, {second}, may be as fast"]
 
 
@@ -215,21 +254,25 @@ def _labels(runs: dict[str, str], named: dict) -> list[str]:
     `points_from_mlflow` gave it (the keys of `named`, in the order of `runs`)."""
     labels = [name if label == run_id else label for (label, run_id), name in zip(runs.items(), named)]
     if len(set(labels)) < len(labels):  # a run named like another run's label: keep every curve
-        labels = [f"{label} ({run_id[:8]})" if labels.count(label) > 1 else label
-                  for label, run_id in zip(labels, runs.values())]
+        labels = [
+            f"{label} ({run_id[:8]})" if labels.count(label) > 1 else label
+            for label, run_id in zip(labels, runs.values())
+        ]
     return labels
 
 
-def log_fit(uri: str, runs: dict[str, str], fits: dict, table: str, pngs: list[Path], run_id: str | None,
-            params: dict) -> None:
+def log_fit(
+    uri: str, runs: dict[str, str], fits: dict, table: str, pngs: list[Path], run_id: str | None, params: dict
+) -> None:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
     created = run_id is None
     if created:
         first = client.get_run(next(iter(runs.values())))
-        run_id = client.create_run(first.info.experiment_id, run_name="scaling-fit",
-                                   tags={"tidal.fitted_runs": ",".join(runs.values())}).info.run_id
+        run_id = client.create_run(
+            first.info.experiment_id, run_name="scaling-fit", tags={"tidal.fitted_runs": ",".join(runs.values())}
+        ).info.run_id
         for key, value in {**params, **{f"run.{_safe(label)}": rid for label, rid in runs.items()}}.items():
             client.log_param(run_id, key, "" if value is None else value)
     for fitted in runs.values():

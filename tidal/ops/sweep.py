@@ -5,6 +5,7 @@ The sweep is one MLflow parent run with a child run per grid point, in the confi
 curves are fitted with the ScaleRL sigmoid (`tidal.scaling`), and the table and the plot are
 printed, written to `<out>` and logged on the parent run.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -71,15 +72,23 @@ def sweep_store(config: list[str], fixed: list[str], out: Path) -> tuple[str, st
     return uri, tracking.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or f"sweep-{out.name}"
 
 
-def run_grid(config: list[str], points: list[GridPoint], out: Path, uri: str, experiment: str,
-             parent_run_id: str) -> dict[str, str]:
+def run_grid(
+    config: list[str], points: list[GridPoint], out: Path, uri: str, experiment: str, parent_run_id: str
+) -> dict[str, str]:
     """Runs every point of the grid as a child of the parent run; returns label -> MLflow run id."""
     from tidal.ops.launcher import launch
 
     runs = {}
     for point in points:
-        cfg = load_config(config, [*point.overrides, f"tracking.uri={uri}", f"tracking.experiment={experiment}",
-                                   f"tracking.parent_run_id={parent_run_id}"])
+        cfg = load_config(
+            config,
+            [
+                *point.overrides,
+                f"tracking.uri={uri}",
+                f"tracking.experiment={experiment}",
+                f"tracking.parent_run_id={parent_run_id}",
+            ],
+        )
         print(f"[sweep] {point.label}", flush=True)
         if launch(cfg) != 0:
             raise SweepRunFailed(f"the run {point.label} failed; its logs: {point.run_dir}/logs")
@@ -99,18 +108,25 @@ def open_sweep_store(uri: str, experiment: str, out: Path):
     from tidal.scaling import one_line
 
     if uri.lower().startswith(("http://", "https://")):  # MLflow's client retries a dead server for minutes
-        check_server(uri, f"the sweep's MLflow store {uri!r} (tracking.uri, else MLFLOW_TRACKING_URI)",
-                     STORE_TIMEOUT_S)
+        check_server(uri, f"the sweep's MLflow store {uri!r} (tracking.uri, else MLFLOW_TRACKING_URI)", STORE_TIMEOUT_S)
     try:
         use_store(uri, experiment, out / "artifacts")
         return MlflowClient(uri)
     except MlflowException as err:
-        raise ValueError(f"the sweep's MLflow store {uri} (tracking.uri, else MLFLOW_TRACKING_URI): "
-                         f"{one_line(err)}") from None
+        raise ValueError(
+            f"the sweep's MLflow store {uri} (tracking.uri, else MLFLOW_TRACKING_URI): {one_line(err)}"
+        ) from None
 
 
-def sweep(config: list[str], overrides: list[str], out: Path | None, compute_metric: str, window=None,
-          target: float | None = None, seeds: int = 1) -> int:
+def sweep(
+    config: list[str],
+    overrides: list[str],
+    out: Path | None,
+    compute_metric: str,
+    window=None,
+    target: float | None = None,
+    seeds: int = 1,
+) -> int:
     from tidal.ops.scaling_report import Window, report
 
     window = window or Window()
@@ -123,10 +139,17 @@ def sweep(config: list[str], overrides: list[str], out: Path | None, compute_met
     uri, experiment = sweep_store(config, fixed, out)
     client = open_sweep_store(uri, experiment, out)
     # created through the client, not made the active run: the runs of the grid start their own
-    parent = client.create_run(client.get_experiment_by_name(experiment).experiment_id, run_name=out.name,
-                               tags={"tidal.ops.sweep": "parent"}).info.run_id
-    params = {"configs": " ".join(map(str, config)), "fixed": " ".join(fixed), "compute_metric": compute_metric,
-              "seeds": seeds, **window.params(), **{f"grid.{k}": ",".join(v) for k, v in axes}}
+    parent = client.create_run(
+        client.get_experiment_by_name(experiment).experiment_id, run_name=out.name, tags={"tidal.ops.sweep": "parent"}
+    ).info.run_id
+    params = {
+        "configs": " ".join(map(str, config)),
+        "fixed": " ".join(fixed),
+        "compute_metric": compute_metric,
+        "seeds": seeds,
+        **window.params(),
+        **{f"grid.{k}": ",".join(v) for k, v in axes},
+    }
     for key, value in params.items():
         client.log_param(parent, key, value)
     try:
@@ -146,9 +169,11 @@ def sweep(config: list[str], overrides: list[str], out: Path | None, compute_met
 
 
 LAG, LR = "staleness.max_lag", "learner.optim.lr"
-NO_TARGET = ("no pick: the table compares each value's ceiling A (the pass rate its fitted curve levels off at) and "
-             "steepness B; to name the value that reaches a pass rate soonest, give one: --target 0.6 on the sweep, or "
-             "tidal fit --tracking-uri <its store> --runs <the ids in its runs.json> --target 0.6 on these runs")
+NO_TARGET = (
+    "no pick: the table compares each value's ceiling A (the pass rate its fitted curve levels off at) and "
+    "steepness B; to name the value that reaches a pass rate soonest, give one: --target 0.6 on the sweep, or "
+    "tidal fit --tracking-uri <its store> --runs <the ids in its runs.json> --target 0.6 on these runs"
+)
 
 
 def log_stability(client, parent: str, uri: str, runs: dict[str, str], out: Path) -> None:
@@ -162,6 +187,8 @@ def log_stability(client, parent: str, uri: str, runs: dict[str, str], out: Path
     print(text)
     client.log_text(parent, text, "stability.txt")
     client.log_artifact(parent, str(out / "stability.png"))
+
+
 STABLE_DROP = 0.1  # a run that ends this far below its best evaluation has come apart
 FINAL_EVALS = 3
 
@@ -185,8 +212,15 @@ def stability(points: dict[str, tuple], axes: dict[str, dict[str, str]]) -> list
     {key: value} of the grid point."""
     rows = []
     for label, (_, rates) in points.items():
-        rows.append(Stability(int(axes[label][LAG]), float(axes[label][LR]), float(rates[0]), float(rates.max()),
-                              float(rates[-FINAL_EVALS:].mean())))
+        rows.append(
+            Stability(
+                int(axes[label][LAG]),
+                float(axes[label][LR]),
+                float(rates[0]),
+                float(rates.max()),
+                float(rates[-FINAL_EVALS:].mean()),
+            )
+        )
     return sorted(rows, key=lambda r: (r.lag, r.lr))
 
 
@@ -216,18 +250,25 @@ def stability_verdict(largest: dict[int, float | None], lrs: list[float]) -> str
     step = max(b / a for a, b in zip(lrs, lrs[1:])) if len(lrs) > 1 else 1.0
     base_lag = min(known)
     law = {lag: known[base_lag] * (base_lag + 1) / (lag + 1) for lag in largest}
-    follows = all(law[lag] / step <= known[lag] <= law[lag] * step if lag in known else law[lag] < min(lrs) * step
-                  for lag in largest)
-    none = [f"max_lag {lag}: no stable lr on the grid, the law puts it at {law[lag]:.2g}"
-            for lag in largest if lag not in known]
+    follows = all(
+        law[lag] / step <= known[lag] <= law[lag] * step if lag in known else law[lag] < min(lrs) * step
+        for lag in largest
+    )
+    none = [
+        f"max_lag {lag}: no stable lr on the grid, the law puts it at {law[lag]:.2g}"
+        for lag in largest
+        if lag not in known
+    ]
     falls = len(known) < len(largest) or any(known[lag] < known[base_lag] for lag in known)
     if follows and falls:
-        return ("the largest stable lr falls like 1/(max_lag + 1), within a step of the lr grid"
-                + (f" ({'; '.join(none)})" if none else ""))
+        return "the largest stable lr falls like 1/(max_lag + 1), within a step of the lr grid" + (
+            f" ({'; '.join(none)})" if none else ""
+        )
     if not falls:
         return "the largest stable lr does not fall with max_lag on this grid"
-    return "the largest stable lr falls with max_lag, but not like 1/(max_lag + 1)" + (f" ({'; '.join(none)})"
-                                                                                       if none else "")
+    return "the largest stable lr falls with max_lag, but not like 1/(max_lag + 1)" + (
+        f" ({'; '.join(none)})" if none else ""
+    )
 
 
 def stability_report(points: dict[str, tuple], axes: dict[str, dict[str, str]], png: Path) -> str:
@@ -237,12 +278,17 @@ def stability_report(points: dict[str, tuple], axes: dict[str, dict[str, str]], 
     rows = stability(points, axes)
     largest = largest_stable_lr(rows)
     lrs = sorted({r.lr for r in rows})
-    lines = [f"stability (stable: ended above its start and within {STABLE_DROP} of its best evaluation)",
-             "max_lag  " + "  ".join(f"lr {lr:<8g}" for lr in lrs) + "  largest stable lr"]
+    lines = [
+        f"stability (stable: ended above its start and within {STABLE_DROP} of its best evaluation)",
+        "max_lag  " + "  ".join(f"lr {lr:<8g}" for lr in lrs) + "  largest stable lr",
+    ]
     for lag in sorted(largest):
         cells = {r.lr: f"{r.final:.3f} {'ok' if r.stable else 'X '}" for r in rows if r.lag == lag}
-        lines.append(f"{lag:<7}  " + "  ".join(f"{cells.get(lr, '-'):<11}" for lr in lrs)
-                     + f"  {largest[lag] if largest[lag] is not None else 'none'}")
+        lines.append(
+            f"{lag:<7}  "
+            + "  ".join(f"{cells.get(lr, '-'):<11}" for lr in lrs)
+            + f"  {largest[lag] if largest[lag] is not None else 'none'}"
+        )
     lines.append(stability_verdict(largest, lrs))
     fig, ax = figure()
     for i, lag in enumerate(sorted(largest)):
@@ -253,8 +299,11 @@ def stability_report(points: dict[str, tuple], axes: dict[str, dict[str, str]], 
     ax.plot([], [], "x", color="grey", label="came apart (not stable)")
     ax.set_xscale("log")
     log_ticks(ax.xaxis)
-    ax.set(xlabel="learning rate", ylabel=f"final pass rate (last {FINAL_EVALS} evaluations)",
-           title="largest stable learning rate per staleness bound")
+    ax.set(
+        xlabel="learning rate",
+        ylabel=f"final pass rate (last {FINAL_EVALS} evaluations)",
+        title="largest stable learning rate per staleness bound",
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     save_figure(fig, png, dpi=120)

@@ -18,6 +18,7 @@ functions called with the prompt, the completion and every column of the row (ti
 become token ids once, on the learner (`PromptEncoder`): actors receive tokens, so both sides see
 exactly the same prompt, chat template and system prompt included.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -32,12 +33,38 @@ from tidal.tasks.user_code import failure, import_module, one_line, raised_by
 
 # what the actor needs of tasks (it imports nothing else of them): environments, their turns, chat messages
 # and how user code that failed is named
-__all__ = ["ChatRenderer", "Env", "Message", "Prompt", "PromptEncoder", "Reply", "RewardFailed", "SingleTurn", "Split",
-           "Turn", "bad_messages", "encode_prompt", "failure", "get_environment", "get_reward", "get_task",
-           "installed_tasks", "is_async", "one_line", "raised_by", "tool_schemas"]
+__all__ = [
+    "ChatRenderer",
+    "Env",
+    "Message",
+    "Prompt",
+    "PromptEncoder",
+    "Reply",
+    "RewardFailed",
+    "SingleTurn",
+    "Split",
+    "Turn",
+    "bad_messages",
+    "encode_prompt",
+    "failure",
+    "get_environment",
+    "get_reward",
+    "get_task",
+    "installed_tasks",
+    "is_async",
+    "one_line",
+    "raised_by",
+    "tool_schemas",
+]
 
-BUILTIN = {"arithmetic": "tidal.tasks.arithmetic", "chain": "tidal.tasks.chain", "count": "tidal.tasks.count",
-           "math": "tidal.tasks.math", "rows": "tidal.tasks.data", "skyrl": "tidal.tasks.skyrl"}
+BUILTIN = {
+    "arithmetic": "tidal.tasks.arithmetic",
+    "chain": "tidal.tasks.chain",
+    "count": "tidal.tasks.count",
+    "math": "tidal.tasks.math",
+    "rows": "tidal.tasks.data",
+    "skyrl": "tidal.tasks.skyrl",
+}
 ENTRY_POINTS = "tidal.tasks"
 
 Reward = Callable[[str, dict[str, str]], float]
@@ -67,15 +94,17 @@ class PromptEncoder:
     (with `task.chat_template` a string prompt becomes one user message), a system prompt first, and
     the environment's tools (their schemas) where the template lists them."""
 
-    def __init__(self, tokenizer, chat_template: bool = False, system_prompt: str = "",
-                 tools: list[dict] | None = None):
+    def __init__(
+        self, tokenizer, chat_template: bool = False, system_prompt: str = "", tools: list[dict] | None = None
+    ):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.system_prompt = system_prompt
         self.tools = tools or None
         if chat_template and not getattr(tokenizer, "chat_template", None):
-            raise ConfigError("config key 'task.chat_template' = True: the tokenizer at model.path has no chat "
-                              "template")
+            raise ConfigError(
+                "config key 'task.chat_template' = True: the tokenizer at model.path has no chat template"
+            )
 
     @classmethod
     def for_task(cls, tokenizer, cfg: TaskConfig, env_kwargs: dict | None = None) -> PromptEncoder:
@@ -90,11 +119,13 @@ class PromptEncoder:
         if self.system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ConfigError(f"prompt {prompt.prompt_id} holds chat messages but the tokenizer at model.path has "
-                              "no chat template")
+            raise ConfigError(
+                f"prompt {prompt.prompt_id} holds chat messages but the tokenizer at model.path has no chat template"
+            )
         # rendered, then tokenized without special tokens: the template writes them itself
-        text = self.tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=True,
-                                                  tokenize=False)
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, add_generation_prompt=True, tokenize=False
+        )
         return encode_prompt(self.tokenizer, text)
 
 
@@ -108,8 +139,10 @@ def get_task(name: str) -> ModuleType:
     known = installed_tasks()
     module_name = known.get(name) or (name if "." in name else None)
     if module_name is None:
-        raise ConfigError(f"config key 'task.name' = {name!r}: not a known task ({', '.join(sorted(known))}) nor "
-                          "an import path (my_pkg.my_task)")
+        raise ConfigError(
+            f"config key 'task.name' = {name!r}: not a known task ({', '.join(sorted(known))}) nor "
+            "an import path (my_pkg.my_task)"
+        )
     # the working folder imports; a syntax error or a raise at import is one line at the user's own line
     module = import_module(module_name, f"config key 'task.name' = {name!r}")
     missing = [f for f in ("load_prompts",) if not callable(getattr(module, f, None))]
@@ -125,8 +158,10 @@ def get_reward(cfg: TaskConfig) -> Reward:
     module = get_task(cfg.name)
     build = getattr(module, "build_reward", None)
     if not callable(build) and not callable(getattr(module, "reward", None)):
-        raise ConfigError(f"config key 'task.name' = {cfg.name!r}: {module.__name__} is an environment of "
-                          "episodes (Environment), with no reward of one completion to score alone")
+        raise ConfigError(
+            f"config key 'task.name' = {cfg.name!r}: {module.__name__} is an environment of "
+            "episodes (Environment), with no reward of one completion to score alone"
+        )
     return build(cfg) if callable(build) else module.reward
 
 
@@ -139,12 +174,15 @@ def get_environment(cfg: TaskConfig, env_kwargs: dict | None = None) -> Env:
         from tidal.tasks.rewards import Rewarded
 
         if env_class is not None:
-            raise ConfigError(f"config key 'task.reward_funcs' = {list(cfg.reward_funcs)}: task {cfg.name!r} is an "
-                              "environment of episodes, scored by its own steps")
+            raise ConfigError(
+                f"config key 'task.reward_funcs' = {list(cfg.reward_funcs)}: task {cfg.name!r} is an "
+                "environment of episodes, scored by its own steps"
+            )
         return Rewarded(cfg)
     if env_class is None:
         return SingleTurn(get_reward(cfg))
     if not (isinstance(env_class, type) and issubclass(env_class, Env)):
-        raise ConfigError(f"config key 'task.name' = {cfg.name!r}: {module.__name__}.Environment is not a "
-                          "subclass of tidal.tasks.Env")
+        raise ConfigError(
+            f"config key 'task.name' = {cfg.name!r}: {module.__name__}.Environment is not a subclass of tidal.tasks.Env"
+        )
     return env_class(cfg, env_kwargs)

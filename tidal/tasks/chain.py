@@ -8,6 +8,7 @@ seeded permutation links each to the next and a seeded draw makes some of them e
 probability END_SHARE), so chain lengths are geometric: half the episodes need at most 2 lookups,
 one in 30 needs 8 or more (the cap is MAX_LINKS), and those take many times the median's tokens.
 """
+
 from __future__ import annotations
 
 import random
@@ -22,8 +23,10 @@ OPTIONS: dict[str, str] = {}  # task.kwargs: this task takes none
 ALPHABET = "0123456789[]()=!>lokx"
 MAX_POSITIONS = 256  # the longest chain's episode: MAX_LINKS lookups of ~19 tokens, the answer, the prompt
 # the tiny model's chat template: a user's or tool's message ends in ">", the model's turn in <eos>
-CHAT_TEMPLATE = ("{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}<eos>"
-                 "{% else %}{{ m.content }}>{% endif %}{% endfor %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}<eos>"
+    "{% else %}{{ m.content }}>{% endif %}{% endfor %}"
+)
 KEYS = range(100, 1000)
 END_SHARE = 0.4  # keys that end a chain
 MAX_LINKS = 12  # lookups of the longest chain
@@ -63,9 +66,8 @@ def load_prompts(cfg: TaskConfig) -> Split:
     random.Random(cfg.seed).shuffle(keys)
     if cfg.num_val >= len(keys):
         raise ConfigError(f"task.num_val = {cfg.num_val} leaves no training prompts ({len(keys)} keys)")
-    prompts = [Prompt(prompt_id=key, text=str(key), payload={"answer": str(walk(key, cfg.seed)[-1])})
-               for key in keys]
-    return Split(train=prompts[cfg.num_val:], val=prompts[:cfg.num_val])
+    prompts = [Prompt(prompt_id=key, text=str(key), payload={"answer": str(walk(key, cfg.seed)[-1])}) for key in keys]
+    return Split(train=prompts[cfg.num_val :], val=prompts[: cfg.num_val])
 
 
 class Environment(Env):
@@ -104,8 +106,10 @@ def demonstration(prompt: Prompt, cfg: TaskConfig, rng: random.Random, sloppy: b
     messages, key = [], int(prompt.text)
     for i, following in enumerate(keys):
         last = i == len(keys) - 1
-        messages += [{"role": "assistant", "content": f"[look(x={key})]"},
-                     {"role": "tool", "content": f"{following}{'!' if last else ''}"}]
+        messages += [
+            {"role": "assistant", "content": f"[look(x={key})]"},
+            {"role": "tool", "content": f"{following}{'!' if last else ''}"},
+        ]
         key = following
         if sloppy and not last and rng.random() < SLIP:
             break

@@ -8,6 +8,7 @@ a synchronous step waits. Three-digit numbers give thousands of prompts, so a ru
 steps sees most of them once and has to learn where a count stops rather than where each one does.
 Needs no download.
 """
+
 from __future__ import annotations
 
 import random
@@ -28,20 +29,29 @@ def load_prompts(cfg: TaskConfig) -> Split:
     cfg.seed; the first num_val are held out."""
     top = cfg.max_operand
     if not 2 <= top <= 999:
-        raise ConfigError(f"config key 'task.max_operand' = {top}: the count task writes three-digit numbers; "
-                          "use 2..999")
+        raise ConfigError(
+            f"config key 'task.max_operand' = {top}: the count task writes three-digit numbers; use 2..999"
+        )
     rng = random.Random(cfg.seed)
     spans = []
     for span in range(2, min(MAX_SPAN, top + 1) + 1):
         starts = list(range(top - span + 2))
-        spans += [(a, span) for a in rng.sample(starts, min(len(starts), round(PROMPTS_PER_SPAN / span ** 1.5)))]
+        spans += [(a, span) for a in rng.sample(starts, min(len(starts), round(PROMPTS_PER_SPAN / span**1.5)))]
     if cfg.num_val >= len(spans):
-        raise ConfigError(f"config key 'task.num_val' = {cfg.num_val} leaves no training prompts "
-                          f"({len(spans)} spans with task.max_operand = {top})")
+        raise ConfigError(
+            f"config key 'task.num_val' = {cfg.num_val} leaves no training prompts "
+            f"({len(spans)} spans with task.max_operand = {top})"
+        )
     rng.shuffle(spans)
-    prompts = [Prompt(prompt_id=a * 100 + span, text=f"{a:03d}>{a + span - 1:03d}:",
-                      payload={"answer": " ".join(f"{n:03d}" for n in range(a, a + span))}) for a, span in spans]
-    return Split(train=prompts[cfg.num_val:], val=prompts[:cfg.num_val])
+    prompts = [
+        Prompt(
+            prompt_id=a * 100 + span,
+            text=f"{a:03d}>{a + span - 1:03d}:",
+            payload={"answer": " ".join(f"{n:03d}" for n in range(a, a + span))},
+        )
+        for a, span in spans
+    ]
+    return Split(train=prompts[cfg.num_val :], val=prompts[: cfg.num_val])
 
 
 def teacher_slip(answer: str, rng: random.Random) -> str:

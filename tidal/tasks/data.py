@@ -8,6 +8,7 @@ names the file and line (JSON Lines), or the row.
 It is also the `rows` task: task.data_path's rows scored by task.reward_funcs alone, so a user's task can
 be one reward function (tidal.tasks.rewards).
 """
+
 from __future__ import annotations
 
 import json
@@ -28,14 +29,23 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name, as the Hub spe
 _MISSING = object()
 
 
-def load_rows(source: str, key: str, prompt_field: str, answer_field: str, split: str = "train",
-              config: str = "", every_column: bool = False) -> list[dict]:
+def load_rows(
+    source: str,
+    key: str,
+    prompt_field: str,
+    answer_field: str,
+    split: str = "train",
+    config: str = "",
+    every_column: bool = False,
+) -> list[dict]:
     """The rows of `source` (config key `key`) with both columns checked (no answer column when
     `answer_field` is ""); raises ValueError naming the key, the file and the line or row of the first
     bad one. The rows hold those two columns, or with `every_column` all of them."""
     if not source:
-        raise ConfigError(f"config key '{key}' is empty: name a JSON Lines or Parquet file, a folder of them, "
-                         "or a Hub dataset id (org/name)")
+        raise ConfigError(
+            f"config key '{key}' is empty: name a JSON Lines or Parquet file, a folder of them, "
+            "or a Hub dataset id (org/name)"
+        )
     try:
         data, path, builder = _open(source, key, split, config)
     except _Unreadable as err:  # datasets' errors rarely say where; a JSON Lines file itself can
@@ -44,8 +54,9 @@ def load_rows(source: str, key: str, prompt_field: str, answer_field: str, split
     columns = {prompt_field: "task.prompt_field", **({answer_field: "task.answer_field"} if answer_field else {})}
     for field, field_key in columns.items():
         if field not in data.column_names:
-            raise ConfigError(f"{source}: no column {field!r} (config key {field_key}); columns: "
-                             f"{', '.join(data.column_names)}")
+            raise ConfigError(
+                f"{source}: no column {field!r} (config key {field_key}); columns: {', '.join(data.column_names)}"
+            )
     if len(data) == 0:
         raise ConfigError(f"{source}: no rows ({key})")
     rows = []
@@ -74,16 +85,25 @@ def _open(source: str, key: str, split: str, config: str):
         builder = FORMATS.get(path.suffix.lower())
         if builder is None:
             raise ConfigError(f"config key '{key}' = {source!r}: expected a {', '.join(FORMATS)} file")
-        data = _load(source, key, builder, path if builder == "json" else None,
-                     builder, data_files=str(path), split="train")
+        data = _load(
+            source, key, builder, path if builder == "json" else None, builder, data_files=str(path), split="train"
+        )
         return data, path, builder
     if path.is_dir() or HUB_ID.match(source):
         # a folder is read as the Hub would serve it: data files named by split, or a loading script's config
-        data = _load(source, key, f"a dataset (split {split!r})", None, str(path) if path.is_dir() else source,
-                     name=config or None, split=split)
+        data = _load(
+            source,
+            key,
+            f"a dataset (split {split!r})",
+            None,
+            str(path) if path.is_dir() else source,
+            name=config or None,
+            split=split,
+        )
         return data, None, None
-    raise FileNotFoundError(f"config key '{key}' = {source!r}: no such file or folder, and not a Hub dataset id "
-                            "(org/name)")
+    raise FileNotFoundError(
+        f"config key '{key}' = {source!r}: no such file or folder, and not a Hub dataset id (org/name)"
+    )
 
 
 def _load(source: str, key: str, kind: str, json_path: Path | None, *args, **kwargs):
@@ -97,8 +117,9 @@ def _load(source: str, key: str, kind: str, json_path: Path | None, *args, **kwa
         return datasets.load_dataset(*args, **kwargs)
     except Exception as err:
         reason = str(err).splitlines()[0] if str(err) else ""
-        raise _Unreadable(f"{source}: cannot be read as {kind} ({key}): {type(err).__name__}: {reason}",
-                          json_path) from None
+        raise _Unreadable(
+            f"{source}: cannot be read as {kind} ({key}): {type(err).__name__}: {reason}", json_path
+        ) from None
     finally:
         quiet.setLevel(level)
         if bars:
@@ -123,8 +144,10 @@ def _bad_string(value, field: str, key: str) -> str | None:
     if value is _MISSING or value is None:
         return f"{field!r} is missing or null (config key {key})"
     if not isinstance(value, str):
-        return (f"{field!r} is {type(value).__name__} {repr(value)[:40]}, expected a string "
-                f"(config key {key}; quote numbers in the file)")
+        return (
+            f"{field!r} is {type(value).__name__} {repr(value)[:40]}, expected a string "
+            f"(config key {key}; quote numbers in the file)"
+        )
     if not value.strip():
         return f"{field!r} is empty (config key {key})"
     return None
@@ -161,15 +184,19 @@ def split_rows(cfg: TaskConfig, rows: list[dict], val_rows: list[dict], make: Ca
         raise ConfigError(f"config key 'task.num_val' = {cfg.num_val}: must be >= 0")
     if val_rows:
         val_ids = _draw(len(val_rows), cfg.num_val, cfg.seed)
-        return Split(train=[make(i, row) for i, row in enumerate(rows)],
-                     val=[make(len(rows) + i, val_rows[i]) for i in val_ids])
+        return Split(
+            train=[make(i, row) for i, row in enumerate(rows)], val=[make(len(rows) + i, val_rows[i]) for i in val_ids]
+        )
     if cfg.num_val >= len(rows):
-        raise ConfigError(f"config key 'task.num_val' = {cfg.num_val} leaves no training prompts "
-                          f"({len(rows)} rows in {cfg.data_path}; or set task.val_path)")
+        raise ConfigError(
+            f"config key 'task.num_val' = {cfg.num_val} leaves no training prompts "
+            f"({len(rows)} rows in {cfg.data_path}; or set task.val_path)"
+        )
     val_ids = _draw(len(rows), cfg.num_val, cfg.seed)
     held_out = set(val_ids)
-    return Split(train=[make(i, rows[i]) for i in range(len(rows)) if i not in held_out],
-                 val=[make(i, rows[i]) for i in val_ids])
+    return Split(
+        train=[make(i, rows[i]) for i in range(len(rows)) if i not in held_out], val=[make(i, rows[i]) for i in val_ids]
+    )
 
 
 def _draw(num_rows: int, num: int, seed: int) -> list[int]:
@@ -189,14 +216,18 @@ def row_payload(cfg: TaskConfig, row: dict, answer: dict[str, str], where: str) 
 
 # ---- the rows task (task.name=rows): task.data_path's rows, scored by task.reward_funcs -------------
 
+
 def load_prompts(cfg: TaskConfig) -> Split:
     """Rows of task.data_path (every column), each prompt column as it is (text, or chat messages), as a
     dataset's prompt column is the prompt; held out as the math task holds out."""
     if not cfg.reward_funcs:
-        raise ConfigError("config key 'task.reward_funcs' is empty: task.name = 'rows' is scored by the reward "
-                          "functions it names (my_pkg.rewards:accuracy)")
-    read = lambda source, key, split: load_rows(source, key, cfg.prompt_field, "", split=split,
-                                                config=cfg.data_config, every_column=True)
+        raise ConfigError(
+            "config key 'task.reward_funcs' is empty: task.name = 'rows' is scored by the reward "
+            "functions it names (my_pkg.rewards:accuracy)"
+        )
+    read = lambda source, key, split: load_rows(
+        source, key, cfg.prompt_field, "", split=split, config=cfg.data_config, every_column=True
+    )
     rows = read(cfg.data_path, "task.data_path", cfg.data_split)
     val_rows = read(cfg.val_path, "task.val_path", cfg.val_split) if cfg.val_path else []
 
@@ -205,10 +236,13 @@ def load_prompts(cfg: TaskConfig) -> Split:
         if isinstance(prompt, list):
             return Prompt(prompt_id=prompt_id, text="", payload=payload, messages=tuple(prompt))
         return Prompt(prompt_id=prompt_id, text=prompt, payload=payload)
+
     return split_rows(cfg, rows, val_rows, make)
 
 
 def build_reward(cfg: TaskConfig):
     """The rows task has no reward of its own: task.reward_funcs score it (get_environment uses them)."""
-    raise ConfigError("config key 'task.reward_funcs' is empty: task.name = 'rows' is scored by the reward "
-                      "functions it names (my_pkg.rewards:accuracy)")
+    raise ConfigError(
+        "config key 'task.reward_funcs' is empty: task.name = 'rows' is scored by the reward "
+        "functions it names (my_pkg.rewards:accuracy)"
+    )

@@ -16,6 +16,7 @@ model sampled are the ones trained on); what the environment answers is rendered
 `ChatRenderer` through the tokenizer's chat template and appended as tokens the model reads but is
 never trained on.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -68,8 +69,10 @@ class Env:
         self.kwargs = dict(kwargs or {})  # env.kwargs: the environment's own options
         unknown = sorted(set(self.kwargs) - set(self.options)) if self.options is not None else []
         if unknown:
-            raise ConfigError(f"config key 'env.kwargs.{unknown[0]}': {type(self).__name__} has no such option "
-                              f"({options_text(self.options)})")
+            raise ConfigError(
+                f"config key 'env.kwargs.{unknown[0]}': {type(self).__name__} has no such option "
+                f"({options_text(self.options)})"
+            )
 
     def tools(self) -> Sequence[Callable]:
         """Python callables the model may call, each with type hints and a docstring with Args (its
@@ -118,8 +121,10 @@ def tool_schemas(tools: Sequence[Callable]) -> list[dict]:
             out.append(get_json_schema(tool))
         except Exception as err:  # transformers names what the docstring or hints lack
             at = def_line(tool)
-            raise ConfigError(f"tool {getattr(tool, '__name__', tool)!r}{f' at {at}' if at else ''}: {err} (a tool "
-                              "needs type hints and a docstring with an Args: line per parameter)") from None
+            raise ConfigError(
+                f"tool {getattr(tool, '__name__', tool)!r}{f' at {at}' if at else ''}: {err} (a tool "
+                "needs type hints and a docstring with an Args: line per parameter)"
+            ) from None
     return out
 
 
@@ -146,12 +151,13 @@ class ChatRenderer:
         self.closing = self._closing() if self.chat_template else ""
 
     def _render(self, messages: list[Message], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
-                                                  add_generation_prompt=generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
 
     def _closing(self) -> str:
         probe = self._render(self.PROBE, False)
-        return probe[probe.rindex("y") + 1:]
+        return probe[probe.rindex("y") + 1 :]
 
     def increment(self, messages: list[Message], stop_text: str | None) -> list[int]:
         """Token ids of `messages` after a model turn; `stop_text` is the text of the stop token that
@@ -162,12 +168,14 @@ class ChatRenderer:
             before = self._render(self.PROBE, False)
             after = self._render(self.PROBE + list(messages), True)
             if not after.startswith(before):
-                raise ValueError("the chat template renders earlier messages differently once more follow; "
-                                 "its increments cannot be taken")
+                raise ValueError(
+                    "the chat template renders earlier messages differently once more follow; "
+                    "its increments cannot be taken"
+                )
             closing = self.closing
             if stop_text and closing.startswith(stop_text):
-                closing = closing[len(stop_text):]
-            text = closing + after[len(before):]
+                closing = closing[len(stop_text) :]
+            text = closing + after[len(before) :]
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -177,5 +185,5 @@ def bad_messages(messages: list) -> str | None:
         return "holds no chat messages"
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            return f"message {i} is not {{\"role\": str, \"content\": str}}: {repr(m)[:60]}"
+            return f'message {i} is not {{"role": str, "content": str}}: {repr(m)[:60]}'
     return None

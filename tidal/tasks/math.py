@@ -16,6 +16,7 @@ and other oddities are logged at 1, 10, 100, ... occurrences.
 
 For real models only (model.path): the tiny model is character-level and built for arithmetic.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,12 +61,15 @@ def __getattr__(name: str):
     # The tiny model builds its tokenizer from a task's ALPHABET. Math needs a real model's tokenizer,
     # so being asked for one means the config left model.path empty.
     if name == "ALPHABET":
-        raise ConfigError("config key 'model.path' = '': task.name = 'math' needs a Hugging Face model "
-                          "directory; the tiny model is character-level, for task.name = 'arithmetic' only")
+        raise ConfigError(
+            "config key 'model.path' = '': task.name = 'math' needs a Hugging Face model "
+            "directory; the tiny model is character-level, for task.name = 'arithmetic' only"
+        )
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---- prompts -------------------------------------------------------------------------------
+
 
 def load_prompts(cfg: TaskConfig) -> Split:
     """Rows of task.data_path; held out: num_val rows drawn by seed from task.val_path, else split off data_path."""
@@ -79,8 +83,15 @@ def load_prompts(cfg: TaskConfig) -> Split:
 
 def read_rows(cfg: TaskConfig, source: str, key: str, split: str) -> list[dict]:
     # reward functions are called with every column of the row; the built-in reward reads the answer alone
-    return load_rows(source, key, cfg.prompt_field, cfg.answer_field, split=split, config=cfg.data_config,
-                     every_column=bool(cfg.reward_funcs))
+    return load_rows(
+        source,
+        key,
+        cfg.prompt_field,
+        cfg.answer_field,
+        split=split,
+        config=cfg.data_config,
+        every_column=bool(cfg.reward_funcs),
+    )
 
 
 def _prompt(prompt_id: int, row: dict, cfg: TaskConfig, render: Callable[[str], str] | None) -> Prompt:
@@ -101,12 +112,15 @@ def build_renderer(template: str, field: str) -> Callable[[str], str]:
         raise ConfigError(f"{key}: {err} (literal braces are written {{{{ and }}}})") from None
     if names != {field}:
         found = ", ".join(f"{{{n}}}" for n in sorted(names)) or "none"
-        raise ConfigError(f"{key}: needs exactly the placeholder {{{field}}} (task.prompt_field), found {found} "
-                         f"(literal braces are written {{{{ and }}}})")
+        raise ConfigError(
+            f"{key}: needs exactly the placeholder {{{field}}} (task.prompt_field), found {found} "
+            f"(literal braces are written {{{{ and }}}})"
+        )
     return lambda problem: template.format(**{field: problem})
 
 
 # ---- reward --------------------------------------------------------------------------------
+
 
 def reward(text: str, payload: dict[str, str]) -> float:
     """1.0 if the completion's final answer equals payload["answer"] (math-verify), else 0.0; never raises on it."""
@@ -160,8 +174,13 @@ class Verifier:
             self.counts[outcome] += 1
             num = self.counts[outcome]
         if outcome in _WORTH_A_WARNING and power_of_ten(num):
-            log.warning("math reward: %s #%d (gold %.60r, completion ending %.80r); the sample scores 0",
-                        outcome, num, gold, completion[-80:])
+            log.warning(
+                "math reward: %s #%d (gold %.60r, completion ending %.80r); the sample scores 0",
+                outcome,
+                num,
+                gold,
+                completion[-80:],
+            )
         return outcome
 
     def close(self) -> None:
@@ -179,8 +198,11 @@ class Verifier:
             return
         reply = self._helper.read_line(STARTUP_TIMEOUT_S)
         if reply != "ready":
-            why = (f"no answer within {STARTUP_TIMEOUT_S:.0f} s" if reply is None else reply
-                   or f"exited with code {self._helper.proc.wait()} (its error is above)")
+            why = (
+                f"no answer within {STARTUP_TIMEOUT_S:.0f} s"
+                if reply is None
+                else reply or f"exited with code {self._helper.proc.wait()} (its error is above)"
+            )
             self.close()
             raise RuntimeError(f"math reward helper did not start: {why} (the math task needs math-verify)")
         self._ready = True
@@ -196,9 +218,17 @@ class _Helper:
         # engine state, and spawn re-runs the caller's __main__, which breaks unguarded scripts.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from tidal.tasks.math import _serve; "
-             f"_serve({write_fd}, {HELPER_CPU_LIMIT_S}, {HELPER_MEMORY_HEADROOM_BYTES})"],
-            stdin=subprocess.PIPE, pass_fds=(write_fd,), env=env, bufsize=0)
+            [
+                sys.executable,
+                "-c",
+                "from tidal.tasks.math import _serve; "
+                f"_serve({write_fd}, {HELPER_CPU_LIMIT_S}, {HELPER_MEMORY_HEADROOM_BYTES})",
+            ],
+            stdin=subprocess.PIPE,
+            pass_fds=(write_fd,),
+            env=env,
+            bufsize=0,
+        )
         os.close(write_fd)
         self.replies = os.fdopen(read_fd, "rb", buffering=0)
         self.owner_pid = os.getpid()
@@ -208,7 +238,7 @@ class _Helper:
     def send(self, gold: str, completion: str) -> None:
         data = (json.dumps([gold, completion]) + "\n").encode()  # ASCII: lone surrogates are escaped
         while data:
-            data = data[os.write(self.proc.stdin.fileno(), data):]
+            data = data[os.write(self.proc.stdin.fileno(), data) :]
 
     def read_line(self, timeout_s: float) -> str | None:
         """The next reply; None when none came within timeout_s, "" when the helper exited."""

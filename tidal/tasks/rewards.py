@@ -22,6 +22,7 @@ raised (tidal.tasks.user_code).
 Rows travel to the actors in the prompt's payload, a dict of strings on the wire: string columns as they
 are, others as JSON (named under JSON_COLUMNS), decoded back before the call.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -67,19 +68,27 @@ class RewardFailed(Exception):
 
 # ---- loading -------------------------------------------------------------------------------
 
+
 def load_reward_funcs(cfg: TaskConfig) -> list[RewardFunc]:
     """task.reward_funcs resolved, with their weights; ConfigError naming the key when one is unknown."""
     weights = list(cfg.reward_weights) or [1.0] * len(cfg.reward_funcs)
     if len(weights) != len(cfg.reward_funcs):
-        raise ConfigError(f"config key 'task.reward_weights' = {list(cfg.reward_weights)}: one weight per reward "
-                          f"function ({len(cfg.reward_funcs)} in task.reward_funcs)")
-    funcs = [RewardFunc(_name(fn, spec), fn, float(w)) for spec, w in zip(cfg.reward_funcs, weights)
-             for fn in [resolve(spec, cfg)]]
+        raise ConfigError(
+            f"config key 'task.reward_weights' = {list(cfg.reward_weights)}: one weight per reward "
+            f"function ({len(cfg.reward_funcs)} in task.reward_funcs)"
+        )
+    funcs = [
+        RewardFunc(_name(fn, spec), fn, float(w))
+        for spec, w in zip(cfg.reward_funcs, weights)
+        for fn in [resolve(spec, cfg)]
+    ]
     names = [f.name for f in funcs]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        raise ConfigError(f"config key 'task.reward_funcs' = {list(cfg.reward_funcs)}: two functions named "
-                          f"{twice[0]!r} (their metrics would collide)")
+        raise ConfigError(
+            f"config key 'task.reward_funcs' = {list(cfg.reward_funcs)}: two functions named "
+            f"{twice[0]!r} (their metrics would collide)"
+        )
     if cfg.pass_on and cfg.pass_on not in names:
         raise ConfigError(f"config key 'task.pass_on' = {cfg.pass_on!r}: not one of task.reward_funcs' names {names}")
     return funcs
@@ -116,8 +125,10 @@ def _module_of(spec: str, key: str, installed: dict) -> tuple[ModuleType, str]:
     module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
     if not (module_name and attr):
         known = ", ".join(sorted(installed)) or "none installed"
-        raise ConfigError(f"{key}: not an import path (my_pkg.rewards:accuracy), a file's function "
-                          f"(./my_rewards.py:accuracy) nor an entry point of {ENTRY_POINTS} ({known})")
+        raise ConfigError(
+            f"{key}: not an import path (my_pkg.rewards:accuracy), a file's function "
+            f"(./my_rewards.py:accuracy) nor an entry point of {ENTRY_POINTS} ({known})"
+        )
     return import_module(module_name, key), attr
 
 
@@ -135,6 +146,7 @@ def _name(fn: Callable, spec: str) -> str:
 
 # ---- rows in payloads --------------------------------------------------------------------------
 
+
 def encode_row(row: dict[str, Any], where: str = "") -> dict[str, str]:
     """A dataset row as a payload: strings as they are, other values as JSON."""
     if len(row) > MAX_COLUMNS:
@@ -144,8 +156,10 @@ def encode_row(row: dict[str, Any], where: str = "") -> dict[str, str]:
         if not isinstance(value, str):
             value, _ = json.dumps(value, default=str), as_json.append(column)
         if len(value) > MAX_VALUE_CHARS:
-            raise ConfigError(f"{where}: column {column!r} holds {len(value)} characters; a payload value holds "
-                              f"at most {MAX_VALUE_CHARS}")
+            raise ConfigError(
+                f"{where}: column {column!r} holds {len(value)} characters; a payload value holds "
+                f"at most {MAX_VALUE_CHARS}"
+            )
         payload[column] = value
     if as_json:
         payload[JSON_COLUMNS] = json.dumps(as_json)
@@ -155,12 +169,12 @@ def encode_row(row: dict[str, Any], where: str = "") -> dict[str, str]:
 def decode_row(payload: dict[str, str]) -> dict[str, Any]:
     """The row `encode_row` stored, its columns' types back (the actor's own keys left out)."""
     as_json = set(json.loads(payload.get(JSON_COLUMNS, "[]")))
-    return {k: json.loads(v) if k in as_json else v for k, v in payload.items()
-            if k not in (JSON_COLUMNS, PROMPT_TEXT)}
+    return {k: json.loads(v) if k in as_json else v for k, v in payload.items() if k not in (JSON_COLUMNS, PROMPT_TEXT)}
 
 
-def call_kwargs(payload: dict[str, str], prompt_field: str, completion: str,
-                completion_ids: Sequence[int]) -> dict[str, Any]:
+def call_kwargs(
+    payload: dict[str, str], prompt_field: str, completion: str, completion_ids: Sequence[int]
+) -> dict[str, Any]:
     """The keyword arguments of every reward function for one completion."""
     row = decode_row(payload)
     prompt = row.get(prompt_field)
@@ -171,6 +185,7 @@ def call_kwargs(payload: dict[str, str], prompt_field: str, completion: str,
 
 
 # ---- scoring -------------------------------------------------------------------------------
+
 
 async def score(funcs: Sequence[RewardFunc], kwargs: dict[str, Any]) -> tuple[float, dict[str, float]]:
     """(the weighted sum, each function's value); plain functions run on a worker thread. A function that
@@ -242,8 +257,11 @@ def signature_mismatch(func: RewardFunc, kwargs: dict[str, Any], columns: Sequen
     passed = [BATCH_NAMES.get(k, k) if batched else k for k in kwargs]
     columns = list(columns) or [k for k in kwargs if k not in ("completion", "completion_ids")]
     takes_rest = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    missing = [n for n, p in params.items() if n not in passed and p.default is p.empty
-               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    missing = [
+        n
+        for n, p in params.items()
+        if n not in passed and p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
     extra = [] if takes_rest else [k for k in passed if k not in params]
     if not (missing or extra):
         return None
@@ -259,8 +277,10 @@ def signature_mismatch(func: RewardFunc, kwargs: dict[str, Any], columns: Sequen
 
 def _asks_for(missing: list[str], passed: list[str], columns: list[str], batched: bool) -> str:
     close = difflib.get_close_matches(missing[0], passed, n=1, cutoff=0.85)  # a typo such as answers for answer
-    return (f"asks for {', '.join(map(repr, missing))}, which the rows lack (columns: {', '.join(columns)}"
-            f"{', each passed as a list' if batched else ''})" + (f"; did you mean {close[0]!r}?" if close else ""))
+    return (
+        f"asks for {', '.join(map(repr, missing))}, which the rows lack (columns: {', '.join(columns)}"
+        f"{', each passed as a list' if batched else ''})" + (f"; did you mean {close[0]!r}?" if close else "")
+    )
 
 
 def as_reward(name: str, value: Any) -> float | None:
@@ -270,8 +290,9 @@ def as_reward(name: str, value: Any) -> float | None:
     try:
         number = float(value)
     except (TypeError, ValueError):
-        raise RewardFailed(f"reward function {name} returned {type(value).__name__} {repr(value)[:60]}, "
-                           "not a number") from None
+        raise RewardFailed(
+            f"reward function {name} returned {type(value).__name__} {repr(value)[:60]}, not a number"
+        ) from None
     if not math.isfinite(number):
         raise RewardFailed(f"reward function {name} returned {number}, not a finite number")
     return number
@@ -292,8 +313,9 @@ class Rewarded(Env):
         total, values = await self.score({**state, PROMPT_TEXT: reply.prompt}, str(reply), reply.token_ids)
         return Turn(done=True, reward=total, components=values)
 
-    async def score(self, state: dict[str, str], completion: str,
-                    completion_ids: Sequence[int]) -> tuple[float, dict[str, float]]:
+    async def score(
+        self, state: dict[str, str], completion: str, completion_ids: Sequence[int]
+    ) -> tuple[float, dict[str, float]]:
         return await score(self.funcs, call_kwargs(state, self.cfg.prompt_field, completion, completion_ids))
 
 
@@ -348,10 +370,15 @@ class BatchedReward:
         else:
             values = await asyncio.to_thread(self.fn, **columns)
         if isinstance(values, str | bytes) or not hasattr(values, "__len__") or len(values) != len(samples):
-            got = (f"{len(values)} value{'s' * (len(values) != 1)}" if hasattr(values, "__len__")
-                   else type(values).__name__)
-            raise RewardFailed(f"reward function {self.__name__} takes lists (it names `completions`) and returned "
-                               f"{got} for {len(samples)} samples: it must return one value per completion")
+            got = (
+                f"{len(values)} value{'s' * (len(values) != 1)}"
+                if hasattr(values, "__len__")
+                else type(values).__name__
+            )
+            raise RewardFailed(
+                f"reward function {self.__name__} takes lists (it names `completions`) and returned "
+                f"{got} for {len(samples)} samples: it must return one value per completion"
+            )
         return list(values)
 
 
@@ -397,8 +424,9 @@ class RemoteReward(BatchedReward):
                 continue
             rewards = answer.get("rewards") if isinstance(answer, dict) else None
             if not (isinstance(rewards, list) and len(rewards) == len(samples)):
-                raise ValueError(f"{self.shown} answered {repr(answer)[:80]}, not {{\"rewards\": [...]}} with "
-                                 f"{len(samples)} values")
+                raise ValueError(
+                    f'{self.shown} answered {repr(answer)[:80]}, not {{"rewards": [...]}} with {len(samples)} values'
+                )
             return rewards
         raise ConnectionError(f"{self.shown}: {self.retries + 1} tries failed, the last with {failure}")
 
@@ -419,13 +447,18 @@ class RemoteReward(BatchedReward):
         try:
             conn.connect()
             sock = conn.sock  # the response reads from it too, even once the connection hands it over
-            conn.request("POST", (parts.path or "/") + (f"?{parts.query}" if parts.query else ""), body,
-                         {"Content-Type": "application/json"})
+            conn.request(
+                "POST",
+                (parts.path or "/") + (f"?{parts.query}" if parts.query else ""),
+                body,
+                {"Content-Type": "application/json"},
+            )
             sock.settimeout(left())
             response = conn.getresponse()
             if response.status >= 300:  # a redirect is not followed: its target was never configured
-                raise RemoteFailed(f"HTTP {response.status}" + (" (redirects are not followed)"
-                                                                if response.status < 400 else ""))
+                raise RemoteFailed(
+                    f"HTTP {response.status}" + (" (redirects are not followed)" if response.status < 400 else "")
+                )
             chunks, size = [], 0
             while True:
                 sock.settimeout(left())

@@ -8,6 +8,7 @@ one; where it does not (a container without user namespaces) the program's `sock
 disabled before it runs instead, which a determined program can undo: say so in the environment's
 threat model, or run actors where namespaces work.
 """
+
 from __future__ import annotations
 
 import functools
@@ -20,9 +21,11 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-NO_SOCKETS = ("import socket as _s\n"
-              "def _off(*a, **k):\n    raise OSError('the network is off in this sandbox')\n"
-              "_s.socket = _s.create_connection = _s.socketpair = _off\ndel _s, _off\n")
+NO_SOCKETS = (
+    "import socket as _s\n"
+    "def _off(*a, **k):\n    raise OSError('the network is off in this sandbox')\n"
+    "_s.socket = _s.create_connection = _s.socketpair = _off\ndel _s, _off\n"
+)
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ def python_tool(cpu_s: int = 5, memory_mb: int = 512, output_chars: int = 4000, 
             code: the program; print what you want to read
         """
         return execute(code, limits)
+
     return run_python
 
 
@@ -54,9 +58,16 @@ def execute(code: str, limits: Limits) -> str:
         program = code if network_namespace() else NO_SOCKETS + code
         command = [*NETWORK_OFF, sys.executable, "-I", "-"] if network_namespace() else [sys.executable, "-I", "-"]
         with open(out_path, "wb") as out:
-            proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, cwd=folder,
-                                    env={"PATH": os.environ.get("PATH", ""), "LANG": "C.UTF-8"},
-                                    preexec_fn=functools.partial(_limit, limits), start_new_session=True)
+            proc = subprocess.Popen(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=folder,
+                env={"PATH": os.environ.get("PATH", ""), "LANG": "C.UTF-8"},
+                preexec_fn=functools.partial(_limit, limits),
+                start_new_session=True,
+            )
             try:
                 proc.communicate(program.encode(), timeout=limits.wall_s)
                 flooded = os.path.getsize(out_path) >= _file_limit(limits)
@@ -68,7 +79,7 @@ def execute(code: str, limits: Limits) -> str:
         with open(out_path, "rb") as out:
             text = out.read(_file_limit(limits)).decode("utf-8", errors="replace")
     if len(text) > limits.output_chars:
-        text = text[:limits.output_chars] + "\n[cut: output too long]"
+        text = text[: limits.output_chars] + "\n[cut: output too long]"
     return text + (f"\n{ended}" if ended else "")
 
 

@@ -16,6 +16,7 @@ can be made. What tidal does not take from skyrl-gym: the prompt `init` returns 
 the row's, encoded on the learner) and a step's `postprocessed_action` (tidal trains on the tokens
 as sampled).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,9 @@ DEFAULT_MAX_TURNS = 5  # told to an environment whose row does not say (skyrl-gy
 
 def load_prompts(cfg: TaskConfig) -> Split:
     """The dataset's rows, each with its fields (the prompt aside) as the episode's extras."""
-    read = lambda source, key, split: load_rows(source, key, cfg.prompt_field, "", split=split,
-                                                config=cfg.data_config, every_column=True)
+    read = lambda source, key, split: load_rows(
+        source, key, cfg.prompt_field, "", split=split, config=cfg.data_config, every_column=True
+    )
     rows = read(cfg.data_path, "task.data_path", cfg.data_split)
     val_rows = read(cfg.val_path, "task.val_path", cfg.val_split) if cfg.val_path else []
     return split_rows(cfg, rows, val_rows, lambda i, row: _prompt(i, row, cfg))
@@ -44,12 +46,17 @@ def _prompt(prompt_id: int, row: dict, cfg: TaskConfig) -> Prompt:
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     extras = {k: v for k, v in row.items() if k != cfg.prompt_field}
-    payload = {"env_class": str(row.get("env_class") or ""), "extras": json.dumps(extras, default=str),
-               "prompt": json.dumps(messages)}
+    payload = {
+        "env_class": str(row.get("env_class") or ""),
+        "extras": json.dumps(extras, default=str),
+        "prompt": json.dumps(messages),
+    }
     long = [k for k, v in payload.items() if len(v) > PAYLOAD_CHARS]
     if long:
-        raise ConfigError(f"{cfg.data_path}: row {prompt_id}: its {long[0]} is over {PAYLOAD_CHARS} characters "
-                          "as JSON, more than a prompt's payload may carry")
+        raise ConfigError(
+            f"{cfg.data_path}: row {prompt_id}: its {long[0]} is over {PAYLOAD_CHARS} characters "
+            "as JSON, more than a prompt's payload may carry"
+        )
     return Prompt(prompt_id, "", payload, messages=tuple(messages))
 
 
@@ -59,17 +66,21 @@ OPTIONS: dict[str, str] = {}  # task.kwargs: none; the environment's are env.kwa
 class Environment(Env):
     """One skyrl-gym environment per episode, made from the row's class and fields."""
 
-    options = {"imports": "modules that register environments with skyrl-gym, imported first",
-               "env_class": "the class for rows without one", "env_config": "skyrl-gym's config of each environment",
-               "max_turns": "model turns per episode, at most"}
+    options = {
+        "imports": "modules that register environments with skyrl-gym, imported first",
+        "env_class": "the class for rows without one",
+        "env_config": "skyrl-gym's config of each environment",
+        "max_turns": "model turns per episode, at most",
+    }
 
     def __init__(self, cfg: TaskConfig, kwargs: dict | None = None):
         super().__init__(cfg, kwargs)
         try:
             import skyrl_gym
         except ModuleNotFoundError:
-            raise ConfigError("config key 'task.name' = 'skyrl': skyrl-gym is not installed "
-                              "(pip install tidal[skyrl])") from None
+            raise ConfigError(
+                "config key 'task.name' = 'skyrl': skyrl-gym is not installed (pip install tidal[skyrl])"
+            ) from None
         from omegaconf import OmegaConf
 
         for module in self.kwargs.get("imports", []):  # each registers its environments with skyrl-gym
@@ -92,10 +103,13 @@ class Environment(Env):
     def step(self, env, reply: str) -> Turn:
         out = env.step(reply)
         if not (isinstance(out, dict) and "done" in out):
-            raise TypeError(f"{type(env).__name__}.step returned {type(out).__name__} {repr(out)[:60]}, not a "
-                            "BaseTextEnvStepOutput (observations, reward, done)")
-        return Turn(messages=list(out.get("observations") or []), done=bool(out["done"]),
-                    reward=float(out.get("reward") or 0.0))
+            raise TypeError(
+                f"{type(env).__name__}.step returned {type(out).__name__} {repr(out)[:60]}, not a "
+                "BaseTextEnvStepOutput (observations, reward, done)"
+            )
+        return Turn(
+            messages=list(out.get("observations") or []), done=bool(out["done"]), reward=float(out.get("reward") or 0.0)
+        )
 
     def finish(self, env) -> None:
         env.close()

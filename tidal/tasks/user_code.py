@@ -6,6 +6,7 @@ actor's and learner's folders included), Python's standard library, installed li
 (site-packages), and the user's own (everything else). An error is reported at the user's frame,
 named after the user's function or method (`LookupEnv.step`), never after tidal's wrapper around it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,6 +29,7 @@ STDLIB = sysconfig.get_paths()["stdlib"] + os.sep  # Python's own modules, the b
 
 # ---- importing ---------------------------------------------------------------------------------
 
+
 def import_module(name: str, key: str) -> ModuleType:
     """Module `name`, with the working folder importable (as `python -m` makes it); ConfigError
     starting with `key` when it is missing, has a syntax error, or raises as it is imported."""
@@ -39,8 +41,9 @@ def import_module(name: str, key: str) -> ModuleType:
         return importlib.import_module(name)
     except ModuleNotFoundError as err:
         if err.name and (name == err.name or name.startswith(err.name + ".")):  # not a module it imports
-            raise ConfigError(f"{key}: cannot import {name} ({err}; run from its folder, or put that folder on "
-                              "PYTHONPATH)") from None
+            raise ConfigError(
+                f"{key}: cannot import {name} ({err}; run from its folder, or put that folder on PYTHONPATH)"
+            ) from None
         raise import_failed(err, key, name) from None
     except Exception as err:
         raise import_failed(err, key, name) from None
@@ -86,6 +89,7 @@ def module_name_of(file: Path) -> str:
 
 # ---- where it failed ---------------------------------------------------------------------------
 
+
 def one_line(err: BaseException) -> str:
     """`Type: message` on one line, the message cut at MESSAGE_CHARS."""
     message = " ".join(str(err).split())
@@ -127,9 +131,12 @@ def where_raised(err: BaseException, fn: Callable | None = None) -> str:
     the deepest of the user's, else of a library's (the frames that ran it say nothing the user can fix)."""
     frames = frames_of(err.__traceback__)
     own_file = getattr(getattr(inspect.unwrap(fn), "__code__", None), "co_filename", None) if fn else None
-    tiers = ([f for f in frames if f[0].f_code.co_filename == own_file] if own_file else [],
-             [f for f in frames if whose(f[0]) == "user"], [f for f in frames if whose(f[0]) == "library"],
-             frames[-1:])
+    tiers = (
+        [f for f in frames if f[0].f_code.co_filename == own_file] if own_file else [],
+        [f for f in frames if whose(f[0]) == "user"],
+        [f for f in frames if whose(f[0]) == "library"],
+        frames[-1:],
+    )
     chosen = next((tier for tier in tiers if tier), [])
     return format_frame(*chosen[-1]) if chosen else ""
 
