@@ -21,6 +21,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .  # seconds; the code is held to its lint rules by CI, not by hand
+	$(BIN)/ruff format --check .  # and to one format: `ruff format .` writes it
 	$(BIN)/python -m pytest -q
 
 test-unit: $(STAMP)
