@@ -32,7 +32,6 @@ class GrantTable:
     def __init__(
         self, actor_timeout_s: float, max_actors: int = 1024, grant_timeout_s: float = 0.0, clock=time.monotonic
     ):
-        self.actor_timeout_s = actor_timeout_s
         self.grant_timeout_s = grant_timeout_s  # 0: a live actor keeps its grants until it returns them
         self.clock = clock
         self.pending: collections.deque[PromptGroup] = collections.deque()

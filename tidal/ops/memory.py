@@ -26,11 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tidal.broker.weights import TAG_SCRATCH_BYTES
 from tidal.config import ConfigError, KernelBackend, ModelConfig, RunConfig, TaskConfig, compute_dtype
-from tidal.kernels import auto_backend, working_set_bytes
 
 GiB = 1024**3
 MiB = 1024**2
@@ -38,6 +35,8 @@ MiB = 1024**2
 
 def itemsize(dtype: str) -> int:
     """The bytes of one element of a dtype named in the config (float32, bfloat16, ...), as torch has it."""
+    import torch  # only when a plan is made: the launcher imports this module and needs torch for nothing else
+
     return getattr(torch, str(dtype)).itemsize
 
 
@@ -453,6 +452,8 @@ def activation_terms(cfg: RunConfig, shape: ModelShape) -> list[Term]:
     layer's input plus one layer's whole set while it is recomputed; and the logprob kernel's working
     set as the kernels state it (tidal.kernels.working_set_bytes: tiles of logits, the fp32 gradients it
     accumulates; with a trained half-precision LM head, Triton's fp32 [V, D] accumulator)."""
+    from tidal.kernels import auto_backend, working_set_bytes  # torch with them: only when a plan is made
+
     lc, tokens = cfg.learner, cfg.learner.micro_batch_tokens
     item = itemsize(compute_dtype(cfg.learner))
     one_layer = tokens * layer_activation_bytes(shape, item)
