@@ -38,6 +38,7 @@ LAND_AFTER_S = 1.0
 # own: a collective issued in between reaches a communicator being torn down (on a GPU: undefined).
 DISABLED_AFTER_S = 0.5
 misuse: list[str] = []  # collectives issued on an aborted communicator that vLLM had not disabled yet
+disabling: list[threading.Thread] = []  # aborts still inside their window; `settle()` waits them out
 
 
 class FakeTimeout(AssertionError):
@@ -376,7 +377,16 @@ class FakeCommunicator:
             time.sleep(DISABLED_AFTER_S)
             self.disabled = True
 
-        threading.Thread(target=disable, daemon=True).start()
+        thread = threading.Thread(target=disable, daemon=True)
+        disabling.append(thread)
+        thread.start()
+
+
+def settle() -> None:
+    """Returns once every aborted communicator is disabled: a side still sending after an abort has
+    been seen (in `misuse`) by then. Without an abort there is no window to wait out."""
+    while disabling:
+        disabling.pop().join()
 
 
 def communicator(uid: bytes, rank: int, world_size: int, device) -> FakeCommunicator:

@@ -100,7 +100,8 @@ def test_a_dead_peer_raises_nothing_and_an_abort_ends_the_wait(fake):
     assert done.wait(5.0)
     sender.broadcast(torch.ones(4), src=0)  # aborted, not yet disabled: undefined on a GPU, recorded here
     assert len(fake_nccl.misuse) == 1
-    time.sleep(fake_nccl.DISABLED_AFTER_S * 2)
+    fake_nccl.settle()
+    assert sender.disabled
     sender.broadcast(torch.ones(4), src=0)  # disabled: nothing happens, nothing is raised
     assert len(fake_nccl.misuse) == 1
 
@@ -141,7 +142,7 @@ def channel(fake, monkeypatch):
     nccl._vllm_engine_class()  # vLLM's import, once, before any test's joins are timed
     torch.cuda.set_device(LEARNER_DEVICE)  # the learner's training thread
     yield made
-    time.sleep(fake_nccl.DISABLED_AFTER_S)  # a side still sending after an abort would have been seen by now
+    fake_nccl.settle()  # every abort's window closed: a side still sending would have been seen by now
     assert not fake_nccl.misuse
 
 
