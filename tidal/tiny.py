@@ -10,6 +10,9 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import os
+import secrets
+import shutil
 import string
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -162,8 +165,15 @@ def build_tiny_model(
 
 
 def save_model(model, tokenizer, path: Path) -> None:
-    """Write a loadable HF directory atomically: build under a temp name, then rename."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Write a loadable HF directory atomically: build under a temp name of this process's own, then
+    rename. Two processes building the same model at once (two runs sharing a cache) each write their
+    own; the first rename wins and the other's copy, the same model, is dropped."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(path)
+    try:
+        tmp.rename(path)
+    except OSError:
+        if not (path / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
