@@ -51,7 +51,7 @@ from tidal.broker.weights.base import (
     update_info,
 )
 from tidal.broker.weights.payload import pack, payload_bytes, tensor_buckets
-from tidal.broker.weights.server import Served, WeightServer, error_reply, next_request, read_reply, reply
+from tidal.broker.weights.server import Served, WeightServer, error_reply, read_reply, reply
 from tidal.config import WeightsConfig
 
 # magic, the channel's token, op, argument (JOIN: the engine's workers; FETCH: the version; STORE: the group)
@@ -198,7 +198,7 @@ class GroupServer(WeightServer):
                         return  # the actor joins again, on a new connection
                 elif not self._fetch(conn, group, arg):
                     return  # the transfer failed: the group is gone, and the actor joins again
-                request = next_request(conn, CONTROL.size, self.timeout_s)
+                request = self.next_request(conn, CONTROL.size, idle_s=None)  # idles between versions
         finally:
             self._drop(group)
 

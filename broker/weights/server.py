@@ -6,12 +6,16 @@ with a status, a body).
     accept loop (one thread) ─► a new connection waits, holding no thread, for its first request
                                 (at most AUTH_TIMEOUT_S; at most MAX_PENDING wait, the oldest dropped first)
                              ─► the token compared in constant time: wrong ─► a short refusal, closed
-                             ─► a handler thread while fewer than weights.max_connections run; else "busy", at once
+                             ─► a handler thread while fewer than weights.max_connections run; when all are
+                                taken, an idle one of the machine holding the most goes if that machine holds
+                                more than one above the newcomer's; else "busy", at once
     handler                  ─► the channel's requests (each carrying the token) until the actor goes away
 
 A stranger's connection gets nothing (no version list either) and never holds a handler thread, so
-it cannot delay an honest actor. The accept loop outlives any error (no thread left, no descriptor
-left): it logs it, counts it, pauses a moment and serves on.
+it cannot delay an honest actor. A token holder (every actor has the token) cannot take every slot
+from the others either: the slots are shared fairly among the machines (by address: one per pod on
+Kubernetes) that ask for them, an idle connection giving way first. The accept loop outlives any
+error (no thread left, no descriptor left): it logs it, counts it, pauses a moment and serves on.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ KEEPALIVE_S = 30  # an idle connection's peer is probed after this long, then ev
 MAX_PENDING = 128  # connections still to present their token; beyond it the oldest is dropped
 AUTH_TIMEOUT_S = 5.0  # a connection presents its token within this long (or weights.tcp_timeout_s if shorter)
 ACCEPT_BACKOFF_S = 0.1  # after a failed accept (no descriptor or thread left), before the next one
+EVICT_WAIT_S = 1.0  # how long a newcomer waits for the slot an evicted idle connection frees
 TOKEN_AT = slice(4, 4 + TOKEN_BYTES)  # where every request carries the token: right after its magic
 
 log = logging.getLogger(__name__)
@@ -85,7 +90,9 @@ class WeightServer:
         self.retained: int | None = None  # the version the actors are told of: served whatever `keep` says
         self.retired: list[Served] = []  # no longer served; reusable once no connection sends them
         self.lock = threading.Lock()
-        self.connections: set[socket.socket] = set()
+        self.connections: dict[socket.socket, str] = {}  # each served connection's machine (its address)
+        self.idle: set[socket.socket] = set()  # served connections waiting for their next request
+        self.evicted = 0  # idle connections closed for a machine under its share of the slots
         self.handlers: set[threading.Thread] = set()  # one per authenticated connection, while it lasts
         self.slots = threading.BoundedSemaphore(max_connections)
         self.max_connections = max_connections
@@ -234,8 +241,10 @@ class WeightServer:
         self._dispatch(conn, bytes(pending.received))
 
     def _dispatch(self, conn: socket.socket, opening: bytes) -> None:
-        """An authenticated connection onto a handler thread of its own, while fewer than max_connections run."""
-        if not self.slots.acquire(blocking=False):
+        """An authenticated connection onto a handler thread of its own, while fewer than max_connections run
+        (or an idle one of a machine over its share gives way)."""
+        machine = _machine(conn)
+        if not self.slots.acquire(blocking=False) and not self._make_room(machine):
             self._refuse(
                 conn,
                 "busy",
@@ -249,17 +258,60 @@ class WeightServer:
         keepalive(conn)
         handler = threading.Thread(target=self._serve, args=(conn, opening), name="tidal-weight-send", daemon=True)
         with self.lock:
-            self.connections.add(conn)
+            self.connections[conn] = machine
             self.handlers.add(handler)
         try:
             handler.start()
         except BaseException:  # no thread left: this connection is closed, the loop serves on
             with self.lock:
-                self.connections.discard(conn)
+                self.connections.pop(conn, None)
                 self.handlers.discard(handler)
             self.slots.release()
             conn.close()
             raise
+
+    def _make_room(self, machine: str) -> bool:
+        """All slots are taken: if the machine holding the most holds more than one above `machine`, one of
+        its idle connections is closed (its actor connects again when it next needs weights) and its slot
+        goes to `machine`. Whether a slot was taken."""
+        with self.lock:
+            held = collections.Counter(self.connections.values())
+            heaviest, most = max(held.items(), key=lambda item: item[1], default=("", 0))
+            victim = next((c for c in self.idle if self.connections.get(c) == heaviest), None)
+            if most <= held[machine] + 1 or victim is None:
+                return False
+            self.idle.discard(victim)
+            self.evicted += 1
+            if self.evicted & (self.evicted - 1) == 0:  # the 1st, 2nd, 4th, ...: cannot flood the log
+                log.warning(
+                    "weight server: %s holds %d of the %d connections; an idle one was closed for %s (%d so far)",
+                    heaviest,
+                    most,
+                    self.max_connections,
+                    machine,
+                    self.evicted,
+                )
+        try:
+            victim.shutdown(socket.SHUT_RDWR)  # its handler sees the end of the stream and frees its slot
+        except OSError:
+            pass  # ended by itself meanwhile: its slot frees all the same
+        return self.slots.acquire(timeout=EVICT_WAIT_S)
+
+    def next_request(self, conn: socket.socket, nbytes: int, idle_s: float | None) -> bytes | None:
+        """The connection's next `nbytes`-byte request: its first byte within `idle_s` (None: as long as
+        the peer likes), the rest within weights.tcp_timeout_s. None when the peer closed the connection
+        or it was closed to make room. While it waits, the connection may give way to another machine's."""
+        with self.lock:
+            self.idle.add(conn)
+        try:
+            conn.settimeout(idle_s)  # None: a dead peer's machine is found by keepalive, not by a timeout
+            if not conn.recv(1, socket.MSG_PEEK):
+                return None
+        finally:
+            with self.lock:
+                self.idle.discard(conn)
+            conn.settimeout(self.timeout_s)
+        return recv_exact(conn, nbytes, eof_ok=True)
 
     def _refuse(self, conn: socket.socket, reason: str, status: int, text: str) -> None:
         self.refused[reason] += 1
@@ -291,7 +343,8 @@ class WeightServer:
             )
         finally:
             with self.lock:
-                self.connections.discard(conn)
+                self.connections.pop(conn, None)
+                self.idle.discard(conn)
                 self.handlers.discard(threading.current_thread())
             conn.close()
             self.slots.release()
@@ -338,6 +391,14 @@ def keepalive(conn: socket.socket) -> None:
     for name, value in (("TCP_KEEPIDLE", KEEPALIVE_S), ("TCP_KEEPINTVL", KEEPALIVE_S), ("TCP_KEEPCNT", 4)):
         if hasattr(socket, name):  # Linux; elsewhere the system's defaults
             conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+def _machine(conn: socket.socket) -> str:
+    """The peer's address without its port: the machine (or pod) the connection comes from."""
+    try:
+        return conn.getpeername()[0]
+    except OSError:
+        return ""
 
 
 def _peer(conn: socket.socket) -> str:
@@ -391,19 +452,6 @@ def recv_exact(sock: socket.socket, nbytes: int, eof_ok: bool = False) -> bytes 
     if recv_into_exact(sock, memoryview(buf), eof_ok) is None:
         return None
     return bytes(buf)
-
-
-def next_request(conn: socket.socket, nbytes: int, timeout_s: float) -> bytes | None:
-    """The next `nbytes`-byte request on a connection that may idle for as long as the peer likes
-    (between versions: a training step, an evaluation); once its first byte is in, the rest must
-    follow within `timeout_s`. None when the peer closed the connection."""
-    conn.settimeout(None)  # a dead peer's machine is found by keepalive, not by a read timeout
-    try:
-        if not conn.recv(1, socket.MSG_PEEK):
-            return None
-    finally:
-        conn.settimeout(timeout_s)
-    return recv_exact(conn, nbytes, eof_ok=True)
 
 
 def recv_into_exact(sock: socket.socket, view: memoryview, eof_ok: bool = False) -> int | None:

@@ -68,7 +68,7 @@ class TcpServer(WeightServer):
                 return
             _, _, version, index = REQUEST.unpack(request)
             self._send_bucket(conn, version, index)
-            request = recv_exact(conn, REQUEST.size, eof_ok=True)
+            request = self.next_request(conn, REQUEST.size, idle_s=self.timeout_s)
 
     def _send_bucket(self, conn: socket.socket, version: int, index: int) -> None:
         served, known = self.lease(version)

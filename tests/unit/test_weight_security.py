@@ -249,6 +249,60 @@ def test_connections_beyond_the_cap_are_refused_at_once_and_served_once_one_ends
         served.close()
 
 
+def answer(conn: socket.socket) -> int:
+    """The status of the learner's reply on `conn`, its body read and dropped."""
+    conn.settimeout(10)
+    magic, status, nbytes = server.REPLY.unpack(server.recv_exact(conn, server.REPLY.size))
+    server.recv_exact(conn, nbytes)
+    return status
+
+
+def connect_from(host: str, address: tuple[str, int]) -> socket.socket:
+    """A connection to `address` from the loopback address `host`: another machine, as the server sees it."""
+    return socket.create_connection(address, source_address=(host, 0))
+
+
+@pytest.mark.parametrize("transport", ["tcp", "gloo"])
+def test_one_machine_holding_every_slot_gives_way_to_another_and_cannot_take_it_back(transport):
+    """Every actor holds the token: one that opens every slot and idles in them (tcp: renewing each
+    before its timeout; gloo: a FETCH without a JOIN, then nothing) used to keep every other actor from
+    its weights. Now a newcomer from a machine holding fewer takes an idle one's slot, and the holder
+    retaking it is told it is busy."""
+    served = served_weights(transport, max_connections=4)
+    publisher, update, _, tokenizer = next(served)
+    token, address = update.token, server.parse_location(update.location)
+    if transport == "tcp":
+        opening = tcp.bucket_request(token, 3, 0)
+    else:
+        opening = collective.CONTROL.pack(publisher.server.magic, token, collective.FETCH, 3)
+    try:
+        hoard = []
+        for _ in range(4):  # one request each, then idle
+            conn = connect_from("127.0.0.1", address)
+            conn.sendall(opening)
+            assert answer(conn) != server.BUSY
+            hoard.append(conn)
+        wait_until(lambda: len(publisher.server.idle) == 4)
+        with connect_from("127.0.0.1", address) as again:  # the hoarder asks for a fifth
+            again.sendall(opening)
+            assert refusal(again)[0] == server.BUSY
+        honest = connect_from("127.0.0.2", address)
+        honest.sendall(opening)
+        assert answer(honest) != server.BUSY  # served (gloo: told to join first), not refused
+        assert publisher.server.evicted == 1
+        assert sorted(publisher.server.connections.values()) == ["127.0.0.1"] * 3 + ["127.0.0.2"]
+        wait_until(lambda: len(publisher.server.idle) == 4)
+        with connect_from("127.0.0.1", address) as retake:  # 3 against 1: the hoarder may not take it back
+            retake.sendall(opening)
+            assert refusal(retake)[0] == server.BUSY
+        assert publisher.server.evicted == 1
+        honest.close()
+        for conn in hoard:
+            conn.close()
+    finally:
+        served.close()
+
+
 def test_the_accept_loop_survives_no_descriptor_and_no_thread_left(tcp_served, monkeypatch, caplog):
     publisher, update, _, tokenizer = tcp_served
     weight_server, failures = publisher.server, []
