@@ -13,7 +13,9 @@ def learner_transport(cfg: BrokerConfig, run: str, fresh: bool) -> LearnerTransp
     if cfg.type is BrokerType.redis:
         from tidal.broker.redis_transport import RedisLearnerTransport
 
-        return RedisLearnerTransport(cfg.redis, codec, run, cfg.actor_timeout_s, fresh, cfg.max_actors)
+        return RedisLearnerTransport(
+            cfg.redis, codec, run, cfg.actor_timeout_s, fresh, cfg.max_actors, cfg.grant_timeout_s
+        )
     from tidal.broker.zmq_transport import ZmqLearnerTransport
 
     return ZmqLearnerTransport(cfg, codec)

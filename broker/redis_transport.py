@@ -16,7 +16,12 @@ Acknowledgement rules, so that a crash anywhere loses nothing:
   them. A restarted learner re-reads its pending rollouts: what it trained after its last
   checkpoint is trained again, once, by the resumed model. It sends again the groups outstanding
   at the checkpoint and withdraws (XACK + XDEL) every other prompt an earlier process left.
-- The learner moves prompts delivered more than `max_deliveries` times to the dead stream.
+- The learner moves prompts delivered more than `max_deliveries` times to the dead stream, once they
+  are old enough to have been claimed that often by actors going silent (`claim_idle_ms` apart): an
+  actor user's XCLAIM ... RETRYCOUNT cannot make a fresh prompt look overdelivered.
+- The learner sends again (a new entry; the old one acknowledged and deleted) every prompt it waits
+  on that no actor can answer: one delivered but pending at no consumer (read with NOACK, or its
+  consumer deleted), and one added `grant_timeout_s` ago and still not answered, whoever holds it.
 - Trimming (XTRIM MINID) never passes the oldest pending entry or the group's read position. The
   learner also trims what actors write (heartbeats it has read; refused rollouts are deleted at once),
   since an actor's XADD may leave out MAXLEN.
@@ -36,7 +41,7 @@ import logging
 import os
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 
 import msgspec
 import redis
@@ -223,6 +228,17 @@ class Reconnect:
             return result
 
 
+def entry_key(entry: bytes | str) -> tuple[int, int]:
+    """A stream entry id (b"<ms>-<seq>") as a pair that orders as Redis orders ids."""
+    ms, _, seq = (entry.decode() if isinstance(entry, bytes) else entry).partition("-")
+    return int(ms), int(seq or 0)
+
+
+def entry_ms(entry: bytes | str) -> int:
+    """When Redis added the entry (ms since the epoch, Redis's clock): the first half of its id."""
+    return entry_key(entry)[0]
+
+
 def is_nogroup(err: ResponseError) -> bool:
     return str(err).startswith("NOGROUP")
 
@@ -264,6 +280,7 @@ class PromptReceipts:
     def __init__(self, r, link: Reconnect, keys: StreamKeys, max_deliveries: int):
         self.r, self.link, self.keys, self.max_deliveries = r, link, keys, max_deliveries
         self.entry_of: dict[str, bytes] = {}  # group id -> its newest prompt entry, until acknowledged
+        self.answered: set[bytes] = set()  # entries whose rollout was taken, acknowledged at the next commit
         self.lock = threading.Lock()
 
     def index(self) -> None:
@@ -283,6 +300,7 @@ class PromptReceipts:
         with self.lock:
             stale = [self.entry_of[gid] for gid, _ in pairs if gid in self.entry_of]
             self.entry_of.update((gid, entry) for gid, entry in pairs if gid)
+            self.answered.difference_update(stale)
         self._retire_all(stale)
 
     def withdraw(self, entries: list[bytes]) -> None:
@@ -290,6 +308,7 @@ class PromptReceipts:
         with self.lock:
             gone = set(entries)
             self.entry_of = {gid: e for gid, e in self.entry_of.items() if e not in gone}
+            self.answered -= gone
         self._retire_all(entries)
 
     def _retire_all(self, entries: list[bytes]) -> None:
@@ -325,6 +344,8 @@ class PromptReceipts:
                 out.append(("wrong_actor", None))
             else:
                 out.append((None, entry))
+        with self.lock:
+            self.answered.update(entry for why, entry in out if why is None)
         return out
 
     def acknowledge(self, entries: list[bytes]) -> None:
@@ -333,21 +354,66 @@ class PromptReceipts:
         with self.lock:
             done = set(entries)
             self.entry_of = {gid: e for gid, e in self.entry_of.items() if e not in done}
+            self.answered -= done
         for i in range(0, len(entries), 1000):
             self.link.call(self.r.xack, self.keys.prompts, ACTORS, *entries[i : i + 1000])
 
-    def overdelivered(self) -> list[tuple[bytes, str, int]]:
-        """(entry, group id, deliveries) of prompts delivered more than max_deliveries times."""
+    def overdelivered(self, claim_idle_ms: int) -> list[tuple[bytes, str, int]]:
+        """(entry, group id, deliveries) of prompts delivered more than max_deliveries times, and old enough
+        for that: each redelivery is a claim after `claim_idle_ms` idle, so a count above what the entry's
+        age allows was written by an XCLAIM ... RETRYCOUNT, not by actors going silent."""
         try:
             info = self.link.call(self.r.xpending_range, self.keys.prompts, ACTORS, min="-", max="+", count=1000)
         except ResponseError as err:
             if is_nogroup(err):
                 return []
             raise
-        over = [(p["message_id"], p["times_delivered"]) for p in info if p["times_delivered"] > self.max_deliveries]
+        old_enough = time.time() * 1000 - self.max_deliveries * claim_idle_ms
+        over = [
+            (p["message_id"], p["times_delivered"])
+            for p in info
+            if p["times_delivered"] > self.max_deliveries and entry_ms(p["message_id"]) <= old_enough
+        ]
         with self.lock:
             by_entry = {e: gid for gid, e in self.entry_of.items()}
         return [(entry, by_entry.get(entry, ""), times) for entry, times in over]
+
+    def unanswerable(self, overdue_s: float) -> dict[str, list[tuple[str, bytes]]]:
+        """The prompt entries the learner waits on that no actor will answer, by why: `unpending`, delivered
+        but pending at no consumer (read with NOACK, or its consumer deleted: no rollout of it can be
+        taken); `overdue`, added more than `overdue_s` ago (0: never), whoever holds it."""
+        with self.lock:
+            waiting = {gid: e for gid, e in self.entry_of.items() if e not in self.answered}
+        if not waiting:
+            return {}
+
+        def query():
+            pipe = self.r.pipeline(transaction=True)  # one moment: what was delivered, and what is pending
+            pipe.xinfo_groups(self.keys.prompts)
+            pipe.xpending_range(self.keys.prompts, ACTORS, min="-", max="+", count=len(waiting) + 1000)
+            return pipe.execute()
+
+        try:
+            groups, pending = self.link.call(query)
+        except ResponseError as err:
+            if is_nogroup(err):
+                return {}
+            raise
+        ours = [g for g in groups if g["name"] == ACTORS.encode()]
+        delivered = entry_key(ours[0]["last-delivered-id"]) if ours else (0, 0)
+        held, oldest = {p["message_id"] for p in pending}, time.time() * 1000 - overdue_s * 1000
+        found: dict[str, list[tuple[str, bytes]]] = {}
+        for group_id, entry in waiting.items():
+            if entry_key(entry) <= delivered and entry not in held:
+                found.setdefault("unpending", []).append((group_id, entry))
+            elif overdue_s > 0 and entry_ms(entry) < oldest:
+                found.setdefault("overdue", []).append((group_id, entry))
+        with self.lock:  # acknowledged meanwhile (trained): nothing to send again
+            return {
+                why: kept
+                for why, pairs in found.items()
+                if (kept := [(gid, e) for gid, e in pairs if self.entry_of.get(gid) == e])
+            }
 
 
 def ensure_groups(r, link: Reconnect, keys: StreamKeys) -> None:
@@ -519,11 +585,25 @@ class DeadLetters:
         return ids
 
 
+SEND_AGAIN_WHY = {
+    "unpending": "delivered but pending at no actor: read with NOACK, or its consumer deleted",
+    "overdue": "added broker.grant_timeout_s ago and not answered",
+}
+
+
 class RedisLearnerTransport(LearnerTransport):
     def __init__(
-        self, cfg: RedisConfig, codec: WireCodec, run: str, actor_timeout_s: float, fresh: bool, max_actors: int = 1024
+        self,
+        cfg: RedisConfig,
+        codec: WireCodec,
+        run: str,
+        actor_timeout_s: float,
+        fresh: bool,
+        max_actors: int = 1024,
+        grant_timeout_s: float = 0.0,
     ):
-        self.cfg, self.codec = cfg, codec
+        self.cfg, self.codec, self.grant_timeout_s = cfg, codec, grant_timeout_s
+        self.sent_again: Counter[str] = Counter()  # prompts no actor could answer, sent again, by why
         self.sparse = SparseLog(log)  # refused entries: a line at the 1st, 10th, 100th ... of each reason
         self.keys = StreamKeys(cfg.prefix, run)
         self.link = Reconnect(cfg, relieve=self.relieve)
@@ -569,7 +649,10 @@ class RedisLearnerTransport(LearnerTransport):
     def submit_prompts(self, groups: list[PromptGroup]) -> None:
         if not groups:
             return
-        waiting = [(g.group_id, self.codec.encode(g)) for g in groups]
+        self._add([(g.group_id, self.codec.encode(g)) for g in groups])
+
+    def _add(self, waiting: list[tuple[str, bytes]]) -> None:
+        """(group id, frame) pairs as new prompt entries; each replaces the group's earlier entry."""
         while waiting:  # a full Redis takes some of a pipeline and refuses the rest: only the rest again
             landed, waiting, full = self._xadd_pipelined(waiting)
             self.receipts.added(landed)
@@ -770,7 +853,8 @@ class RedisLearnerTransport(LearnerTransport):
         return self.beats.take_joins()
 
     def take_dead_letters(self) -> list[str]:
-        for entry, group_id, times in self.receipts.overdelivered():
+        self._send_again(self.receipts.unanswerable(self.grant_timeout_s))
+        for entry, group_id, times in self.receipts.overdelivered(self.cfg.claim_idle_ms):
             log.warning(
                 "prompt group %s delivered %d times (> broker.redis.max_deliveries %d): dead-lettered",
                 group_id or entry.decode(),
@@ -791,6 +875,28 @@ class RedisLearnerTransport(LearnerTransport):
             self.receipts.acknowledge([entry])
         return self.dead.take()
 
+    def _send_again(self, found: dict[str, list[tuple[str, bytes]]]) -> None:
+        """Prompts no actor can answer (PromptReceipts.unanswerable) as new entries, counted by why."""
+        for why, pairs in found.items():
+
+            def frames(pairs=pairs):
+                pipe = self.r.pipeline(transaction=False)
+                for _, entry in pairs:
+                    pipe.xrange(self.keys.prompts, entry, entry)
+                return pipe.execute()
+
+            again = [(gid, got[0][1][b"m"]) for (gid, _), got in zip(pairs, self.link.call(frames)) if got]
+            self._add(again)
+            self.sent_again[why] += len(again)
+            if again:
+                self.sparse.warning(
+                    f"prompt groups sent again ({why})",
+                    "sent %d prompt groups again that no actor could answer (%s: %s)",
+                    len(again),
+                    why,
+                    SEND_AGAIN_WHY[why],
+                )
+
     def metrics(self) -> dict[str, float]:
         live = list(self.actors().values())
         out = {
@@ -799,7 +905,7 @@ class RedisLearnerTransport(LearnerTransport):
             "broker/reconnects": float(self.link.reconnects),
             "broker/redis_oom_waits": float(self.link.oom_waits),
             "broker/dead_unrecorded": float(self.dead.num_unrecorded),
-        }
+        } | {f"broker/sent_again/{why}": float(self.sent_again[why]) for why in SEND_AGAIN_WHY}
         for key, group, name in ((self.keys.prompts, ACTORS, "prompt"), (self.keys.rollouts, LEARNER, "rollout")):
             for g in self.link.call(self.r.xinfo_groups, key):
                 if g["name"].decode() == group:

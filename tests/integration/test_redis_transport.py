@@ -436,3 +436,41 @@ def test_a_resumed_learner_withdraws_groups_released_after_its_checkpoint(redis_
     # its last rollout may reach the learner before the actor forgets the group: only v8 ones would be wrong
     assert got == ["r-0", "r-1"] and holding <= {"r-0", "r-1"}
     assert again.r.xlen(again.keys.prompts) == 2  # the entries sent again, and nothing else
+
+
+def test_prompts_no_actor_can_answer_are_sent_again_and_a_forged_retry_count_dead_letters_nothing(redis_server):
+    """An actor user can read prompts with NOACK (pending at no one: no rollout of them can be taken), hold
+    them, or claim another's with RETRYCOUNT 100. Each once stopped the run or dead-lettered the prompt.
+    The learner sends the first again at its next poll, the held and the claimed ones after
+    broker.grant_timeout_s, and dead-letters none of them; honest actors answer every group, and groups
+    answered but not yet committed are never sent again."""
+    from tidal.broker.redis_transport import ACTORS
+
+    cfg = config(redis_server)
+    side = RedisLearnerTransport(cfg, WireCodec(1 << 20), "t", actor_timeout_s=5, fresh=True, grant_timeout_s=2.0)
+    side.submit_prompts([prompt(i) for i in range(3)])
+    thief = redis.Redis.from_url(cfg.url)
+    try:
+        thief.xreadgroup(ACTORS, "thief", {side.keys.prompts: ">"}, count=1, noack=True)  # r-0, acknowledged by no one
+        [[_, [(held, _)]]] = thief.xreadgroup(ACTORS, "hoarder", {side.keys.prompts: ">"}, count=1)  # r-1
+        assert side.take_dead_letters() == [] and side.sent_again["unpending"] == 1
+        assert run(work(cfg, "honest")) == ["r-2", "r-0"]  # r-0 again, as a new entry; both answered
+        assert sorted(drain(side, 2)) == ["r-0", "r-2"]  # taken: waited on no more, though not yet committed
+        side.submit_prompts([prompt(3)])
+        [[_, [(entry, _)]]] = thief.xreadgroup(ACTORS, "honest", {side.keys.prompts: ">"}, count=1)  # r-3
+        thief.xclaim(side.keys.prompts, ACTORS, "thief", 0, [entry], retrycount=100)  # "delivered 100 times"
+        assert side.take_dead_letters() == []  # too young to have been claimed that often by silent actors
+        for _ in range(600):  # r-1 (held), then r-3 (claimed), each once grant_timeout_s has passed
+            if side.receipts.entry_of["r-3"] != entry:
+                break
+            assert side.take_dead_letters() == []
+            time.sleep(0.1)
+        assert side.receipts.entry_of["r-1"] != held and side.sent_again["overdue"] >= 2
+        assert sorted(run(work(cfg, "other"))) == ["r-1", "r-3"]
+        assert sorted(drain(side, 2)) == ["r-1", "r-3"]
+        assert thief.xpending_range(side.keys.prompts, ACTORS, held, held, 1) == []  # the held entry withdrawn
+        metrics = side.metrics()
+        assert metrics["broker/sent_again/unpending"] == 1 and metrics["broker/sent_again/overdue"] >= 2
+    finally:
+        thief.close()
+        side.close()

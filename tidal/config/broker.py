@@ -140,9 +140,9 @@ class BrokerConfig(Section):
     actor_timeout_s: float = opt(10.0, "an actor silent this long counts as gone (zmq: its groups are re-dispatched)")
     grant_timeout_s: float = opt(
         600.0,
-        "zmq: a group granted this long ago and not returned is offered to the other "
-        "actors too, the first rollout in counting (raise it above the longest a "
-        "group takes to generate; 0: never)",
+        "a group granted this long ago and not returned is offered to the other actors "
+        "too (zmq: the first rollout in counts; redis: sent again as a new entry, the one "
+        "taken after it counts); raise it above the longest a group takes to generate; 0: never",
     )
     zmq: ZmqConfig = field(default_factory=ZmqConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
