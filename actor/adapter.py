@@ -10,17 +10,80 @@ Every request carries the one adapter id, and each version replaces the adapter'
 id while the engine is paused: requests in flight go on under the new adapter, as they do under new
 full weights, so each token's recorded version stays right, and the engine holds one adapter however
 many versions pass. An update that fails part-way leaves the previous adapter installed (its tensors
-are kept until a new version has arrived whole), so an adapter engine is never torn.
+are kept until a new version has arrived whole), so an adapter engine is never torn. An adapter the
+engine cannot serve as the learner holds it (a rank above the engine's, tensors of another rank or of
+another base's shapes, modules the model lacks) is refused from its announcement, before any byte
+of it lands; one that fails at install all the same puts the previous version back.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 ADAPTER_ID = 1  # the one LoRA id of an actor's engine; vLLM's ids start at 1
 ADAPTER_NAME = "tidal-policy"
 # PEFT's saved names: base_model.model.<module path>.lora_A.weight ([r, in]) and lora_B.weight ([out, r])
 PEFT_NAME = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")
+
+
+@dataclass(frozen=True)
+class Served:
+    """What adapters the engine's model can serve: its max_lora_rank, and (in, out) features per module an
+    adapter may carry, named as PEFT's module paths are once vLLM's renaming applies (a packed module's
+    parts, such as q_proj, k_proj and v_proj, each under its own name)."""
+
+    max_rank: int
+    features: dict[str, tuple[int, int]]
+    mapper: object = None  # the model's hf_to_vllm renaming of adapter names, if it has one
+
+    @classmethod
+    def of(cls, model, max_rank: int) -> Served:
+        from vllm.model_executor.layers.linear import LinearBase
+
+        packed = getattr(model, "packed_modules_mapping", {}) or {}
+        features = {}
+        for name, module in model.named_modules():
+            base = getattr(module, "base_layer", None)
+            if not isinstance(base, LinearBase):
+                continue  # not a linear layer vLLM wrapped for LoRA
+            prefix, _, leaf = name.rpartition(".")
+            parts, outs = packed.get(leaf, []), _out_features(base)
+            if len(parts) > 1 and len(parts) == len(outs):
+                features.update({f"{prefix}.{part}": (base.input_size, out) for part, out in zip(parts, outs)})
+            else:
+                features[name] = (base.input_size, base.output_size)
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        return cls(max_rank, features, mapper.get_rename_mapper() if mapper is not None else None)
+
+    def problem(self, spec, manifest) -> str | None:
+        """Why an adapter of `spec` with these tensors is not one this engine serves as the learner holds it."""
+        from vllm.lora.utils import parse_fine_tuned_lora_name
+
+        if spec.rank > self.max_rank:
+            return f"rank {spec.rank}, above the engine's max_lora_rank {self.max_rank} (learner.lora.rank differs)"
+        for tensor in manifest:
+            module, is_a = parse_fine_tuned_lora_name(tensor.name, self.mapper)
+            module = module.removeprefix("base_model.model.")
+            if module not in self.features:
+                return f"{tensor.name!r} is for a module the served model lacks ({module})"
+            inputs, outputs = self.features[module]
+            want = (spec.rank, inputs) if is_a else (outputs, spec.rank)
+            if tuple(tensor.shape) != want:
+                return (
+                    f"{tensor.name!r} is {list(tensor.shape)}, not {list(want)} (rank {spec.rank} over the served "
+                    f"model's {inputs} -> {outputs}): an adapter of another rank or another base model"
+                )
+        return None
+
+
+def _out_features(base) -> list[int]:
+    """A linear layer's output features per part, as the checkpoint holds them (whatever the tensor
+    parallelism: a q/k/v layer's key and value heads may be replicated across ranks)."""
+    if hasattr(base, "total_num_kv_heads"):  # q, k and v in one
+        kv, value_size = base.total_num_kv_heads, getattr(base, "v_head_size", base.head_size)
+        return [base.total_num_heads * base.head_size, kv * base.head_size, kv * value_size]
+    return list(getattr(base, "output_sizes", None) or [base.output_size])
 
 
 class AdapterStash:
@@ -30,6 +93,7 @@ class AdapterStash:
 
     def __init__(self):
         self.current = None  # (AdapterSpec, {name: tensor}, version) of the newest version received whole
+        self.previous = None  # the one before: installed again if `current` fails to install
         self.incoming: dict = {}  # the version being received
         self.spec, self.expected, self.version = None, set(), -1
 
@@ -52,8 +116,9 @@ class AdapterStash:
             names.add(name)
         return names
 
-    def begin(self, update) -> None:
-        """A new version starts arriving: `update`, a WeightUpdate with its `adapter`."""
+    def begin(self, update, served: Served | None = None) -> None:
+        """A new version starts arriving: `update`, a WeightUpdate with its `adapter`, checked against
+        what the engine serves (`served`; None outside vLLM)."""
         if update.adapter is None:
             raise ValueError(
                 f"weights v{update.version} are a whole model, but this engine serves a LoRA adapter "
@@ -65,6 +130,9 @@ class AdapterStash:
                 f"weights v{update.version}: {len(bad)} tensors are not a LoRA adapter's "
                 f"(base_model.model.<module>.lora_A|lora_B.weight), e.g. {bad[:3]}"
             )
+        why = served.problem(update.adapter, update.manifest) if served is not None else None
+        if why:
+            raise ValueError(f"weights v{update.version}: an adapter this engine cannot serve: {why}")
         self.spec, self.version = update.adapter, update.version
         self.expected, self.incoming = {s.name for s in update.manifest}, {}
 
@@ -75,11 +143,26 @@ class AdapterStash:
             raise ValueError(
                 f"weights v{self.version}: {len(missing)} adapter tensors never arrived, e.g. {sorted(missing)[:3]}"
             )
+        if self.current is not None:
+            self.previous = self.current
         self.current, self.incoming = (self.spec, self.incoming, self.version), {}
 
     def install(self, worker_lora_manager) -> int:
         """The current version (a zero adapter before the first) into vLLM's LoRA manager under
-        ADAPTER_ID, replacing what was there; the version installed (-1: the zero adapter)."""
+        ADAPTER_ID, replacing what was there; the version installed (-1: the zero adapter). One that
+        fails puts the version before it back, and then raises: the engine is never left without one."""
+        try:
+            return self._install(worker_lora_manager)
+        except Exception as err:
+            if self.current is None:
+                raise  # the zero adapter: nothing before it
+            failed, self.current, self.previous = self.current, self.previous, None
+            before = self._install(worker_lora_manager)
+            raise RuntimeError(
+                f"the adapter of weights v{failed[2]} did not install ({err}); v{before} serves on"
+            ) from err
+
+    def _install(self, worker_lora_manager) -> int:
         manager = worker_lora_manager._adapter_manager
         lora = self._zero(worker_lora_manager) if self.current is None else self._lora(worker_lora_manager)
         manager.remove_adapter(ADAPTER_ID)

@@ -53,6 +53,15 @@ class WorkerEngine:
             self.stash = AdapterStash()
         return self.stash
 
+    @functools.cached_property
+    def served_adapters(self):
+        """What adapters this worker's model serves (tidal.actor.adapter.Served), read once its LoRA layers
+        are in place; None outside vLLM (a scripted model) or without LoRA."""
+        from tidal.actor.adapter import Served
+
+        lora = getattr(self.vllm_config, "lora_config", None)
+        return Served.of(self.model, lora.max_lora_rank) if lora is not None else None
+
     def start_weight_update(self) -> None:
         if self.member is not None:
             self.member.start()
@@ -74,7 +83,7 @@ class WorkerEngine:
 
         channel, update = transport(info.transport), msgspec.convert(info.update, WeightUpdate)
         if self.stash is not None:
-            self.stash.begin(update)
+            self.stash.begin(update, self.served_adapters)
         elif update.adapter is not None:
             raise ValueError(
                 f"weights v{update.version} are a LoRA adapter, but this engine started without LoRA "

@@ -29,14 +29,14 @@ def engine(tiny_model_path):
     yield from engine_on_a_thread(tiny_model_path, adapter_rank=RANK)
 
 
-def adapted(base, seed: int):
+def adapted(base, seed: int, rank: int = RANK):
     """(the base with a LoRA adapter of random weights, as the learner holds it; the adapter's tensors
     under PEFT's saved names)."""
     import copy
 
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
-    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS)))
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=rank, lora_alpha=ALPHA, target_modules=list(TARGETS)))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -45,9 +45,9 @@ def adapted(base, seed: int):
     return model.base_model.model, {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
 
 
-def publish(publisher, tensors: dict, version: int):
+def publish(publisher, tensors: dict, version: int, rank: int = RANK):
     update = publisher.publish(tensors, version=version)
-    return msgspec.structs.replace(update, adapter=AdapterSpec(RANK, ALPHA, TARGETS))
+    return msgspec.structs.replace(update, adapter=AdapterSpec(rank, ALPHA, TARGETS))
 
 
 def channel(transport="tcp", **keys):
@@ -130,6 +130,32 @@ def test_a_failed_adapter_update_leaves_the_previous_adapter_serving(engine, bas
         publisher.close()
     assert engine.version == 21 and not engine.torn
     served(engine, policy, 21, "lora-survived")
+
+
+def test_an_adapter_the_engine_cannot_serve_is_refused_before_it_lands_and_the_last_one_serves_on(engine, base):
+    """Adapters a misconfigured (or forged) learner could send: each used to kill the engine or leave it
+    serving something else under the new label. Each is refused from its announcement, naming why, and
+    the engine serves the version before, alive and under its own label."""
+    policy, tensors = adapted(base, seed=40)
+    wider = {k: torch.randn(v.shape[0], 2 * v.shape[1]) if "lora_A" in k else v for k, v in tensors.items()}
+    extra = "base_model.model.model.layers.99.self_attn.q_proj.lora_A.weight"
+    bad = {
+        41: (adapted(base, seed=41, rank=16)[1], 16, "rank 16, above the engine's max_lora_rank 8"),
+        42: (adapted(base, seed=42, rank=4)[1], RANK, r"is \[4, \d+\], not \[8, \d+\]"),
+        43: (wider, RANK, "an adapter of another rank or another base model"),
+        44: ({**tensors, extra: torch.zeros(RANK, 64)}, RANK, r"for a module the served model lacks \(model.layers.99"),
+    }
+    publisher, receiver = channel("tcp")
+    try:
+        on_engine(engine, receiver.apply(publish(publisher, tensors, 40), engine))
+        for version, (sent, rank, says) in bad.items():
+            with pytest.raises(Exception, match=says):
+                on_engine(engine, receiver.apply(publish(publisher, sent, version, rank), engine))
+            assert engine.version == 40 and not engine.torn
+    finally:
+        publisher.close()
+    served(engine, policy, 40, "lora-refused-four")
+    assert on_engine(engine, engine._llm.collective_rpc("tidal_adapters")) == [[1]]
 
 
 def test_a_whole_model_sent_to_an_adapter_engine_is_refused_naming_why(engine, base):

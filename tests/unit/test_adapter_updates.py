@@ -100,3 +100,57 @@ def test_an_adapter_missing_a_tensor_never_becomes_the_current_one():
     assert box.current is None
     with pytest.raises(ValueError, match="is not in its announcement"):
         box.load_weights([("base_model.model.x.lora_A.weight", torch.zeros(1))])
+
+
+def manifest_of(tensors: dict) -> list:
+    from types import SimpleNamespace
+
+    return [SimpleNamespace(name=name, shape=tuple(t.shape)) for name, t in tensors.items()]
+
+
+def test_an_adapter_is_checked_against_the_served_rank_modules_and_shapes():
+    """The rule the engine applies from an announcement (its modules read from vLLM's layers in
+    tests/integration/test_lora_engine.py), here over a model of two layers of 32 features."""
+    from tidal.actor.adapter import Served
+
+    served = Served(
+        max_rank=4,
+        features={f"model.layers.{i}.self_attn.{m}": (32, 32) for i in range(2) for m in ("q_proj", "v_proj")},
+    )
+    good = adapter(1)
+    assert served.problem(SPEC, manifest_of(good)) is None
+    wide = msgspec.structs.replace(SPEC, rank=8)
+    assert "rank 8, above the engine's max_lora_rank 4" in served.problem(wide, manifest_of(good))
+    narrow = msgspec.structs.replace(SPEC, rank=2)  # tensors of rank 4 announced as rank 2
+    assert "is [4, 32], not [2, 32]" in served.problem(narrow, manifest_of(good))
+    other_base = {k: torch.zeros(v.shape[0], 48) if "lora_A" in k else v for k, v in good.items()}
+    assert "another base model" in served.problem(SPEC, manifest_of(other_base))
+    extra = {**good, "base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight": torch.zeros(4, 32)}
+    assert "a module the served model lacks (model.layers.7.self_attn.q_proj)" in served.problem(
+        SPEC, manifest_of(extra)
+    )
+
+
+def test_an_adapter_that_fails_to_install_puts_the_one_before_back():
+    from types import SimpleNamespace
+
+    box, installed = AdapterStash(), []
+
+    def install(manager):
+        version = box.current[2] if box.current is not None else -1
+        if version == 2:
+            raise RuntimeError("no room")
+        installed.append(version)
+        return version
+
+    box._install = install
+    for version in (1, 2):
+        tensors = adapter(version)
+        box.begin(SimpleNamespace(adapter=SPEC, version=version, manifest=manifest_of(tensors)))
+        box.load_weights(tensors.items())
+        box.received()
+        if version == 1:
+            assert box.install(None) == 1
+    with pytest.raises(RuntimeError, match=r"the adapter of weights v2 did not install \(no room\); v1 serves on"):
+        box.install(None)
+    assert installed == [1, 1] and box.current[2] == 1
