@@ -3,6 +3,9 @@ PY      ?= python3.11
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+# test processes: tests that start vLLM engines and runs spend much of their time waiting on processes
+# and sockets, so two per two cores take a quarter off the suite; more than the cores slows each run
+WORKERS ?= 2
 
 .PHONY: install demo test test-unit bench clean
 
@@ -22,10 +25,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .  # seconds; the code is held to its lint rules by CI, not by hand
 	$(BIN)/ruff format --check .  # and to one format: `ruff format .` writes it
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(WORKERS)
 
 test-unit: $(STAMP)
-	$(BIN)/python -m pytest -q tests/unit
+	$(BIN)/python -m pytest -q -n $(WORKERS) tests/unit
 
 # does asynchrony pay? the demo and the long task at staleness bounds 0-8, 3 seeds each, and TRL's
 # GRPOTrainer on the same seeds (several hours on 2 cores); then tidal's parts against the raw thing
