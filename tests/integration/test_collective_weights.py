@@ -207,7 +207,7 @@ def test_a_group_idle_between_versions_for_longer_than_the_timeout_stays_joined(
         asyncio.run(receiver.apply(publisher.publish(moved, version=4), engine))
         assert engine.swaps == [3, 4] and engine.worker.member is member and len(publisher.server.groups) == 1
         assert all(torch.equal(engine.loaded[k], moved[k]) for k in engine.loaded)
-        conn = publisher.server.connections.copy().pop()
+        conn = next(iter(publisher.server.connections))
         assert conn.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
     finally:
         served.close()

@@ -293,9 +293,10 @@ def test_transfers_beyond_max_sends_wait_their_turn_and_every_one_sends_from_the
     """weights.max_sends = 1: two actors ask at once; one transfer runs, from the one send slot (two
     streams and two buffers of the largest chunk, made once), while the other actor waits longer than
     weights.tcp_timeout_s without timing out (the learner tells it it is queued), then takes its turn."""
-    # a chunk takes 0.4 s, well inside the 1 s timeout even on a loaded machine; a version, 1.2 s, beyond it
-    publisher = nccl_publisher(timeout_s=1.0, max_sends=1)
-    slow = lambda t: (time.sleep(0.2), fake_nccl.read(t))[1]  # noqa: E731
+    # a chunk takes 0.8 s, well inside the 2 s timeout even on a loaded machine (two test processes per
+    # core: 0.4 s against 1 s once timed out there); a version, 2.4 s, beyond it
+    publisher = nccl_publisher(timeout_s=2.0, max_sends=1)
+    slow = lambda t: (time.sleep(0.4), fake_nccl.read(t))[1]  # noqa: E731
     engines = [worker_engine(), worker_engine()]
     for engine in engines:
         engine.read = slow
@@ -303,7 +304,7 @@ def test_transfers_beyond_max_sends_wait_their_turn_and_every_one_sends_from_the
     update = publisher.publish(state, 1)
 
     async def both():
-        receivers = [build_receiver(weights_config("nccl", tcp_timeout_s=1.0)) for _ in engines]
+        receivers = [build_receiver(weights_config("nccl", tcp_timeout_s=2.0)) for _ in engines]
         await asyncio.gather(*(r.apply(update, e) for r, e in zip(receivers, engines)))
 
     running, most, send = [], [], publisher.plane.send
