@@ -202,6 +202,11 @@ class LearnerTransport(abc.ABC):
         """A group returned by recv_rollout that this learner will not use: keep it for a later one."""
 
     @abc.abstractmethod
+    def bar(self, actor_id: str) -> None:
+        """An actor whose rollouts the learner refuses while it keeps the others': it is granted nothing
+        more, what it sends is refused (broker/rejected/barred), and the groups it holds go to the others."""
+
+    @abc.abstractmethod
     def metrics(self) -> dict[str, float]:
         """broker/... counters: rejected frames by reason, queue depths."""
 

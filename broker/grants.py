@@ -9,9 +9,11 @@ has its unreturned groups queued again at the front; one of its earlier holders 
 first, and the learner deduplicates by group id. Redis keeps the same record itself (its pending
 entries). Not thread-safe: the owning transport serializes every call.
 
-No live actor can hoard the window: each holds at most its fair share of the groups in circulation
-(queued or granted, split evenly over the live actors), and a group granted `grant_timeout_s` ago and
-not returned is queued again for the others, its holder still free to deliver it first.
+An actor the learner bars (its rollouts refused while the others' are kept) is granted nothing
+more, its groups are queued again and its rollouts refused. No live actor can hoard the window: each
+holds at most its fair share of the groups in circulation (queued or granted, split evenly over the
+live actors), and a group granted `grant_timeout_s` ago and not returned is queued again for the
+others, its holder still free to deliver it first.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class GrantTable:
         self.num_redispatched = 0
         self.num_overdue = 0  # grants taken back from a live actor after grant_timeout_s
         self.num_share_capped = 0  # requests cut to the asker's fair share
+        self.barred: set[str] = set()  # actor ids whose rollouts the learner refuses (bar)
         self._overdue_log = SparseLog(log)
 
     @property
@@ -57,7 +60,7 @@ class GrantTable:
     def take(self, actor_id: str, max_samples: int) -> list[PromptGroup]:
         """Whole groups from the front of the queue while their samples fit `max_samples` and the actor
         stays within its fair share; nothing for an id that is not a live actor."""
-        if actor_id not in self.actors:
+        if actor_id not in self.actors or actor_id in self.barred:
             return []
         groups: list[PromptGroup] = []
         budget, room = max_samples, self.fair_share() - self.held[actor_id]
@@ -75,10 +78,13 @@ class GrantTable:
 
     def fair_share(self) -> int:
         """The most groups one live actor may hold at once: an even part of those queued or granted."""
-        return math.ceil((len(self.pending) + len(self.granted)) / max(len(self.actors), 1))
+        working = len(self.actors.keys() - self.barred)
+        return math.ceil((len(self.pending) + len(self.granted)) / max(working, 1))
 
     def returned(self, group_id: str, actor_id: str) -> str | None:
         """A rollout arrived; the reason to refuse it (not granted, or not to this actor), or None."""
+        if actor_id in self.barred:
+            return "barred"
         holders = self.holders.get(group_id)
         if holders is None:
             return "ungranted"  # never granted, or already returned: a forgery or a late copy
@@ -87,6 +93,11 @@ class GrantTable:
         self._ungrant(group_id)
         del self.holders[group_id]
         return None
+
+    def bar(self, actor_id: str) -> None:
+        """Grant `actor_id` nothing more and refuse its rollouts; the groups it holds go back to the queue."""
+        self.barred.add(actor_id)
+        self._requeue(actor_id, "is barred (its rollouts are refused)")
 
     def on_heartbeat(self, beat: Heartbeat) -> bool:
         """A heartbeat (the first one, or a hello, introduces an actor); False when refused. A hello
@@ -156,4 +167,5 @@ class GrantTable:
             "broker/overdue_groups": float(self.num_overdue),
             "broker/share_capped_requests": float(self.num_share_capped),
             "broker/live_actors": float(len(self.actors)),
+            "broker/barred_actors": float(len(self.barred)),
         } | common_metrics(list(self.actors.values()), rejected | self.refused)

@@ -140,6 +140,10 @@ class InprocLearnerTransport(LearnerTransport):
         with self.broker.lock:
             return dict(self.broker.grants.actors)
 
+    def bar(self, actor_id: str) -> None:
+        with self.broker.lock:
+            self.broker.grants.bar(actor_id)
+
     def take_joins(self) -> list[ActorJoin]:
         with self.broker.lock:
             return self.broker.grants.take_joins()

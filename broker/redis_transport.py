@@ -281,6 +281,7 @@ class PromptReceipts:
         self.r, self.link, self.keys, self.max_deliveries = r, link, keys, max_deliveries
         self.entry_of: dict[str, bytes] = {}  # group id -> its newest prompt entry, until acknowledged
         self.answered: set[bytes] = set()  # entries whose rollout was taken, acknowledged at the next commit
+        self.barred: set[str] = set()  # actor ids whose rollouts are refused; what they hold is sent again
         self.lock = threading.Lock()
 
     def index(self) -> None:
@@ -338,7 +339,9 @@ class PromptReceipts:
         out = []
         for group, entry in zip(groups, entries):
             info = next(answers) if entry is not None else None
-            if not info:  # never granted, or acknowledged already (a copy of a rollout taken before)
+            if group.actor_id in self.barred:
+                out.append(("barred", None))
+            elif not info:  # never granted, or acknowledged already (a copy of a rollout taken before)
                 out.append(("ungranted", None))
             elif info[0]["consumer"].decode() != group.actor_id:
                 out.append(("wrong_actor", None))
@@ -381,7 +384,8 @@ class PromptReceipts:
     def unanswerable(self, overdue_s: float) -> dict[str, list[tuple[str, bytes]]]:
         """The prompt entries the learner waits on that no actor will answer, by why: `unpending`, delivered
         but pending at no consumer (read with NOACK, or its consumer deleted: no rollout of it can be
-        taken); `overdue`, added more than `overdue_s` ago (0: never), whoever holds it."""
+        taken); `overdue`, added more than `overdue_s` ago (0: never), whoever holds it; `barred`, held by
+        an actor the learner barred."""
         with self.lock:
             waiting = {gid: e for gid, e in self.entry_of.items() if e not in self.answered}
         if not waiting:
@@ -401,11 +405,14 @@ class PromptReceipts:
             raise
         ours = [g for g in groups if g["name"] == ACTORS.encode()]
         delivered = entry_key(ours[0]["last-delivered-id"]) if ours else (0, 0)
-        held, oldest = {p["message_id"] for p in pending}, time.time() * 1000 - overdue_s * 1000
+        held = {p["message_id"]: p["consumer"].decode() for p in pending}
+        oldest = time.time() * 1000 - overdue_s * 1000
         found: dict[str, list[tuple[str, bytes]]] = {}
         for group_id, entry in waiting.items():
             if entry_key(entry) <= delivered and entry not in held:
                 found.setdefault("unpending", []).append((group_id, entry))
+            elif held.get(entry) in self.barred:
+                found.setdefault("barred", []).append((group_id, entry))
             elif overdue_s > 0 and entry_ms(entry) < oldest:
                 found.setdefault("overdue", []).append((group_id, entry))
         with self.lock:  # acknowledged meanwhile (trained): nothing to send again
@@ -588,6 +595,7 @@ class DeadLetters:
 SEND_AGAIN_WHY = {
     "unpending": "delivered but pending at no actor: read with NOACK, or its consumer deleted",
     "overdue": "added broker.grant_timeout_s ago and not answered",
+    "barred": "held by an actor whose rollouts the learner refuses",
 }
 
 
@@ -897,6 +905,10 @@ class RedisLearnerTransport(LearnerTransport):
                     SEND_AGAIN_WHY[why],
                 )
 
+    def bar(self, actor_id: str) -> None:
+        with self.receipts.lock:
+            self.receipts.barred.add(actor_id)  # what it holds is sent again at the next poll
+
     def metrics(self) -> dict[str, float]:
         live = list(self.actors().values())
         out = {
@@ -905,6 +917,7 @@ class RedisLearnerTransport(LearnerTransport):
             "broker/reconnects": float(self.link.reconnects),
             "broker/redis_oom_waits": float(self.link.oom_waits),
             "broker/dead_unrecorded": float(self.dead.num_unrecorded),
+            "broker/barred_actors": float(len(self.receipts.barred)),
         } | {f"broker/sent_again/{why}": float(self.sent_again[why]) for why in SEND_AGAIN_WHY}
         for key, group, name in ((self.keys.prompts, ACTORS, "prompt"), (self.keys.rollouts, LEARNER, "rollout")):
             for g in self.link.call(self.r.xinfo_groups, key):

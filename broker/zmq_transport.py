@@ -500,6 +500,10 @@ class ZmqLearnerTransport(LearnerTransport):
         with self._lock:
             return dict(self._grants.actors)
 
+    def bar(self, actor_id: str) -> None:
+        with self._lock:
+            self._grants.bar(actor_id)
+
     def take_joins(self) -> list[ActorJoin]:
         with self._lock:
             return self._grants.take_joins()

@@ -209,7 +209,9 @@ def build_learner(cfg: RunConfig, setup: TrainerSetup, transport: LearnerTranspo
             trainer.policy.config.vocab_size,
             cfg.sampling.max_tokens,
             cfg.task.reward_range,
-            watch=RefusalWatch(cfg.learner.groups_per_step, cfg.learner.refusal_patience_steps),
+            watch=RefusalWatch(
+                cfg.learner.groups_per_step, cfg.learner.refusal_patience_steps, transport.bar, transport.actors
+            ),
         ),
         export=FinalExport(
             cfg.model.path,

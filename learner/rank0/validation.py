@@ -88,7 +88,7 @@ class Validator:
                     count,
                 )
         if self.watch is not None:
-            self.watch.observe(reason, self.detail)
+            self.watch.observe(reason, self.detail, group.actor_id)
         return reason
 
     def _why(self, group: RolloutGroup, release: Release, version: int) -> str | None:

@@ -474,3 +474,18 @@ def test_prompts_no_actor_can_answer_are_sent_again_and_a_forged_retry_count_dea
     finally:
         thief.close()
         side.close()
+
+
+def test_a_barred_actors_rollouts_are_refused_and_what_it_holds_goes_to_the_others(redis_server):
+    cfg = config(redis_server)
+    side = learner(cfg)
+    side.submit_prompts([prompt(0), prompt(1)])
+    assert run(work(cfg, "liar", max_samples=4)) == ["r-0"]  # answered, but the learner has barred it meanwhile
+    side.bar("liar")
+    assert drain(side, 1, timeout_s=1.0) == []
+    assert side.metrics()["broker/rejected/barred"] == 1
+    side.take_dead_letters()  # the learner's poll: r-0, held by the barred actor, goes out again
+    assert side.sent_again["barred"] == 1
+    assert sorted(run(work(cfg, "honest"))) == ["r-0", "r-1"]
+    assert sorted(drain(side, 2)) == ["r-0", "r-1"]
+    assert side.metrics()["broker/barred_actors"] == 1

@@ -1,5 +1,6 @@
 """Grants of the ZeroMQ and in-process transports: no live actor hoards the window (a fair share of the
-groups in circulation each), and a group held too long goes to the others too (broker.grant_timeout_s)."""
+groups in circulation each), a group held too long goes to the others too (broker.grant_timeout_s), and
+an actor the learner bars is granted nothing more."""
 
 import pytest
 
@@ -98,6 +99,18 @@ def test_a_group_held_past_the_grant_timeout_goes_to_the_others_and_the_first_ro
     assert grants.returned("r-0", "hoarder") == "ungranted"
     assert grants.returned("r-1", "hoarder") is None and grants.returned("r-1", "honest") == "ungranted"
     assert not grants.held and not grants.granted
+
+
+def test_a_barred_actor_is_granted_nothing_its_groups_go_to_the_others_and_its_rollouts_are_refused():
+    grants = table("liar", "honest")
+    grants.submit([prompt_group(i, n=N) for i in range(WINDOW)])
+    held = grants.take("liar", EVERYTHING)
+    assert len(held) == WINDOW // 2
+    grants.bar("liar")
+    assert grants.take("liar", EVERYTHING) == []
+    assert grants.returned(held[0].group_id, "liar") == "barred"  # granted before the bar: refused all the same
+    assert len(grants.take("honest", EVERYTHING)) == WINDOW  # the liar's share is the honest actor's now
+    assert grants.metrics({})["broker/barred_actors"] == 1
 
 
 def test_the_grant_timeout_is_checked_in_config():

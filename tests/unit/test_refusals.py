@@ -52,3 +52,29 @@ def test_half_refused_or_a_patience_of_zero_goes_on():
     never = RefusalWatch(groups_per_step=4, patience_steps=0)
     for _ in range(40):
         never.observe("reward")
+
+
+def test_one_actors_refusals_bar_that_actor_and_the_run_goes_on(caplog):
+    """A key holder answering fast with rollouts the validator refuses once made most of what arrived
+    refused, and stopped the run. Its refusals are its own: it is barred, the others train on."""
+    barred = []
+    watch = RefusalWatch(groups_per_step=4, patience_steps=3, bar=barred.append)
+    with caplog.at_level(logging.WARNING, logger="tidal.notice"):
+        for i in range(40):  # three of every four groups from the liar, all refused; the honest one's kept
+            liar = i % 4 != 0
+            watch.observe("reward" if liar else None, RANGE if liar else "", "liar" if liar else "honest")
+    assert barred == ["liar"] and watch.barred == ["liar"]
+    [line] = [r.getMessage() for r in caplog.records if "barred" in r.getMessage()]
+    assert line.startswith("actor liar is barred: the learner refused 9 of its last 9 rollout groups ('reward': ")
+
+
+@pytest.mark.parametrize("actors", [["a0", "a1", "a2"], ["a0"]])
+def test_refusals_spread_over_every_actor_or_one_actor_alone_are_a_setting_and_stop_the_run(actors):
+    """The same reason refusing most groups of every actor (a reward range too narrow), or of the only
+    actor there is: nobody is barred; the run stops, as without the bar."""
+    barred = []
+    watch = RefusalWatch(groups_per_step=4, patience_steps=3, bar=barred.append)
+    with pytest.raises(RolloutsRefused, match="stopping the run"):
+        for i in range(40):
+            watch.observe("reward" if i % 5 else None, RANGE, actors[i % len(actors)])
+    assert barred == []
