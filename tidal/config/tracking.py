@@ -44,6 +44,17 @@ class TrackingConfig(Section):
         "none",
     )
     rollout_table_rows: int = opt(16, "rollouts in each such table")
+    metrics_port: int = opt(
+        0,
+        "serve Prometheus metrics (flow, throughput, lag, queue depth) on this port of every process: the "
+        "learner here, each actor the same (one per pod); on one machine the launcher gives actor i the "
+        "port metrics_port + 1 + i. 0 = none",
+    )
+    metrics_host: str = opt(
+        "127.0.0.1",
+        "address the metrics port binds: loopback on a laptop; 0.0.0.0 in a pod, so that Prometheus reaches "
+        "it over the pod network (the metrics carry no secrets: counts, seconds and versions)",
+    )
 
     def check(self) -> None:
         _require(
@@ -57,4 +68,7 @@ class TrackingConfig(Section):
             "tracking.eval_completions",
             self.eval_completions,
             "must be >= 0 (0 = no table)",
+        )
+        _require(
+            0 <= self.metrics_port <= 65535, "tracking.metrics_port", self.metrics_port, "must be a port, or 0 = none"
         )
