@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 
 from tidal.actor.episode import Episodes
 from tidal.broker.base import ActorTransport
@@ -25,12 +26,15 @@ from tidal.broker.schema import Heartbeat, PromptGroup, RolloutGroup, Shutdown, 
 from tidal.broker.weights import EngineStuck, WeightReceiver
 from tidal.config import ActorConfig
 from tidal.health import HealthFile
+from tidal.prometheus import StateClock
 
 log = logging.getLogger(__name__)
 
 MAX_WEIGHT_LOAD_FAILURES = 10  # in a row would mean the weight folder is unreachable: stop loudly
 RETRY_TORN_S = (1.0, 30.0)  # a torn engine retries the newest version after this long, doubling up to a cap
 CATCH_UP_TIMEOUT_S = 30.0  # how long a joining actor waits to hear the current weights before starting without
+# where an actor's time goes: holding no work, every group it holds waiting for newer weights, or generating
+IDLE, WAITING_FOR_WEIGHTS, BUSY = "work", "weights", "busy"
 
 
 class Actor:
@@ -60,6 +64,11 @@ class Actor:
         self.stop_reason = ""
         self.failure: Exception | None = None
         self.last_swap_paused_s = 0.0
+        self.last_pull_s = 0.0  # the latest weight update, from taking it up to loaded (the pause inside it)
+        self.paused_total_s = 0.0
+        self.on_weights_loaded: Callable[[float, float], None] | None = None  # (pull s, paused s): metrics
+        self.clock = StateClock((IDLE, WAITING_FOR_WEIGHTS, BUSY), IDLE)
+        self.waiting_for_weights = 0  # groups in hand waiting for their min_version
         self.swap_wanted = asyncio.Event()
         self.retry_s = RETRY_TORN_S[0]  # the wait before a torn engine's next try
         self.loaded_incarnation = ""  # the learner process whose weights the engine runs ("" = from disk)
@@ -107,6 +116,7 @@ class Actor:
                 self.inflight_samples += group.n
                 self.outstanding[group.group_id] = group
                 self.spawn(self.guard(self.run_group(group)))
+            self.settle()
 
     async def guard(self, coro) -> None:
         """A failing group must stop the actor loudly, not vanish in a detached task."""
@@ -136,6 +146,7 @@ class Actor:
                 eval_version=group.eval_version,
                 gen_seconds=time.perf_counter() - start,
                 queue_seconds=start - queued,
+                finished_at=time.time(),
             )
         )
         self.stats["groups"] += 1
@@ -145,7 +156,17 @@ class Actor:
             self.stats["interrupted_samples"] += sum(bool(c.injected_spans) for c in completions)
         self.inflight_samples -= group.n
         del self.outstanding[group.group_id]
+        self.settle()
         self.slots_freed.set()
+
+    def settle(self) -> None:
+        """Move the clock of where time goes to what the actor does now (called where that changes)."""
+        if not self.outstanding:
+            self.clock.enter(IDLE)
+        elif self.waiting_for_weights >= len(self.outstanding):
+            self.clock.enter(WAITING_FOR_WEIGHTS)
+        else:
+            self.clock.enter(BUSY)
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -175,8 +196,16 @@ class Actor:
         return update.version <= self.engine.version and update.incarnation == self.loaded_incarnation
 
     async def wait_for_version(self, min_version: int) -> None:
-        async with self.version_changed:
-            await self.version_changed.wait_for(lambda: self.engine.version >= min_version)
+        if self.engine.version >= min_version:
+            return
+        self.waiting_for_weights += 1
+        self.settle()
+        try:
+            async with self.version_changed:
+                await self.version_changed.wait_for(lambda: self.engine.version >= min_version)
+        finally:
+            self.waiting_for_weights -= 1
+            self.settle()
 
     async def apply_newest(self) -> None:
         """Apply the newest announcement heard; a slow load never queues stale versions."""
@@ -195,6 +224,7 @@ class Actor:
         update = self.latest
         if update is None or self.is_loaded(update):
             return False
+        started = time.perf_counter()
         try:
             paused_s = await self.receiver.apply(update, self.engine)
         except EngineStuck:
@@ -219,7 +249,10 @@ class Actor:
         self.loaded_incarnation = update.incarnation
         self.stats["weight_updates"] += 1
         self.stats["weight_load_failures_in_a_row"] = 0
-        self.last_swap_paused_s = paused_s
+        self.last_swap_paused_s, self.last_pull_s = paused_s, time.perf_counter() - started
+        self.paused_total_s += paused_s
+        if self.on_weights_loaded is not None:
+            self.on_weights_loaded(self.last_pull_s, paused_s)
         log.info(
             "weights v%d loaded (engine paused %.3f s, %d samples in flight)",
             update.version,
@@ -264,5 +297,17 @@ class Actor:
                 num_generated_tokens=self.stats["tokens"],
                 weight_swap_paused_s=self.last_swap_paused_s,
                 hello=hello,
+                **self.flow(),
             )
         )
+
+    def flow(self) -> dict[str, float]:
+        """Where this actor's time went so far, as its heartbeat carries it to the learner."""
+        seconds = self.clock.seconds()
+        return {
+            "uptime_s": sum(seconds.values()),
+            "work_wait_s": seconds[IDLE],
+            "weights_wait_s": seconds[WAITING_FOR_WEIGHTS],
+            "weight_pause_s": self.paused_total_s,
+            "weight_pull_s": self.last_pull_s,
+        }

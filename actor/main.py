@@ -17,6 +17,7 @@ async def serve(cfg: RunConfig) -> str:
     from tidal.actor.engine import Engine
     from tidal.actor.episode import Episodes
     from tidal.actor.loop import Actor
+    from tidal.actor.metrics import serve_metrics
     from tidal.broker.factory import actor_transport
     from tidal.broker.weights import build_receiver
 
@@ -41,6 +42,7 @@ async def serve(cfg: RunConfig) -> str:
     gc.freeze()
     episodes = Episodes.of(cfg.task, cfg.env, engine.tokenizer)
     actor = Actor(cfg.actor, engine, transport, receiver, episodes)
+    metrics = serve_metrics(actor, cfg.tracking, cfg.name)
     loop = asyncio.get_running_loop()
 
     def on_signal(sig: signal.Signals) -> None:
@@ -56,6 +58,8 @@ async def serve(cfg: RunConfig) -> str:
         episodes.close()
         engine.shutdown()
         transport.close()
+        if metrics is not None:
+            metrics.close()
     log.info(
         "actor %s stopped: %s (%d groups, %d tokens, %d weight updates)",
         cfg.actor.id,

@@ -31,6 +31,10 @@ class ActorInfo:
     num_generated_tokens: int = 0
     weight_swap_paused_s: float = 0.0
     last_seen: float = field(default_factory=time.monotonic)
+    flow: dict[str, float] = field(default_factory=dict)  # where its time went, as its latest heartbeat said
+    baseline: dict[str, float] = field(default_factory=dict)  # the flow its shares are measured from
+    shares: dict[str, float] = field(default_factory=dict)  # FLOW_SHARES over the latest FLOW_WINDOW_S
+    beat_at: float = 0.0  # when its latest heartbeat came (last_seen also moves with its work requests)
 
 
 log = logging.getLogger(__name__)
@@ -76,8 +80,11 @@ class HelloLog:
 
 def actor_info(beat: Heartbeat, known: ActorInfo | None, now: float | None = None) -> ActorInfo:
     """What the learner keeps of a heartbeat: the engine description of the last one when unchanged
-    (one copy per actor, not one per heartbeat) and the first OUTSTANDING_KEPT group ids."""
+    (one copy per actor, not one per heartbeat), the first OUTSTANDING_KEPT group ids, and where the
+    actor's time went between this heartbeat and the one before."""
     engine = known.engine if known is not None and known.engine == beat.engine else dict(beat.engine)
+    now = time.monotonic() if now is None else now
+    flow = {name: getattr(beat, name) for name in ("uptime_s", *FLOW_SHARES.values(), "weight_pull_s")}
     return ActorInfo(
         beat.actor_id,
         beat.version,
@@ -85,8 +92,37 @@ def actor_info(beat: Heartbeat, known: ActorInfo | None, now: float | None = Non
         beat.outstanding[:OUTSTANDING_KEPT],
         beat.num_generated_tokens,
         beat.weight_swap_paused_s,
-        time.monotonic() if now is None else now,
+        now,
+        flow,
+        *flow_shares(known, flow),
+        now,
     )
+
+
+# the shares of an actor's time the learner reports, from the heartbeat's totals, each over a window of
+# about FLOW_WINDOW_S of the actor's time (one heartbeat's second would be noise)
+FLOW_SHARES = {
+    "flow/actor_work_wait_share": "work_wait_s",
+    "flow/actor_weights_wait_share": "weights_wait_s",
+    "flow/actor_pause_share": "weight_pause_s",
+}
+FLOW_WINDOW_S = 10.0
+
+
+def flow_shares(known: ActorInfo | None, flow: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """(baseline, shares): each FLOW_SHARES total's growth over the actor's uptime since the baseline, within
+    [0, 1] (an actor could say anything), once FLOW_WINDOW_S have passed; until then the last shares. An
+    uptime that went back (a restarted actor) starts again from this heartbeat."""
+    baseline = known.baseline if known is not None and known.baseline else flow
+    elapsed = flow["uptime_s"] - baseline["uptime_s"]
+    if elapsed < 0:
+        return flow, {}
+    if elapsed < FLOW_WINDOW_S:
+        return baseline, known.shares if known is not None else {}
+    shares = {
+        name: min(max((flow[total] - baseline[total]) / elapsed, 0.0), 1.0) for name, total in FLOW_SHARES.items()
+    }
+    return flow, shares
 
 
 @dataclass
@@ -151,6 +187,11 @@ def common_metrics(actors: list[ActorInfo], rejected: dict[str, int]) -> dict[st
     out |= {f"broker/rejected/{reason}": float(count) for reason, count in rejected.items()}
     if actors:
         out["timing/actor_weight_swap_paused_s"] = max(a.weight_swap_paused_s for a in actors)
+        out["timing/actor_weight_pull_s"] = max(a.flow.get("weight_pull_s", 0.0) for a in actors)
+    for name in FLOW_SHARES:
+        shares = [a.shares[name] for a in actors if name in a.shares]
+        if shares:
+            out[name] = sum(shares) / len(shares)
     return out
 
 

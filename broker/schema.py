@@ -18,13 +18,14 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-SCHEMA_VERSION = 9  # 2: eval groups carry eval_version; grants no longer carry weights. 3: a rollout's
+SCHEMA_VERSION = 10  # 2: eval groups carry eval_version; grants no longer carry weights. 3: a rollout's
 # token ids and logprobs are one buffer per group. 4: a weight update comes from one learner rank (no sources).
 # 5: a sample may carry its episode's counts (turns, tool calls). 6: a weight update carries the channel's
 # token, and each byte range its sha256 (was a crc32). 7: a sample carries each reward function's value
 # (reward_components). 8: an nccl weight update carries a keyed tag per tensor and the version's tag key;
 # a weight update may be a LoRA adapter alone (adapter). 9: sampling carries top_k (an actor that ignored it
-# would sample from another distribution than the learner scores)
+# would sample from another distribution than the learner scores). 10: a rollout carries when its generation
+# ended (finished_at); a heartbeat, where the actor's time went (its flow seconds)
 
 
 # Bounds every decoded value must keep: a frame that breaks one is rejected at decode ("malformed",
@@ -38,6 +39,7 @@ Id = Annotated[str, Meta(min_length=1, max_length=256)]  # run and group ids
 ActorId = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$")]
 Text = Annotated[str, Meta(max_length=65_536)]
 Seconds = Annotated[float, Meta(ge=0, le=1e9)]  # NaN and inf fail these bounds too
+Timestamp = Annotated[float, Meta(ge=0, le=1e11)]  # wall-clock seconds since the epoch (time.time())
 # A reward component's name becomes a metric name (rewards/<name>/mean): letters, digits and _ . : -, as a
 # Python function or an entry point is named, so no name is a path or a character a tracking store refuses.
 # Checked by the learner (tidal.learner.rank0.validation), which says which name, rather than here at decode.
@@ -303,6 +305,10 @@ class RolloutGroup(Message, tag="rollout_group"):
     eval_version: Version | None = None  # copied from the PromptGroup: the policy version being evaluated
     gen_seconds: Seconds = 0.0  # wall time from the first request to the last sample
     queue_seconds: Seconds = 0.0  # wall time the group waited at the actor before starting
+    # the actor's wall clock when the group's generation ended (0: not said): how old a sample is when it
+    # trains; the learner bounds it by its own release time, so a skewed or lying clock cannot age a group
+    # past it
+    finished_at: Timestamp = 0.0
 
     @classmethod
     def pack(cls, samples: list[SampleArrays], **fields) -> RolloutGroup:
@@ -429,6 +435,14 @@ class Heartbeat(Message, tag="heartbeat"):
     num_generated_tokens: Count = 0
     weight_swap_paused_s: Seconds = 0.0  # how long the engine was paused by the latest weight swap
     hello: bool = False
+    # where the actor's time went since it started (its flow metrics): seconds in all, holding no work,
+    # with every group it held waiting for newer weights, and paused for weight swaps; the latest update's
+    # seconds from taking it up to loaded
+    uptime_s: Seconds = 0.0
+    work_wait_s: Seconds = 0.0
+    weights_wait_s: Seconds = 0.0
+    weight_pause_s: Seconds = 0.0
+    weight_pull_s: Seconds = 0.0
 
 
 class WorkRequest(Message, tag="work_request"):

@@ -34,6 +34,7 @@ from tidal.learner.rank0.admission import Admission
 from tidal.learner.rank0.coordinator import Coordinator, DispatchPlan
 from tidal.learner.rank0.diagnostics import Diagnostics
 from tidal.learner.rank0.drift import likely_causes
+from tidal.learner.rank0.flow import serve_metrics
 from tidal.learner.rank0.groups import GroupBook
 from tidal.learner.rank0.ledger import Ledger
 from tidal.learner.rank0.loop import Learner, LearnerParts
@@ -89,6 +90,7 @@ def build(
     learner, state = build_rank(cfg, partial(build_learner, cfg, transport=transport), checkpoint, fresh_if_damaged)
     if state is not None:
         resume(learner, state, cfg)
+    learner.metrics = serve_metrics(learner, cfg.tracking, cfg.name)
     return learner
 
 

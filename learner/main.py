@@ -109,6 +109,8 @@ def serve(learner: Learner, run_dir: Path) -> int:
         transport.close()
         learner.book.ledger.close()
         learner.parts.publisher.close()
+        if learner.metrics is not None:
+            learner.metrics.close()
     tracker.finish(summary)
     log.info("val pass rate: %s -> %s", summary["val_pass_rate_initial"], summary["val_pass_rate_final"])
     return 0

@@ -32,8 +32,14 @@ from tidal.learner.every_rank.checkpoint import Checkpointer
 from tidal.learner.every_rank.ranks import Collective, RankGroup, WeightPush
 from tidal.learner.every_rank.trainer import Trainer
 from tidal.learner.rank0.admission import StepBatch
+from tidal.prometheus import StateClock
 
 log = logging.getLogger(__name__)
+
+# where a learner rank's time goes, as the runner's clock counts it (rank 0's flow metrics): waiting for and
+# admitting rollouts, training, pushing weights, saving checkpoints, and the rest (evaluation, logging)
+ROLLOUTS, TRAIN, PUSH, CHECKPOINT, OTHER = "rollouts", "train", "push", "checkpoint", "other"
+PHASES = (ROLLOUTS, TRAIN, PUSH, CHECKPOINT, OTHER)
 
 
 class Role(Protocol):
@@ -86,13 +92,16 @@ class StepRunner:
         self.publisher = publisher  # rank 0's weight channel; None on the others
         self.max_steps = max_steps
         self.version = 0
+        self.clock = StateClock(PHASES, OTHER)
 
     def run(self, role: Role) -> None:
         self.publish(role)  # the starting weights
         role.begin()
         while self.version < self.max_steps:
             start = time.perf_counter()
+            self.clock.enter(ROLLOUTS)
             batch = self.exchange(role.collect())
+            self.clock.enter(OTHER)
             if batch is None:
                 break
             self.step(batch, role, time.perf_counter() - start)
@@ -104,11 +113,14 @@ class StepRunner:
         """Train on this rank's share of `batch`, publish the new version, checkpoint when due.
         `collect_s`: the seconds the batch took to arrive and be admitted (on rank 0 the time the
         learner waited for rollouts: where a step's time goes, beside training and the push)."""
+        self.clock.enter(TRAIN)
         metrics = self.train(batch)
         role.on_trained(batch)
         self.version += 1
         metrics["timing/collect_s"] = collect_s
+        self.clock.enter(PUSH)
         metrics["timing/weight_push_s"] = self.publish(role)
+        self.clock.enter(OTHER)
         role.on_step(batch, metrics)
         if self.checkpointer.due(self.version):
             self.save(role)
@@ -152,10 +164,12 @@ class StepRunner:
         return time.perf_counter() - start
 
     def save(self, role: Role) -> None:
+        self.clock.enter(CHECKPOINT)
         state = role.checkpoint_state()
         with self._collective(Collective.SAVE):
             self.checkpointer.save(self.version, state)
         role.on_saved()
+        self.clock.enter(OTHER)
 
     def export(self, role: Role) -> None:
         """The final policy in the served dtype, gathered one tensor at a time when sharded."""

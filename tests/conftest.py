@@ -14,11 +14,14 @@ here, first.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
 import subprocess
 import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 if shutil.which("nvidia-smi") is None:
@@ -734,3 +737,54 @@ def wait_until_group_is_gone(pgid: int, timeout_s: float = 15.0) -> bool:
 def child_pids(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
+
+
+class PrometheusServer:
+    """Debian's `prometheus` scraping the given jobs every second, its data in `root`, its HTTP API on a
+    free loopback port; `query` answers an instant PromQL query as {labels: value}."""
+
+    def __init__(self, root: Path, jobs: dict[str, list[str]]):
+        if shutil.which("prometheus") is None:
+            if os.environ.get("CI"):
+                raise RuntimeError("prometheus is not installed; .ci/run installs it")
+            pytest.skip("prometheus is not installed (apt-get install prometheus)")
+        self.root, self.port = root, free_port()
+        scrape = [{"job_name": job, "static_configs": [{"targets": targets}]} for job, targets in jobs.items()]
+        config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "scrape_configs": scrape}
+        (root / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
+        self.log = open(root / "prometheus.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [
+                "prometheus",
+                f"--config.file={root / 'prometheus.yml'}",
+                f"--storage.tsdb.path={root / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def query(self, promql: str) -> dict[tuple, float]:
+        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+        body = json.loads(urllib.request.urlopen(url, timeout=10).read())
+        assert body["status"] == "success", body
+        return {tuple(sorted(r["metric"].items())): float(r["value"][1]) for r in body["data"]["result"]}
+
+    def wait_for(self, promql: str, ok, timeout_s: float = 120.0) -> dict[tuple, float]:
+        """The query's answer once `ok(answer)` holds (the scrapes come every second)."""
+        deadline, answer = time.monotonic() + timeout_s, {}
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, (self.root / "prometheus.log").read_text()[-2000:]
+            try:
+                answer = self.query(promql)
+            except OSError:  # not listening yet
+                answer = {}
+            if answer and ok(answer):
+                return answer
+            time.sleep(0.5)
+        raise AssertionError(f"{promql}: {answer} after {timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self.log.close()

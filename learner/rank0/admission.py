@@ -113,15 +113,18 @@ class Admission:
         batch.stats["stale_tokens"] += num_stale
         if masks is None:
             batch.stats["dropped_stale"] += 1
+            batch.stats["discarded_tokens/stale"] += int(sum(g.sum() for g in generated))
             self.book.discard(group.group_id, "stale")
             return
         rewards = [s.reward for s in group.samples]
         if self.zero_variance_filter and max(rewards) == min(rewards):
             batch.stats["zero_variance"] += 1
+            batch.stats["discarded_tokens/filtered"] += int(sum(g.sum() for g in generated))
             self.book.discard(group.group_id, "zero_variance")
             return
         if self.staleness.on_violation is OnViolation.mask_tokens:
             batch.stats["masked_stale_tokens"] += num_stale
+            batch.stats["discarded_tokens/stale"] += num_stale
         batch.groups.append(group)
         batch.token_masks.append([m & g for m, g in zip(masks, generated)])  # aggregation counts real tokens only
 

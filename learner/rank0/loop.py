@@ -38,6 +38,7 @@ from tidal.learner.rank0.curriculum import CurriculumExhausted
 from tidal.learner.rank0.diagnostics import Diagnostics
 from tidal.learner.rank0.drift import FreshRatioWatch
 from tidal.learner.rank0.evaluation import Evaluator, HeldAnnouncements
+from tidal.learner.rank0.flow import LearnerFlow
 from tidal.learner.rank0.groups import DUPLICATE, NEW, GroupBook
 from tidal.learner.rank0.inbox import Inbox
 from tidal.learner.rank0.resume import MetricsLog, learner_state, restore_learner_state
@@ -83,6 +84,8 @@ class Learner:
         self.accounting = Accounting(self.trainer.num_params, parts.ranks.world if parts.ranks else 1)
         self.metrics_log = MetricsLog(parts.tracker, self.checkpointer.periodic)
         self.fresh_ratio = FreshRatioWatch(list(parts.drift_causes))
+        self.flow = LearnerFlow(self.steps.clock)
+        self.metrics = None  # the Prometheus endpoint serving `flow`, where tracking.metrics_port asks (build.py)
         # progress lines as often as the tracker's config says; none without a tracker (unit tests of parts)
         every = parts.tracker.log_every_steps if parts.tracker is not None else 0
         self.progress = ProgressLog(every, cfg.max_steps, parts.num_actors)
@@ -154,6 +157,8 @@ class Learner:
                 return None
             group = self.inbox.next(self.version)
             self.progress.on_receive(group is not None, self.transport.actors)
+            if group is not None:
+                self.flow.received(group)
             if group is not None and group.is_eval:
                 self.on_eval_group(group)
             elif group is not None:
@@ -161,6 +166,7 @@ class Learner:
         return batch
 
     def on_trained(self, batch: StepBatch) -> None:
+        self.flow.trained(batch.groups)
         if self.parts.diagnostics is not None:
             self.parts.diagnostics.on_step(batch.groups, self.trainer.last_tokens)
             self.show_rollouts(batch)
@@ -185,6 +191,7 @@ class Learner:
         if self.eval_cfg.every and self.version % self.eval_cfg.every == 0 and self.version < self.cfg.max_steps:
             self.held.evaluate()
         metrics = self.step_metrics(batch, metrics)
+        self.flow.step = metrics
         self.fresh_ratio.observe(metrics, self.version)
         self.metrics_log.log(metrics, step=self.version)
         self.progress.on_step(metrics, self.version)
@@ -236,12 +243,15 @@ class Learner:
             batch.stats["duplicates"] += 1  # redelivered or re-dispatched: trained once already
         if verdict != NEW:
             return
-        validator = self.parts.validator
-        reason = validator and validator.check(group, self.book.outstanding[group.group_id], self.version)
+        validator, release = self.parts.validator, self.book.outstanding.get(group.group_id)
+        reason = validator and validator.check(group, release, self.version)
         if reason:
+            batch.stats["discarded_tokens/refused"] += sum(s.num_tokens for s in group.samples)
             self.book.discard(group.group_id, f"invalid/{reason}")
-        else:
-            self.parts.admission.add(group, batch, self.version)
+            return
+        self.parts.admission.add(group, batch, self.version)
+        if batch.groups and batch.groups[-1] is group:  # admitted, not dropped
+            self.flow.arrived(group, release.released_at if release is not None else 0.0)
 
     def show_rollouts(self, batch: StepBatch) -> None:
         """The rollout table, on the steps it is due. Its advantages are computed again here, over the
@@ -268,6 +278,7 @@ class Learner:
             self.book.dead_letter(group_id)
 
     def step_metrics(self, batch: StepBatch, train: dict[str, float]) -> dict[str, float]:
+        batch.stats["trained_tokens"] += int(train.get("learner/num_tokens", 0))
         rollout = self.accounting.add_step(batch.stats, int(train["learner/computed_tokens"]))
         watch = self.parts.validator.watch if self.parts.validator is not None else None
         return (
@@ -288,6 +299,7 @@ class Learner:
             | (watch.step_metrics() if watch is not None else {})
             | self.transport.metrics()
             | self.accounting.compute_axis(len(self.transport.actors()))
+            | self.flow.step_metrics(self.accounting.totals, self.transport.actors(), self.version)
         )
 
     def restore(self, state: dict) -> None:

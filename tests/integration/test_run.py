@@ -7,12 +7,14 @@ killed actor restarted) is in tests/fault/test_fault_tolerance.py.
 """
 
 import json
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from conftest import child_pids, wait_until_group_is_gone
+from conftest import PrometheusServer, child_pids, wait_until_group_is_gone
+from tidal.ops.reachable import free_port
 
 ROOT = Path(__file__).parents[2]
 
@@ -23,14 +25,31 @@ def evals(run_dir: Path) -> dict[int, float]:
     return {m["step"]: m["eval/pass_rate"] for m in rows if "eval/pass_rate" in m}
 
 
-def test_a_synchronous_run_learns_then_an_actor_out_of_restarts_stops_it(tmp_path):
+def metrics_ports() -> int:
+    """A free port whose next one is free too: the learner's metrics port and its actor's."""
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+
+
+def test_a_synchronous_run_learns_and_serves_prometheus_then_an_actor_out_of_restarts_stops_it(tmp_path):
     """One synchronous run (max_lag = 0) with restarts off: it must learn with no lag and no
-    in-flight update, then a SIGKILL of its only actor stops every process, the dead one named.
+    in-flight update, while a real Prometheus scrapes its learner and its actor and answers for
+    their flow metrics; then a SIGKILL of its only actor stops every process, the dead one named.
     (Restarts themselves are in tests/fault/test_fault_tolerance.py.)"""
     import os
     import signal
 
     run_dir = tmp_path / "sync"
+    metrics_port = metrics_ports()
+    prometheus = PrometheusServer(
+        tmp_path, {"tidal-learner": [f"127.0.0.1:{metrics_port}"], "tidal-actor": [f"127.0.0.1:{metrics_port + 1}"]}
+    )
     cmd = [
         sys.executable,
         "-m",
@@ -43,6 +62,7 @@ def test_a_synchronous_run_learns_then_an_actor_out_of_restarts_stops_it(tmp_pat
         "eval.every=16",
         "actor.max_restarts=0",
         "actor.vllm.cpu_linear=packed",
+        f"tracking.metrics_port={metrics_port}",  # the launcher gives the actor the next port
     ]  # the default layout's layer-wise reload (the demo copies in place)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 360
@@ -51,6 +71,10 @@ def test_a_synchronous_run_learns_then_an_actor_out_of_restarts_stops_it(tmp_pat
         assert time.monotonic() < deadline and proc.poll() is None, f"the run never got going: {found}"
         time.sleep(0.5)
     print(f"val pass rate by step: {found}")
+    try:
+        check_flow_in_prometheus(prometheus)
+    finally:
+        prometheus.stop()
     launched_pids = child_pids(proc.pid)
     actor_pid = int(
         next(
@@ -124,3 +148,33 @@ def test_rewards_outside_their_range_are_said_on_the_console_and_stop_the_run(tm
     assert "stopping the run (learner.refusal_patience_steps)" in console
     assert evals(run_dir) == {}  # no pass rate over what was left (tests/unit/test_validation.py: never one)
     print("\n".join(said[:1] + [line for line in console.splitlines() if "stopping the run" in line]))
+
+
+def check_flow_in_prometheus(prometheus: PrometheusServer) -> None:
+    """The learner and the actor, scraped by a real Prometheus, answer for where time and tokens go."""
+    up = prometheus.wait_for("up", lambda a: len(a) == 2 and all(v == 1 for v in a.values()))
+    print(f"prometheus targets up: {up}")
+
+    def one(promql: str, ok=lambda v: v >= 0) -> float:
+        answer = prometheus.wait_for(promql, lambda a: len(a) == 1 and ok(next(iter(a.values()))))
+        ((_, value),) = answer.items()
+        print(f"{promql} = {value:.4g}")
+        return value
+
+    assert one('tidal_learner_version{run="tiny"}', lambda v: v >= 16) >= 16
+    assert one('tidal_actor_weight_version{run="tiny",actor="actor-0"}', lambda v: v >= 1) >= 1
+    # shares of time are rates of seconds: within [0, 1] (a little over, by the scrapes' own timing)
+    assert 0 < one('rate(tidal_learner_rollout_wait_seconds_total{run="tiny"}[15s])', lambda v: v > 0) <= 1.05
+    assert 0 < one('rate(tidal_learner_train_seconds_total{run="tiny"}[15s])', lambda v: v > 0) <= 1.05
+    assert 0 <= one('rate(tidal_actor_work_wait_seconds_total{run="tiny"}[15s])') <= 1.05
+    assert 0 <= one('rate(tidal_actor_weights_wait_seconds_total{run="tiny"}[15s])') <= 1.05
+    # synchronous: every version lands before the next group is sampled; the learner is at most one ahead
+    assert one('max_over_time(tidal_learner_actor_version_lag{run="tiny",actor="actor-0"}[15s])') <= 1
+    assert one('tidal_actor_weight_pull_seconds_count{run="tiny"}', lambda v: v >= 16) >= 16
+    assert one('histogram_quantile(0.5, rate(tidal_learner_sample_age_seconds_bucket{run="tiny"}[30s]))') >= 0
+    generated = one('tidal_actor_generated_tokens_total{run="tiny"}', lambda v: v > 0)
+    assert 0 < one('tidal_learner_generated_tokens_total{run="tiny"}', lambda v: v > 0) <= generated
+    assert one('tidal_learner_trained_tokens_total{run="tiny"}', lambda v: v > 0) > 0
+    discarded = prometheus.query('tidal_learner_discarded_tokens_total{run="tiny"}')
+    assert {dict(labels)["cause"] for labels in discarded} == {"stale", "filtered", "refused"}
+    assert one('tidal_broker_live_actors{run="tiny"}', lambda v: v == 1) == 1

@@ -13,7 +13,7 @@ from tidal.config import OnViolation
 ROOT = Path(__file__).parents[2]
 DOCS = ROOT / "docs"
 # metric names as the code writes them: literals, and f-strings whose {placeholder} is one family
-FAMILIES = "rollout|learner|offpolicy|broker|compute|timing|eval|curriculum|optim|episode|rewards"
+FAMILIES = "rollout|learner|offpolicy|broker|compute|timing|eval|curriculum|optim|episode|rewards|flow"
 METRIC = re.compile(rf"""f?["']((?:{FAMILIES})/[\w/{{}}]+)["']""")
 
 
@@ -78,3 +78,12 @@ def test_doc_links_resolve_and_nothing_cites_a_missing_document():
         and re.search("DESIGN" + r"(\.md| §)", (ROOT / name).read_text(errors="ignore"))
     ]
     assert cited == []
+
+
+def test_every_prometheus_metric_is_documented_and_every_documented_one_is_served():
+    served = set()
+    for path in (ROOT / "actor" / "metrics.py", ROOT / "learner" / "rank0" / "flow.py"):
+        served |= set(re.findall(r'"(tidal_[a-z_]+)"', path.read_text()))
+    documented = set(re.findall(r"^\| `(tidal_[a-z_]+)` \|", (DOCS / "metrics.md").read_text(), re.MULTILINE))
+    assert served and sorted(served - documented) == [], "not in docs/metrics.md"
+    assert sorted(documented - served) == [], "in docs/metrics.md but served nowhere"

@@ -3,13 +3,14 @@ package (function-level ones too), so a layering mistake fails here rather than 
 
     tidal.kernels                      imports nothing of tidal
     tidal.broker                       the wire and the channels: only tidal.config, tidal.files, tidal.logs
-    tidal.actor  ─┐  never each other  broker, config, tasks, health, models (+ tiny)
-    tidal.learner ┘                    broker, kernels, config, tasks, health, models, tiny
+    tidal.actor  ─┐  never each other  broker, config, tasks, health, prometheus, models (+ tiny)
+    tidal.learner ┘                    broker, kernels, config, tasks, health, prometheus, models, tiny
       learner.every_rank               what every rank runs: nothing of learner.rank0 (rank 0's alone)
     tidal.config                       nothing of tidal (the weight channel reads its folder rule from it)
     tidal.files                        nothing of tidal (file helpers for anyone)
     tidal.logs                         nothing of tidal (sparse warnings for anyone)
     tidal.run_files                    nothing of tidal (the run folder's shared file names)
+    tidal.prometheus                   nothing of tidal (a process's /metrics endpoint, for both roles)
     tidal.ops                          the roof (cli, launcher, sweep, plans): imported by no one but
                                        `python -m tidal`; reaches the roles only through their public
                                        entry points (ROOF_REACHES)
@@ -21,7 +22,7 @@ from pathlib import Path
 from conftest import ROOT
 
 PACKAGES = {"actor": "actor", "learner": "learner", "broker": "broker", "kernels": "kernels", "tidal": None}
-SHARED = {"config", "tasks", "health", "files", "logs", "run_files"}
+SHARED = {"config", "tasks", "health", "files", "logs", "run_files", "prometheus"}
 ALLOWED = {
     "kernels": set(),
     "broker": {"config", "files", "logs"},
@@ -33,6 +34,7 @@ ALLOWED = {
     "logs": set(),
     "mlflow_store": {"config"},
     "run_files": set(),
+    "prometheus": set(),
     "scaling": {"config", "mlflow_store"},
 }
 

@@ -21,6 +21,7 @@ from tidal.broker.weights import build_receiver
 from tidal.broker.zmq_transport import ZmqActorTransport, ZmqLearnerTransport
 from tidal.config import load_config, resolve
 from tidal.learner.main import build, serve
+from tidal.learner.rank0.flow import values as flow_values
 from tidal.learner.tools.export import export_checkpoint
 from tidal.tiny import build_tiny_model, save_model
 
@@ -132,6 +133,14 @@ def test_coordinator_actor_and_learner_train_through_a_transport(tmp_path, tiny_
     assert [m["step"] for m in steps] == list(range(1, MAX_STEPS + 1))
     assert all(m["offpolicy/lag_max"] <= MAX_LAG for m in steps)
     assert actor["stats"]["groups"] >= len(trained)
+    # where time and tokens went, as the step logged them and as Prometheus would be served them
+    assert all(0 <= m["flow/learner_wait_share"] <= 1 for m in steps)
+    assert all(0 <= m["flow/sample_age_s_mean"] <= m["flow/sample_age_s_max"] for m in steps)
+    served = flow_values(learner.flow, learner.accounting.totals, learner.version)
+    assert served["tidal_learner_version"] == MAX_STEPS
+    assert served["tidal_learner_trained_tokens_total"] == sum(m["learner/num_tokens"] for m in steps) > 0
+    assert served["tidal_learner_generated_tokens_total"] >= served["tidal_learner_trained_tokens_total"]
+    assert served["tidal_learner_rollout_wait_seconds_total"] > 0 and served["tidal_learner_train_seconds_total"] > 0
     # the final policy as a Hugging Face folder, and any checkpoint the same way
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")
     assert all(torch.equal(exported.state_dict()[name], final[name].cpu()) for name in final)

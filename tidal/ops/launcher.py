@@ -110,6 +110,8 @@ def start_children(cfg: RunConfig, placement: Placement, children: list[Child], 
         wait_for_learner(children[-1], run_dir)
     for i, slot in enumerate(placement.actors):
         overrides = [f"actor.index={i}", *actor_endpoint_overrides(ports)]
+        if cfg.tracking.metrics_port:  # one machine: each process its own metrics port, the learner's first
+            overrides.append(f"tracking.metrics_port={cfg.tracking.metrics_port + 1 + i}")
         if slot.gpus is None and not cfg.actor.cpu_cores:
             overrides.append(f"actor.cpu_cores={slot.cores}")  # vLLM's CPU engine binds its threads there
         children.append(_spawn(f"actor-{i}", "actor", ["actor", config, *overrides], run_dir, Slot(gpus=slot.gpus)))
