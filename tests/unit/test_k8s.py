@@ -389,14 +389,28 @@ MAY_CONNECT = {
     "mlflow": {"tidal-learner"},
 }
 MLFLOW_CLIENT = {"tidal.io/mlflow-client": "true"}
+# besides: Prometheus, from its own namespace, may reach the metrics port of the learner and the actors
+METRICS_PORT = "metrics"  # the container port's name, which NetworkPolicies and PodMonitors refer to
+SCRAPED = {"tidal-learner", "tidal-actor"}
+SCRAPER = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+}
 
 
-def ingress_peers(objects: list[dict], labels: dict) -> list[dict]:
-    """Every peer the NetworkPolicies selecting pods with `labels` admit; a rule without `from`
-    admits everyone, and is returned as an empty peer."""
+def is_scrape_rule(rule: dict) -> bool:
+    """An ingress rule that opens the metrics port alone."""
+    return rule.get("ports") == [{"protocol": "TCP", "port": METRICS_PORT}]
+
+
+def ingress_peers(objects: list[dict], labels: dict, scrape: bool = False) -> list[dict]:
+    """Every peer the NetworkPolicies selecting pods with `labels` admit, through the rules that open the
+    metrics port alone (`scrape`) or through the others; a rule without `from` admits everyone, and is
+    returned as an empty peer."""
     policies = [p for p in objects if p["kind"] == "NetworkPolicy" and selects(p["spec"]["podSelector"], labels)]
     assert policies and all("Ingress" in p["spec"]["policyTypes"] for p in policies), labels
-    return [peer for p in policies for rule in p["spec"].get("ingress", []) for peer in rule.get("from") or [{}]]
+    rules = [rule for p in policies for rule in p["spec"].get("ingress", []) if is_scrape_rule(rule) == scrape]
+    return [peer for rule in rules for peer in rule.get("from") or [{}]]
 
 
 @for_each_overlay
@@ -421,6 +435,31 @@ def test_every_workload_admits_only_the_pods_that_need_it(rendered, overlay):
     if "mlflow" in labels:
         policy = next(p for p in objects if p["kind"] == "NetworkPolicy" and p["metadata"]["name"] == "mlflow")
         assert [port["port"] for rule in policy["spec"]["ingress"] for port in rule["ports"]] == [5000]
+
+
+@for_each_overlay
+def test_prometheus_reaches_only_the_metrics_port_of_learner_and_actors(rendered, overlay):
+    objects = rendered[overlay]
+    workloads = {o["metadata"]["name"]: o for o in objects if pod_spec(o) is not None}
+    for name, workload in workloads.items():
+        peers = ingress_peers(objects, workload["spec"]["template"]["metadata"]["labels"], scrape=True)
+        assert peers == ([SCRAPER] if name in SCRAPED else []), name
+    for role in ("learner", "actor"):  # the port the rule opens by name is one the pod has
+        _, container = role_container(objects, role)
+        assert METRICS_PORT in {p.get("name") for p in container.get("ports", [])}, role
+
+
+@for_each_overlay
+@pytest.mark.parametrize("role", ("learner", "actor"))
+def test_pods_serve_metrics_on_the_port_they_expose(rendered, overlay, role, tmp_path):
+    """The run config the pod gets turns the metrics endpoint on, on the pod's address, at the container
+    port named `metrics`: the one the NetworkPolicies open and the PodMonitors scrape."""
+    objects = rendered[overlay]
+    _, container = role_container(objects, role)
+    cfg = role_config(objects, role, tmp_path)
+    assert cfg.tracking.metrics_host == "0.0.0.0", "a loopback endpoint is out of Prometheus' reach"
+    ports = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
+    assert cfg.tracking.metrics_port != 0 and ports.get(METRICS_PORT) == cfg.tracking.metrics_port
 
 
 @for_each_overlay
