@@ -601,7 +601,7 @@ def test_keda_autoscaling_stays_outside_the_validated_overlays(tree):
     assert trigger["metadata"]["consumerGroup"] == "actors" and "lagCount" in trigger["metadata"]
 
 
-# ---- metrics: Prometheus scrapes the learner and the actors, Grafana shows the run ----------------
+# ---- metrics: Prometheus scrapes the learner and the actors, Grafana shows the run, KEDA scales on it ----
 
 # the series tidal's processes serve (tidal/prometheus.py): the contract the dashboard is held to
 METRICS = {
@@ -683,7 +683,7 @@ def test_series_problems_finds_what_it_should():
 def with_metrics(tree) -> dict[str, list[dict]]:
     """Each overlay with the metrics components added, as a throwaway overlay."""
     root, _ = tree
-    components = "[../../components/prometheus]"
+    components = "[../../components/prometheus, ../../components/keda-prometheus]"
     return {
         name: kustomize(overlay_with(root, f"{name}-metrics", f"resources: [../{name}]\ncomponents: {components}\n"))
         for name in OVERLAYS
@@ -703,11 +703,13 @@ def test_metrics_components_add_objects_and_change_none(rendered, with_metrics, 
         ("PodMonitor", "tidal-learner"),
         ("PodMonitor", "tidal-actor"),
         ("ConfigMap", "tidal-grafana-dashboard"),
+        ("ScaledObject", "tidal-actor"),
     }
     built_in = [after[key] for key in added if not after[key]["apiVersion"].startswith(CUSTOM_GROUPS)]
     assert not schema_problems(built_in)
     for name in OVERLAYS:  # custom resources stay out of the validated overlays
-        assert "components/prometheus" not in (K8S / "overlays" / name / "kustomization.yaml").read_text()
+        text = (K8S / "overlays" / name / "kustomization.yaml").read_text()
+        assert "components/prometheus" not in text and "components/keda-prometheus" not in text
 
 
 def pods_of(workload: dict, at_least: int = 3) -> list[tuple[str, dict]]:
@@ -789,6 +791,71 @@ def test_dashboard_panels_tile_the_grid(with_metrics):
         }
         assert not mine & cells, f"panel {panel['title']!r} overlaps another"
         cells |= mine
+
+
+# what the Prometheus scaler reads: the live actors, their idle share, the learner's share waiting
+SCALER_INPUTS = (
+    "tidal_broker_live_actors",
+    "tidal_actor_work_wait_seconds_total",
+    "tidal_learner_rollout_wait_seconds_total",
+)
+
+
+def scaler_value(query: str, live_actors: float, idle: float, learner_wait: float) -> float:
+    """The scaler's query with every actor alike: each aggregation of a series (of its rate, for a
+    counter of seconds: a share of time) replaced by its one value."""
+    values = dict(zip(SCALER_INPUTS, (live_actors, idle, learner_wait)))
+    aggregation = re.compile(r"\b(?:max|min|avg|sum)\s*\(\s*(?:rate\()?(tidal_\w+)\{[^}]*\}(?:\[\w+\]\))?\s*\)")
+    arithmetic = aggregation.sub(lambda m: repr(values[m[1]]), query).replace("clamp_min(", "max(")
+    assert re.fullmatch(r"[-+*/()., 0-9max]+", arithmetic), arithmetic
+    return eval(arithmetic, {"__builtins__": {}}, {"max": max})
+
+
+def test_keda_prometheus_asks_for_the_actors_the_learner_can_take(with_metrics):
+    """live x (1 - idle) / (1 - wait), (1 - wait) no less than 0.25: the actors' busy time, scaled to what
+    the learner would take if it never waited; ceil(value) replicas (AverageValue, threshold 1)."""
+    objects = with_metrics["cpu-demo"]
+    scaled = find(objects, "ScaledObject", "tidal-actor")
+    assert scaled["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "tidal-actor"}
+    (trigger,) = scaled["spec"]["triggers"]
+    assert (trigger["type"], trigger["metricType"]) == ("prometheus", "AverageValue")
+    metadata = trigger["metadata"]
+    assert float(metadata["threshold"]) == 1 and metadata["serverAddress"].startswith("http")
+    assert metadata["ignoreNullValues"] == "false"  # no series holds the count instead of shrinking it
+    query, cfg = metadata["query"], load_config(K8S / "base" / "run.yaml")
+    assert not series_problems(query, f'run="{cfg.name}"')
+    assert {m["name"] for m in SERIES.finditer(query)} == set(SCALER_INPUTS)
+    for live, idle, wait, wanted in [
+        (4, 0.0, 0.0, 4),  # both busy: as many as now
+        (4, 0.0, 0.5, 8),  # the learner waits half its time: twice as many
+        (4, 0.5, 0.0, 2),  # the actors idle half their time: half as many
+        (4, 0.25, 0.5, 6),
+        (4, 0.0, 0.99, 16),  # at most 4x in one step
+        (4, 1.0, 0.0, 0),  # no actor has work: minReplicaCount
+    ]:
+        assert scaler_value(query, live, idle, wait) == pytest.approx(wanted), (live, idle, wait)
+    redis = find(objects, "StatefulSet", "redis")
+    users = next(
+        int(e["value"]) for c in pod_spec(redis)["initContainers"] for e in c["env"] if e["name"] == "NUM_ACTOR_USERS"
+    )
+    spec = scaled["spec"]
+    assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"] <= users  # each actor pod needs a Redis user
+    # scaling 1..N down is the HPA's: it waits, as an actor's engine takes minutes to start
+    assert (
+        spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 300
+    )
+
+
+def test_the_two_actor_scalers_exclude_each_other(tree):
+    """components/keda and components/keda-prometheus both scale tidal-actor: an overlay with both fails to
+    build instead of giving the actors two autoscalers."""
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not on PATH: overlays cannot be rendered here")
+    root, _ = tree
+    components = "[../../components/keda, ../../components/keda-prometheus]"
+    path = overlay_with(root, "both-scalers", f"resources: [../cpu-demo]\ncomponents: {components}\n")
+    out = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "ScaledObject.v1alpha1.keda.sh/tidal-actor" in out.stderr
 
 
 # ---- memory: each GPU overlay holds what the plan of its model needs (tidal/ops/memory.py, docs/gpu.md) ------
