@@ -1,7 +1,8 @@
 """Kubernetes manifests (k8s/): each overlay renders with kustomize and every object validates
 offline against the Kubernetes schemas; pods are sized, probed and non-root; passwords exist
 only in a git-ignored file and reach pods by reference; scaling actors is one number; pods run
-the same `tidal learner` / `tidal actor` commands the launcher does. No cluster needed."""
+the same `tidal learner` / `tidal actor` commands the launcher does, and serve metrics that the
+PodMonitors, the dashboard and the Prometheus scaler read by the names tidal gives them. No cluster needed."""
 
 from __future__ import annotations
 
@@ -603,7 +604,7 @@ def test_keda_autoscaling_stays_outside_the_validated_overlays(tree):
 
 # ---- metrics: Prometheus scrapes the learner and the actors, Grafana shows the run, KEDA scales on it ----
 
-# the series tidal's processes serve (tidal/prometheus.py): the contract the dashboard is held to
+# the series tidal's processes serve (tidal/prometheus.py): the contract the dashboard and the scaler are held to
 METRICS = {
     # the learner
     "tidal_learner_version": "gauge",
