@@ -1,13 +1,15 @@
 """Kubernetes manifests (k8s/): each overlay renders with kustomize and every object validates
 offline against the Kubernetes schemas; pods are sized, probed and non-root; passwords exist
 only in a git-ignored file and reach pods by reference; scaling actors is one number; pods run
-the same `tidal learner` / `tidal actor` commands the launcher does. No cluster needed."""
+the same `tidal learner` / `tidal actor` commands the launcher does, and serve metrics that the
+PodMonitors, the dashboard and the Prometheus scaler read by the names tidal gives them. No cluster needed."""
 
 from __future__ import annotations
 
 import argparse
 import base64
 import hashlib
+import json
 import re
 import secrets
 import shutil
@@ -39,6 +41,8 @@ LAUNCH = {
     "learner": ["tidal"],
     "actor": ["sh", "-c", f'TIDAL_REDIS_PASSWORD="$(cat {ACTOR_PASSWORD_FILE})" exec tidal "$@"', "tidal"],
 }
+# custom resources (KEDA's, the Prometheus operator's): outside the offline schemas
+CUSTOM_GROUPS = ("keda.sh/", "monitoring.coreos.com/")
 # ids that are not bare "gpu": conftest skips items with a "gpu" keyword on machines without CUDA
 for_each_overlay = pytest.mark.parametrize("overlay", OVERLAYS, ids=[f"overlays/{o}" for o in OVERLAYS])
 
@@ -177,7 +181,7 @@ def test_base_files_validate_and_are_safe():
     for kustomization in [K8S / "base" / "kustomization.yaml", *K8S.glob("components/*/kustomization.yaml")]:
         for res in yaml.safe_load(kustomization.read_text()).get("resources", []):
             objects += [d for d in yaml.safe_load_all((kustomization.parent / res).read_text()) if d]
-    built_in = [o for o in objects if not o["apiVersion"].startswith("keda.sh/")]
+    built_in = [o for o in objects if not o["apiVersion"].startswith(CUSTOM_GROUPS)]
     assert not schema_problems(built_in) + pod_problems(built_in)
 
 
@@ -389,14 +393,28 @@ MAY_CONNECT = {
     "mlflow": {"tidal-learner"},
 }
 MLFLOW_CLIENT = {"tidal.io/mlflow-client": "true"}
+# besides: Prometheus, from its own namespace, may reach the metrics port of the learner and the actors
+METRICS_PORT = "metrics"  # the container port's name, which NetworkPolicies and PodMonitors refer to
+SCRAPED = {"tidal-learner", "tidal-actor"}
+SCRAPER = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+}
 
 
-def ingress_peers(objects: list[dict], labels: dict) -> list[dict]:
-    """Every peer the NetworkPolicies selecting pods with `labels` admit; a rule without `from`
-    admits everyone, and is returned as an empty peer."""
+def is_scrape_rule(rule: dict) -> bool:
+    """An ingress rule that opens the metrics port alone."""
+    return rule.get("ports") == [{"protocol": "TCP", "port": METRICS_PORT}]
+
+
+def ingress_peers(objects: list[dict], labels: dict, scrape: bool = False) -> list[dict]:
+    """Every peer the NetworkPolicies selecting pods with `labels` admit, through the rules that open the
+    metrics port alone (`scrape`) or through the others; a rule without `from` admits everyone, and is
+    returned as an empty peer."""
     policies = [p for p in objects if p["kind"] == "NetworkPolicy" and selects(p["spec"]["podSelector"], labels)]
     assert policies and all("Ingress" in p["spec"]["policyTypes"] for p in policies), labels
-    return [peer for p in policies for rule in p["spec"].get("ingress", []) for peer in rule.get("from") or [{}]]
+    rules = [rule for p in policies for rule in p["spec"].get("ingress", []) if is_scrape_rule(rule) == scrape]
+    return [peer for rule in rules for peer in rule.get("from") or [{}]]
 
 
 @for_each_overlay
@@ -421,6 +439,31 @@ def test_every_workload_admits_only_the_pods_that_need_it(rendered, overlay):
     if "mlflow" in labels:
         policy = next(p for p in objects if p["kind"] == "NetworkPolicy" and p["metadata"]["name"] == "mlflow")
         assert [port["port"] for rule in policy["spec"]["ingress"] for port in rule["ports"]] == [5000]
+
+
+@for_each_overlay
+def test_prometheus_reaches_only_the_metrics_port_of_learner_and_actors(rendered, overlay):
+    objects = rendered[overlay]
+    workloads = {o["metadata"]["name"]: o for o in objects if pod_spec(o) is not None}
+    for name, workload in workloads.items():
+        peers = ingress_peers(objects, workload["spec"]["template"]["metadata"]["labels"], scrape=True)
+        assert peers == ([SCRAPER] if name in SCRAPED else []), name
+    for role in ("learner", "actor"):  # the port the rule opens by name is one the pod has
+        _, container = role_container(objects, role)
+        assert METRICS_PORT in {p.get("name") for p in container.get("ports", [])}, role
+
+
+@for_each_overlay
+@pytest.mark.parametrize("role", ("learner", "actor"))
+def test_pods_serve_metrics_on_the_port_they_expose(rendered, overlay, role, tmp_path):
+    """The run config the pod gets turns the metrics endpoint on, on the pod's address, at the container
+    port named `metrics`: the one the NetworkPolicies open and the PodMonitors scrape."""
+    objects = rendered[overlay]
+    _, container = role_container(objects, role)
+    cfg = role_config(objects, role, tmp_path)
+    assert cfg.tracking.metrics_host == "0.0.0.0", "a loopback endpoint is out of Prometheus' reach"
+    ports = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
+    assert cfg.tracking.metrics_port != 0 and ports.get(METRICS_PORT) == cfg.tracking.metrics_port
 
 
 @for_each_overlay
@@ -540,7 +583,7 @@ def test_keda_autoscaling_stays_outside_the_validated_overlays(tree):
         assert "keda" not in (K8S / "overlays" / overlay / "kustomization.yaml").read_text()
     body = "resources: [../cpu-demo]\ncomponents: [../../components/keda]\n"
     objects = kustomize(overlay_with(root, "keda-try", body))
-    assert not schema_problems([o for o in objects if not o["apiVersion"].startswith("keda.sh/")])
+    assert not schema_problems([o for o in objects if not o["apiVersion"].startswith(CUSTOM_GROUPS)])
     scaled = find(objects, "ScaledObject", "tidal-actor")
     auth = find(objects, "TriggerAuthentication", "tidal-redis-keda")
     secret = next(o for o in objects if o["kind"] == "Secret")
@@ -557,6 +600,263 @@ def test_keda_autoscaling_stays_outside_the_validated_overlays(tree):
     assert scaled["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "tidal-actor"}
     assert trigger["metadata"]["stream"] == f"{cfg.broker.redis.prefix}:{cfg.name}:prompts"
     assert trigger["metadata"]["consumerGroup"] == "actors" and "lagCount" in trigger["metadata"]
+
+
+# ---- metrics: Prometheus scrapes the learner and the actors, Grafana shows the run, KEDA scales on it ----
+
+# the series tidal's processes serve (tidal/prometheus.py): the contract the dashboard and the scaler are held to
+METRICS = {
+    # the learner
+    "tidal_learner_version": "gauge",
+    "tidal_learner_rollout_wait_seconds_total": "counter",
+    "tidal_learner_train_seconds_total": "counter",
+    "tidal_learner_weight_push_seconds_total": "counter",
+    "tidal_learner_sample_age_seconds": "histogram",
+    "tidal_learner_discarded_tokens_total": "counter",
+    "tidal_learner_trained_tokens_total": "counter",
+    "tidal_learner_generated_tokens_total": "counter",
+    "tidal_learner_actor_version_lag": "gauge",
+    "tidal_broker_pending_groups": "gauge",
+    "tidal_broker_unreturned_groups": "gauge",
+    "tidal_broker_live_actors": "gauge",
+    # each actor
+    "tidal_actor_weight_version": "gauge",
+    "tidal_actor_work_wait_seconds_total": "counter",
+    "tidal_actor_weights_wait_seconds_total": "counter",
+    "tidal_actor_weight_pull_seconds": "histogram",
+    "tidal_actor_weight_pause_seconds": "histogram",
+    "tidal_actor_generated_tokens_total": "counter",
+    "tidal_actor_groups_total": "counter",
+    "tidal_actor_inflight_samples": "gauge",
+}
+HISTOGRAM_SERIES = ("_bucket", "_sum", "_count")  # what a histogram is served as: each a counter
+# a series name in PromQL, whether rate() or increase() reads it, and its label matchers
+SERIES = re.compile(r"(?P<rate>\b(?:rate|irate|increase)\(\s*)?\b(?P<name>tidal_\w+)(?P<matchers>\{[^}]*\})?")
+GRID_COLUMNS = 24  # a Grafana dashboard's width
+
+
+def series_kind(name: str) -> str | None:
+    """counter, gauge, or None for a series tidal does not serve; a histogram's parts are counters."""
+    base = next((name.removesuffix(s) for s in HISTOGRAM_SERIES if name.endswith(s)), None)
+    if base is not None and METRICS.get(base) == "histogram":
+        return "counter"
+    return {"counter": "counter", "gauge": "gauge"}.get(METRICS.get(name))
+
+
+def series_problems(expr: str, run_matcher: str) -> list[str]:
+    """What is wrong with the tidal series one PromQL expression reads: a name tidal does not serve, a
+    selector that does not pick the run, a counter read without rate() or a gauge through it, buckets
+    outside a quantile."""
+    problems = []
+    if expr.count("(") != expr.count(")") or expr.count("{") != expr.count("}"):
+        problems.append(f"unbalanced brackets: {expr}")
+    found = list(SERIES.finditer(expr))
+    if not found:
+        problems.append(f"reads no tidal series: {expr}")
+    for m in found:
+        name, kind, rated = m["name"], series_kind(m["name"]), m["rate"] is not None
+        if kind is None:
+            problems.append(f"{name}: not a series tidal serves")
+        elif rated != (kind == "counter"):
+            problems.append(f"{name}: a {kind} {'read through' if rated else 'read without'} rate()")
+        if run_matcher not in (m["matchers"] or ""):
+            problems.append(f"{name}: not filtered by {run_matcher}")
+        if name.endswith("_bucket") and not re.search(r"histogram_quantile\(.*by \(le\)", expr):
+            problems.append(f"{name}: buckets outside histogram_quantile(..., sum by (le) ...)")
+    return problems
+
+
+def test_series_problems_finds_what_it_should():
+    """The checker itself: each mistake it exists for is caught, a right expression passes."""
+    run = 'run="$run"'
+    assert series_problems('sum(rate(tidal_learner_trained_tokens_total{run="$run"}[5m]))', run) == []
+    assert series_problems('tidal_learner_trained_tokens_total{run="$run"}', run)  # a counter, raw
+    assert series_problems('rate(tidal_broker_live_actors{run="$run"}[5m])', run)  # a gauge, rated
+    assert series_problems('sum(rate(tidal_learner_trained_token_total{run="$run"}[5m]))', run)  # a typo
+    assert series_problems("sum(rate(tidal_learner_trained_tokens_total[5m]))", run)  # every run at once
+    assert series_problems('max(tidal_broker_live_actors{run="$run"}', run)  # unbalanced
+    assert series_problems('rate(tidal_actor_weight_pull_seconds_bucket{run="$run"}[5m])', run)  # buckets alone
+    assert series_problems('sum(rate(tidal_actor_weight_pull_seconds_count{run="$run"}[5m]))', run) == []
+    assert series_problems('max(tidal_actor_weight_pull_seconds{run="$run"})', run)  # a histogram has no such series
+
+
+@pytest.fixture(scope="module")
+def with_metrics(tree) -> dict[str, list[dict]]:
+    """Each overlay with the metrics components added, as a throwaway overlay."""
+    root, _ = tree
+    components = "[../../components/prometheus, ../../components/keda-prometheus]"
+    return {
+        name: kustomize(overlay_with(root, f"{name}-metrics", f"resources: [../{name}]\ncomponents: {components}\n"))
+        for name in OVERLAYS
+    }
+
+
+def by_kind_and_name(objects: list[dict]) -> dict[tuple[str, str], dict]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in objects}
+
+
+@for_each_overlay
+def test_metrics_components_add_objects_and_change_none(rendered, with_metrics, overlay):
+    before, after = by_kind_and_name(rendered[overlay]), by_kind_and_name(with_metrics[overlay])
+    assert before.keys() <= after.keys() and all(after[key] == obj for key, obj in before.items())
+    added = after.keys() - before.keys()
+    assert added == {
+        ("PodMonitor", "tidal-learner"),
+        ("PodMonitor", "tidal-actor"),
+        ("ConfigMap", "tidal-grafana-dashboard"),
+        ("ScaledObject", "tidal-actor"),
+    }
+    built_in = [after[key] for key in added if not after[key]["apiVersion"].startswith(CUSTOM_GROUPS)]
+    assert not schema_problems(built_in)
+    for name in OVERLAYS:  # custom resources stay out of the validated overlays
+        text = (K8S / "overlays" / name / "kustomization.yaml").read_text()
+        assert "components/prometheus" not in text and "components/keda-prometheus" not in text
+
+
+def pods_of(workload: dict, at_least: int = 3) -> list[tuple[str, dict]]:
+    """(pod name, labels) of the pods a workload may have: its replicas, or `at_least` as a scaled one
+    would, each StatefulSet pod with the ordinal label Kubernetes gives it."""
+    name, labels = workload["metadata"]["name"], workload["spec"]["template"]["metadata"]["labels"]
+    count = max(workload["spec"].get("replicas", 1), at_least)
+    if workload["kind"] != "StatefulSet":
+        return [(f"{name}-{i}", labels) for i in range(count)]
+    return [(f"{name}-{i}", {**labels, "apps.kubernetes.io/pod-index": str(i)}) for i in range(count)]
+
+
+@for_each_overlay
+def test_pod_monitors_scrape_each_role_on_the_port_its_pods_expose(with_metrics, overlay):
+    """The learner's monitor selects its pod 0 alone (only rank 0 serves metrics), the actors' every actor
+    pod, and each names a container port the pods it selects have."""
+    objects = with_metrics[overlay]
+    workloads = [o for o in objects if pod_spec(o) is not None]
+    monitors = {o["metadata"]["name"]: o for o in objects if o["kind"] == "PodMonitor"}
+    wanted = {
+        "tidal-learner": ["tidal-learner-0"],
+        "tidal-actor": [pod for pod, _ in pods_of(find(objects, "StatefulSet", "tidal-actor"))],
+    }
+    assert set(monitors) == set(wanted)
+    for name, monitor in monitors.items():
+        assert "namespaceSelector" not in monitor["spec"]  # the run's namespace, where the monitor is
+        endpoints = monitor["spec"]["podMetricsEndpoints"]
+        assert [(e["port"], e["path"]) for e in endpoints] == [(METRICS_PORT, "/metrics")]
+        assert all(e.get("interval") for e in endpoints), name
+        selected = [
+            (workload, pod)
+            for workload in workloads
+            for pod, labels in pods_of(workload)
+            if selects(monitor["spec"]["selector"], labels)
+        ]
+        assert [pod for _, pod in selected] == wanted[name]
+        for workload, pod in selected:
+            ports = {p.get("name") for _, c in containers(pod_spec(workload)) for p in c.get("ports", [])}
+            assert METRICS_PORT in ports, pod
+
+
+def dashboard_of(objects: list[dict]) -> dict:
+    config_map = find(objects, "ConfigMap", "tidal-grafana-dashboard")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"  # what Grafana's sidecar loads
+    (text,) = config_map["data"].values()
+    return json.loads(text)
+
+
+def test_dashboard_reads_only_the_series_tidal_serves(with_metrics):
+    dashboard = dashboard_of(with_metrics["cpu-demo"])
+    assert isinstance(dashboard["schemaVersion"], int) and dashboard["uid"] and len(dashboard["uid"]) <= 40
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    run_query = variables["run"]["query"]["query"]
+    assert re.fullmatch(r"label_values\((tidal_\w+), run\)", run_query)
+    assert series_kind(re.search(r"tidal_\w+", run_query).group()) is not None
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    for panel in panels:
+        where = f"panel {panel['title']!r}"
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, where
+        assert panel["description"], where  # the question it answers
+        targets = panel["targets"]
+        assert targets and len({t["refId"] for t in targets}) == len(targets), where
+        assert all(t.get("datasource", panel["datasource"]) == panel["datasource"] for t in targets), where
+        problems = [p for t in targets for p in series_problems(t["expr"], 'run="$run"')]
+        assert not problems, f"{where}: {problems}"
+
+
+def test_dashboard_panels_tile_the_grid(with_metrics):
+    """Every panel has a place of its own inside the grid's 24 columns."""
+    cells = set()
+    for panel in dashboard_of(with_metrics["cpu-demo"])["panels"]:
+        grid = panel["gridPos"]
+        assert all(isinstance(grid[k], int) for k in ("h", "w", "x", "y")), panel["title"]
+        assert grid["w"] > 0 and grid["h"] > 0 and grid["x"] >= 0 and grid["x"] + grid["w"] <= GRID_COLUMNS
+        mine = {
+            (x, y) for x in range(grid["x"], grid["x"] + grid["w"]) for y in range(grid["y"], grid["y"] + grid["h"])
+        }
+        assert not mine & cells, f"panel {panel['title']!r} overlaps another"
+        cells |= mine
+
+
+# what the Prometheus scaler reads: the live actors, their idle share, the learner's share waiting
+SCALER_INPUTS = (
+    "tidal_broker_live_actors",
+    "tidal_actor_work_wait_seconds_total",
+    "tidal_learner_rollout_wait_seconds_total",
+)
+
+
+def scaler_value(query: str, live_actors: float, idle: float, learner_wait: float) -> float:
+    """The scaler's query with every actor alike: each aggregation of a series (of its rate, for a
+    counter of seconds: a share of time) replaced by its one value."""
+    values = dict(zip(SCALER_INPUTS, (live_actors, idle, learner_wait)))
+    aggregation = re.compile(r"\b(?:max|min|avg|sum)\s*\(\s*(?:rate\()?(tidal_\w+)\{[^}]*\}(?:\[\w+\]\))?\s*\)")
+    arithmetic = aggregation.sub(lambda m: repr(values[m[1]]), query).replace("clamp_min(", "max(")
+    assert re.fullmatch(r"[-+*/()., 0-9max]+", arithmetic), arithmetic
+    return eval(arithmetic, {"__builtins__": {}}, {"max": max})
+
+
+def test_keda_prometheus_asks_for_the_actors_the_learner_can_take(with_metrics):
+    """live x (1 - idle) / (1 - wait), (1 - wait) no less than 0.25: the actors' busy time, scaled to what
+    the learner would take if it never waited; ceil(value) replicas (AverageValue, threshold 1)."""
+    objects = with_metrics["cpu-demo"]
+    scaled = find(objects, "ScaledObject", "tidal-actor")
+    assert scaled["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "tidal-actor"}
+    (trigger,) = scaled["spec"]["triggers"]
+    assert (trigger["type"], trigger["metricType"]) == ("prometheus", "AverageValue")
+    metadata = trigger["metadata"]
+    assert float(metadata["threshold"]) == 1 and metadata["serverAddress"].startswith("http")
+    assert metadata["ignoreNullValues"] == "false"  # no series holds the count instead of shrinking it
+    query, cfg = metadata["query"], load_config(K8S / "base" / "run.yaml")
+    assert not series_problems(query, f'run="{cfg.name}"')
+    assert {m["name"] for m in SERIES.finditer(query)} == set(SCALER_INPUTS)
+    for live, idle, wait, wanted in [
+        (4, 0.0, 0.0, 4),  # both busy: as many as now
+        (4, 0.0, 0.5, 8),  # the learner waits half its time: twice as many
+        (4, 0.5, 0.0, 2),  # the actors idle half their time: half as many
+        (4, 0.25, 0.5, 6),
+        (4, 0.0, 0.99, 16),  # at most 4x in one step
+        (4, 1.0, 0.0, 0),  # no actor has work: minReplicaCount
+    ]:
+        assert scaler_value(query, live, idle, wait) == pytest.approx(wanted), (live, idle, wait)
+    redis = find(objects, "StatefulSet", "redis")
+    users = next(
+        int(e["value"]) for c in pod_spec(redis)["initContainers"] for e in c["env"] if e["name"] == "NUM_ACTOR_USERS"
+    )
+    spec = scaled["spec"]
+    assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"] <= users  # each actor pod needs a Redis user
+    # scaling 1..N down is the HPA's: it waits, as an actor's engine takes minutes to start
+    assert (
+        spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 300
+    )
+
+
+def test_the_two_actor_scalers_exclude_each_other(tree):
+    """components/keda and components/keda-prometheus both scale tidal-actor: an overlay with both fails to
+    build instead of giving the actors two autoscalers."""
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not on PATH: overlays cannot be rendered here")
+    root, _ = tree
+    components = "[../../components/keda, ../../components/keda-prometheus]"
+    path = overlay_with(root, "both-scalers", f"resources: [../cpu-demo]\ncomponents: {components}\n")
+    out = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "ScaledObject.v1alpha1.keda.sh/tidal-actor" in out.stderr
 
 
 # ---- memory: each GPU overlay holds what the plan of its model needs (tidal/ops/memory.py, docs/gpu.md) ------
