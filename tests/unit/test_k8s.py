@@ -630,6 +630,16 @@ METRICS = {
     "tidal_actor_inflight_samples": "gauge",
 }
 HISTOGRAM_SERIES = ("_bucket", "_sum", "_count")  # what a histogram is served as: each a counter
+
+
+def test_the_contract_is_what_the_processes_serve():
+    from tidal.actor.metrics import SPECS as ACTOR
+    from tidal.learner.rank0.flow import SPECS as LEARNER
+
+    served = {spec.name: spec.kind for spec in (*ACTOR, *LEARNER)}
+    for module in (ROOT / "actor" / "metrics.py", ROOT / "learner" / "rank0" / "flow.py"):
+        served |= dict.fromkeys(re.findall(r'histogram\(\s*"(tidal_\w+)"', module.read_text()), "histogram")
+    assert {name: served.get(name) for name in METRICS} == METRICS
 # a series name in PromQL, whether rate() or increase() reads it, and its label matchers
 SERIES = re.compile(r"(?P<rate>\b(?:rate|irate|increase)\(\s*)?\b(?P<name>tidal_\w+)(?P<matchers>\{[^}]*\})?")
 GRID_COLUMNS = 24  # a Grafana dashboard's width
