@@ -74,37 +74,81 @@ def _summary(run_dir: Path, ledger: Path) -> dict | None:
     return json.loads(path.read_text())
 
 
-def check_ledger(run_dir: Path) -> LedgerCheck:
-    """The run's ledger checked; raises FileNotFoundError naming the file when there is none."""
+@dataclass
+class LedgerView:
+    """What a run's ledger and summary say of its training groups, at one reading."""
+
+    released: Counter[str]
+    trained: Counter[str]
+    discarded: dict[str, str]  # group id -> reason
+    discards: Counter[str]
+    dead: set[str]
+    duplicates: int
+    steps: int
+    summary: dict | None  # the summary of this ledger's run once it has finished, else None
+
+    @property
+    def finished(self) -> bool:
+        return self.summary is not None
+
+    @property
+    def stopped_early(self) -> bool:
+        return bool(self.summary and self.summary.get("stopped_early"))
+
+    @property
+    def outstanding(self) -> set[str]:
+        return set(self.summary.get("outstanding_groups", [])) if self.summary else set()
+
+    @property
+    def fated(self) -> set[str]:
+        return set(self.trained) | set(self.discarded) | self.dead
+
+    @property
+    def fateless(self) -> set[str]:
+        return set(self.released) - self.fated
+
+
+def read_view(run_dir: Path) -> LedgerView:
+    """The run's ledger and summary; raises FileNotFoundError naming the file when there is no ledger."""
     path = Path(run_dir) / "ledger.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no ledger (is {run_dir} a run folder?)")
-    events, out = read_ledger(path), LedgerCheck()
-    released = Counter(i for e in events if e["event"] == "released" for i in e["ids"])
-    trained = Counter(i for e in events if e["event"] == "trained" for i in e["ids"])
-    discarded = {e["id"]: e.get("reason", "") for e in events if e["event"] == "discarded"}
-    discards = Counter(e["id"] for e in events if e["event"] == "discarded")
-    dead = {e["id"] for e in events if e["event"] == "dead_letter"}
-    summary = _summary(Path(run_dir), path)
-    outstanding = set(summary.get("outstanding_groups", [])) if summary else set()
-    out.released, out.trained, out.dead_lettered = len(released), len(trained), len(dead)
-    out.discarded = Counter(discarded.values())
-    out.duplicates = sum(e["event"] == "duplicate" for e in events)
-    out.steps = sum(e["event"] == "trained" for e in events)
-    out.finished, out.outstanding = summary is not None, len(outstanding)
+    events = read_ledger(path)
+    return LedgerView(
+        released=Counter(i for e in events if e["event"] == "released" for i in e["ids"]),
+        trained=Counter(i for e in events if e["event"] == "trained" for i in e["ids"]),
+        discarded={e["id"]: e.get("reason", "") for e in events if e["event"] == "discarded"},
+        discards=Counter(e["id"] for e in events if e["event"] == "discarded"),
+        dead={e["id"] for e in events if e["event"] == "dead_letter"},
+        duplicates=sum(e["event"] == "duplicate" for e in events),
+        steps=sum(e["event"] == "trained" for e in events),
+        summary=_summary(Path(run_dir), path),
+    )
+
+
+def check_ledger(run_dir: Path) -> LedgerCheck:
+    """The run's ledger checked; raises FileNotFoundError naming the file when there is none."""
+    return ledger_rules(read_view(run_dir))
+
+
+def ledger_rules(view: LedgerView) -> LedgerCheck:
+    """The exactly-once rules applied to one reading of the ledger."""
+    out, outstanding = LedgerCheck(), view.outstanding
+    trained, discarded, released = set(view.trained), set(view.discarded), set(view.released)
+    out.released, out.trained, out.dead_lettered = len(released), len(trained), len(view.dead)
+    out.discarded = Counter(view.discarded.values())
+    out.duplicates, out.steps = view.duplicates, view.steps
+    out.finished, out.outstanding = view.finished, len(outstanding)
     rules = [
-        ("released more than once", {i for i, n in released.items() if n > 1}),
-        ("trained more than once", {i for i, n in trained.items() if n > 1}),
-        ("discarded more than once", {i for i, n in discards.items() if n > 1}),
-        ("both trained and discarded", set(trained) & set(discarded)),
-        ("trained or discarded but never released", (set(trained) | set(discarded)) - set(released)),
-        (
-            "outstanding at the end but trained, discarded or dead-lettered",
-            outstanding & (set(trained) | set(discarded) | dead),
-        ),
+        ("released more than once", {i for i, n in view.released.items() if n > 1}),
+        ("trained more than once", {i for i, n in view.trained.items() if n > 1}),
+        ("discarded more than once", {i for i, n in view.discards.items() if n > 1}),
+        ("both trained and discarded", trained & discarded),
+        ("trained or discarded but never released", (trained | discarded) - released),
+        ("outstanding at the end but trained, discarded or dead-lettered", outstanding & view.fated),
     ]
-    fateless = set(released) - set(trained) - set(discarded) - dead - outstanding
-    if summary is not None:
+    fateless = view.fateless - outstanding
+    if view.finished:
         rules.append(("released and never trained, discarded, dead-lettered or left outstanding (lost)", fateless))
     else:
         out.in_flight = len(fateless)
