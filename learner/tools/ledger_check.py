@@ -8,18 +8,15 @@ the live model and the check holds across resumes. While a run goes on (no summa
 than the ledger), groups without a fate are in flight, not lost.
 
 With `--redis`, the run's Redis streams (broker/redis_streams.py) are held against the ledger:
-
-    the ledger                           what Redis must hold
-    no fate yet (a run still going)      a prompt entry, an unacknowledged rollout or a dead letter of the
-                                         group: else it is LOST (no actor answers it, the learner waits on it)
-    outstanding at the end               the same, unless the run stopped early: the batch it stopped with
-                                         was acknowledged, and its final checkpoint sends those groups again
-    a fate, for every group whose        the learner acknowledges at a checkpoint only the rollouts the
-      rollout Redis acknowledged         checkpoint covers, each trained or discarded before it
-    a finished run: the dead letter of   the learner records a prompt's dead letter in the call that moves it
-      every prompt Redis dead-lettered
-    a finished run: the release of       a resumed learner withdraws every entry its ledger no longer holds
-      every training prompt in Redis
+- a group without a fate (in flight, or outstanding at the end of a run that did not stop early) is in
+  Redis as a prompt entry, an unacknowledged rollout or a dead letter, else it is LOST: no actor answers
+  it and the learner waits on it. A run that stopped early acknowledged the batch it stopped with; its
+  final checkpoint sends those groups again on a resume;
+- a group whose rollout Redis acknowledged has a fate: the learner acknowledges at a checkpoint only
+  rollouts trained or discarded before it;
+- a finished run's ledger records every prompt Redis dead-lettered (the learner records it in the call
+  that moves it) and releases every training prompt left in Redis (a resumed learner withdraws every
+  entry its ledger no longer holds).
 
 Tallied, not violations: rollouts of trained or discarded groups not yet acknowledged (the next
 checkpoint does), and dead letters the learner has yet to record (it reads them once a second, and a
@@ -27,7 +24,8 @@ resumed learner reads them all again). Trimming drops acknowledged entries only,
 and pending ones are always all there. A run still going moves between reads: the ledger is read
 before and after each look at Redis, a group counts as released only when both readings have it and
 its fate comes from the second, and what a first look finds wrong is looked at again: only what both
-looks find is reported.
+looks find is reported. (A learner killed between writing a release and adding its prompt leaves that
+group lost here until it resumes: a resume sends again, or cuts from the ledger, every group without a fate.)
 """
 
 from __future__ import annotations
