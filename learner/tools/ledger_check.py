@@ -19,13 +19,15 @@ With `--redis`, the run's Redis streams (broker/redis_streams.py) are held again
   entry its ledger no longer holds).
 
 Tallied, not violations: rollouts of trained or discarded groups not yet acknowledged (the next
-checkpoint does), and dead letters the learner has yet to record (it reads them once a second, and a
-resumed learner reads them all again). Trimming drops acknowledged entries only, so the undelivered
-and pending ones are always all there. A run still going moves between reads: the ledger is read
-before and after each look at Redis, a group counts as released only when both readings have it and
-its fate comes from the second, and what a first look finds wrong is looked at again: only what both
-looks find is reported. (A learner killed between writing a release and adding its prompt leaves that
-group lost here until it resumes: a resume sends again, or cuts from the ledger, every group without a fate.)
+checkpoint does), dead letters the learner has yet to record (it reads them once a second, and a
+resumed learner reads them all again), and prompt entries of groups with a fate that no commit will
+acknowledge (they lose nothing, but trimming stops at the oldest). Trimming drops acknowledged entries
+only, so the undelivered and pending ones are always all there. A run still going moves between reads:
+the ledger is read before and after each look at Redis, a group counts as released only when both
+readings have it and its fate comes from the second, and what a first look finds wrong is looked at
+again: only what both looks find is reported. (A learner killed between writing a release and adding
+its prompt leaves that group lost here until it resumes: a resume sends again, or cuts from the ledger,
+every group without a fate.)
 """
 
 from __future__ import annotations
@@ -194,6 +196,9 @@ class RedisCheck:
     violations: dict[str, set[str]] = field(default_factory=dict)  # what is wrong -> group ids
     consumed_unacknowledged: set[str] = field(default_factory=set)  # trained or discarded, rollout not acknowledged
     dead_unrecorded: set[str] = field(default_factory=set)  # dead letters the learner has yet to record
+    # groups with a fate whose prompt entry no commit will acknowledge (a second entry from an XADD retried after
+    # a lost reply, a copy sent again, a group dead-lettered from its rollout): harmless, but it holds back trimming
+    stranded_prompts: set[str] = field(default_factory=set)
     sent_again: set[str] = field(default_factory=set)  # outstanding at an early stop, no longer waiting in Redis
 
     def tallies(self) -> dict[str, int]:
@@ -206,6 +211,7 @@ class RedisCheck:
             "dead": len(self.streams.dead),
             "consumed_unacknowledged": len(self.consumed_unacknowledged),
             "dead_unrecorded": len(self.dead_unrecorded),
+            "stranded_prompts": len(self.stranded_prompts),
             "sent_again": len(self.sent_again),
         }
 
@@ -216,7 +222,8 @@ class RedisCheck:
             f"{t['prompts_pending']} at actors; rollouts of {t['rollouts_unacknowledged']} groups unacknowledged "
             f"({t['consumed_unacknowledged']} trained or discarded, acknowledged at the next checkpoint) and "
             f"{t['rollouts_acknowledged']} acknowledged, not yet trimmed; {t['dead']} dead-lettered "
-            f"({t['dead_unrecorded']} not yet recorded by the learner)"
+            f"({t['dead_unrecorded']} not yet recorded by the learner); prompts of {t['stranded_prompts']} groups "
+            "with a fate left unacknowledged (they hold back trimming)"
         )
         if self.sent_again:
             line += (
@@ -250,6 +257,7 @@ def cross_check(view: LedgerView, streams: RunStreams) -> RedisCheck:
         {what: ids for what, ids in rules if ids},
         consumed_unacknowledged=streams.rollouts.unacknowledged & (set(view.trained) | set(view.discarded)),
         dead_unrecorded=(set(streams.dead) - (dead_prompts if view.finished else set())) & fateless,
+        stranded_prompts=streams.prompts.unacknowledged & view.fated - streams.rollouts.unacknowledged,
         sent_again=covered - streams.prompts.unacknowledged - streams.rollouts.unacknowledged,
     )
 

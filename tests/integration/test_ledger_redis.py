@@ -99,6 +99,7 @@ def test_a_run_in_flight_agrees_with_redis_until_a_prompt_entry_is_removed(run_d
         "dead": 1,
         "consumed_unacknowledged": 1,  # r-3: trained, acknowledged at the next checkpoint
         "dead_unrecorded": 0,
+        "stranded_prompts": 1,  # r-2: its rollout dead-lettered, its prompt stays with the actor
         "sent_again": 0,
     }
 

@@ -130,6 +130,9 @@ def test_a_run_in_flight_that_redis_agrees_with_passes_and_tallies_what_waits_on
     result = cross_check(read_view(run), held)
     assert result.violations == {}
     assert result.consumed_unacknowledged == {"r-2", "r-1"} and result.dead_unrecorded == set()
+    assert result.stranded_prompts == set()  # r-2's prompt waits on the commit of its rollout
+    # a second prompt entry of a trained group (its XADD retried after a lost reply): no commit acknowledges it
+    assert cross_check(read_view(run), streams(prompts_pending=["r-4", "r-0"])).stranded_prompts == {"r-0"}
     assert "redis agrees" in result.lines()[-1]
     # in flight as a dead letter only: the learner records it at its next look, once a second
     result = cross_check(read_view(run), streams(dead={"r-4": "prompts"}))
