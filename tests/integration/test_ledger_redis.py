@@ -87,6 +87,9 @@ def a_run_in_flight(run_dir) -> tuple[RedisLearnerTransport, GroupBook, dict]:
 
 def test_a_run_in_flight_agrees_with_redis_until_a_prompt_entry_is_removed(run_dir, redis_server, capsys):
     side, book, _ = a_run_in_flight(run_dir)
+    elsewhere = redis_server.url.removesuffix("/0") + "/1"  # another database: none of the run's streams
+    assert main(["ledger", "check", str(run_dir), "--redis", elsewhere]) == 2
+    assert f"Redis at {elsewhere} holds none of run 't'" in capsys.readouterr().out
     assert main(["ledger", "check", str(run_dir), "--redis", redis_server.url]) == 0, capsys.readouterr().out
     assert "redis agrees" in capsys.readouterr().out
     view, against = check_with_redis(run_dir, streams_of(run_dir, ""))
