@@ -109,10 +109,15 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-def reconcile(run_dir: Path) -> dict:
-    """Every released training group is accounted for exactly once (`tidal ledger check`); returns the tallies."""
+def reconcile(run_dir: Path, redis_url: str | None = None) -> dict:
+    """Every released training group is accounted for exactly once (`tidal ledger check`, held against the run's
+    Redis streams too when `redis_url` is given); returns the ledger's tallies."""
+    redis = ["--redis", redis_url] if redis_url else []
     check = subprocess.run(
-        [sys.executable, "-m", "tidal", "ledger", "check", str(run_dir)], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "tidal", "ledger", "check", str(run_dir), *redis],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     assert check.returncode == 0, check.stdout + check.stderr
     result = check_ledger(run_dir)
@@ -167,15 +172,17 @@ def check_restarted_actor(run_dir: Path, victim: str, killed_at: float, out: str
     return again["time"] - killed_at
 
 
-def check_finished_run(run_dir: Path, proc, out: str, victim: str, killed_at: float, steps: int):
+def check_finished_run(
+    run_dir: Path, proc, out: str, victim: str, killed_at: float, steps: int, redis_url: str | None = None
+):
     """The run completed, the killed actor came back current and both actors worked, the ledger
-    reconciles; returns (restart seconds, summary, ledger tallies)."""
+    reconciles (with the run's Redis at `redis_url`, if given); returns (restart seconds, summary, ledger tallies)."""
     assert proc.returncode == 0, out[-3000:]
     restart_s = check_restarted_actor(run_dir, victim, killed_at, out)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps
     assert all(summary["groups_by_actor"].get(a, 0) > 0 for a in ("actor-0", "actor-1")), summary["groups_by_actor"]
-    return restart_s, summary, reconcile(run_dir)
+    return restart_s, summary, reconcile(run_dir, redis_url)
 
 
 ASYNC_STEPS = 20
@@ -356,9 +363,9 @@ def test_redis_killed_actor_and_redis_restart_lose_nothing(tmp_path):
             "training after the Redis restart", lambda: steps_done(run_dir) > step_before + 1, proc, run_dir
         )
         out = finish(proc, run_dir)
+        restart_s, summary, tallies = check_finished_run(run_dir, proc, out, victim, killed_at, 24, server.url)
     finally:
         server.stop()
-    restart_s, summary, tallies = check_finished_run(run_dir, proc, out, victim, killed_at, steps=24)
     print(
         f"\nredis: {victim} back {restart_s:.1f} s after SIGKILL; "
         f"training went on {resumed_at - back_at:.1f} s after "
@@ -414,7 +421,11 @@ def test_killed_learner_resumes_with_the_same_mlflow_run_and_no_step_twice(tmp_p
     assert len(evals) == len(set(evals))
     trained_steps = [e["step"] for e in ledger(run_dir) if e["event"] == "trained"]
     assert trained_steps == list(range(1, 15))
-    tallies = reconcile(run_dir)
+    embedded = RedisServer(run_dir / "redis").start()  # the run's own, back from its AOF (no password asked here)
+    try:
+        tallies = reconcile(run_dir, embedded.url)
+    finally:
+        embedded.stop()
     print(
         f"\nresume: killed after {checkpoints[-1]}; first step of the resumed learner "
         f"{first_step_at - killed_at:.1f} s after the kill (includes restarting every process); ledger {tallies}"

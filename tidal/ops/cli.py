@@ -157,6 +157,14 @@ def _tool_parsers(sub) -> None:
     ledger = sub.add_parser("ledger", help="check a run's ledger: every released prompt group met exactly one fate")
     ledger.add_argument("action", choices=["check"])
     ledger.add_argument("run_dir", help="the run's folder (runs/<name>-<time>)")
+    ledger.add_argument(
+        "--redis",
+        nargs="?",
+        const="",
+        metavar="URL",
+        help="also hold the run's Redis streams against the ledger: the Redis at URL (no URL: broker.redis.url "
+        "of the run's config.yaml), the password from the variable named by broker.redis.password_env",
+    )
     health = sub.add_parser("health", help="exit 0 if FILE was touched within --max-age-s (liveness probes)")
     health.add_argument("file")
     health.add_argument("--max-age-s", type=float, default=120.0)
@@ -240,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         "keys": lambda: _keys(args.dir, args.actors),
         "fit": lambda: _analysis(args),
         "sweep": lambda: _analysis(args),
-        "ledger": lambda: _ledger(args.run_dir),
+        "ledger": lambda: _ledger(args.run_dir, args.redis),
     }
     if args.command in simple:
         return simple[args.command]()
@@ -257,10 +265,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _ledger(run_dir: str) -> int:
+def _ledger(run_dir: str, redis_url: str | None) -> int:
     from tidal.learner.tools.ledger_check import main as check
 
-    return check(run_dir)
+    return check(run_dir, redis_url)
 
 
 def entry() -> None:
