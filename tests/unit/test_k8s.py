@@ -640,6 +640,8 @@ def test_the_contract_is_what_the_processes_serve():
     for module in (ROOT / "actor" / "metrics.py", ROOT / "learner" / "rank0" / "flow.py"):
         served |= dict.fromkeys(re.findall(r'histogram\(\s*"(tidal_\w+)"', module.read_text()), "histogram")
     assert {name: served.get(name) for name in METRICS} == METRICS
+
+
 # a series name in PromQL, whether rate() or increase() reads it, and its label matchers
 SERIES = re.compile(r"(?P<rate>\b(?:rate|irate|increase)\(\s*)?\b(?P<name>tidal_\w+)(?P<matchers>\{[^}]*\})?")
 GRID_COLUMNS = 24  # a Grafana dashboard's width
