@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 from conftest import PrometheusServer, child_pids, wait_until_group_is_gone
 from tidal.ops.reachable import free_port
 
@@ -178,3 +180,12 @@ def check_flow_in_prometheus(prometheus: PrometheusServer) -> None:
     discarded = prometheus.query('tidal_learner_discarded_tokens_total{run="tiny"}')
     assert {dict(labels)["cause"] for labels in discarded} == {"stale", "filtered", "refused"}
     assert one('tidal_broker_live_actors{run="tiny"}', lambda v: v == 1) == 1
+    # the actor scaler of k8s/ (KEDA's prometheus trigger) asks this Prometheus for a number of actors: over
+    # the seconds this run has had (a rate over 5 minutes of a younger series reads low), more than the one
+    # live actor while the learner waits for it, and at most 4x
+    scaler = yaml.safe_load((ROOT / "k8s/components/keda-prometheus/scaledobject.yaml").read_text())
+    (trigger,) = scaler["spec"]["triggers"]
+    query = trigger["metadata"]["query"]
+    assert "[5m]" in query
+    wanted = one(query.replace("[5m]", "[15s]"), lambda v: 1 < v <= 4)
+    assert 1 < wanted <= 4
