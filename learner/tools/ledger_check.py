@@ -97,7 +97,10 @@ def _summary(run_dir: Path, ledger: Path) -> dict | None:
     path = run_dir / "summary.json"
     if not path.is_file() or path.stat().st_mtime < ledger.stat().st_mtime - 1.0:
         return None
-    return json.loads(path.read_text())
+    summary = json.loads(path.read_text())
+    # a run stopped by a signal or a failure did not finish: its groups without a fate were in flight when it
+    # stopped (a resume takes them up from its checkpoint), not lost, and its summary names none of them
+    return None if "error" in summary else summary
 
 
 @dataclass

@@ -239,3 +239,14 @@ def test_a_redis_that_cannot_be_reached_is_named_without_its_password_and_exits_
     (run / "config.yaml").unlink()
     assert main(["ledger", "check", str(run), "--redis", f"redis://127.0.0.1:{port}/0"]) == 2
     assert "no config.yaml, which names the run's Redis streams" in capsys.readouterr().out
+
+
+def test_a_run_stopped_by_a_signal_holds_its_groups_in_flight_not_lost(tmp_path):
+    """A killed or failed learner still writes a summary (its error), naming no outstanding groups: those it
+    held were in flight when it stopped, for a resume to take up, not lost."""
+    run = write_run(tmp_path / "run", HEALTHY)
+    (run / "summary.json").write_text(json.dumps({"error": "learner stopped by a signal"}))
+    result = check_ledger(run)
+    assert result.violations == [] and not result.finished and result.in_flight == 1
+    (run / "summary.json").write_text(json.dumps({"outstanding_groups": []}))  # finished, r-4 named nowhere
+    assert check_ledger(run).violations
