@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+from dataclasses import replace
 from pathlib import Path
 
 import msgspec
@@ -25,7 +26,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from tidal.broker.schema import ActorId
-from tidal.config import ConfigError
+from tidal.config import ConfigError, Curve, ZmqConfig, curve_on
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,29 @@ def run_keys(run_dir: str | Path, actor_ids: list[str]) -> Path:
     """This run's own keys, in <run_dir>/keys: `tidal run` authenticates every peer of every port it
     opens, loopback included, without asking for a keys folder."""
     return generate(Path(run_dir) / "keys", actor_ids)
+
+
+def own_keys(z: ZmqConfig, run_dir: str, role: str, actor_ids: list[str]) -> ZmqConfig:
+    """A role started on its own on loopback with no keys named authenticates its peers all the same: the
+    learner makes the run's own keys in <run_dir>/keys, as `tidal run` does (every id of `actor_ids`), and
+    an actor takes its own from there (`actor_ids`: its id). Left as they are: keys named, a host beyond
+    loopback (CURVE is on already), and curve=off, asked for."""
+    if z.curve is not Curve.auto or curve_on(z):
+        return z
+    keys = Path(run_dir) / "keys" if run_dir else None
+    if role == "learner":
+        return replace(z, curve=Curve.on, keys_dir=str(run_keys(run_dir, actor_ids).resolve()))
+    needed = [f"{LEARNER}.key", *(f"actors/{a}.key_secret" for a in actor_ids)]
+    absent = next((name for name in needed if keys is None or not (keys / name).is_file()), None)
+    if absent is not None:
+        where = f"{keys} holds no {absent}" if keys is not None else "run_dir is empty too"
+        raise ConfigError(
+            f"config key 'broker.zmq.keys_dir' = '': {where}. An actor started on its own authenticates with "
+            "its run's keys: set run_dir to the learner's run folder (the learner makes the keys in its "
+            "keys/), or name broker.zmq.keys_dir, or set broker.zmq.curve=off to trust anyone who reaches "
+            "the learner's ports"
+        )
+    return replace(z, curve=Curve.on, keys_dir=str(keys.resolve()))
 
 
 def _private_folder(path: Path) -> None:

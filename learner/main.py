@@ -9,12 +9,14 @@ import os
 import signal
 import sys
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 import torch.distributed as dist
 
-from tidal.config import LearnerConfig, RunConfig, resolve
+from tidal.broker.zmq_keys import ForeignKeys, own_keys
+from tidal.config import BrokerType, LearnerConfig, RunConfig, resolve
 from tidal.files import run_marks, used_run_dir
 from tidal.learner.build import MissingCheckpoint, build, build_follower, find_checkpoint
 from tidal.learner.every_rank.checkpoint import NoValidCheckpoint
@@ -46,11 +48,28 @@ def main(cfg: RunConfig, resume: str | None = None) -> int:
         if rank > 0:  # under torchrun: only rank 0 talks to actors and MLflow, and picks the checkpoint
             return leave_group(build_follower(cfg).run())
         notices.attach(run_dir)
+        cfg = with_own_keys(cfg)
         learner = build(cfg, find_checkpoint(run_dir, resume), fresh_if_damaged=resume == "fresh")
-    except (MissingCheckpoint, NoValidCheckpoint) as err:
+    except (MissingCheckpoint, NoValidCheckpoint, ForeignKeys) as err:
         print(f"tidal learner: {err}", file=sys.stderr)
         return 2
     return leave_group(serve(learner, run_dir))
+
+
+def with_own_keys(cfg: RunConfig) -> RunConfig:
+    """Started on its own on loopback with no keys named, the learner authenticates its actors all the
+    same, with the run's own keys in run_dir/keys (as `tidal run` does), and says where they are."""
+    if cfg.broker.type is not BrokerType.zmq:
+        return cfg
+    z = own_keys(cfg.broker.zmq, cfg.run_dir, "learner", [f"actor-{i}" for i in range(cfg.actor.replicas)])
+    if z is cfg.broker.zmq:
+        return cfg
+    print(
+        f"tidal learner: no keys named; CURVE on with this run's own keys in {z.keys_dir} (an actor started on "
+        f"its own on this machine: run_dir={cfg.run_dir}; more actors: tidal keys {z.keys_dir} --actors ID)",
+        file=sys.stderr,
+    )
+    return replace(cfg, broker=replace(cfg.broker, zmq=z))
 
 
 def leave_group(rc: int) -> int:

@@ -146,6 +146,48 @@ def test_auto_is_on_where_keys_are_named_or_the_host_is_beyond_loopback():
     assert not curve_on(ZmqConfig(curve="off", keys_dir="/k"))
 
 
+def test_a_role_started_alone_on_loopback_authenticates_with_its_runs_own_keys(tmp_path):
+    """A learner started on its own on loopback with no keys trusted anyone who reached its ports as any
+    actor. Now it makes the run's own keys; an actor given the run folder takes its own from there and is
+    granted work; a peer without a key of the run gets nothing."""
+    from tidal.learner.main import with_own_keys
+    from tidal.ops.cli import _own_keys
+
+    run = tmp_path / "run"
+    learner_cfg = with_own_keys(RunConfig(run_dir=str(run), actor=ActorConfig(replicas=2)))
+    z = learner_cfg.broker.zmq
+    assert (z.curve, z.keys_dir) == ("on", str(run / "keys")) and mode(run / "keys") == 0o700
+    with pytest.raises(ConfigError, match="broker.zmq.keys_dir.*set run_dir to the learner's run folder"):
+        _own_keys(RunConfig(), "actor")  # where are the run's keys? one line says what to set
+    with pytest.raises(ConfigError, match="holds no actors/actor-7.key_secret"):
+        _own_keys(RunConfig(run_dir=str(run), actor=ActorConfig(index=7)), "actor")
+    actor_z = _own_keys(RunConfig(run_dir=str(run), actor=ActorConfig(index=1)), "actor").broker.zmq
+    assert (actor_z.curve, actor_z.keys_dir) == ("on", str(run / "keys"))
+    for left in (ZmqConfig(curve="off"), ZmqConfig(keys_dir="/k"), ZmqConfig(host="0.0.0.0")):
+        assert (
+            with_own_keys(RunConfig(run_dir=str(tmp_path / "other"), broker=BrokerConfig(zmq=left))).broker.zmq == left
+        )
+    assert not (tmp_path / "other" / "keys").exists()
+
+    side = ZmqLearnerTransport(BrokerConfig(zmq=z), WireCodec(1 << 20))
+    side.submit_prompts([prompt(0)])
+
+    async def ask(zmq_keys: dict, actor_id: str, timeout_s: float):
+        t = ZmqActorTransport(actor_config(side, **zmq_keys), WireCodec(1 << 20), actor_id)
+        try:
+            await t.heartbeat(hello(actor_id))
+            return await t.request_work(8, timeout_s=timeout_s)  # returns as soon as a grant comes
+        finally:
+            t.close()
+
+    try:
+        assert asyncio.run(ask({"curve": "off"}, "actor-1", 1)) == []  # no key: a grant would come in milliseconds
+        keys = {"curve": actor_z.curve, "keys_dir": actor_z.keys_dir}
+        assert [g.group_id for g in asyncio.run(ask(keys, "actor-1", 30))] == ["r-0"]
+    finally:
+        side.close()
+
+
 def test_a_learner_with_curve_on_and_no_keys_folder_names_the_key():
     with pytest.raises(RuntimeError) as err:
         ZmqLearnerTransport(BrokerConfig(zmq=ZmqConfig(curve="on")), WireCodec(4096))

@@ -69,9 +69,10 @@ class ZmqConfig(Section):
         Curve.auto,
         "CURVE encryption and authentication (each actor's id bound to its key). `tidal "
         "run` always turns it on (with keys of its own in run_dir/keys when keys_dir is "
-        "empty) and refuses off. A role started on its own: auto = on when keys_dir is "
-        "named or broker.zmq.host is beyond loopback; off = anyone who reaches the ports is "
-        "trusted as any actor (tests, and one-machine setups that accept that)",
+        "empty) and refuses off. A role started on its own: auto = on, with keys_dir's keys, or "
+        "on loopback without keys_dir the run's own (the learner makes them in run_dir/keys; an "
+        "actor given the same run_dir takes its own from there); off = anyone who reaches the "
+        "ports is trusted as any actor (tests, and one-machine setups that accept that)",
     )
     keys_dir: str = opt(
         "", "CURVE keys, made by `tidal keys DIR --actors ...`; a role started alone with CURVE on needs it"

@@ -326,6 +326,7 @@ def _role(cfg, args) -> int:
         return _config(cfg, args)
     get_task(cfg.task.name)  # an unknown or incomplete task is one line, before any process starts
     if args.command in ("learner", "actor"):
+        cfg = _own_keys(cfg, args.command)
         _check_keys(cfg)
     if args.command == "actor":
         _check_actor_ports(cfg)
@@ -353,6 +354,21 @@ def _role(cfg, args) -> int:
         return _plan_batch(cfg, args)
     print(cfg.model.path)
     return 0
+
+
+def _own_keys(cfg, role: str):
+    """An actor started on its own on loopback with no keys named takes its own from its run's folder,
+    where the learner made them (learner.main makes them once it knows the folder is its own)."""
+    from dataclasses import replace
+
+    from tidal.config import BrokerType
+
+    if role != "actor" or cfg.broker.type is not BrokerType.zmq:
+        return cfg
+    from tidal.broker.zmq_keys import own_keys
+
+    z = own_keys(cfg.broker.zmq, cfg.run_dir, role, [cfg.actor.id or f"actor-{cfg.actor.index}"])
+    return cfg if z is cfg.broker.zmq else replace(cfg, broker=replace(cfg.broker, zmq=z))
 
 
 def _check_keys(cfg) -> None:
