@@ -228,7 +228,11 @@ class _RateLimit:
 
 class _Connections:
     """One bound socket's open TCP connections by file descriptor, as its monitor reports them (libzmq names
-    neither key nor routing id there): those accepted with the cap full are marked refused as they are read."""
+    neither key nor routing id there), each with the machine it comes from (its peer address). With the cap
+    full, a newcomer takes the place of the newest connection of the machine holding the most, where that
+    machine holds more than the newcomer's would: strangers that hoard the places from one machine, and
+    retake each as it frees, cannot keep an actor of another machine (a pod on Kubernetes) out. Otherwise
+    the newcomer is refused. Refusals are marked as the events are read."""
 
     def __init__(self, name: str, sock: zmq.Socket, cap: int):
         self.name, self.cap = name, cap
@@ -236,6 +240,7 @@ class _Connections:
         # this one is closed may have again before libzmq has unbound this one's
         self.monitor = sock.get_monitor_socket(CONNECTION_EVENTS, f"inproc://tidal-monitor-{secrets.token_hex(8)}")
         self.open: dict[int, int] = {}  # fd -> the number of its ACCEPTED event
+        self.machine: dict[int, str] = {}  # fd -> its peer's address ("" where it could not be read)
         self.refused: set[int] = set()  # open fds shut down (or about to be), not yet reported gone
         self.num_accepted = 0
 
@@ -255,14 +260,38 @@ class _Connections:
             event, fd = struct.unpack("=HI", head)
             # either way the fd's earlier connection is gone (an ACCEPTED of an fd still open: it closed unreported)
             self.open.pop(fd, None)
+            self.machine.pop(fd, None)
             self.refused.discard(fd)
             if event != zmq.EVENT_ACCEPTED:
                 continue
             self.num_accepted += 1
-            if self.admitted() >= self.cap:
-                self.refused.add(fd)
-                refused.append((fd, self.num_accepted))
-            self.open[fd] = self.num_accepted
+            self.open[fd], self.machine[fd] = self.num_accepted, peer_machine(fd)
+            if self.admitted() > self.cap:
+                out = self._make_room(fd)
+                self.refused.add(out)
+                refused.append((out, self.open[out]))
+
+    def _make_room(self, newcomer: int) -> int:
+        """The connection to shut down now that `newcomer` is one beyond the cap: the newest of the machine
+        holding the most, where that is not the newcomer's machine and holds more than it; else the newcomer."""
+        held: dict[str, list[int]] = {}
+        for fd in self.open.keys() - self.refused:
+            held.setdefault(self.machine[fd], []).append(fd)
+        mine = held[self.machine[newcomer]]
+        heaviest = max(held.values(), key=len)
+        if heaviest is mine or len(heaviest) <= len(mine):
+            return newcomer
+        return max(heaviest, key=self.open.__getitem__)
+
+
+def peer_machine(fd: int) -> str:
+    """The address a connection comes from ("" where it cannot be read: gone already, or not TCP)."""
+    try:
+        with socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM) as dup:  # a dup, closed here
+            peer = dup.getpeername()
+    except OSError:
+        return ""
+    return peer[0] if isinstance(peer, tuple) else ""
 
 
 def refuse_beyond_cap(tables: list[_Connections]) -> list[_Connections]:
