@@ -66,6 +66,7 @@ class Actor:
         self.last_swap_paused_s = 0.0
         self.last_pull_s = 0.0  # the latest weight update, from taking it up to loaded (the pause inside it)
         self.paused_total_s = 0.0
+        self.pulled_total_s = 0.0
         self.on_weights_loaded: Callable[[float, float], None] | None = None  # (pull s, paused s): metrics
         self.clock = StateClock((IDLE, WAITING_FOR_WEIGHTS, BUSY), IDLE)
         self.waiting_for_weights = 0  # groups in hand waiting for their min_version
@@ -251,6 +252,7 @@ class Actor:
         self.stats["weight_load_failures_in_a_row"] = 0
         self.last_swap_paused_s, self.last_pull_s = paused_s, time.perf_counter() - started
         self.paused_total_s += paused_s
+        self.pulled_total_s += self.last_pull_s
         if self.on_weights_loaded is not None:
             self.on_weights_loaded(self.last_pull_s, paused_s)
         log.info(
@@ -309,5 +311,6 @@ class Actor:
             "work_wait_s": seconds[IDLE],
             "weights_wait_s": seconds[WAITING_FOR_WEIGHTS],
             "weight_pause_s": self.paused_total_s,
+            "weight_pulls_s": self.pulled_total_s,
             "weight_pull_s": self.last_pull_s,
         }

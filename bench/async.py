@@ -6,7 +6,8 @@ on each config, and prints one JSON line per run:
 
     task, system, max_lag, filter, seed, wall_s, steps, time_per_step_s, whole_s, samples_generated,
     samples_trained, time_to_target_s (and time_to_<rate>_s for each rate of --also, 0.6 by default),
-    final_pass_rate, profile (tidal: the median step's collect, train, push and engine pause seconds)
+    final_pass_rate, profile (tidal: the median step's collect, train, push and engine pause seconds, and
+    the actors' median shares of time paused for weight updates and spent on them: pause_share, pull_share)
 
 then one summary line per variant: the median time to target, its ratio to max_lag 0's with the same
 filter (how many times sooner; above 1 is faster) with a bootstrap 90% interval over seeds, the same
@@ -51,7 +52,15 @@ from runs import (
     timed_tidal_run,
 )
 
-PROFILE = ("timing/collect_s", "timing/train_step_s", "timing/weight_push_s", "timing/actor_weight_swap_paused_s")
+PROFILE = (
+    "timing/collect_s",
+    "timing/train_step_s",
+    "timing/weight_push_s",
+    "timing/actor_weight_swap_paused_s",
+    # the share of the actors' time their engines were paused for updates, and spent on updates in all
+    "flow/actor_pause_share",
+    "flow/actor_pull_share",
+)
 
 
 def run_grid(

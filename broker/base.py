@@ -105,6 +105,7 @@ FLOW_SHARES = {
     "flow/actor_work_wait_share": "work_wait_s",
     "flow/actor_weights_wait_share": "weights_wait_s",
     "flow/actor_pause_share": "weight_pause_s",
+    "flow/actor_pull_share": "weight_pulls_s",
 }
 FLOW_WINDOW_S = 10.0
 

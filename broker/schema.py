@@ -442,6 +442,7 @@ class Heartbeat(Message, tag="heartbeat"):
     work_wait_s: Seconds = 0.0
     weights_wait_s: Seconds = 0.0
     weight_pause_s: Seconds = 0.0
+    weight_pulls_s: Seconds = 0.0  # every update's seconds from taking it up to loaded, in all
     weight_pull_s: Seconds = 0.0
 
 

@@ -89,7 +89,7 @@ def test_an_endpoint_serves_what_a_role_describes_by_prometheus_conventions():
         socket.create_connection(("127.0.0.1", port), timeout=2)
 
 
-def beat(uptime: float, work: float = 0.0, weights: float = 0.0, pause: float = 0.0, pull: float = 0.0) -> Heartbeat:
+def beat(uptime: float, work=0.0, weights=0.0, pause=0.0, pulls=0.0, pull=0.0) -> Heartbeat:
     return Heartbeat(
         actor_id="actor-0",
         version=1,
@@ -99,6 +99,7 @@ def beat(uptime: float, work: float = 0.0, weights: float = 0.0, pause: float = 
         work_wait_s=work,
         weights_wait_s=weights,
         weight_pause_s=pause,
+        weight_pulls_s=pulls,
         weight_pull_s=pull,
     )
 
@@ -108,12 +109,15 @@ def test_an_actors_time_shares_come_over_a_window_bounded_and_start_again_after_
     assert info.shares == {}  # nothing measured yet
     info = actor_info(beat(1.0 + FLOW_WINDOW_S / 2, work=3.0), info)
     assert info.shares == {}  # a heartbeat's worth of time would be noise: not yet a window
-    info = actor_info(beat(1.0 + FLOW_WINDOW_S, work=FLOW_WINDOW_S / 2, weights=1.0, pause=0.5, pull=0.7), info)
+    window = beat(1.0 + FLOW_WINDOW_S, work=FLOW_WINDOW_S / 2, weights=1.0, pause=0.5, pulls=0.8, pull=0.1)
+    info = actor_info(window, info)
     assert info.shares == {
         "flow/actor_work_wait_share": pytest.approx(0.5),
         "flow/actor_weights_wait_share": pytest.approx(1.0 / FLOW_WINDOW_S),
         "flow/actor_pause_share": pytest.approx(0.5 / FLOW_WINDOW_S),
+        "flow/actor_pull_share": pytest.approx(0.8 / FLOW_WINDOW_S),
     }
+    assert info.flow["weight_pull_s"] == 0.1  # the latest update's, as timing/actor_weight_pull_s reports it
     kept = info.shares
     info = actor_info(beat(2.0 + FLOW_WINDOW_S, work=1e9), info)
     assert info.shares == kept  # the next window is not full: the last shares stand
@@ -161,5 +165,7 @@ def test_an_actors_time_goes_to_work_weights_or_generation_as_its_groups_say(tmp
     actor.settle()
     assert actor.clock.state == IDLE
     flow = actor.flow()
-    assert set(flow) == {"uptime_s", "work_wait_s", "weights_wait_s", "weight_pause_s", "weight_pull_s"}
+    assert set(flow) == {"uptime_s", "work_wait_s", "weights_wait_s", "weight_pause_s", "weight_pulls_s"} | {
+        "weight_pull_s"
+    }
     assert flow["uptime_s"] >= flow["work_wait_s"] + flow["weights_wait_s"]
