@@ -25,7 +25,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .  # seconds; the code is held to its lint rules by CI, not by hand
 	$(BIN)/ruff format --check .  # and to one format: `ruff format .` writes it
-	$(BIN)/python -m pytest -q -n $(WORKERS)
+	$(BIN)/python -m pytest -q -n $(WORKERS) --durations=25  # the slowest tests named: where CI's time goes
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(WORKERS) tests/unit

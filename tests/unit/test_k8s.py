@@ -600,6 +600,9 @@ def test_keda_autoscaling_stays_outside_the_validated_overlays(tree):
     assert scaled["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "tidal-actor"}
     assert trigger["metadata"]["stream"] == f"{cfg.broker.redis.prefix}:{cfg.name}:prompts"
     assert trigger["metadata"]["consumerGroup"] == "actors" and "lagCount" in trigger["metadata"]
+    # scaling 1..N down is the HPA's (KEDA's cooldownPeriod only covers scaling to zero): it waits too
+    behavior = scaled["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] >= 300
 
 
 # ---- metrics: Prometheus scrapes the learner and the actors, Grafana shows the run, KEDA scales on it ----
