@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the step builders live in conftest.py
-from conftest import ALPHABET, STEP_VERSION, TINY, learner_config, step_batch  # noqa: E402
+from conftest import ALPHABET, STEP_VERSION, TINY, learner_config, leave_ranks, step_batch  # noqa: E402
 from tidal.config import Aggregation, CheckpointConfig, FsdpConfig, LoraConfig, LossType  # noqa: E402
 
 STEPS = 3
@@ -103,7 +103,7 @@ def main() -> None:
                 mesh = next(p for p in resumed.model.parameters()).device_mesh
                 (args.out_dir / "hsdp.json").write_text(json.dumps({"mesh": list(mesh.shape)}))
     accelerator.wait_for_everyone()
-    accelerator.end_training()  # leave the process group: exiting inside it can abort at teardown
+    leave_ranks(accelerator)
 
 
 if __name__ == "__main__":

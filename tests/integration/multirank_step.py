@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the step builders live in conftest.py
-from conftest import CASES, learner_config, run_step  # noqa: E402
+from conftest import CASES, learner_config, leave_ranks, run_step  # noqa: E402
 from tidal.config import Aggregation, LossType  # noqa: E402
 
 
@@ -39,7 +39,7 @@ def main() -> None:
     except ValueError as err:
         (args.out_dir / f"too_few_groups_rank{accelerator.process_index}.txt").write_text(str(err))
     accelerator.wait_for_everyone()
-    accelerator.end_training()  # leave the process group: exiting inside it can abort at teardown
+    leave_ranks(accelerator)
 
 
 if __name__ == "__main__":

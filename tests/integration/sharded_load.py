@@ -25,7 +25,7 @@ def main() -> None:
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
-    from conftest import learner_config
+    from conftest import learner_config, leave_ranks
     from tidal.config import Aggregation, FsdpConfig, LoraConfig, LossType
     from tidal.learner.every_rank.trainer import Trainer, load_policy
 
@@ -50,7 +50,7 @@ def main() -> None:
             )
         )
     accelerator.wait_for_everyone()
-    accelerator.end_training()
+    leave_ranks(accelerator)
 
 
 def unsharded_adapter(model_dir: str, lora, seed: int) -> dict:

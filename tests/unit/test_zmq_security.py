@@ -101,18 +101,12 @@ def test_the_learner_trusts_no_key_file_of_another_user(tmp_path):
     side = ZmqLearnerTransport(BrokerConfig(zmq=ZmqConfig(curve="on", keys_dir=str(keys))), WireCodec(1 << 20))
     side.submit_prompts([prompt(0)])
 
-    async def ask(keys_dir, actor_id, timeout_s):
-        t = ZmqActorTransport(actor_config(side, curve="on", keys_dir=str(keys_dir)), WireCodec(1 << 20), actor_id)
-        try:
-            await t.heartbeat(hello(actor_id))
-            return await t.request_work(8, timeout_s=timeout_s)  # returns as soon as a grant comes
-        finally:
-            t.close()
-
     try:
         (evil / "learner.key").write_bytes((keys / "learner.key").read_bytes())
-        assert asyncio.run(ask(evil, "evil", 1)) == []  # a grant comes within milliseconds to a trusted key
-        assert [g.group_id for g in asyncio.run(ask(keys, "actor-0", 30))] == ["r-0"]
+        # a grant comes within milliseconds to a trusted key
+        assert asyncio.run(ask_for_work(side, "evil", 1, curve="on", keys_dir=str(evil))) == []
+        granted = asyncio.run(ask_for_work(side, "actor-0", 30, curve="on", keys_dir=str(keys)))
+        assert [g.group_id for g in granted] == ["r-0"]
     finally:
         side.close()
 
@@ -172,18 +166,11 @@ def test_a_role_started_alone_on_loopback_authenticates_with_its_runs_own_keys(t
     side = ZmqLearnerTransport(BrokerConfig(zmq=z), WireCodec(1 << 20))
     side.submit_prompts([prompt(0)])
 
-    async def ask(zmq_keys: dict, actor_id: str, timeout_s: float):
-        t = ZmqActorTransport(actor_config(side, **zmq_keys), WireCodec(1 << 20), actor_id)
-        try:
-            await t.heartbeat(hello(actor_id))
-            return await t.request_work(8, timeout_s=timeout_s)  # returns as soon as a grant comes
-        finally:
-            t.close()
-
     try:
-        assert asyncio.run(ask({"curve": "off"}, "actor-1", 1)) == []  # no key: a grant would come in milliseconds
-        keys = {"curve": actor_z.curve, "keys_dir": actor_z.keys_dir}
-        assert [g.group_id for g in asyncio.run(ask(keys, "actor-1", 30))] == ["r-0"]
+        # no key: a grant would come in milliseconds
+        assert asyncio.run(ask_for_work(side, "actor-1", 1, curve="off")) == []
+        granted = asyncio.run(ask_for_work(side, "actor-1", 30, curve=actor_z.curve, keys_dir=actor_z.keys_dir))
+        assert [g.group_id for g in granted] == ["r-0"]
     finally:
         side.close()
 
@@ -215,6 +202,17 @@ def actor_config(side, **zmq_keys) -> BrokerConfig:
     return BrokerConfig(
         zmq=ZmqConfig(control_port=p["control"], rollout_port=p["rollout"], weights_port=p["weights"], **zmq_keys)
     )
+
+
+async def ask_for_work(side, actor_id: str, timeout_s: float, **zmq_keys) -> list:
+    """What `side` grants an actor connecting with these ZeroMQ settings: a hello, then one work request,
+    which returns as soon as a grant comes."""
+    t = ZmqActorTransport(actor_config(side, **zmq_keys), WireCodec(1 << 20), actor_id)
+    try:
+        await t.heartbeat(hello(actor_id))
+        return await t.request_work(8, timeout_s=timeout_s)
+    finally:
+        t.close()
 
 
 def test_a_key_holder_claiming_another_actors_routing_id_neither_gets_in_nor_locks_the_owner_out(tmp_path):
