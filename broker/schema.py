@@ -18,14 +18,15 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-SCHEMA_VERSION = 10  # 2: eval groups carry eval_version; grants no longer carry weights. 3: a rollout's
+SCHEMA_VERSION = 11  # 2: eval groups carry eval_version; grants no longer carry weights. 3: a rollout's
 # token ids and logprobs are one buffer per group. 4: a weight update comes from one learner rank (no sources).
 # 5: a sample may carry its episode's counts (turns, tool calls). 6: a weight update carries the channel's
 # token, and each byte range its sha256 (was a crc32). 7: a sample carries each reward function's value
 # (reward_components). 8: an nccl weight update carries a keyed tag per tensor and the version's tag key;
 # a weight update may be a LoRA adapter alone (adapter). 9: sampling carries top_k (an actor that ignored it
 # would sample from another distribution than the learner scores). 10: a rollout carries when its generation
-# ended (finished_at); a heartbeat, where the actor's time went (its flow seconds)
+# ended (finished_at); a heartbeat, where the actor's time went (its flow seconds). 11: a file weight update
+# may name a delta from an earlier version (delta_of, delta_location, delta_parts)
 
 
 # Bounds every decoded value must keep: a frame that breaks one is rejected at decode ("malformed",
@@ -390,6 +391,14 @@ class WeightBucket(msgspec.Struct, frozen=True):
     sha256: Annotated[bytes, Meta(min_length=DIGEST_BYTES, max_length=DIGEST_BYTES)]  # of the range's bytes
 
 
+class DeltaPart(msgspec.Struct, frozen=True):
+    """Where one bucket's delta lies in a delta file (the file channel's `weights.delta`): nbytes 0 where
+    the bucket did not shrink and is read whole from the version's own file."""
+
+    offset: Count
+    nbytes: Count
+
+
 class AdapterSpec(msgspec.Struct, frozen=True):
     """A weight update that is a LoRA adapter: its manifest holds the adapter's tensors alone, under
     PEFT's names (base_model.model.<module>.lora_A.weight / lora_B.weight), served over the engine's
@@ -423,6 +432,11 @@ class WeightUpdate(Message, tag="weight_update"):
         list[Annotated[bytes, Meta(min_length=TAG_BYTES, max_length=TAG_BYTES)]], Meta(max_length=1_000_000)
     ] = []
     adapter: AdapterSpec | None = None  # a LoRA adapter's tensors alone (learner.lora), not the whole policy
+    # file: the version this one is also written as a delta from (-1: none), that delta's file, and where each
+    # bucket's part of it lies (one per bucket); what the parts rebuild is checked by the buckets' sha256s
+    delta_of: Annotated[int, Meta(ge=-1, le=2**62)] = -1
+    delta_location: Annotated[str, Meta(max_length=4096)] = ""
+    delta_parts: Annotated[list[DeltaPart], Meta(max_length=1_000_000)] = []
 
 
 class Heartbeat(Message, tag="heartbeat"):

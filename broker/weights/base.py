@@ -30,6 +30,10 @@ class WeightPublisher(abc.ABC):
         an evaluation holds newer announcements back, the newest `keep` versions may all be newer than the
         one announced, and an actor that still has to load it (one that was away) must find it."""
 
+    def metrics(self) -> dict[str, float]:
+        """The channel's counters for the learner's step metrics (none by default)."""
+        return {}
+
     def close(self) -> None:
         """Release what the channel holds for this run (files, sockets, groups)."""
 

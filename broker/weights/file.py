@@ -21,9 +21,11 @@ import shutil
 import stat
 import struct
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tidal.broker.schema import TensorSpec, WeightUpdate
+from tidal.broker.schema import DeltaPart, TensorSpec, WeightBucket, WeightUpdate
+from tidal.broker.weights import delta
 from tidal.broker.weights.base import (
     Transport,
     UpdateInfo,
@@ -31,6 +33,7 @@ from tidal.broker.weights.base import (
     WeightReceiver,
     bucket_problem,
     check_transport,
+    digest_problem,
     split_buckets,
     update_info,
 )
@@ -56,10 +59,16 @@ def unshared(named_tensors, dtype=None) -> dict:
 
 
 def read_manifest(path: Path) -> list[TensorSpec]:
-    """Tensor names, dtypes, shapes and absolute byte offsets from a safetensors header."""
+    """Tensor names, dtypes, shapes and absolute byte offsets from a safetensors file's header."""
     with open(path, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
+        return read_manifest_bytes(struct.pack("<Q", header_len) + f.read(header_len))
+
+
+def read_manifest_bytes(data: bytes) -> list[TensorSpec]:
+    """The same, from the file's bytes (its header at least)."""
+    (header_len,) = struct.unpack_from("<Q", data)
+    header = json.loads(bytes(memoryview(data)[8 : 8 + header_len]))
     base = 8 + header_len
     return [
         TensorSpec(
@@ -89,35 +98,72 @@ class FilePublisher(WeightPublisher):
             self.directory.mkdir(parents=True, exist_ok=True)
         self.keep = max(cfg.keep, 2)  # an actor may still be reading the previous file
         self.retained: int | None = None  # the version the actors are told of, kept whatever `keep` says
+        # weights.delta: the previous version's bytes, each new one written also as a delta from them
+        self.delta = cfg.delta
+        self.previous: tuple[int, bytes] | None = None
+        self.written = {"whole": 0, "delta": 0}  # bytes of version files and delta files written
 
     def publish(self, named_tensors, version: int, entries=None) -> WeightUpdate:
         import torch
         from safetensors.torch import save
 
         path = self.directory / f"weights-v{version:06d}.safetensors"
-        tmp = path.with_suffix(".tmp")
         dtype = getattr(torch, self.dtype) if self.dtype else None
         # serialized in memory, so the ranges' checksums come from the bytes written, not a second read;
-        # pairs made one at a time (a sharded learner's gathers) reach host memory one at a time
-        data = save(unshared(named_tensors, dtype), metadata={"version": str(version)})
-        write_new(tmp, data)
-        os.replace(tmp, path)  # atomic: readers see the whole file or none (a link at `path` is replaced, not followed)
+        # pairs made one at a time (a sharded learner's gathers) reach host memory one at a time. The
+        # version is written at a fixed width, so that every version's file has one layout (a delta's)
+        data = save(unshared(named_tensors, dtype), metadata={"version": f"{version:010d}"})
+        buckets = split_buckets(memoryview(data), self.bucket_bytes)
+        manifest = read_manifest_bytes(data)
+        deltas = self._delta(version, data, buckets, manifest) if self.delta else {}
+        replace_with(path, data)
+        self.written["whole"] += len(data)
+        self.previous = (version, data) if self.delta else None
         self._prune(version)
         return WeightUpdate(
             version=version,
             transport=NAME,
             location=str(path),
-            manifest=read_manifest(path),
+            manifest=manifest,
             checksum="",
             incarnation=self.incarnation,
-            buckets=split_buckets(memoryview(data), self.bucket_bytes),
+            buckets=buckets,
+            **deltas,
         )
+
+    def _delta(self, version: int, data: bytes, buckets: list[WeightBucket], manifest: list[TensorSpec]) -> dict:
+        """The announcement's delta fields, once the delta file from the previous version is written: each
+        bucket encoded on a thread of its own (numpy and zstd let go of the GIL); none where there is no
+        previous version of the same size or no bucket shrank."""
+        if self.previous is None or len(self.previous[1]) != len(data):
+            return {}
+        base, new, width = memoryview(self.previous[1]), memoryview(data), delta.word_width(manifest)
+
+        def encode(b: WeightBucket) -> bytes | None:
+            return delta.encode(new[b.offset : b.offset + b.nbytes], base[b.offset : b.offset + b.nbytes], width)
+
+        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+            encoded = list(pool.map(encode, buckets))
+        if not any(encoded):
+            return {}
+        parts, offset = [], 0
+        for part in encoded:
+            parts.append(DeltaPart(offset=offset, nbytes=len(part) if part else 0))
+            offset += len(part) if part else 0
+        path = self.directory / f"weights-v{version:06d}.delta"
+        replace_with(path, b"".join(part for part in encoded if part))
+        self.written["delta"] += offset
+        return {"delta_of": self.previous[0], "delta_location": str(path), "delta_parts": parts}
 
     def retain(self, version: int) -> None:
         self.retained = version
 
+    def metrics(self) -> dict[str, float]:
+        """Bytes written for the actors in all: version files and delta files (weights.delta)."""
+        return {f"weights/written_bytes/{kind}": float(n) for kind, n in self.written.items()}
+
     def _prune(self, version: int) -> None:
-        for old in self.directory.glob("weights-v*.safetensors"):
+        for old in [*self.directory.glob("weights-v*.safetensors"), *self.directory.glob("weights-v*.delta")]:
             number = int(old.stem.split("-v")[1])
             if number <= version - self.keep and number != self.retained:
                 old.unlink(missing_ok=True)
@@ -152,6 +198,14 @@ def own_folder(path: Path) -> None:
     os.chmod(path, 0o700)
 
 
+def replace_with(path: Path, data: bytes) -> None:
+    """`data` at `path`, atomically: readers see the whole file or none, and a link at `path` is
+    replaced, not followed."""
+    tmp = path.with_suffix(".tmp")
+    write_new(tmp, data)
+    os.replace(tmp, path)
+
+
 def write_new(path: Path, data: bytes) -> None:
     """`data` into a new file at `path`: a file or link left there is removed first, and the open neither
     follows a link nor reuses a file another process made in between."""
@@ -166,47 +220,101 @@ class FileReceiver(WeightReceiver):
         self.cfg = cfg
         self.staging: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its workers' Staging
         self.lock = asyncio.Lock()  # one version at a time through a staging file
+        self.received = {"whole": 0, "delta": 0, "refetched": 0}  # bytes read (buckets redone), over its updates
 
     async def apply(self, update: WeightUpdate, engine) -> float:
         check_transport(update, NAME)
         async with self.lock:
             staging = self.staging.setdefault(engine, Staging())
             try:
-                await asyncio.to_thread(stage_weight_file, update, self.cfg.dir, staging)
+                read = await asyncio.to_thread(stage_weight_file, update, self.cfg.dir, staging)
                 paused = await engine.transfer_weights(update.version, update_info(NAME, update, str(staging.path)))
             except BaseException:
                 staging.failed()
                 raise
             staging.loaded()
+            for kind, nbytes in read.items():
+                self.received[kind] += nbytes
             return paused
 
 
-def stage_weight_file(update: WeightUpdate, weights_dir: str, staging: Staging) -> None:
-    """Copy the announced file into `staging` and check the copy against the announced digests: the
-    workers load these very bytes, so a file rewritten after the check changes nothing."""
+def stage_weight_file(update: WeightUpdate, weights_dir: str, staging: Staging) -> dict[str, int]:
+    """Copy the announced file into `staging` (or, where `staging` holds the version the announcement's
+    delta is from, rebuild it from that delta) and check the copy against the announced digests: the
+    workers load these very bytes, so a file rewritten after the check changes nothing. Returns the
+    bytes read, by kind."""
     path = weight_file(update, weights_dir)
     if not update.buckets:
         raise ValueError(f"weights v{update.version}: the announcement carries no digests for {path}: refused")
     total = announced_size(update)  # the file may change after its size was checked: read no further
     buffer = staging.buffer_for(total)
+    based = update.delta_parts and staging.base_for(update) == update.delta_of
+    staging.holds = None  # overwritten in place from here on
     view = memoryview(buffer.numpy())
+    try:
+        read = rebuild(update, weights_dir, path, view) if based else read_whole(path, view, update)
+    finally:
+        view.release()
+    staging.holds = (update.incarnation, update.version)
+    return read
+
+
+def read_whole(path: Path, view: memoryview, update: WeightUpdate) -> dict[str, int]:
     with open(path, "rb") as f:
         got = f.readinto(view)
         grew = f.read(1)
-    problem = (f"{got} bytes read of {total}" if got != total or grew else None) or bucket_problem(view, update)
-    view.release()
+    problem = (f"{got} bytes read of {len(view)}" if got != len(view) or grew else None) or bucket_problem(view, update)
     if problem:
         raise ValueError(f"weight file {path} (version {update.version}): {problem}, refused")
+    return {"whole": got, "delta": 0, "refetched": 0}
+
+
+def rebuild(update: WeightUpdate, weights_dir: str, path: Path, view: memoryview) -> dict[str, int]:
+    """`view`, holding version `update.delta_of`, made version `update.version`: each bucket's delta
+    applied and checked, a bucket without one (or whose delta does not rebuild it) read from the file."""
+    if len(update.delta_parts) != len(update.buckets):
+        raise ValueError(
+            f"weights v{update.version}: {len(update.delta_parts)} delta parts for {len(update.buckets)} "
+            "buckets: refused"
+        )
+    delta_path = inside(update.delta_location, weights_dir, update.version)
+    read = {"whole": 0, "delta": 0, "refetched": 0}
+    with open(delta_path, "rb") as deltas, open(path, "rb") as whole:
+        for index, (bucket, part) in enumerate(zip(update.buckets, update.delta_parts)):
+            into = view[bucket.offset : bucket.offset + bucket.nbytes]
+            if part.nbytes and part.nbytes <= bucket.nbytes:
+                deltas.seek(part.offset)
+                encoded = deltas.read(part.nbytes)
+                read["delta"] += len(encoded)
+                try:
+                    delta.apply(encoded, into)
+                    if digest_problem(into, bucket, index) is None:
+                        continue
+                except delta.DeltaError:
+                    pass
+                read["refetched"] += 1
+            whole.seek(bucket.offset)
+            got = whole.readinto(into)
+            read["whole"] += got
+            if problem := (f"{got} bytes read of {len(into)}" if got != len(into) else None) or digest_problem(
+                into, bucket, index
+            ):
+                raise ValueError(f"weight file {path} (version {update.version}): {problem}, refused")
+    return read
+
+
+def inside(location: str, weights_dir: str, version: int) -> Path:
+    """`location` once it is known to lie inside weights_dir (symbolic links resolved)."""
+    path, root = Path(location).resolve(), Path(weights_dir).resolve()
+    if not path.is_relative_to(root):
+        raise ValueError(f"weight file {location!r} (version {version}) is outside weights.dir {str(root)!r}: refused")
+    return path
 
 
 def weight_file(update: WeightUpdate, weights_dir: str) -> Path:
     """The announced file, once it is known to lie inside weights_dir (symbolic links resolved) and to
     have the announced size."""
-    path, root = Path(update.location).resolve(), Path(weights_dir).resolve()
-    if not path.is_relative_to(root):
-        raise ValueError(
-            f"weight file {update.location!r} (version {update.version}) is outside weights.dir {str(root)!r}: refused"
-        )
+    path = inside(update.location, weights_dir, update.version)
     if not path.is_file():
         raise FileNotFoundError(f"weight file for version {update.version} is missing: {path}")
     expected = announced_size(update)

@@ -39,6 +39,7 @@ REPLY = struct.Struct("<4sBQ")  # magic, status, bytes that follow (the body, or
 OK, NOT_SERVED, BAD_REQUEST, FAILED = 0, 1, 2, 3
 QUEUED = 4  # no body: the request waits its turn, the answer follows (sent every so often while it waits)
 UNAUTHORIZED, BUSY = 5, 6  # the request lacks the token; the learner serves as many connections as it will
+DELTA = 7  # the body is what changed since the version the request says it holds (weights/delta.py)
 MAX_ERROR_BYTES = 4096
 KEEPALIVE_S = 30  # an idle connection's peer is probed after this long, then every this long, 4 times
 MAX_PENDING = 128  # connections still to present their token; beyond it the oldest is dropped

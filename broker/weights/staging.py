@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tidal.broker.schema import WeightUpdate
 from tidal.broker.weights.base import load_into_model
+from tidal.broker.weights.delta import NO_BASE
 from tidal.broker.weights.payload import tensors_of
 
 
@@ -50,15 +51,24 @@ class Staging:
         self.path: Path | None = None
         self.buffer = None  # torch uint8 [total]: the actor's shared map
         self.held = False  # the workers have mapped it, and its name is gone
+        self.holds: tuple[str, int] | None = None  # (incarnation, version) whose every byte it holds, checked
 
     def buffer_for(self, total: int):
         import torch
 
         if self.buffer is None or self.buffer.numel() != total:
             self.drop()
+            self.holds = None
             self.path = staging_dir() / f"{STAGED_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
             self.buffer = torch.from_file(str(self.path), shared=True, size=total, dtype=torch.uint8)
         return self.buffer
+
+    def base_for(self, update: WeightUpdate) -> int:
+        """The version to name as a delta's base for `update`: the one held, where the same learner
+        process announced both (a resumed learner counts versions again); else none."""
+        if self.holds is None or self.holds[0] != update.incarnation:
+            return NO_BASE
+        return self.holds[1]
 
     def loaded(self) -> None:
         """The workers loaded from it: they hold their maps from now on."""
@@ -74,7 +84,7 @@ class Staging:
     def drop(self) -> None:
         if self.path is not None and not self.held:
             self.path.unlink(missing_ok=True)
-        self.path, self.buffer, self.held = None, None, False
+        self.path, self.buffer, self.held, self.holds = None, None, False, None
 
 
 _worker_map: tuple[str, object] | None = None  # in a vLLM worker: (staged path, its map), kept across updates

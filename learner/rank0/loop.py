@@ -298,6 +298,7 @@ class Learner:
             }
             | (watch.step_metrics() if watch is not None else {})
             | self.transport.metrics()
+            | (self.parts.publisher.metrics() if self.parts.publisher is not None else {})
             | self.accounting.compute_axis(len(self.transport.actors()))
             | self.flow.step_metrics(self.accounting.totals, self.transport.actors(), self.version)
         )

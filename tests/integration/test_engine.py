@@ -265,6 +265,34 @@ def test_a_version_published_over_tcp_reaches_the_engine_exactly_while_a_request
     assert_serves(engine, folder, new_policy, 7, "tcp-after")
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_versions_sent_as_deltas_serve_the_learners_logprobs(exported, engine, prefetch):
+    """weights.delta: after a whole version, the next travels as what changed (a word in 97 of each
+    tensor, as under a small learning rate); the engine serves the new policy exactly."""
+    import copy
+
+    import torch
+
+    folder, policy = exported
+    nudged = copy.deepcopy(policy)
+    with torch.no_grad():
+        for param in nudged.parameters():
+            param.view(-1)[::97] += 0.01
+    publisher, receiver = channel(tcp_prefetch=prefetch, delta=True)
+    try:
+        on_engine(engine, receiver.apply(publisher.publish(policy.state_dict(), version=20), engine))
+        whole = publisher.server.sent["whole"]
+        on_engine(engine, receiver.apply(publisher.publish(nudged.state_dict(), version=21), engine))
+        sent = dict(publisher.server.sent)
+        assert sent["whole"] == whole and 0 < sent["delta"] < 0.1 * whole
+        assert engine.version == 21
+        assert_serves(engine, folder, nudged, 21, f"tcp-delta-{prefetch}")
+        on_engine(engine, receiver.apply(publisher.publish(policy.state_dict(), version=22), engine))
+    finally:
+        publisher.close()
+        on_engine(engine, engine.set_version(0))  # the exported weights again, under their own label
+
+
 def tcp_payload_mib(update) -> float:
     return sum(b.nbytes for b in update.buckets) / 2**20
 

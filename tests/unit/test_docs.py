@@ -13,7 +13,7 @@ from tidal.config import OnViolation
 ROOT = Path(__file__).parents[2]
 DOCS = ROOT / "docs"
 # metric names as the code writes them: literals, and f-strings whose {placeholder} is one family
-FAMILIES = "rollout|learner|offpolicy|broker|compute|timing|eval|curriculum|optim|episode|rewards|flow"
+FAMILIES = "rollout|learner|offpolicy|broker|compute|timing|eval|curriculum|optim|episode|rewards|flow|weights"
 METRIC = re.compile(rf"""f?["']((?:{FAMILIES})/[\w/{{}}]+)["']""")
 
 

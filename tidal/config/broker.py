@@ -197,6 +197,12 @@ class WeightsConfig(Section):
     tcp_advertise: str = opt("", "the host actors dial; empty = tcp_host (this machine's name when it is 0.0.0.0)")
     bucket_mib: int = opt(64, "a version is checked (and over the network sent) in byte ranges of this size")
     tcp_timeout_s: float = opt(30.0, "an actor gives up on a learner that sends nothing for this long")
+    delta: bool = opt(
+        False,
+        "tcp, file: send each version as what changed since one the actor holds (per bucket, the XOR of the two "
+        "zstd-compressed; a bucket that does not shrink goes whole), the result checked by the same sha256s; pays "
+        "where weights travel in bf16 or fp16 at small learning rates",
+    )
     tcp_prefetch: bool = opt(
         True,
         "tcp: fetch a version before pausing the engine, not in it (nccl, gloo: every "
