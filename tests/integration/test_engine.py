@@ -55,8 +55,9 @@ def exported(tmp_path_factory, tiny_model_path):
 def engine(exported):
     """One engine on its own event loop thread; tests hand it coroutines through `on_engine`. The demo's
     plain CPU linear layers: updates are copied in place (the packed layout's layer-wise reload runs in
-    test_moe and in test_run's synchronous run)."""
-    yield from engine_on_a_thread(str(exported[0]))
+    test_moe and in test_run's synchronous run). Blocks of 32 tokens, not the CPU backend's 128: the
+    tiny model's 64-token context holds a whole one, so prefixes are cached."""
+    yield from engine_on_a_thread(str(exported[0]), "actor.vllm.engine_kwargs.block_size=32")
 
 
 def tokenize(folder, text: str) -> list[int]:
@@ -291,6 +292,47 @@ def test_versions_sent_as_deltas_serve_the_learners_logprobs(exported, engine, p
     finally:
         publisher.close()
         on_engine(engine, engine.set_version(0))  # the exported weights again, under their own label
+
+
+def test_under_keep_running_requests_go_on_and_no_new_request_reuses_an_older_versions_prefix(exported, engine):
+    """actor.on_update: keep. A request running across the update samples on (its spans say which
+    version sampled what), the prefix a request cached before the update is never hit by one after it
+    (the salt), while it would be without the salt (the hazard the salt closes), and requests of one
+    version do share their prefixes."""
+    folder, policy = exported
+    prompt = tokenize(folder, "12+34=46" * 5)
+    assert 32 < len(prompt) < 64  # a whole 32-token block of the engine's cache, and room to sample
+    publisher, receiver = channel()
+    engine.keep_cache = True
+    try:
+
+        async def cached(salted: bool, tag: str) -> int:
+            from vllm import SamplingParams as VllmSamplingParams
+
+            request = engine.prompt(prompt) if salted else {"prompt_token_ids": prompt}
+            params = VllmSamplingParams(max_tokens=1)
+            outs = [out async for out in engine._llm.generate(request, params, request_id=tag)]
+            return outs[-1].num_cached_tokens
+
+        before = [on_engine(engine, cached(True, f"keep-a{i}")) for i in range(2)]
+        on_engine(engine, cached(False, "keep-unsalted-a"))
+        out, _ = on_engine(
+            engine,
+            update_in_flight(
+                engine, tokenize(folder, "12+34="), receiver, publisher.publish(policy.state_dict(), 30), 8
+            ),
+        )
+        after = [on_engine(engine, cached(True, f"keep-b{i}")) for i in range(2)]
+        unsalted = on_engine(engine, cached(False, "keep-unsalted-b"))
+    finally:
+        engine.keep_cache = False
+        publisher.close()
+        on_engine(engine, engine.set_version(0))
+    spans = [(int(s.version), s.start) for s in out.weight_versions]
+    assert len(spans) == 2 and spans[1][0] == 30 and spans[1][1] >= 8
+    assert before[0] == 0 and before[1] >= 32  # one version's requests share the cached prefix
+    assert after[0] == 0 and after[1] >= 32  # none reuses the older version's; the new one's are shared
+    assert unsalted >= 32  # without a salt the older version's cached keys would be reused
 
 
 def tcp_payload_mib(update) -> float:

@@ -37,6 +37,7 @@ from tidal.config.actor import (
     TIDAL_ENGINE_ARGS,
     ActorConfig,
     CpuLinear,
+    OnUpdate,
     VllmConfig,
     parse_cores,
 )
@@ -137,6 +138,7 @@ __all__ = [
     "TIDAL_ENGINE_ARGS",
     "ActorConfig",
     "CpuLinear",
+    "OnUpdate",
     "VllmConfig",
     "parse_cores",
     "LOOPBACK",

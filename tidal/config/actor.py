@@ -17,6 +17,11 @@ class CpuLinear(enum.StrEnum):
     plain = "plain"
 
 
+class OnUpdate(enum.StrEnum):
+    recompute = "recompute"
+    keep = "keep"
+
+
 @dataclass(frozen=True)
 class VllmConfig(Section):
     """Settings of each actor's vLLM engine (vLLM's AsyncEngineArgs)."""
@@ -102,6 +107,15 @@ class ActorConfig(Section):
         "as many queued, 0.99x). -1: as many as max_inflight",
     )
     kv_cache_gib: float = opt(1.0, "CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)")
+    on_update: OnUpdate = opt(
+        OnUpdate.recompute,
+        "what a weight update does to the requests running: recompute = their keys and values are "
+        "dropped and recomputed under the new weights before they sample on (each update costs every "
+        "running context again); keep = they keep them and sample on over keys the older weights "
+        "computed (their tokens carry the version that sampled them and are corrected like any "
+        "off-policy token), while every request started after the update is salted so that none "
+        "reuses a cached prefix of older weights",
+    )
     enforce_eager: bool = opt(True, "skip graph capture (CPU and debugging)")
     cpu_cores: str = opt("", 'cores for the engine\'s OpenMP threads, e.g. "1" or "0-1"; empty = auto')
     heartbeat_s: float = opt(1.0, "seconds between heartbeats to the learner")
@@ -126,6 +140,12 @@ class ActorConfig(Section):
     def check(self) -> None:
         _require(self.replicas >= 1, "actor.replicas", self.replicas, "must be >= 1")
         _require(self.index >= 0, "actor.index", self.index, "must be >= 0")
+        _require(
+            self.on_update in choices(OnUpdate),
+            "actor.on_update",
+            self.on_update,
+            f"expected one of {', '.join(choices(OnUpdate))}",
+        )
         _require(
             self.max_queued >= -1,
             "actor.max_queued",
