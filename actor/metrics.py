@@ -27,6 +27,12 @@ SPECS = (
     Spec("tidal_actor_groups_total", COUNTER, "prompt groups the actor finished and sent"),
     Spec("tidal_actor_weight_updates_total", COUNTER, "weight versions the actor loaded"),
     Spec("tidal_actor_weight_load_failures_total", COUNTER, "weight loads that failed"),
+    Spec(
+        "tidal_actor_weight_received_bytes_total",
+        COUNTER,
+        "bytes of weights the actor took in (tcp, file), by kind: whole ranges, or deltas (weights.delta)",
+        "kind",
+    ),
     Spec("tidal_actor_inflight_samples", GAUGE, "samples the actor holds now (generating or waiting for weights)"),
 )
 
@@ -42,7 +48,15 @@ def values(actor: Actor) -> dict[str, float]:
         "tidal_actor_weight_updates_total": actor.stats["weight_updates"],
         "tidal_actor_weight_load_failures_total": actor.stats["weight_load_failures"],
         "tidal_actor_inflight_samples": actor.inflight_samples,
-    }
+    } | received(actor)
+
+
+def received(actor: Actor) -> dict:
+    """The weight channel's byte counts, where it keeps them (the collective channels do not)."""
+    counts = getattr(actor.receiver, "received", None)
+    if counts is None:
+        return {}
+    return {"tidal_actor_weight_received_bytes_total": {"whole": counts.whole, "delta": counts.delta}}
 
 
 def serve_metrics(actor: Actor, cfg: TrackingConfig, run: str) -> MetricsEndpoint | None:

@@ -20,7 +20,11 @@ are compared (they must be equal).
 
 Medians over the last --measure steps (the first steps after the starting version are Adam's
 largest relative moves). Loopback TCP on one machine: bytes are what a network would carry, while
-the pull here is bound by hashing and copying, not by a link.
+the pull here is bound by hashing and copying, not by a link. `--link-gbit 1` (root) gives the tcp
+ways a link of that rate: what the learner's weight ports send on loopback is shaped by the kernel
+(tc's htb), everything else left as it is, and the shaping is removed at the end.
+
+    sudo python bench/deltas.py --models 100m --lrs 1e-6 --dtypes bfloat16 --link-gbit 1
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import asyncio
 import json
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -58,11 +63,35 @@ def channel(cfg, way: str, delta: bool, dtype: str, name: str):
     return chosen.publisher(weights, name, dtype, owns_dir=transport == "file"), chosen.receiver(weights)
 
 
+class ShapedLink:
+    """What given local ports send on loopback, limited to `gbit` (tc's htb, as root): the link a
+    network would put between the learner's weight port and an actor. Other traffic goes through
+    an unlimited class."""
+
+    def __init__(self, gbit: float):
+        self.gbit = gbit
+        self.tc("qdisc add dev lo root handle 1: htb default 20")
+        self.tc("class add dev lo parent 1: classid 1:20 htb rate 100gbit")
+        self.tc(f"class add dev lo parent 1: classid 1:10 htb rate {gbit}gbit ceil {gbit}gbit")
+
+    def carry(self, port: int) -> None:
+        self.tc(f"filter add dev lo parent 1: protocol ip prio 1 u32 match ip sport {port} 0xffff flowid 1:10")
+
+    def close(self) -> None:
+        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False, capture_output=True)
+
+    @staticmethod
+    def tc(args: str) -> None:
+        done = subprocess.run(["tc", *args.split()], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"--link-gbit: `tc {args}` failed (root and tc's htb are needed): {done.stderr.strip()}")
+
+
 def bytes_read(publisher, receiver) -> int:
     """Bucket bytes that reached the actor so far: sent by a tcp learner, read by a file actor."""
     if hasattr(publisher, "server"):
         return sum(publisher.server.sent.values())
-    return receiver.received["whole"] + receiver.received["delta"]
+    return receiver.received.whole + receiver.received.delta
 
 
 class Trainer:
@@ -184,6 +213,7 @@ def summarize(rows: dict, label: str, lr: float, dtype: str, args, same: bool) -
                 "same_logprobs": same[way],
                 "steps": args.steps,
                 "measured": args.measure,
+                "link_gbit": args.link.gbit if args.link is not None and way != "file" else None,
                 "goal": "bytes <= 0.1 of whole at 100M after the first steps; pause <= 0.5 of whole",
             }
         )
@@ -221,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--measure", type=int, default=5, help="the last steps the medians are taken over")
     parser.add_argument("--batch", type=int, default=16, help="prompts per training step")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--link-gbit", type=float, help="shape the tcp ways' link to this rate (root; tc)")
     args = parser.parse_args(argv)
     if not 1 <= args.measure <= args.steps:
         parser.error("--measure must be between 1 and --steps")
@@ -231,9 +262,14 @@ def main(argv: list[str] | None = None) -> int:
     from tidal.models import resolve_model_path
 
     cfg = load_config(preset_path(args.config))
-    for label in args.models.split(","):
-        path = resolve_model_path(cfg.model, cfg.task) if label == "run" else model_100m(cfg)
-        asyncio.run(model_cases(resolve(cfg, model_path=path, actor=True), label, args))
+    args.link = ShapedLink(args.link_gbit) if args.link_gbit else None
+    try:
+        for label in args.models.split(","):
+            path = resolve_model_path(cfg.model, cfg.task) if label == "run" else model_100m(cfg)
+            asyncio.run(model_cases(resolve(cfg, model_path=path, actor=True), label, args))
+    finally:
+        if args.link is not None:
+            args.link.close()
     return 0
 
 

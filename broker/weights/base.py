@@ -43,8 +43,26 @@ class EngineStuck(RuntimeError):
     (NCCL's initialization, for a learner gone meanwhile). The actor stops, to be restarted."""
 
 
+@dataclass
+class Received:
+    """Bytes of weights an actor's channel took in: whole byte ranges, deltas (weights.delta), and the
+    ranges whose delta did not rebuild them (the base was not held as named) and came whole after it."""
+
+    whole: int = 0
+    delta: int = 0
+    refetched: int = 0
+
+    def add(self, other: Received) -> None:
+        self.whole += other.whole
+        self.delta += other.delta
+        self.refetched += other.refetched
+
+
 class WeightReceiver(abc.ABC):
-    """Actor side: brings an announced version into the engine, through vLLM's weight-transfer API."""
+    """Actor side: brings an announced version into the engine, through vLLM's weight-transfer API.
+    `received`, where a channel counts them: the bytes it took in all (its actor's metrics)."""
+
+    received: Received | None = None
 
     @abc.abstractmethod
     async def apply(self, update: WeightUpdate, engine) -> float:

@@ -27,6 +27,7 @@ from pathlib import Path
 from tidal.broker.schema import DeltaPart, TensorSpec, WeightBucket, WeightUpdate
 from tidal.broker.weights import delta
 from tidal.broker.weights.base import (
+    Received,
     Transport,
     UpdateInfo,
     WeightPublisher,
@@ -220,7 +221,7 @@ class FileReceiver(WeightReceiver):
         self.cfg = cfg
         self.staging: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its workers' Staging
         self.lock = asyncio.Lock()  # one version at a time through a staging file
-        self.received = {"whole": 0, "delta": 0, "refetched": 0}  # bytes read (buckets redone), over its updates
+        self.received = Received()  # bytes read (and ranges read again), over its updates
 
     async def apply(self, update: WeightUpdate, engine) -> float:
         check_transport(update, NAME)
@@ -233,16 +234,15 @@ class FileReceiver(WeightReceiver):
                 staging.failed()
                 raise
             staging.loaded()
-            for kind, nbytes in read.items():
-                self.received[kind] += nbytes
+            self.received.add(read)
             return paused
 
 
-def stage_weight_file(update: WeightUpdate, weights_dir: str, staging: Staging) -> dict[str, int]:
+def stage_weight_file(update: WeightUpdate, weights_dir: str, staging: Staging) -> Received:
     """Copy the announced file into `staging` (or, where `staging` holds the version the announcement's
     delta is from, rebuild it from that delta) and check the copy against the announced digests: the
     workers load these very bytes, so a file rewritten after the check changes nothing. Returns the
-    bytes read, by kind."""
+    bytes read."""
     path = weight_file(update, weights_dir)
     if not update.buckets:
         raise ValueError(f"weights v{update.version}: the announcement carries no digests for {path}: refused")
@@ -259,17 +259,17 @@ def stage_weight_file(update: WeightUpdate, weights_dir: str, staging: Staging) 
     return read
 
 
-def read_whole(path: Path, view: memoryview, update: WeightUpdate) -> dict[str, int]:
+def read_whole(path: Path, view: memoryview, update: WeightUpdate) -> Received:
     with open(path, "rb") as f:
         got = f.readinto(view)
         grew = f.read(1)
     problem = (f"{got} bytes read of {len(view)}" if got != len(view) or grew else None) or bucket_problem(view, update)
     if problem:
         raise ValueError(f"weight file {path} (version {update.version}): {problem}, refused")
-    return {"whole": got, "delta": 0, "refetched": 0}
+    return Received(whole=got)
 
 
-def rebuild(update: WeightUpdate, weights_dir: str, path: Path, view: memoryview) -> dict[str, int]:
+def rebuild(update: WeightUpdate, weights_dir: str, path: Path, view: memoryview) -> Received:
     """`view`, holding version `update.delta_of`, made version `update.version`: each bucket's delta
     applied and checked, a bucket without one (or whose delta does not rebuild it) read from the file."""
     if len(update.delta_parts) != len(update.buckets):
@@ -278,24 +278,24 @@ def rebuild(update: WeightUpdate, weights_dir: str, path: Path, view: memoryview
             "buckets: refused"
         )
     delta_path = inside(update.delta_location, weights_dir, update.version)
-    read = {"whole": 0, "delta": 0, "refetched": 0}
+    read = Received()
     with open(delta_path, "rb") as deltas, open(path, "rb") as whole:
         for index, (bucket, part) in enumerate(zip(update.buckets, update.delta_parts)):
             into = view[bucket.offset : bucket.offset + bucket.nbytes]
             if part.nbytes and part.nbytes <= bucket.nbytes:
                 deltas.seek(part.offset)
                 encoded = deltas.read(part.nbytes)
-                read["delta"] += len(encoded)
+                read.delta += len(encoded)
                 try:
                     delta.apply(encoded, into)
                     if digest_problem(into, bucket, index) is None:
                         continue
                 except delta.DeltaError:
                     pass
-                read["refetched"] += 1
+                read.refetched += 1
             whole.seek(bucket.offset)
             got = whole.readinto(into)
-            read["whole"] += got
+            read.whole += got
             if problem := (f"{got} bytes read of {len(into)}" if got != len(into) else None) or digest_problem(
                 into, bucket, index
             ):

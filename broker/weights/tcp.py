@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from tidal.broker.schema import TOKEN_BYTES, WeightUpdate
 from tidal.broker.weights import delta, server
 from tidal.broker.weights.base import (
+    Received,
     Transport,
     UpdateInfo,
     WeightPublisher,
@@ -265,17 +266,7 @@ class TcpPublisher(WeightPublisher):
 # ---- fetching: in the actor (prefetch) or in each vLLM worker ---------------------------------
 
 
-@dataclass
-class Fetched:
-    """What one version's fetch received: bytes of whole buckets and of deltas, and the buckets whose
-    delta did not rebuild them (the base was not held as named) and came whole after it."""
-
-    whole: int = 0
-    delta: int = 0
-    refetched: int = 0
-
-
-def fetch(update: WeightUpdate, into: memoryview, timeout_s: float, base: int = delta.NO_BASE) -> Fetched:
+def fetch(update: WeightUpdate, into: memoryview, timeout_s: float, base: int = delta.NO_BASE) -> Received:
     """Every bucket of `update` from the learner into `into` (the payload's size), each checked
     against its announced size and sha256. `base`: the version whose bytes `into` holds (from this
     learner), so a bucket may come as what changed since. A learner that cannot be reached, or goes
@@ -283,7 +274,7 @@ def fetch(update: WeightUpdate, into: memoryview, timeout_s: float, base: int = 
     ValueError."""
     check_token(update)
     host, port = server.parse_location(update.location)
-    fetched = Fetched()
+    fetched = Received()
     done = 0
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
@@ -305,12 +296,12 @@ def fetch_bucket(
     index: int,
     into: memoryview,
     base: int = delta.NO_BASE,
-    fetched: Fetched | None = None,
+    fetched: Received | None = None,
 ) -> None:
     """One bucket into `into`, which holds version `base`'s bytes of it where `base` is named: a delta
     is applied there and the result checked like a whole bucket; one that does not rebuild the bucket
     (`into` did not hold that base) is followed by the whole bucket."""
-    fetched = fetched if fetched is not None else Fetched()
+    fetched = fetched if fetched is not None else Received()
     where = f"weights v{update.version} bucket {index} from {update.location}"
     status, nbytes = ask_bucket(sock, update, index, base, where)
     if status == server.DELTA:
@@ -357,7 +348,7 @@ class TcpReceiver(WeightReceiver):
         self.cfg = cfg
         self.staging: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its workers' Staging
         self.lock = asyncio.Lock()  # one version at a time through a staging file
-        self.received = Fetched()  # in all, over this actor's updates (its metrics)
+        self.received = Received()  # in all, over this actor's updates (its metrics)
 
     async def apply(self, update: WeightUpdate, engine) -> float:
         check_transport(update, NAME)
@@ -373,7 +364,7 @@ class TcpReceiver(WeightReceiver):
                 staging.holds = None  # overwritten in place from here on
                 fetched = await asyncio.to_thread(fetch, update, memoryview(buffer.numpy()), timeout_s, base)
                 staging.holds = (update.incarnation, update.version)
-                self.count(fetched)
+                self.received.add(fetched)
                 paused = await engine.transfer_weights(
                     update.version, update_info(NAME, update, str(staging.path), timeout_s)
                 )
@@ -382,11 +373,6 @@ class TcpReceiver(WeightReceiver):
                 raise
             staging.loaded()
             return paused
-
-    def count(self, fetched: Fetched) -> None:
-        self.received.whole += fetched.whole
-        self.received.delta += fetched.delta
-        self.received.refetched += fetched.refetched
 
 
 # ---- inside each vLLM worker ------------------------------------------------------------------

@@ -173,6 +173,9 @@ def check_flow_in_prometheus(prometheus: PrometheusServer) -> None:
     # synchronous: every version lands before the next group is sampled; the learner is at most one ahead
     assert one('max_over_time(tidal_learner_actor_version_lag{run="tiny",actor="actor-0"}[15s])') <= 1
     assert one('tidal_actor_weight_pull_seconds_count{run="tiny"}', lambda v: v >= 16) >= 16
+    # every version read whole from the file channel (weights.delta is off)
+    assert one('tidal_actor_weight_received_bytes_total{run="tiny",kind="whole"}', lambda v: v > 0) > 0
+    assert one('tidal_actor_weight_received_bytes_total{run="tiny",kind="delta"}') == 0
     assert one('histogram_quantile(0.5, rate(tidal_learner_sample_age_seconds_bucket{run="tiny"}[30s]))') >= 0
     generated = one('tidal_actor_generated_tokens_total{run="tiny"}', lambda v: v > 0)
     assert 0 < one('tidal_learner_generated_tokens_total{run="tiny"}', lambda v: v > 0) <= generated

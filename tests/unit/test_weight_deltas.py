@@ -172,7 +172,7 @@ def test_the_file_channel_writes_a_delta_beside_each_version_and_the_engine_load
     asyncio.run(receiver.apply(second, engine))
     assert loaded_exactly(engine, state)
     total = sum(b.nbytes for b in first.buckets)
-    assert receiver.received["whole"] == total and 0 < receiver.received["delta"] < 0.25 * total
+    assert receiver.received.whole == total and 0 < receiver.received.delta < 0.25 * total
 
 
 def test_a_damaged_delta_file_or_base_is_read_whole_and_loads_exactly(file_channel):
@@ -186,7 +186,7 @@ def test_a_damaged_delta_file_or_base_is_read_whole_and_loads_exactly(file_chann
         f.write(b"\x00\x01\x02")
     receiver.staging[engine].buffer[9000] ^= 0xFF  # and the staged base is damaged in bucket 2
     asyncio.run(receiver.apply(second, engine))
-    assert loaded_exactly(engine, state) and receiver.received["refetched"] == 2
+    assert loaded_exactly(engine, state) and receiver.received.refetched == 2
 
 
 def test_an_actor_that_missed_the_base_reads_the_whole_file(file_channel):
@@ -198,5 +198,5 @@ def test_an_actor_that_missed_the_base_reads_the_whole_file(file_channel):
     third = publisher.publish(state, version=3)
     assert third.delta_of == 2
     asyncio.run(receiver.apply(third, engine))
-    assert loaded_exactly(engine, state) and receiver.received["delta"] == 0
+    assert loaded_exactly(engine, state) and receiver.received.delta == 0
     assert staging.orphaned_staging() == []
