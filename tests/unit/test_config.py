@@ -81,11 +81,13 @@ def test_overrides_apply_with_types():
         ("learner.fsdp.enabled=true", "learner.fsdp.enabled"),  # one rank: nothing to shard over
         ("learner.nodes=2", "learner.nodes"),  # one rank cannot be split over two machines
         ("learner.node_rank=1", "learner.node_rank"),  # one machine: node 0 only
+        ("actor.on_update=reuse", "actor.on_update"),
+        ("weights.transport=gloo weights.delta=true", "weights.delta"),  # broadcasts are whole
     ],
 )
 def test_bad_override_names_the_key(override, key):
     with pytest.raises(ConfigError) as err:
-        load_config(TINY, [override])
+        load_config(TINY, override.split())
     message = str(err.value)
     assert key in message and "\n" not in message
 

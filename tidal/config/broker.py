@@ -231,6 +231,12 @@ class WeightsConfig(Section):
         )
         _require(self.keep >= 1, "weights.keep", self.keep, "must be >= 1 (fewer than 2 count as 2)")
         _require(self.bucket_mib >= 1, "weights.bucket_mib", self.bucket_mib, "must be >= 1")  # every channel's ranges
+        _require(
+            not self.delta or self.transport in (WeightTransport.file, WeightTransport.tcp),
+            "weights.delta",
+            self.delta,
+            f"applies to the tcp and file channels; {self.transport} broadcasts every version whole",
+        )
         if self.transport == WeightTransport.file:
             return
         _require(self.tcp_timeout_s > 0, "weights.tcp_timeout_s", self.tcp_timeout_s, "must be > 0")
