@@ -143,9 +143,11 @@ async def one_case(cfg, engines: dict, label: str, lr: float, dtype: str, args) 
     del trainer
     rows, same = {}, {}
     for way in WAYS:
-        sides = {
-            kind: channel(cfg, way, kind == "delta", dtype, f"{label}-{lr:g}-{dtype}-{way}-{kind}") for kind in KINDS
-        }
+        name = f"{label}-{lr:g}-{dtype}-{way}"
+        sides = {kind: channel(cfg, way, kind == "delta", dtype, f"{name}-{kind}") for kind in KINDS}
+        for publisher, _ in sides.values():
+            if args.link is not None and hasattr(publisher, "server"):
+                args.link.carry(publisher.server.port)
         try:
             for kind in KINDS:
                 rows[way, kind] = {"bytes": [], "pull": [], "pause": [], "push": []}
