@@ -81,7 +81,7 @@ class Engine:
         self.adapter_rank = adapter_rank  # > 0: the engine serves a LoRA adapter, and every update is one
         self._lora = None  # the adapter's request, once installed: every request carries it
         # actor.on_update: keep: running requests keep their keys and values over an update, and each
-        # request is salted by the weights it starts under (a count of the updates loaded), so that
+        # request is salted by the weights it starts under (a count of the updates begun), so that
         # none reuses a prefix cached by older weights
         self.keep_cache = cfg.on_update == "keep"
         self.loads = 0
@@ -119,6 +119,9 @@ class Engine:
             start = time.perf_counter()
             if not self.torn:
                 await self._pause()
+            # a new salt from here on (actor.on_update: keep): a request added while paused, or after an
+            # update that failed part-way, prefills under whatever weights the engine resumes with
+            self.loads += 1
             try:
                 await self._update(update_info)
                 await self.set_version(version)
@@ -128,7 +131,6 @@ class Engine:
                     await self._llm.resume_generation()
                 raise
             self.torn = False
-            self.loads += 1
             await self._llm.resume_generation()
             return time.perf_counter() - start
 

@@ -117,12 +117,21 @@ class UpdateInfo:
     update: dict  # the WeightUpdate announcement, as plain values
     staged: str = ""  # tcp: the prefetched payload's path; file: the actor's checked copy; empty: fetch in the worker
     timeout_s: float = 30.0  # a worker gives up on a learner silent this long
+    delta: bool = False  # tcp, fetching in the worker: keep the version fetched, a base for the next (weights.delta)
 
 
-def update_info(transport: str, update: WeightUpdate, staged: str = "", timeout_s: float = 30.0) -> dict:
+def update_info(
+    transport: str, update: WeightUpdate, staged: str = "", timeout_s: float = 30.0, delta: bool = False
+) -> dict:
     import msgspec
 
-    return {"transport": transport, "update": msgspec.to_builtins(update), "staged": staged, "timeout_s": timeout_s}
+    return {
+        "transport": transport,
+        "update": msgspec.to_builtins(update),
+        "staged": staged,
+        "timeout_s": timeout_s,
+        "delta": delta,
+    }
 
 
 def check_transport(update: WeightUpdate, expected: str) -> None:

@@ -9,7 +9,8 @@ high bytes of a small change become long runs of zeros). A bucket whose encoding
 smaller travels whole. The actor XORs the decoded words into the copy of the base it holds, and the
 result is checked by the same sha256 as a whole version's bucket: a base the actor does not hold
 exactly (a torn staging copy, another learner's version) fails that check and the bucket is fetched
-whole. Decoding is bounded by the bucket's size, checked before anything is allocated.
+whole. Decoding is bounded by the bucket's size (a list of at most a quarter of its words), checked
+before anything is allocated.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def apply(encoded, into) -> None:
         raise DeltaError(f"a {len(encoded)}-byte delta is shorter than its header")
     magic, form, width, size, listed = HEADER.unpack_from(encoded)
     count = size // width if width in WIDTHS else 0
-    if magic != MAGIC or form not in (SPARSE, PLANES) or not count or size != len(target) or listed > count:
+    most = SPARSE_SHARE * count if form == SPARSE else 0  # what tidal's encoder lists, at most
+    if magic != MAGIC or form not in (SPARSE, PLANES) or not count or size != len(target) or listed > most:
         raise DeltaError(
             f"not a delta for these {len(target)} bytes (magic {magic!r}, form {form}, word width {width}, "
             f"size {size}, {listed} words listed)"

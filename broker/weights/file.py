@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import stat
@@ -38,10 +39,12 @@ from tidal.broker.weights.base import (
     split_buckets,
     update_info,
 )
+from tidal.broker.weights.payload import checked_size
 from tidal.broker.weights.staging import Staging, load_payload, map_staged
 from tidal.config import WeightsConfig
 
 NAME = "file"
+log = logging.getLogger(__name__)
 
 
 def unshared(named_tensors, dtype=None) -> dict:
@@ -252,7 +255,19 @@ def stage_weight_file(update: WeightUpdate, weights_dir: str, staging: Staging) 
     staging.holds = None  # overwritten in place from here on
     view = memoryview(buffer.numpy())
     try:
-        read = rebuild(update, weights_dir, path, view) if based else read_whole(path, view, update)
+        read = None
+        if based:
+            try:
+                read = rebuild(update, weights_dir, path, view)
+            except (OSError, delta.DeltaError) as err:  # the delta file is gone or unusable: the version whole
+                log.warning(
+                    "weights v%d: the delta from v%d cannot be read (%s); reading the whole file",
+                    update.version,
+                    update.delta_of,
+                    err,
+                )
+        if read is None:
+            read = read_whole(path, view, update)
     finally:
         view.release()
     staging.holds = (update.incarnation, update.version)
@@ -277,7 +292,12 @@ def rebuild(update: WeightUpdate, weights_dir: str, path: Path, view: memoryview
             f"weights v{update.version}: {len(update.delta_parts)} delta parts for {len(update.buckets)} "
             "buckets: refused"
         )
-    delta_path = inside(update.delta_location, weights_dir, update.version)
+    if checked_size(update.version, [], update.buckets) != len(view):  # every byte rebuilt, or read, and checked
+        raise ValueError(f"weights v{update.version}: the announced ranges do not cover the {len(view)}-byte file")
+    try:
+        delta_path = inside(update.delta_location, weights_dir, update.version)
+    except ValueError as err:
+        raise delta.DeltaError(str(err)) from None
     read = Received()
     with open(delta_path, "rb") as deltas, open(path, "rb") as whole:
         for index, (bucket, part) in enumerate(zip(update.buckets, update.delta_parts)):

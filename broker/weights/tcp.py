@@ -133,17 +133,27 @@ class TcpServer(WeightServer):
             return
         claims = [(index, *self.deltas.claim((version, base, index))) for index in range(len(served.buckets))]
         claimed = [(index, entry) for index, entry, mine in claims if mine]
+        deltas = self.deltas
 
         def encode_all() -> None:
             try:
                 with ThreadPoolExecutor(delta.ENCODERS, thread_name_prefix="tidal-weight-delta") as pool:
                     for index, entry in claimed:
-                        pool.submit(fill, entry, functools.partial(_encode_bucket, served, held, index))
+                        if deltas.live((version, base, index)):  # not forgotten meanwhile (a version retired)
+                            pool.submit(fill, entry, functools.partial(_encode_bucket, served, held, index))
             finally:
-                self.release(served)
-                self.release(held)
+                finish()
 
-        threading.Thread(target=encode_all, name="tidal-weight-delta", daemon=True).start()
+        def finish() -> None:
+            for _, entry in claimed:  # whatever was not encoded (no thread left, forgotten) goes whole
+                entry.done.set()
+            self.release(served)
+            self.release(held)
+
+        try:
+            threading.Thread(target=encode_all, name="tidal-weight-delta", daemon=True).start()
+        except RuntimeError:  # no thread left: the actors get whole buckets, the learner serves on
+            finish()
 
     def _delta(self, served: Served, version: int, index: int, base: int) -> bytes | None:
         """Bucket `index` of `served` as a delta from version `base`, where deltas are on, the base is
@@ -156,7 +166,8 @@ class TcpServer(WeightServer):
         try:
             if not same_layout(served, held):
                 return None
-            return self.deltas.get((version, base, index), lambda: _encode_bucket(served, held, index))
+            make = functools.partial(_encode_bucket, served, held, index)
+            return self.deltas.get((version, base, index), make, wait_s=self.timeout_s / 2)
         finally:
             self.release(held)
 
@@ -195,13 +206,19 @@ class DeltaCache:
             entry = self.entries[key] = _Encoding(threading.Event())
             return entry, True
 
-    def get(self, key: tuple[int, int, int], make) -> bytes | None:
+    def get(self, key: tuple[int, int, int], make, wait_s: float) -> bytes | None:
+        """The encoding of `key`, made by `make` here if no one else makes it; None (the whole bucket)
+        where it does not shrink, or another's encoding is not done within `wait_s`."""
         entry, mine = self.claim(key)
         if mine:
             fill(entry, make)
-        else:
-            entry.done.wait()
+        elif not entry.done.wait(wait_s):
+            return None
         return entry.encoded
+
+    def live(self, key: tuple[int, int, int]) -> bool:
+        with self.lock:
+            return key in self.entries
 
     def keep_only(self, versions: set[int]) -> None:
         with self.lock:
@@ -356,7 +373,8 @@ class TcpReceiver(WeightReceiver):
         timeout_s = self.cfg.tcp_timeout_s
         total = payload_bytes(update)  # a malformed announcement is refused before anything is fetched
         if not self.cfg.tcp_prefetch:
-            return await engine.transfer_weights(update.version, update_info(NAME, update, "", timeout_s))
+            info = update_info(NAME, update, "", timeout_s, delta=self.cfg.delta)
+            return await engine.transfer_weights(update.version, info)
         async with self.lock:
             staging = self.staging.setdefault(engine, Staging())
             try:
@@ -388,26 +406,27 @@ def load_received(model, model_config, info: UpdateInfo) -> str:
     if info.staged:
         payload = map_staged(info.staged, total)
     else:
-        payload = _fetched_here(update, total, info.timeout_s)
+        payload = _fetched_here(update, total, info.timeout_s, keep=info.delta)
     return load_payload(model, model_config, update, payload)
 
 
 _held: tuple[str, int, object] | None = None  # in a worker fetching for itself: (incarnation, version, payload)
 
 
-def _fetched_here(update: WeightUpdate, total: int, timeout_s: float):
-    """In a worker: `update` fetched into the buffer holding the last version it fetched (a delta's
-    base, where the learner is the same process and the size is the same)."""
+def _fetched_here(update: WeightUpdate, total: int, timeout_s: float, keep: bool):
+    """In a worker: `update` fetched into a buffer of its own. With `keep` (weights.delta) the buffer
+    stays, holding this version: a delta's base for the next one from the same learner process."""
     global _held
     import torch
 
     held, _held = _held, None  # overwritten in place from here on
-    if held is not None and held[2].numel() == total:
+    if keep and held is not None and held[2].numel() == total:
         payload, base = held[2], held[1] if held[0] == update.incarnation else delta.NO_BASE
     else:
         payload, base = torch.empty(total, dtype=torch.uint8), delta.NO_BASE
     fetch(update, memoryview(payload.numpy()), timeout_s, base)
-    _held = (update.incarnation, update.version, payload)
+    if keep:
+        _held = (update.incarnation, update.version, payload)
     return payload
 
 

@@ -4,6 +4,7 @@ hold exactly, an actor too far behind or a resumed learner's versions get whole 
 that is not tidal's, or decodes past its bucket, is refused before it is applied."""
 
 import asyncio
+import os
 
 import msgspec
 import numpy as np
@@ -82,7 +83,8 @@ def test_a_delta_that_is_not_tidals_or_for_another_size_or_decodes_past_its_buck
     past = delta.HEADER.pack(delta.MAGIC, delta.SPARSE, 2, 4096, 1) + zstandard.ZstdCompressor().compress(
         np.array([2048], "<u4").tobytes() + b"\x01\x00"
     )  # word 2048 of 2048
-    for refused in (bomb, unsized, past, encoded[:-3]):
+    crowded = delta.HEADER.pack(delta.MAGIC, delta.SPARSE, 2, 4096, 2048)  # every word listed: never encoded so
+    for refused in (bomb, unsized, past, crowded + b"\x00" * 64, encoded[:-3]):
         with pytest.raises(delta.DeltaError):
             delta.apply(refused, memoryview(base))
     assert not base.any()  # nothing applied
@@ -94,7 +96,8 @@ def test_a_delta_that_is_not_tidals_or_for_another_size_or_decodes_past_its_buck
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_tcp_sends_what_changed_and_the_engine_loads_the_whole_version_exactly(served, prefetch):
     publisher, update, state, tokenizer = served
-    engine, receiver = ScriptedEngine(tokenizer), build_receiver(weights_config("tcp", tcp_prefetch=prefetch))
+    receiver = build_receiver(weights_config("tcp", tcp_prefetch=prefetch, delta=True))
+    engine = ScriptedEngine(tokenizer)
     asyncio.run(receiver.apply(update, engine))
     whole = publisher.server.sent["whole"]
     assert whole == sum(b.nbytes for b in update.buckets) and publisher.server.sent["delta"] == 0
@@ -200,3 +203,24 @@ def test_an_actor_that_missed_the_base_reads_the_whole_file(file_channel):
     asyncio.run(receiver.apply(third, engine))
     assert loaded_exactly(engine, state) and receiver.received.delta == 0
     assert staging.orphaned_staging() == []
+
+
+def test_a_delta_file_that_is_gone_is_read_around_and_the_version_loads_whole(file_channel):
+    publisher, receiver, state, tokenizer = file_channel
+    engine = ScriptedEngine(tokenizer)
+    asyncio.run(receiver.apply(publisher.publish(state, version=1), engine))
+    state = nudged(state, 2)
+    second = publisher.publish(state, version=2)
+    os.unlink(second.delta_location)
+    asyncio.run(receiver.apply(second, engine))
+    assert loaded_exactly(engine, state) and receiver.received.delta == 0
+
+
+def test_an_encoding_another_connection_never_finishes_is_not_waited_for():
+    """A handler waits for another's encoding of its bucket at most a while, then sends it whole."""
+    from tidal.broker.weights.tcp import DeltaCache
+
+    cache = DeltaCache()
+    cache.claim((2, 1, 0))  # claimed, never filled
+    assert cache.get((2, 1, 0), lambda: b"never", wait_s=0.01) is None
+    assert cache.get((2, 1, 1), lambda: b"made", wait_s=0.01) == b"made"
