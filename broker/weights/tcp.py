@@ -120,8 +120,8 @@ class TcpServer(WeightServer):
             self.sent[kind] += nbytes
 
     def prepare(self, version: int, base: int) -> None:
-        """Encode every bucket of `version` as a delta from `base` on a thread of its own, so that the
-        actors holding `base` (those in step) find their deltas made when they ask."""
+        """Encode every bucket of `version` as a delta from `base` in the background (a thread, and a small
+        pool under it), so that the actors holding `base` (those in step) find their deltas made when they ask."""
         if self.deltas is None:
             return
         served, _ = self.lease(version)

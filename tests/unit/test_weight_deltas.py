@@ -178,12 +178,17 @@ def test_the_file_channel_writes_a_delta_beside_each_version_and_the_engine_load
     assert receiver.received.whole == total and 0 < receiver.received.delta < 0.25 * total
 
 
-def test_a_damaged_delta_file_or_base_is_read_whole_and_loads_exactly(file_channel):
+def loaded_then_nudged(file_channel):
+    """(engine, receiver, the nudged state, its announcement): v1 loaded, v2 published beside its delta."""
     publisher, receiver, state, tokenizer = file_channel
     engine = ScriptedEngine(tokenizer)
     asyncio.run(receiver.apply(publisher.publish(state, version=1), engine))
     state = nudged(state, 2)
-    second = publisher.publish(state, version=2)
+    return engine, receiver, state, publisher.publish(state, version=2)
+
+
+def test_a_damaged_delta_file_or_base_is_read_whole_and_loads_exactly(file_channel):
+    engine, receiver, state, second = loaded_then_nudged(file_channel)
     with open(second.delta_location, "r+b") as f:  # a writer of the folder alters bucket 0's delta
         f.seek(second.delta_parts[0].offset + 20)
         f.write(b"\x00\x01\x02")
@@ -206,11 +211,7 @@ def test_an_actor_that_missed_the_base_reads_the_whole_file(file_channel):
 
 
 def test_a_delta_file_that_is_gone_is_read_around_and_the_version_loads_whole(file_channel):
-    publisher, receiver, state, tokenizer = file_channel
-    engine = ScriptedEngine(tokenizer)
-    asyncio.run(receiver.apply(publisher.publish(state, version=1), engine))
-    state = nudged(state, 2)
-    second = publisher.publish(state, version=2)
+    engine, receiver, state, second = loaded_then_nudged(file_channel)
     os.unlink(second.delta_location)
     asyncio.run(receiver.apply(second, engine))
     assert loaded_exactly(engine, state) and receiver.received.delta == 0
